@@ -1,0 +1,119 @@
+"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun).
+
+Options are parsed before MPI starts; every flag can also come from a TOML
+file (``--config``), and flags given on the command line win. Bad input
+ends every rank with exit status 2 and one ``hpcps: error: ...`` line
+(printed by rank 0 only, so a 64-rank job does not print it 64 times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+import hpcps
+from hpcps.errors import UserError
+
+#: environment variables in which launchers publish the rank before MPI starts
+_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher announced it (0 when not launched by one)."""
+    for var in _RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors print on rank 0 only."""
+
+    def error(self, message: str):
+        if launcher_rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _paradigm_help() -> str:
+    from hpcps.policies import paradigms
+
+    return "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(paradigms().items()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpcps", description="Parameter-server training of PyTorch models over MPI.")
+    parser.add_argument("--version", action="version", version=f"hpcps {hpcps.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", argument_default=argparse.SUPPRESS,
+                       help="train a model (launch under mpiexec/srun)",
+                       description="Train under one synchronization paradigm; launch with mpiexec -n N or srun. "
+                                   "Ranks 0..S-1 are server shards, the rest workers. Every option can also "
+                                   "be set in the --config TOML file; flags override it.")
+    t.add_argument("--config", metavar="FILE", help="TOML file with any of the options below")
+    g = t.add_argument_group("paradigm and topology")
+    g.add_argument("--paradigm", help=f"synchronization paradigm (default bsp). {_paradigm_help()}")
+    g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
+    g.add_argument("--groups", type=int, metavar="G", help="group servers (default 0; for paradigms that use them)")
+    g.add_argument("--staleness", type=int, metavar="S", help="ssp: max clock lead over the slowest worker (default 2)")
+    g = t.add_argument_group("model and data")
+    g.add_argument("--model", help="mlp or cnn (default mlp)")
+    g.add_argument("--dataset", metavar="NAME|FILE.h5", help="digits, or an HDF5 file with /x and /y (default digits)")
+    g.add_argument("--steps", type=int, help="iterations per worker (default 500 unless --epochs)")
+    g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")
+    g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default 32)")
+    g.add_argument("--lr", type=float, help="SGD learning rate (default 0.1)")
+    g.add_argument("--seed", type=int, help="seed of model initialisation and batch order (default 0)")
+    g.add_argument("--target-accuracy", type=float, dest="target_accuracy", metavar="ACC",
+                   help="stop once held-out accuracy reaches ACC (0-1)")
+    g.add_argument("--test-fraction", type=float, dest="test_fraction", help="held-out fraction (default 0.2)")
+    g = t.add_argument_group("emulation and resources")
+    g.add_argument("--slowdown", action="append", metavar="RANK=FACTOR",
+                   help="make worker RANK's compute FACTOR times slower (repeatable)")
+    g.add_argument("--device", help="auto or cpu (default auto; GPU training is not in this release)")
+    g.add_argument("--threads", type=int, help="torch threads per rank (default 1)")
+    g = t.add_argument_group("output")
+    g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
+    g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",
+                   help="evaluate the global parameters this often (default 0.1)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   help="progress bar on rank 0 when stderr is a terminal (default on)")
+    t.set_defaults(func=_train)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from hpcps.agree import agree
+    from hpcps.config import make_config
+    from hpcps.log import setup_logging
+    from hpcps.run import run_training
+
+    comm = MPI.COMM_WORLD
+    log = setup_logging(comm.rank)
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    try:
+        cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
+        result = run_training(cfg, comm)
+    except UserError as exc:
+        if comm.rank == 0:
+            print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception:
+        log.exception("rank %d failed; aborting the job", comm.rank)
+        comm.Abort(1)
+    if result is not None:
+        s = result.summary
+        print(f"hpcps: {cfg.paradigm}: final accuracy {s['final_accuracy']:.4f}, wall {s['wall_s']:.1f} s, "
+              f"{s['gradients_applied']}/{s['gradients_pushed']} gradients applied -> {result.path}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,134 @@
+"""``hpcps train`` configuration: one validated object from TOML and flags.
+
+Precedence: built-in defaults < ``--config FILE`` (TOML) < command-line
+flags. Keys in the file are the long option names, with ``-`` or ``_``
+(``batch-size = 64`` or ``batch_size = 64``). Validation happens once, here,
+and every message names the option it is about.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hpcps.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_STEPS = 500
+
+
+class TrainConfig(BaseModel):
+    """Everything a training run needs to know; see ``hpcps train --help``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    paradigm: str = "bsp"
+    servers: int = Field(1, ge=1)
+    groups: int = Field(0, ge=0)
+    model: str = "mlp"
+    dataset: str = "digits"
+    steps: int | None = Field(None, ge=1)
+    epochs: int | None = Field(None, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.1, gt=0)
+    staleness: int = Field(2, ge=0)
+    slowdown: dict[int, float] = Field(default_factory=dict)
+    seed: int = 0
+    out: str | None = None
+    target_accuracy: float | None = Field(None, gt=0, le=1)
+    device: Literal["auto", "cpu"] = "auto"
+    eval_interval: float = Field(0.1, gt=0)
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    threads: int = Field(1, ge=1)
+    progress: bool = True
+
+    @field_validator("slowdown", mode="before")
+    @classmethod
+    def _parse_slowdown(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return dict(parse_slowdown(item) for item in value)
+        return value
+
+    @field_validator("slowdown")
+    @classmethod
+    def _check_factors(cls, value: dict[int, float]) -> dict[int, float]:
+        for rank, factor in value.items():
+            if not factor >= 1.0:
+                raise ValueError(f"{rank}={factor}: FACTOR must be a number >= 1 (how many times slower)")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> "TrainConfig":
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        return self
+
+    def as_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def parse_slowdown(spec: str) -> tuple[int, float]:
+    """``"RANK=FACTOR"`` -> ``(rank, factor)``."""
+    rank, sep, factor = str(spec).partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(rank), float(factor)
+    except ValueError:
+        raise ValueError(f"{spec!r}: expected RANK=FACTOR, e.g. 4=3") from None
+
+
+def _option(loc: tuple) -> str:
+    return "--" + str(loc[0]).replace("_", "-") if loc else "config"
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown option {_option(err['loc'])!r}")
+        elif err["loc"]:
+            lines.append(f"{_option(err['loc'])}: {msg} (got {err.get('input')!r})")
+        else:
+            lines.append(msg)
+    return "; ".join(lines)
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a config file into option names with ``_`` (errors name the file)."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"--config {path}: not valid TOML ({exc})") from None
+    return {str(k).replace("-", "_"): v for k, v in raw.items()}
+
+
+def make_config(flags: Mapping[str, Any], *, config_file: str | None = None) -> TrainConfig:
+    """Merge file and flags (flags win) and validate."""
+    values: dict[str, Any] = read_toml(config_file) if config_file else {}
+    values.update(flags)
+    try:
+        return TrainConfig(**values)
+    except ValidationError as exc:
+        where = f" (in {config_file} or on the command line)" if config_file else ""
+        raise UserError(_describe(exc) + where) from None
+
+
+def steps_for(cfg: TrainConfig, per_epoch: int) -> int:
+    """Iterations each worker runs: ``--steps``, or ``--epochs`` times batches per epoch."""
+    if cfg.steps is not None:
+        return cfg.steps
+    if cfg.epochs is not None:
+        return cfg.epochs * per_epoch
+    return DEFAULT_STEPS

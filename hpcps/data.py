@@ -1,0 +1,99 @@
+"""Data sets (``--dataset``) and the deterministic batch schedule of every worker.
+
+A data set is ``digits`` (bundled with scikit-learn; 1797 8x8 images of ten
+digits) or the path of an HDF5 file with ``/x`` (samples along the first
+axis) and ``/y`` (integer class labels). It is split once, with a fixed
+seed, into a training set and a held-out test set, so runs with different
+``--seed`` values are evaluated on the same samples.
+
+Batches: in epoch ``e`` the training set is permuted with seed ``(seed, e)``;
+worker ``w`` of ``N`` owns every N-th sample of that permutation and takes
+its batches from it in order. :func:`batch_indices` is that schedule as a
+pure function, so a test can rebuild exactly what each worker saw.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from hpcps.errors import UserError
+
+SPLIT_SEED = 20190701
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    n_classes: int
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
+    return x, bunch.target.astype(np.int64)
+
+
+def _hdf5(path: str) -> tuple[np.ndarray, np.ndarray]:
+    import h5py
+
+    if not os.path.exists(path):
+        raise UserError(f"--dataset {path}: no such file (and not a known data set name: digits)")
+    try:
+        with h5py.File(path, "r") as f:
+            missing = [k for k in ("x", "y") if k not in f]
+            if missing:
+                raise UserError(f"--dataset {path}: missing dataset(s) {', '.join('/' + k for k in missing)}")
+            x, y = f["x"][()], f["y"][()]
+    except OSError as exc:
+        raise UserError(f"--dataset {path}: not a readable HDF5 file ({exc})") from None
+    if len(x) != len(y):
+        raise UserError(f"--dataset {path}: /x has {len(x)} samples but /y has {len(y)} labels")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
+        raise UserError(f"--dataset {path}: /y must be a 1-d array of non-negative integer labels")
+    if x.ndim == 1:
+        x = x[:, None]
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def load_dataset(spec: str, *, test_fraction: float = 0.2) -> Dataset:
+    """Load ``spec`` and split it into training and held-out samples."""
+    x, y = _digits() if spec == "digits" else _hdf5(spec)
+    n_test = int(round(len(x) * test_fraction))
+    if len(x) - n_test < 1 or n_test < 1:
+        raise UserError(f"--dataset {spec}: {len(x)} samples are too few to hold {test_fraction:.0%} out for testing")
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    test, train = order[:n_test], order[n_test:]
+    return Dataset(spec, x[train], y[train], x[test], y[test], int(y.max()) + 1)
+
+
+def batches_per_epoch(n_train: int, *, batch_size: int, n_workers: int) -> int:
+    """Batches each worker takes from one epoch (its share, whole batches only)."""
+    return (n_train // n_workers) // batch_size
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(n_train: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_train)
+
+
+def batch_indices(n_train: int, *, batch_size: int, n_workers: int, worker: int,
+                  step: int, seed: int) -> np.ndarray:
+    """Training-set indices of worker ``worker``'s batch at ``step`` (see module docstring)."""
+    per_epoch = batches_per_epoch(n_train, batch_size=batch_size, n_workers=n_workers)
+    epoch, b = divmod(step, per_epoch)
+    share = _epoch_order(n_train, seed, epoch)[worker::n_workers]
+    return share[b * batch_size:(b + 1) * batch_size]

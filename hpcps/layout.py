@@ -1,0 +1,91 @@
+"""Rank layout: which world rank plays which role (pure arithmetic, no MPI).
+
+Ranks are laid out in three consecutive blocks::
+
+    0 .. S-1          central server shards
+    S .. S+G-1        group servers (only for paradigms that use them)
+    S+G .. world-1    workers
+
+so ``mpiexec -n 5`` with the defaults gives one server (rank 0) and four
+workers (ranks 1-4), and ``--slowdown 4=3`` names the last worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from hpcps.errors import UserError
+
+
+class Role(str, Enum):
+    SERVER = "server"
+    GROUP = "group"
+    WORKER = "worker"
+
+
+def shard_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous blocks, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for p in range(parts):
+        stop = start + base + (p < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The role blocks of a world of ``world_size`` ranks."""
+
+    world_size: int
+    n_servers: int = 1
+    n_groups: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_servers < 1:
+            raise UserError(f"--servers must be at least 1 (got {self.n_servers})")
+        if self.n_groups < 0:
+            raise UserError(f"--groups must be 0 or more (got {self.n_groups})")
+        if self.n_workers < 1:
+            raise UserError(
+                f"world of {self.world_size} rank(s) is too small for --servers "
+                f"{self.n_servers} and --groups {self.n_groups}: at least "
+                f"{self.n_servers + self.n_groups + 1} ranks are needed "
+                f"(start more with mpiexec -n / srun -n)"
+            )
+
+    @property
+    def n_workers(self) -> int:
+        return self.world_size - self.n_servers - self.n_groups
+
+    @property
+    def first_worker(self) -> int:
+        return self.n_servers + self.n_groups
+
+    def role(self, rank: int) -> Role:
+        if rank < self.n_servers:
+            return Role.SERVER
+        if rank < self.first_worker:
+            return Role.GROUP
+        return Role.WORKER
+
+    def worker_index(self, rank: int) -> int:
+        """Index 0..N-1 of the worker at world ``rank``."""
+        if self.role(rank) is not Role.WORKER:
+            raise ValueError(f"rank {rank} is not a worker")
+        return rank - self.first_worker
+
+    def worker_rank(self, index: int) -> int:
+        return self.first_worker + index
+
+    def worker_ranks(self) -> range:
+        return range(self.first_worker, self.world_size)
+
+    def describe(self) -> str:
+        parts = [f"{self.n_servers} server shard(s) (rank 0-{self.n_servers - 1})"]
+        if self.n_groups:
+            parts.append(f"{self.n_groups} group server(s)")
+        parts.append(f"{self.n_workers} worker(s) (rank {self.first_worker}-{self.world_size - 1})")
+        return ", ".join(parts)

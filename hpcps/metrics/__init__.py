@@ -1,0 +1,1 @@
+"""Run metrics: schema (pure), HDF5 run file (h5py), recorders (MPI)."""

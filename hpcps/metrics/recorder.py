@@ -1,0 +1,119 @@
+"""Getting metric rows from every rank into rank 0's run file.
+
+Every rank records rows through a recorder with one interface (``add``,
+``flush``, ``close``). Rank 0's :class:`FileRecorder` appends to the
+:class:`RunFile` directly and, as a side task of its loop, drains the
+batches that every other rank's :class:`ForwardingRecorder` sends it on the
+run's metrics communicator (a dup of the run communicator). Batches go out
+every ``batch_rows`` rows or ``interval`` seconds, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.metrics.runfile import RunFile
+from hpcps.metrics.schema import TABLES
+from hpcps.transport.poll import Backoff, wait_until
+
+TAG_ROWS = 21
+TAG_CLOSE = 22
+
+
+class _Buffer:
+    """Rows per table, flushed by size or age."""
+
+    def __init__(self, batch_rows: int, interval: float) -> None:
+        self.rows: dict[str, list[tuple]] = defaultdict(list)
+        self.count = 0
+        self.batch_rows = batch_rows
+        self.interval = interval
+        self.last = time.monotonic()
+
+    def add(self, table: str, row: tuple) -> bool:
+        """Buffer one row; true when a flush is due."""
+        self.rows[table].append(row)
+        self.count += 1
+        return self.count >= self.batch_rows or time.monotonic() - self.last >= self.interval
+
+    def take(self) -> dict[str, np.ndarray]:
+        batch = {t: np.array(rows, dtype=TABLES[t]) for t, rows in self.rows.items() if rows}
+        self.rows.clear()
+        self.count = 0
+        self.last = time.monotonic()
+        return batch
+
+
+class ForwardingRecorder:
+    """Any rank but 0: batch rows and send them to rank 0."""
+
+    def __init__(self, comm: MPI.Comm, *, batch_rows: int = 256, interval: float = 1.0) -> None:
+        self.comm = comm
+        self.buffer = _Buffer(batch_rows, interval)
+        self._sends: list[MPI.Request] = []
+
+    def add(self, table: str, row: tuple) -> None:
+        if self.buffer.add(table, row):
+            self.flush()
+
+    def flush(self) -> None:
+        batch = self.buffer.take()
+        if batch:
+            self._sends.append(self.comm.isend(batch, dest=0, tag=TAG_ROWS))
+        self._sends = [r for r in self._sends if not r.Test()]
+
+    def close(self, backoff: Backoff | None = None) -> None:
+        """Send what is left and a close marker; wait (politely) until sent."""
+        self.flush()
+        self._sends.append(self.comm.isend(None, dest=0, tag=TAG_CLOSE))
+        wait_until(lambda: MPI.Request.Testall(self._sends), backoff)
+        self._sends = []
+
+
+class FileRecorder:
+    """Rank 0: own rows straight to the file; other ranks' batches via :meth:`drain`."""
+
+    def __init__(self, comm: MPI.Comm, runfile: RunFile, *, interval: float = 1.0) -> None:
+        self.comm = comm
+        self.file = runfile
+        self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)
+        self.open_ranks = set(range(1, comm.size))
+
+    def add(self, table: str, row: tuple) -> None:
+        if self.buffer.add(table, row):
+            self.flush()
+
+    def flush(self) -> None:
+        for table, rows in self.buffer.take().items():
+            self.file.append(table, rows)
+        self.file.flush()
+
+    def drain(self) -> bool:
+        """Write every batch that has arrived; true if any did."""
+        status = MPI.Status()
+        got = False
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            msg = self.comm.recv(source=status.Get_source(), tag=status.Get_tag())
+            if status.Get_tag() == TAG_CLOSE:
+                self.open_ranks.discard(status.Get_source())
+            else:
+                for table, rows in msg.items():
+                    self.file.append(table, rows)
+            got = True
+        if got:
+            self.file.flush()
+        return got
+
+    def close(self, backoff: Backoff | None = None) -> None:
+        """Wait until every other rank has closed, writing what they send."""
+        self.flush()
+
+        def all_closed() -> bool:
+            self.drain()
+            return not self.open_ranks
+
+        wait_until(all_closed, backoff)

@@ -1,0 +1,69 @@
+"""HDF5 metrics schema, version 1 (pure numpy; no MPI, no h5py).
+
+Times are seconds since the run's common start (taken after a barrier).
+Ranks are ranks of the run's communicator (``COMM_WORLD`` for the CLI).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+#: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
+#: ``version``: version the gradient was computed on (smallest over shards);
+#: ``staleness``: server version at apply minus ``version`` (largest over
+#: shards; -1 if the gradient was dropped); ``wait_s``: blocked on the
+#: paradigm's grant; ``push_s``/``pull_s``: in the push and pull calls.
+ITERATION = np.dtype([
+    ("rank", "i4"), ("step", "i8"), ("t_start", "f8"), ("t_end", "f8"),
+    ("compute_s", "f8"), ("push_s", "f8"), ("pull_s", "f8"), ("wait_s", "f8"),
+    ("version", "i8"), ("staleness", "i8"), ("lr", "f8"), ("loss", "f8"),
+])
+
+#: ``/servers/updates``: one row per gradient per shard, applied or dropped.
+#: ``worker`` is the pushing worker's rank; ``worker_clock`` its clock after the
+#: push (1 for its first gradient); ``version`` the shard version the
+#: gradient was applied to; ``threshold`` the staleness bound in force (-1:
+#: none); ``applied`` 1 or 0, and then ``reason`` says why (see REASONS).
+UPDATE = np.dtype([
+    ("rank", "i4"), ("shard", "i4"), ("t", "f8"), ("worker", "i4"), ("worker_clock", "i8"),
+    ("version", "i8"), ("staleness", "i8"), ("threshold", "i8"), ("applied", "i1"), ("reason", "i1"),
+])
+
+#: ``reason`` codes of ``/servers/updates``
+REASONS = {0: "applied", 1: "non-finite gradient"}
+
+#: ``/eval``: one row per evaluation of the global parameters on the held-out set.
+EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f8")])
+
+TABLES = {
+    "workers/iterations": ITERATION,
+    "servers/updates": UPDATE,
+    "eval": EVAL,
+}
+
+ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_size",
+              "n_workers", "n_servers", "n_groups", "mpi_library", "start_time")
+
+SUMMARY_ATTRS = ("wall_s", "gradients_pushed", "gradients_applied", "gradients_dropped",
+                 "final_accuracy", "time_to_target_s")
+
+
+def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
+              wall_s: float, target: float | None) -> dict[str, float | int]:
+    """The ``/summary`` attributes, derived from the tables so they always agree.
+
+    Every gradient is recorded once per shard; counts use shard 0's rows.
+    """
+    first_shard = updates[updates["shard"] == 0]
+    applied = int(first_shard["applied"].sum())
+    reached = evals["t"][evals["accuracy"] >= target] if target is not None else evals["t"][:0]
+    return {
+        "wall_s": float(wall_s),
+        "gradients_pushed": int(len(iterations)),
+        "gradients_applied": applied,
+        "gradients_dropped": int(len(first_shard) - applied),
+        "final_accuracy": float(evals["accuracy"][-1]) if len(evals) else float("nan"),
+        "time_to_target_s": float(reached.min()) if len(reached) else float("nan"),
+    }

@@ -1,0 +1,10 @@
+"""Synchronization paradigms as pure policy objects (no MPI imported here).
+
+Importing this package registers every built-in paradigm.
+"""
+
+from hpcps.policies import sync  # noqa: F401  (registers bsp, asp, ssp)
+from hpcps.policies.base import Decision, Policy
+from hpcps.policies.registry import make_policy, paradigms, policy_class, register
+
+__all__ = ["Decision", "Policy", "make_policy", "paradigms", "policy_class", "register"]

@@ -1,0 +1,215 @@
+"""One training run on a given communicator: set-up, roles, teardown, summary.
+
+:func:`run_training` is collective over the communicator it is given (the
+CLI passes ``COMM_WORLD``; tests pass sub-communicators). Start-up steps
+that can fail on bad input go through :func:`hpcps.agree.agree`, so every
+rank fails together with one message. Teardown, in order:
+
+1. workers leave (``DONE``, wait for every shard's ``BYE``);
+2. shards leave their loops once every worker has left; rank 0 evaluates
+   the final parameters;
+3. every rank closes its recorder (rank 0 waits for all the others' rows);
+4. a polite barrier, then the RMA window and communicators are freed;
+5. rank 0 writes ``/summary`` from the tables and closes the file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from mpi4py import MPI
+from tqdm import tqdm
+
+import hpcps
+from hpcps.agree import agree
+from hpcps.config import TrainConfig, steps_for
+from hpcps.data import Dataset, batches_per_epoch, load_dataset
+from hpcps.errors import UserError
+from hpcps.evaluator import Evaluator
+from hpcps.flat import FlatParameters
+from hpcps.layout import Layout, Role, shard_bounds
+from hpcps.log import setup_logging
+from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
+from hpcps.metrics.runfile import RunFile
+from hpcps.metrics.schema import summarize
+from hpcps.models import build_model
+from hpcps.policies import make_policy, policy_class
+from hpcps.server import ShardServer
+from hpcps.topology import Topology
+from hpcps.transport.notices import NoticeBox, Notifier
+from hpcps.transport.poll import Backoff, wait_until
+from hpcps.transport.push import Pusher, PushInbox
+from hpcps.transport.window import ParamWindow
+from hpcps.worker import Worker
+
+log = logging.getLogger("hpcps")
+
+#: a tag nobody sends on: probing it only drives MPI progress
+_PROGRESS_TAG = 99
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What rank 0 returns: the metrics file and its ``/summary``."""
+
+    path: str
+    summary: dict[str, Any]
+    steps: int
+
+
+def plan(cfg: TrainConfig, world_size: int) -> Layout:
+    """Check the options that depend on the world size; return the rank layout."""
+    layout = Layout(world_size, cfg.servers, cfg.groups)
+    cls = policy_class(cfg.paradigm)
+    if cfg.groups and not cls.uses_groups:
+        raise UserError(f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers")
+    workers = f"ranks {layout.first_worker}-{world_size - 1}"
+    for rank in cfg.slowdown:
+        if not 0 <= rank < world_size:
+            raise UserError(f"--slowdown {rank}=...: no rank {rank} in a world of {world_size} (workers are {workers})")
+        if layout.role(rank) is not Role.WORKER:
+            raise UserError(f"--slowdown {rank}=...: rank {rank} is a {layout.role(rank).value}, not a worker "
+                            f"(workers are {workers})")
+    return layout
+
+
+def _per_epoch(cfg: TrainConfig, data: Dataset, layout: Layout) -> int:
+    n = batches_per_epoch(len(data.y_train), batch_size=cfg.batch_size, n_workers=layout.n_workers)
+    if n < 1:
+        share = len(data.y_train) // layout.n_workers
+        raise UserError(f"--batch-size {cfg.batch_size} is larger than a worker's share of the training set "
+                        f"({share} samples for each of {layout.n_workers} workers)")
+    return n
+
+
+def default_out(paradigm: str) -> str:
+    return os.path.join("runs", f"{paradigm}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
+
+
+def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
+    """Collective: train as ``cfg`` says on ``comm``; rank 0 returns the result, others None."""
+    torch.set_num_threads(cfg.threads)
+    layout = agree(comm, lambda: plan(cfg, comm.size))
+    setup_logging(comm.rank, layout.role(comm.rank).value)
+    data = agree(comm, lambda: load_dataset(cfg.dataset, test_fraction=cfg.test_fraction))
+    model = agree(comm, lambda: build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed))
+    steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, data, layout)))
+    flat = FlatParameters(model)
+    with Topology(comm, layout) as topo:
+        return _Run(cfg, topo, data, model, flat, steps).run()
+
+
+class _Run:
+    """The per-rank state of one run (built after the start-up checks passed)."""
+
+    def __init__(self, cfg: TrainConfig, topo: Topology, data: Dataset, model: torch.nn.Module,
+                 flat: FlatParameters, steps: int) -> None:
+        self.cfg, self.topo, self.data, self.model, self.flat, self.steps = cfg, topo, data, model, flat, steps
+        self.layout = topo.layout
+        self.bounds = shard_bounds(flat.size, self.layout.n_servers)
+        self.shards = list(range(self.layout.n_servers))
+        self.backoff = Backoff()
+        self.t0 = 0.0
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def run(self) -> RunResult | None:
+        comm, topo = self.topo.comm, self.topo
+        path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
+        runfile = agree(comm, lambda: self._open(path) if comm.rank == 0 else None)
+        recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
+        lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
+        window = ParamWindow(topo.ps, shard_ranks=self.shards, bounds=self.bounds, local_len=hi - lo)
+        master = self.flat.params[lo:hi].copy()
+        if topo.role is Role.SERVER:
+            window.publish(master, 0)
+        if comm.rank == 0:
+            log.info("%s on %s; model %s (%d parameters), %s (%d train / %d test), %d steps per worker",
+                     self.cfg.paradigm, self.layout.describe(), self.cfg.model, self.flat.size,
+                     self.data.name, len(self.data.y_train), len(self.data.y_test), self.steps)
+        comm.Barrier()
+        self.t0 = time.perf_counter()
+        if topo.role is Role.SERVER:
+            self._serve(window, master, recorder)
+        elif topo.role is Role.WORKER:
+            self._work(window, recorder)
+        wall_s = self.clock()
+        recorder.close(self.backoff)
+        barrier = comm.Ibarrier()
+        wait_until(barrier.Test, self.backoff)
+        window.free()
+        return self._finish(runfile, wall_s) if comm.rank == 0 else None
+
+    def _open(self, path: str) -> RunFile:
+        try:
+            return RunFile(path, {
+                "hpcps_version": hpcps.__version__,
+                "config": json.dumps(self.cfg.as_json_dict(), sort_keys=True),
+                "paradigm": self.cfg.paradigm,
+                "world_size": self.layout.world_size,
+                "n_workers": self.layout.n_workers,
+                "n_servers": self.layout.n_servers,
+                "n_groups": self.layout.n_groups,
+                "steps_per_worker": self.steps,
+                "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            })
+        except OSError as exc:
+            raise UserError(f"--out {path}: cannot create the metrics file ({exc})") from None
+
+    def _serve(self, window: ParamWindow, master, recorder) -> None:
+        topo, layout, cfg = self.topo, self.layout, self.cfg
+        workers = list(layout.worker_ranks())
+        inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master))
+        side_tasks, bar, evaluator = [], None, None
+        if topo.rank == 0:
+            evaluator = Evaluator(model=self.model, flat=self.flat, data=self.data,
+                                  pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
+                                  clock=self.clock, interval=cfg.eval_interval, target=cfg.target_accuracy,
+                                  on_target=window.set_stop)
+            bar = tqdm(total=layout.n_workers * self.steps, unit="grad", desc=cfg.paradigm, file=sys.stderr,
+                       disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True)
+            side_tasks = [recorder.drain, evaluator.tick]
+        ShardServer(
+            shard=topo.rank, rank=topo.rank, policy=make_policy(cfg.paradigm, layout.n_workers, staleness=cfg.staleness),
+            inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
+            worker_ranks=workers, recorder=recorder, clock=self.clock,
+            progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
+            side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
+        ).run()
+        inbox.free()
+        if evaluator is not None:
+            evaluator.evaluate()
+            bar.close()
+
+    def _work(self, window: ParamWindow, recorder) -> None:
+        topo, cfg = self.topo, self.cfg
+        pusher = Pusher(topo.ps, grads=self.flat.grads, shard_ranks=self.shards, bounds=self.bounds,
+                        worker_rank=topo.rank)
+        notices = NoticeBox(topo.ps, shard_ranks=self.shards)
+        Worker(rank=topo.rank, index=self.layout.worker_index(topo.rank), n_workers=self.layout.n_workers,
+               model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher, notices=notices,
+               blocks=policy_class(cfg.paradigm).worker_blocks, recorder=recorder, clock=self.clock,
+               steps=self.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
+               slowdown=cfg.slowdown.get(topo.rank, 1.0), backoff=self.backoff).run()
+        pusher.free()
+        notices.free()
+
+    def _finish(self, runfile: RunFile, wall_s: float) -> RunResult:
+        summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
+                            runfile.read("eval"), wall_s=wall_s, target=self.cfg.target_accuracy)
+        runfile.write_summary(summary)
+        runfile.close()
+        log.info("done in %.1f s: final test accuracy %.4f, %d of %d gradients applied; metrics in %s",
+                 summary["wall_s"], summary["final_accuracy"], summary["gradients_applied"],
+                 summary["gradients_pushed"], runfile.path)
+        return RunResult(runfile.path, summary, self.steps)

@@ -1,0 +1,135 @@
+"""The central-server shard loop: receive pushes, ask the policy, apply, publish, notify.
+
+The loop never leaves MPI for long: it polls its receives, applies updates
+in chunks with a progress poke between chunks, and sleeps with a backoff
+only when nothing is happening. Passive-target RMA in MPICH is served only
+while the target is inside MPI, so this is what keeps pulls fast while the
+server is busy.
+
+Order of one step, and why: apply the updates the policy names, publish the
+new parameters, *then* send receipts and grants. A granted worker pulls
+after it sees its grant, so it always sees the version the grant promised.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from hpcps.policies import Decision, Policy
+from hpcps.transport import wire
+from hpcps.transport.notices import Notifier
+from hpcps.transport.poll import Backoff
+from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
+from hpcps.transport.window import ParamWindow
+
+#: float32 values updated between two progress pokes (1 MiB: fits in L2)
+APPLY_CHUNK = 1 << 18
+
+
+def apply_update(master: torch.Tensor, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *,
+                 progress: Callable[[], object], chunk: int = APPLY_CHUNK) -> int:
+    """``master -= sum(c * g)`` in place, chunk by chunk, calling ``progress`` after each.
+
+    Returns the number of chunks (= progress calls). No temporaries: each
+    chunk is updated by fused ``add_`` calls while it is hot in cache.
+    """
+    n = master.numel()
+    chunks = 0
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        part = master[lo:hi]
+        for g, c in zip(grads, coeffs):
+            part.add_(g[lo:hi], alpha=-c)
+        progress()
+        chunks += 1
+    return chunks
+
+
+class ShardServer:
+    """Serve shard ``shard`` (parameters ``master``) until every worker has left."""
+
+    def __init__(self, *, shard: int, rank: int, policy: Policy, inbox: PushInbox, notifier: Notifier,
+                 window: ParamWindow, master: np.ndarray, worker_ranks: Sequence[int], recorder,
+                 clock: Callable[[], float], progress: Callable[[], object],
+                 side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
+                 backoff: Backoff | None = None) -> None:
+        self.shard = shard
+        self.rank = rank
+        self.policy = policy
+        self.inbox = inbox
+        self.notifier = notifier
+        self.window = window
+        self.master = master
+        self.master_t = torch.from_numpy(master)
+        self.grads_t = torch.from_numpy(inbox.grads)
+        self.worker_ranks = list(worker_ranks)
+        self.recorder = recorder
+        self.clock = clock
+        self.progress = progress
+        self.side_tasks = list(side_tasks)
+        self.on_applied = on_applied
+        self.backoff = backoff or Backoff()
+        self.version = 0
+        self.pending: dict[int, PushEvent] = {}
+
+    def run(self) -> None:
+        self.window.publish(self.master, self.version)
+        while self.inbox.open:
+            events = self.inbox.poll()
+            for task in self.side_tasks:
+                task()
+            if not events:
+                self.notifier.progress()
+                self.backoff.pause()
+                continue
+            self.backoff.reset()
+            notices: dict[int, list[int]] = {}
+            version_before = self.version
+            for event in events:
+                self._handle(event, notices)
+            if self.version != version_before:
+                self.window.publish(self.master, self.version)
+            for worker, (flags, clock, version, staleness) in notices.items():
+                self.notifier.send(worker, flags, clock, version, staleness)
+        if self.pending:
+            raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
+        self.notifier.drain(self.backoff)
+
+    def _handle(self, event: PushEvent | LeaveEvent, notices: dict[int, list[int]]) -> None:
+        now = self.clock()
+        if isinstance(event, PushEvent):
+            self.pending[event.worker] = event
+            self._carry_out(self.policy.on_push(event.worker, event.clock, event.version, now), notices)
+        else:
+            self._carry_out(self.policy.on_leave(event.worker, now), notices)
+            _note(notices, event.worker, wire.BYE)
+
+    def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
+        for group in decision.updates:
+            pushes = [self.pending.pop(w) for w in group]
+            apply_update(self.master_t, [self.grads_t[p.worker] for p in pushes],
+                         [p.lr / len(pushes) for p in pushes], progress=self.progress)
+            t = self.clock()
+            for p in pushes:
+                staleness = self.version - p.version
+                self.recorder.add("servers/updates", (
+                    self.rank, self.shard, t, self.worker_ranks[p.worker], p.clock,
+                    self.version, staleness, self.policy.threshold, 1, 0))
+                _note(notices, p.worker, wire.RECEIPT, p.clock, self.version, staleness)
+                self.inbox.release(p.worker)
+            self.version += 1
+            if self.on_applied is not None:
+                self.on_applied(len(pushes))
+        for w in decision.grants:
+            _note(notices, w, wire.GRANT)
+
+
+def _note(notices: dict[int, list[int]], worker: int, flag: int, *fields: int) -> None:
+    """Merge ``flag`` (and receipt fields) into the one notice ``worker`` gets this step."""
+    entry = notices.setdefault(worker, [0, -1, -1, -1])
+    entry[0] |= flag
+    if fields:
+        entry[1:] = fields

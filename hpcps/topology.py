@@ -1,0 +1,51 @@
+"""The communicators of one run, split once from the run's communicator.
+
+Nothing below keeps a global ``COMM_WORLD``: the run communicator is an
+argument, and each component receives the communicator it talks on.
+
+* ``ps``: pushes, notices and the parameter RMA window (a duplicate, so
+  parameter-server traffic never matches anyone else's messages);
+* ``metrics``: metric batches to rank 0 (another duplicate);
+* ``role_comm``: the ranks of this rank's role (servers, group servers, workers);
+* ``node``: the ranks on this node (shared-memory split), for local ranks.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from hpcps.layout import Layout, Role
+
+
+class Topology:
+    """Collective over ``comm`` to create and to :meth:`free`."""
+
+    def __init__(self, comm: MPI.Comm, layout: Layout) -> None:
+        if comm.size != layout.world_size:
+            raise ValueError("layout does not match the communicator size")
+        self.comm = comm
+        self.layout = layout
+        self.rank = comm.rank
+        self.role = layout.role(comm.rank)
+        self.ps = comm.Dup()
+        self.metrics = comm.Dup()
+        self.role_comm = comm.Split(list(Role).index(self.role), comm.rank)
+        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its node."""
+        return self.node.rank
+
+    def free(self) -> None:
+        for name in ("ps", "metrics", "role_comm", "node"):
+            c = getattr(self, name, None)
+            if c is not None and c != MPI.COMM_NULL:
+                c.Free()
+            setattr(self, name, None)
+
+    def __enter__(self) -> "Topology":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()

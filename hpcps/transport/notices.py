@@ -1,0 +1,78 @@
+"""Notices from server shards to workers: receipts, grants, goodbyes.
+
+Format in :mod:`wire`. The server's sends are nonblocking; each keeps its
+small buffer alive until the send completes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcps.transport import wire
+from hpcps.transport.poll import Backoff, wait_until
+
+
+class Notifier:
+    """Server side: send notices to workers (by worker index)."""
+
+    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int]) -> None:
+        self.comm = comm
+        self.worker_ranks = list(worker_ranks)
+        self._pending: list[tuple[MPI.Request, np.ndarray]] = []
+
+    def send(self, worker: int, flags: int, clock: int = -1, version: int = -1, staleness: int = -1) -> None:
+        buf = np.array([flags, clock, version, staleness], np.int64)
+        req = self.comm.Isend(buf, dest=self.worker_ranks[worker], tag=wire.TAG_NOTICE)
+        self._pending.append((req, buf))
+
+    def progress(self) -> None:
+        """Forget the notices whose sends completed."""
+        if self._pending:
+            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+
+    def drain(self, backoff: Backoff | None = None) -> None:
+        def done() -> bool:
+            self.progress()
+            return not self._pending
+        wait_until(done, backoff)
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    shard: int
+    flags: int
+    clock: int
+    version: int
+    staleness: int
+
+
+class NoticeBox:
+    """Worker side: one persistent receive per shard; restarted until ``BYE``."""
+
+    def __init__(self, comm: MPI.Comm, *, shard_ranks: Sequence[int]) -> None:
+        n = len(shard_ranks)
+        self.bufs = np.zeros((n, wire.NOTICE_LEN), np.int64)
+        self.reqs = [comm.Recv_init(self.bufs[s], source=r, tag=wire.TAG_NOTICE)
+                     for s, r in enumerate(shard_ranks)]
+        MPI.Prequest.Startall(self.reqs)
+        self.open = n
+
+    def poll(self) -> list[Notice]:
+        out = []
+        for s in MPI.Request.Testsome(self.reqs) or ():
+            flags, clock, version, staleness = (int(v) for v in self.bufs[s])
+            out.append(Notice(s, flags, clock, version, staleness))
+            if flags & wire.BYE:
+                self.open -= 1
+            else:
+                self.reqs[s].Start()
+        return out
+
+    def free(self) -> None:
+        for req in self.reqs:
+            req.Free()
+        self.reqs = []

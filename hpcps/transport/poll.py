@@ -1,0 +1,48 @@
+"""Polite waiting: poll a completion test with a sleeping backoff.
+
+Blocking MPI waits spin. On an oversubscribed node (a laptop, CI: 2 cores
+and 5+ ranks) a spinning rank steals the CPU of the rank it waits for, and
+the measurements lie. Every wait in hpcps therefore polls a ``Test``-style
+call (which also drives MPI progress) and sleeps between tries, starting
+short and doubling up to a cap, and starting short again after progress.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class Backoff:
+    """Sleep schedule between polls: ``first`` seconds, doubling up to ``cap``."""
+
+    __slots__ = ("first", "cap", "delay")
+
+    def __init__(self, first: float = 20e-6, cap: float = 1e-3) -> None:
+        if not 0 < first <= cap:
+            raise ValueError("need 0 < first <= cap")
+        self.first = first
+        self.cap = cap
+        self.delay = first
+
+    def reset(self) -> None:
+        """Something happened: poll eagerly again."""
+        self.delay = self.first
+
+    def pause(self) -> None:
+        """Nothing happened: sleep, then wait longer next time."""
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2.0, self.cap)
+
+
+def wait_until(test: Callable[[], bool], backoff: Backoff | None = None) -> float:
+    """Poll ``test()`` until it returns true; return the seconds spent waiting."""
+    if test():
+        return 0.0
+    backoff = backoff or Backoff()
+    backoff.reset()
+    start = time.perf_counter()
+    while True:
+        backoff.pause()
+        if test():
+            return time.perf_counter() - start

@@ -1,0 +1,70 @@
+"""Wire formats and tags of the parameter-server protocol.
+
+All messages travel on the run's *PS communicator* (a duplicate of the run
+communicator, so they never meet user or metrics traffic).
+
+Push (worker -> every server shard), two messages in this order::
+
+    tag PUSH_HEADER   int64[6]  kind, worker rank, clock, version, lr (float64 bits), 0
+    tag PUSH_DATA     float32[shard length]      the gradient's slice for that shard
+
+``kind`` is ``PUSH`` (a payload follows) or ``DONE`` (the worker leaves; no
+payload). ``version`` is the shard version the gradient was computed on.
+MPI's non-overtaking rule (same source, communicator and tag) keeps a
+worker's messages in order, so a ``DONE`` is never seen before that worker's
+last push.
+
+Notice (server shard -> worker)::
+
+    tag NOTICE        int64[4]  flags, clock, version, staleness
+
+``flags`` is a bit set: ``RECEIPT`` (the push with that clock was applied,
+at server ``version``, with that ``staleness``; or ``DROPPED`` with it),
+``GRANT`` (the worker may start its next iteration), ``BYE`` (answer to
+``DONE``; the last notice the shard sends that worker).
+
+RMA window (one per run over the PS communicator; server shards expose
+memory, every other rank exposes none)::
+
+    bytes 0..63       int64[8]  version, stop flag, 0...
+    bytes 64..        float32[shard length]   the shard's published parameters
+
+The shard writes it only under an exclusive lock on itself and readers
+``Get`` it under a shared lock, so a pull sees exactly one version.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TAG_PUSH_HEADER = 11
+TAG_PUSH_DATA = 12
+TAG_NOTICE = 13
+
+HEADER_LEN = 6
+KIND_PUSH = 1
+KIND_DONE = 2
+
+NOTICE_LEN = 4
+RECEIPT = 1
+GRANT = 2
+BYE = 4
+DROPPED = 8
+
+WINDOW_HEADER_BYTES = 64
+WIN_VERSION = 0
+WIN_STOP = 1
+
+
+def encode_header(buf: np.ndarray, kind: int, worker: int, clock: int, version: int, lr: float) -> None:
+    """Fill one push header in place (``buf`` is int64[HEADER_LEN])."""
+    buf[0] = kind
+    buf[1] = worker
+    buf[2] = clock
+    buf[3] = version
+    buf[4:5].view(np.float64)[0] = lr
+    buf[5] = 0
+
+
+def decode_lr(buf: np.ndarray) -> float:
+    return float(buf[4:5].view(np.float64)[0])

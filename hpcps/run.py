@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 from tqdm import tqdm
@@ -58,11 +59,12 @@ _PROGRESS_TAG = 99
 
 @dataclass(frozen=True)
 class RunResult:
-    """What rank 0 returns: the metrics file and its ``/summary``."""
+    """What rank 0 returns: the metrics file, its ``/summary``, the final parameters."""
 
     path: str
     summary: dict[str, Any]
     steps: int
+    params: np.ndarray
 
 
 def plan(cfg: TrainConfig, world_size: int) -> Layout:
@@ -188,7 +190,7 @@ class _Run:
         ).run()
         inbox.free()
         if evaluator is not None:
-            evaluator.evaluate()
+            evaluator.evaluate()  # also leaves the final global parameters in self.flat
             bar.close()
 
     def _work(self, window: ParamWindow, recorder) -> None:
@@ -212,4 +214,4 @@ class _Run:
         log.info("done in %.1f s: final test accuracy %.4f, %d of %d gradients applied; metrics in %s",
                  summary["wall_s"], summary["final_accuracy"], summary["gradients_applied"],
                  summary["gradients_pushed"], runfile.path)
-        return RunResult(runfile.path, summary, self.steps)
+        return RunResult(runfile.path, summary, self.steps, self.flat.params.copy())

@@ -1,0 +1,56 @@
+"""The real command line under mpiexec, as a user runs it (subprocess, bounded by a timeout).
+
+A deadlock makes ``subprocess.run`` time out, the test kills the job and
+fails; nothing here can hang the suite.
+"""
+
+import subprocess
+import sys
+
+import h5py
+import pytest
+
+from launching import launch, needs_mpiexec
+
+pytestmark = needs_mpiexec
+
+
+def hpcps(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python -m hpcps ARGS``."""
+    return launch(n, sys.executable, "-m", "hpcps", *args, timeout=timeout)
+
+
+def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
+    out = tmp_path / "bsp.h5"
+    proc = hpcps(5, "train", "--paradigm", "bsp", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out) as f:
+        s = f["summary"].attrs
+        assert f.attrs["paradigm"] == "bsp" and f.attrs["n_workers"] == 4 and f.attrs["world_size"] == 5
+        assert s["gradients_pushed"] == len(f["workers/iterations"]) == 4 * 500
+        assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
+        assert s["final_accuracy"] >= 0.90
+        assert f["eval"]["accuracy"][-1] == s["final_accuracy"]
+    assert "final accuracy" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--paradigm", "nope"], "--paradigm: unknown paradigm 'nope'"),
+    (["--servers", "3"], "world of 3 rank(s) is too small for --servers 3"),
+    (["--slowdown", "0=3"], "--slowdown 0=...: rank 0 is a server, not a worker (workers are ranks 1-2)"),
+    (["--dataset", "/nonexistent/data.h5"], "--dataset /nonexistent/data.h5: no such file"),
+    (["--lr", "-1"], "--lr: Input should be greater than 0"),
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--groups", "1"], "--groups 1: paradigm 'bsp' does not use group servers"),
+])
+def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
+    proc = hpcps(3, "train", "--out", str(tmp_path / "x.h5"), *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_module_entry_point_and_version():
+    proc = subprocess.run([sys.executable, "-m", "hpcps", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("hpcps ")

@@ -1,0 +1,141 @@
+"""End-to-end facts of BSP, ASP and SSP on 1 server + 4 workers (mpiexec -n 5)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from mpitest import clocks_at, share, train
+from hpcps.data import batch_indices, load_dataset
+from hpcps.flat import FlatParameters
+from hpcps.models import build_model
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+WORKERS = [1, 2, 3, 4]
+
+
+def _sgd_on_concatenated_batches(steps, batch_size, lr, seed):
+    """Single-process SGD where step k's batch is every worker's step-k batch together."""
+    data = load_dataset("digits")
+    model = build_model("mlp", data.in_shape, data.n_classes, seed=seed)
+    flat = FlatParameters(model)
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    for k in range(steps):
+        idx = np.concatenate([batch_indices(len(y), batch_size=batch_size, n_workers=4, worker=w, step=k, seed=seed)
+                              for w in range(4)])
+        flat.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        flat.params -= lr * flat.grads
+    return flat.params
+
+
+def test_bsp_equals_single_process_sgd_on_concatenated_batches(world, mpi_tmp_path):
+    steps, batch, lr, seed = 15, 16, 0.2, 5
+    result, t = train(mpi_tmp_path / "bsp.h5", paradigm="bsp", steps=steps, batch_size=batch, lr=lr, seed=seed)
+    facts = None
+    if world.rank == 0:
+        reference = _sgd_on_concatenated_batches(steps, batch, lr, seed)
+        up = t["servers/updates"]
+        facts = {
+            "max_diff": float(np.abs(result.params - reference).max()),
+            "moved": float(np.abs(reference - _sgd_on_concatenated_batches(0, batch, lr, seed)).max()),
+            "staleness": (int(np.abs(up["staleness"]).max()), int(np.abs(t["workers/iterations"]["staleness"]).max())),
+            "round_versions": sorted(set(zip(up["worker_clock"].tolist(), up["version"].tolist()))),
+        }
+    facts = share(world, facts)
+    assert facts["moved"] > 1e-2, "the reference did not train: the comparison would be empty"
+    assert facts["max_diff"] < 1e-5
+    assert facts["staleness"] == (0, 0)
+    # round k (clock k+1 of every worker) is applied as version k
+    assert facts["round_versions"] == [(k + 1, k) for k in range(steps)]
+
+
+def test_ssp_never_starts_more_than_s_ahead_of_the_slowest(world, mpi_tmp_path):
+    s, steps = 2, 40
+    _, t = train(mpi_tmp_path / "ssp.h5", paradigm="ssp", staleness=s, steps=steps, slowdown=["4=4"])
+    facts = None
+    if world.rank == 0:
+        it, up = t["workers/iterations"], t["servers/updates"]
+        gaps = []
+        for row in it:
+            clocks = clocks_at(up, int(row["version"]), WORKERS)
+            gaps.append(int(row["step"]) - min(clocks.values()))
+        fast = it[it["rank"] != 4]
+        facts = {"max_gap": max(gaps), "fast_wait": float(fast["wait_s"].sum()), "rows": len(it)}
+    facts = share(world, facts)
+    assert facts["rows"] == 4 * steps
+    assert facts["max_gap"] == s  # never more than s ahead, and the straggler made the bound bind
+    assert facts["fast_wait"] > 0.0
+
+
+def test_asp_fast_workers_never_wait_for_the_straggler(world, mpi_tmp_path):
+    steps = 40
+    _, t = train(mpi_tmp_path / "asp.h5", paradigm="asp", steps=steps, slowdown=["4=4"])
+    facts = None
+    if world.rank == 0:
+        it, up = t["workers/iterations"], t["servers/updates"]
+        order = up[np.argsort(up["version"])]
+        straggler_clock_when_fast_done = []
+        for w in (1, 2, 3):
+            last = int(order["version"][(order["worker"] == w) & (order["worker_clock"] == steps)][0])
+            straggler_clock_when_fast_done.append(clocks_at(up, last + 1, WORKERS)[4])
+        facts = {"wait": float(np.abs(it["wait_s"]).max()), "straggler": straggler_clock_when_fast_done}
+    facts = share(world, facts)
+    assert facts["wait"] == 0.0
+    # a 4x slower worker is far behind when the fast ones finish (SSP with s=2 would hold them at 2)
+    assert all(c <= steps - 5 for c in facts["straggler"]), facts["straggler"]
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp"])
+def test_nothing_lost(world, mpi_tmp_path, paradigm, servers):
+    steps = 25
+    _, t = train(mpi_tmp_path / f"{paradigm}{servers}.h5", paradigm=paradigm, servers=servers, steps=steps,
+                 slowdown=["4=2"])
+    facts = None
+    if world.rank == 0:
+        it, up, s = t["workers/iterations"], t["servers/updates"], t["summary"]
+        workers = sorted(set(it["rank"].tolist()))
+        per_shard = {sh: sorted(zip(up["worker"][up["shard"] == sh].tolist(),
+                                    up["worker_clock"][up["shard"] == sh].tolist())) for sh in range(servers)}
+        stale = {}
+        for row in up:
+            key = (int(row["worker"]), int(row["worker_clock"]))
+            stale[key] = max(stale.get(key, -1), int(row["staleness"]))
+        facts = {
+            "counts": (int(s["gradients_pushed"]), int(s["gradients_applied"]), int(s["gradients_dropped"])),
+            "per_shard": per_shard,
+            "steps": {w: sorted(it["step"][it["rank"] == w].tolist()) for w in workers},
+            "staleness_agrees": all(stale[(int(r["rank"]), int(r["step"]) + 1)] == int(r["staleness"]) for r in it),
+            "versions": {sh: sorted(set(up["version"][up["shard"] == sh].tolist())) for sh in range(servers)},
+            "n_servers": int(t["attrs"]["n_servers"]),
+        }
+    facts = share(world, facts)
+    n_workers = 5 - servers
+    expected = sorted((w, c) for w in range(servers, 5) for c in range(1, steps + 1))
+    assert facts["counts"] == (n_workers * steps, n_workers * steps, 0)
+    assert all(pairs == expected for pairs in facts["per_shard"].values())  # each gradient once per shard
+    assert facts["steps"] == {w: list(range(steps)) for w in range(servers, 5)}
+    assert facts["staleness_agrees"]
+    n_versions = steps if paradigm == "bsp" else n_workers * steps
+    assert all(v == list(range(n_versions)) for v in facts["versions"].values())
+    assert facts["n_servers"] == servers
+
+
+def test_target_accuracy_stops_early_and_loses_nothing(world, mpi_tmp_path):
+    _, t = train(mpi_tmp_path / "target.h5", paradigm="bsp", steps=5000, target_accuracy=0.85, eval_interval=0.05)
+    facts = None
+    if world.rank == 0:
+        s, ev = t["summary"], t["eval"]
+        hit = ev[ev["accuracy"] >= 0.85][0]
+        facts = {"pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"]),
+                 "ttt": float(s["time_to_target_s"]), "first_hit": float(hit["t"]),
+                 "rounds_after_hit": int(ev["version"][-1] - hit["version"])}
+    facts = share(world, facts)
+    assert facts["pushed"] < 4 * 5000 and facts["pushed"] == facts["applied"]
+    assert facts["ttt"] == facts["first_hit"]
+    # in-flight gradients are still applied (nothing lost), but BSP stops within two rounds:
+    # the round under way when the flag rose, and one a worker may have pulled just before it
+    assert 0 <= facts["rounds_after_hit"] <= 2

@@ -1,0 +1,58 @@
+"""Configuration: defaults, TOML + flags precedence, messages that name the option."""
+
+import pytest
+
+from hpcps.config import DEFAULT_STEPS, TrainConfig, make_config, steps_for
+from hpcps.errors import UserError
+
+
+def test_defaults_make_a_useful_run():
+    cfg = make_config({})
+    assert (cfg.paradigm, cfg.servers, cfg.groups, cfg.model, cfg.dataset) == ("bsp", 1, 0, "mlp", "digits")
+    assert steps_for(cfg, per_epoch=11) == DEFAULT_STEPS
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('paradigm = "ssp"\nbatch-size = 64\nstaleness = 3\nslowdown = {4 = 3.0}\n')
+    cfg = make_config({"staleness": 5}, config_file=str(f))
+    assert (cfg.paradigm, cfg.batch_size, cfg.staleness, cfg.slowdown) == ("ssp", 64, 5, {4: 3.0})
+
+
+def test_slowdown_flags_parse_rank_equals_factor():
+    assert make_config({"slowdown": ["4=3", "2=1.5"]}).slowdown == {4: 3.0, 2: 1.5}
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"lr": -1.0}, r"--lr: .*greater than 0"),
+    ({"batch_size": 0}, r"--batch-size: .*greater than or equal to 1"),
+    ({"slowdown": ["4x3"]}, r"--slowdown: .*expected RANK=FACTOR"),
+    ({"slowdown": ["4=0.5"]}, r"--slowdown: .*FACTOR must be a number >= 1"),
+    ({"steps": 10, "epochs": 2}, r"give --steps or --epochs, not both"),
+    ({"target_accuracy": 1.5}, r"--target-accuracy: "),
+    ({"device": "tpu"}, r"--device: "),
+])
+def test_bad_values_name_the_option(flags, message):
+    with pytest.raises(UserError, match=message):
+        make_config(flags)
+
+
+def test_unknown_key_in_file_is_named(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("learning_rate = 0.1\n")
+    with pytest.raises(UserError, match=r"unknown option '--learning-rate'.*run.toml"):
+        make_config({}, config_file=str(f))
+
+
+def test_missing_and_broken_files_are_named(tmp_path):
+    with pytest.raises(UserError, match=r"--config .*nope.toml: no such file"):
+        make_config({}, config_file=str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("paradigm = \n")
+    with pytest.raises(UserError, match=r"--config .*bad.toml: not valid TOML"):
+        make_config({}, config_file=str(bad))
+
+
+def test_epochs_become_steps():
+    assert steps_for(TrainConfig(epochs=3), per_epoch=11) == 33
+    assert steps_for(TrainConfig(steps=7), per_epoch=11) == 7

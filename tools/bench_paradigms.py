@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Run the same job under several paradigms and seeds; print a comparison table.
+
+Each run is a real ``mpiexec -n NP hpcps train`` job; results are read back
+from the HDF5 files (h5py only). Ratios are against BSP measured in the same
+invocation, because absolute times on a shared machine are noise.
+
+    python tools/bench_paradigms.py --paradigms bsp asp ssp --seeds 0 1 2 --slowdown 4=3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+
+def mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float) -> dict:
+    cmd = [mpiexec(), "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm,
+           "--seed", str(seed), "--out", str(out), "--no-progress", *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_"))}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
+    with h5py.File(out) as f:
+        s, it = dict(f["summary"].attrs), f["workers/iterations"][()]
+        ev = f["eval"][()]
+    per_worker = [len(it[it["rank"] == r]) / (it["t_end"][it["rank"] == r].max()) for r in np.unique(it["rank"])]
+    hits = ev["t"][ev["accuracy"] >= target]
+    return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]),
+            "ttt": float(hits.min()) if len(hits) else float("nan"),
+            "its": float(np.mean(per_worker)), "wait": float(it["wait_s"].mean() * 1e3),
+            "stale": float(it["staleness"].mean())}
+
+
+def fmt(values: list[float], digits: int) -> str:
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return "never"
+    miss = f" ({len(values) - len(vals)} missed)" if len(vals) < len(values) else ""
+    return f"{np.mean(vals):.{digits}f} ± {np.std(vals):.{digits}f}{miss}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--np", type=int, default=5, help="MPI ranks (default 5: 1 server + 4 workers)")
+    p.add_argument("--target", type=float, default=0.9,
+                   help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
+    a = p.parse_args()
+    extra = [x for x in a.train_args if x != "--"]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for paradigm in a.paradigms:
+            rows[paradigm] = [run(a.np, paradigm, s, Path(tmp) / f"{paradigm}-{s}.h5", extra, a.target) for s in a.seeds]
+            print(f"  {paradigm}: done", file=sys.stderr)
+    base = np.nanmean([r["ttt"] for r in rows.get("bsp", [])]) if "bsp" in rows else float("nan")
+    print(f"{a.np} ranks, seeds {a.seeds}, options: {' '.join(extra)}\n")
+    print("| paradigm | final accuracy | wall s | time to {:.0%} s | vs BSP | iterations/s per worker | "
+          "mean wait ms | mean staleness |".format(a.target))
+    print("|---|---|---|---|---|---|---|---|")
+    for paradigm, rs in rows.items():
+        ttt = np.nanmean([r["ttt"] for r in rs])
+        print(f"| {paradigm} | {fmt([r['acc'] for r in rs], 3)} | {fmt([r['wall'] for r in rs], 2)} | "
+              f"{fmt([r['ttt'] for r in rs], 2)} | {ttt / base:.2f} | {fmt([r['its'] for r in rs], 0)} | "
+              f"{fmt([r['wait'] for r in rs], 2)} | {fmt([r['stale'] for r in rs], 2)} |")
+
+
+if __name__ == "__main__":
+    main()

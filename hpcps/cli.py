@@ -56,10 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "be set in the --config TOML file; flags override it.")
     t.add_argument("--config", metavar="FILE", help="TOML file with any of the options below")
     g = t.add_argument_group("paradigm and topology")
-    g.add_argument("--paradigm", help=f"synchronization paradigm (default bsp). {_paradigm_help()}")
+    g.add_argument("--paradigm", help=f"synchronization paradigm (default dssp). {_paradigm_help()}")
     g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
     g.add_argument("--groups", type=int, metavar="G", help="group servers (default 0; for paradigms that use them)")
-    g.add_argument("--staleness", type=int, metavar="S", help="ssp: max clock lead over the slowest worker (default 2)")
+    g.add_argument("--staleness", type=int, metavar="S",
+                   help="ssp: max clock lead over the slowest worker; dssp: the lower bound s_lo (default 2)")
+    g.add_argument("--staleness-max", type=int, dest="staleness_max", metavar="S_HI",
+                   help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
     g = t.add_argument_group("model and data")
     g.add_argument("--model", help="mlp or cnn (default mlp)")
     g.add_argument("--dataset", metavar="NAME|FILE.h5", help="digits, or an HDF5 file with /x and /y (default digits)")
@@ -74,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("emulation and resources")
     g.add_argument("--slowdown", action="append", metavar="RANK=FACTOR",
                    help="make worker RANK's compute FACTOR times slower (repeatable)")
+    g.add_argument("--compute-time", type=float, dest="compute_time", metavar="SECONDS",
+                   help="emulate compute: each iteration takes SECONDS x the worker's --slowdown factor (a sleep "
+                        "after the real pass), so many workers fit on few cores")
+    g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default none)")
+    g.add_argument("--jitter-cv", type=float, dest="jitter_cv", metavar="CV",
+                   help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")
     g.add_argument("--device", help="auto or cpu (default auto; GPU training is not in this release)")
     g.add_argument("--threads", type=int, help="torch threads per rank (default 1)")
     g = t.add_argument_group("output")

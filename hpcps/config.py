@@ -29,7 +29,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    paradigm: str = "bsp"
+    paradigm: str = "dssp"
     servers: int = Field(1, ge=1)
     groups: int = Field(0, ge=0)
     model: str = "mlp"
@@ -39,7 +39,11 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.1, gt=0)
     staleness: int = Field(2, ge=0)
+    staleness_max: int | None = Field(None, ge=0)
     slowdown: dict[int, float] = Field(default_factory=dict)
+    compute_time: float | None = Field(None, gt=0)
+    jitter: Literal["none", "uniform", "exponential", "lognormal"] = "none"
+    jitter_cv: float = Field(0.1, ge=0)
     seed: int = 0
     out: str | None = None
     target_accuracy: float | None = Field(None, gt=0, le=1)
@@ -65,10 +69,21 @@ class TrainConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _steps_or_epochs(self) -> "TrainConfig":
+    def _consistent(self) -> "TrainConfig":
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
+        if self.staleness_max is not None and self.staleness_max < self.staleness:
+            raise ValueError(f"--staleness-max {self.staleness_max} must be >= --staleness {self.staleness}")
+        if self.jitter != "none" and self.compute_time is None:
+            raise ValueError("--jitter needs --compute-time (it varies the emulated compute time)")
+        if self.jitter == "uniform" and self.jitter_cv > 1 / 3 ** 0.5:
+            raise ValueError("--jitter-cv must be <= 0.577 for uniform jitter (times would go negative)")
         return self
+
+    @property
+    def s_hi(self) -> int:
+        """Upper staleness bound of dssp: ``--staleness-max``, or ``--staleness`` + 4."""
+        return self.staleness_max if self.staleness_max is not None else self.staleness + 4
 
     def as_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -33,6 +33,7 @@ import hpcps
 from hpcps.agree import agree
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data import Dataset, batches_per_epoch, load_dataset
+from hpcps.emulation import ComputeTime
 from hpcps.errors import UserError
 from hpcps.evaluator import Evaluator
 from hpcps.flat import FlatParameters
@@ -182,7 +183,8 @@ class _Run:
                        disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True)
             side_tasks = [recorder.drain, evaluator.tick]
         ShardServer(
-            shard=topo.rank, rank=topo.rank, policy=make_policy(cfg.paradigm, layout.n_workers, staleness=cfg.staleness),
+            shard=topo.rank, rank=topo.rank, policy=make_policy(cfg.paradigm, layout.n_workers, staleness=cfg.staleness,
+                                                         staleness_max=cfg.s_hi),
             inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
@@ -202,7 +204,8 @@ class _Run:
                model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher, notices=notices,
                blocks=policy_class(cfg.paradigm).worker_blocks, recorder=recorder, clock=self.clock,
                steps=self.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
-               slowdown=cfg.slowdown.get(topo.rank, 1.0), backoff=self.backoff).run()
+               compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter, cfg.jitter_cv),
+               backoff=self.backoff).run()
         pusher.free()
         notices.free()
 

@@ -117,7 +117,7 @@ class ShardServer:
                 staleness = self.version - p.version
                 self.recorder.add("servers/updates", (
                     self.rank, self.shard, t, self.worker_ranks[p.worker], p.clock,
-                    self.version, staleness, self.policy.threshold, 1, 0))
+                    self.version, staleness, self.policy.threshold(p.worker), 1, 0))
                 _note(notices, p.worker, wire.RECEIPT, p.clock, self.version, staleness)
                 self.inbox.release(p.worker)
             self.version += 1

@@ -3,7 +3,7 @@
 One iteration of worker ``w`` at ``step`` k::
 
     compute   forward/backward on batch_indices(..., worker=w, step=k) into the
-              flat gradient buffer (then sleep (FACTOR-1) x that time under --slowdown)
+              flat gradient buffer, then sleep as the emulation says (hpcps.emulation)
     push      start the persistent sends of header + gradient to every shard
     wait      if the paradigm blocks: until every shard granted clock k+1
     pull      RMA Get of every shard's parameters (overlaps the push in flight)
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcps.data import Dataset, batch_indices
+from hpcps.emulation import ComputeTime
 from hpcps.flat import FlatParameters
 from hpcps.transport import wire
 from hpcps.transport.notices import NoticeBox
@@ -39,8 +40,8 @@ class Worker:
     def __init__(self, *, rank: int, index: int, n_workers: int, model: torch.nn.Module,
                  flat: FlatParameters, data: Dataset, window: ParamWindow, pusher: Pusher,
                  notices: NoticeBox, blocks: bool, recorder, clock: Callable[[], float],
-                 steps: int, lr: float, batch_size: int, seed: int, slowdown: float = 1.0,
-                 backoff: Backoff | None = None) -> None:
+                 steps: int, lr: float, batch_size: int, seed: int,
+                 compute_time: ComputeTime | None = None, backoff: Backoff | None = None) -> None:
         self.rank, self.index, self.n_workers = rank, index, n_workers
         self.model, self.flat, self.data = model, flat, data
         self.window, self.pusher, self.notices = window, pusher, notices
@@ -48,7 +49,8 @@ class Worker:
         self.recorder = recorder
         self.clock = clock
         self.steps, self.lr, self.batch_size, self.seed = steps, lr, batch_size, seed
-        self.slowdown = slowdown
+        self.compute_time = compute_time or ComputeTime()
+        self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
         self.x = torch.from_numpy(data.x_train)
         self.y = torch.from_numpy(data.y_train)
@@ -91,8 +93,9 @@ class Worker:
         self.flat.zero_grad()
         loss = F.cross_entropy(self.model(self.x[idx]), self.y[idx])
         loss.backward()
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t))
+        pause = self.compute_time.sleep_after(time.perf_counter() - t, self.rng)
+        if pause > 0.0:
+            time.sleep(pause)
         return float(loss.detach()), time.perf_counter() - t
 
     def _leave(self) -> None:

@@ -51,16 +51,16 @@ class Policy(ABC):
     #: whether the paradigm runs group servers (``--groups``)
     uses_groups: ClassVar[bool] = False
 
-    def __init__(self, n_workers: int, *, staleness: int = 0) -> None:
+    def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         if n_workers < 1:
             raise ValueError("a policy needs at least one worker")
         self.n_workers = n_workers
         self.staleness = staleness
+        self.staleness_max = staleness if staleness_max is None else staleness_max
         self.active = set(range(n_workers))
 
-    @property
-    def threshold(self) -> int:
-        """Staleness threshold in force (recorded per update; -1 for none)."""
+    def threshold(self, worker: int) -> int:
+        """Clock-gap bound in force for ``worker`` (recorded with each update; -1: none)."""
         return -1
 
     @abstractmethod

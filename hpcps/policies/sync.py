@@ -23,12 +23,11 @@ class BSP(Policy):
     name = "bsp"
     summary = "bulk synchronous: average all N gradients of a round, release everyone"
 
-    def __init__(self, n_workers: int, *, staleness: int = 0) -> None:
-        super().__init__(n_workers, staleness=0)
+    def __init__(self, n_workers: int, **options) -> None:
+        super().__init__(n_workers)
         self.round: list[int] = []
 
-    @property
-    def threshold(self) -> int:
+    def threshold(self, worker: int) -> int:
         return 0
 
     def on_push(self, worker: int, clock: int, version: int, now: float) -> Decision:
@@ -51,15 +50,14 @@ class SSP(Policy):
     name = "ssp"
     summary = "stale synchronous: apply on arrival, bound the clock gap by --staleness s"
 
-    def __init__(self, n_workers: int, *, staleness: int = 0) -> None:
+    def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         if staleness < 0:
             raise ValueError("staleness must be >= 0")
-        super().__init__(n_workers, staleness=staleness)
+        super().__init__(n_workers, staleness=staleness, staleness_max=staleness_max)
         self.clocks = [0] * n_workers
         self.waiting: set[int] = set()
 
-    @property
-    def threshold(self) -> int:
+    def threshold(self, worker: int) -> int:
         return self.staleness
 
     def slowest_clock(self) -> int | None:
@@ -77,6 +75,7 @@ class SSP(Policy):
         return Decision(grants=self._release())
 
     def may_go_on(self, worker: int, floor: int) -> bool:
+        """Whether ``worker`` may start its next iteration, the slowest being at clock ``floor``."""
         return self.clocks[worker] - floor <= self.staleness
 
     def _release(self) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     (["--dataset", "/nonexistent/data.h5"], "--dataset /nonexistent/data.h5: no such file"),
     (["--lr", "-1"], "--lr: Input should be greater than 0"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
-    (["--groups", "1"], "--groups 1: paradigm 'bsp' does not use group servers"),
+    (["--groups", "1"], "--groups 1: paradigm 'dssp' does not use group servers"),
 ])
 def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
     proc = hpcps(3, "train", "--out", str(tmp_path / "x.h5"), *args, timeout=120)

@@ -70,6 +70,24 @@ def test_ssp_never_starts_more_than_s_ahead_of_the_slowest(world, mpi_tmp_path):
     assert facts["fast_wait"] > 0.0
 
 
+def test_dssp_keeps_the_gap_and_thresholds_within_bounds(world, mpi_tmp_path):
+    s_lo, s_hi, steps = 1, 4, 60
+    _, t = train(mpi_tmp_path / "dssp.h5", paradigm="dssp", staleness=s_lo, staleness_max=s_hi, steps=steps,
+                 slowdown=["4=3"])
+    facts = None
+    if world.rank == 0:
+        it, up = t["workers/iterations"], t["servers/updates"]
+        gaps = [int(row["step"]) - min(clocks_at(up, int(row["version"]), WORKERS).values()) for row in it]
+        facts = {"max_gap": max(gaps), "thresholds": sorted(set(up["threshold"].tolist())),
+                 "pushed": int(t["summary"]["gradients_pushed"]), "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    print("dssp thresholds seen:", facts["thresholds"], "max gap:", facts["max_gap"])
+    assert facts["max_gap"] <= s_hi
+    assert facts["max_gap"] > s_lo  # the controller did let fast workers past s_lo
+    assert all(s_lo <= th <= s_hi for th in facts["thresholds"])
+    assert facts["pushed"] == facts["applied"] == 4 * steps
+
+
 def test_asp_fast_workers_never_wait_for_the_straggler(world, mpi_tmp_path):
     steps = 40
     _, t = train(mpi_tmp_path / "asp.h5", paradigm="asp", steps=steps, slowdown=["4=3"])
@@ -89,7 +107,7 @@ def test_asp_fast_workers_never_wait_for_the_straggler(world, mpi_tmp_path):
 
 
 @pytest.mark.parametrize("servers", [1, 2])
-@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp"])
+@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp", "dssp"])
 def test_nothing_lost(world, mpi_tmp_path, paradigm, servers):
     steps = 25
     _, t = train(mpi_tmp_path / f"{paradigm}{servers}.h5", paradigm=paradigm, servers=servers, steps=steps,

@@ -8,7 +8,8 @@ from hpcps.errors import UserError
 
 def test_defaults_make_a_useful_run():
     cfg = make_config({})
-    assert (cfg.paradigm, cfg.servers, cfg.groups, cfg.model, cfg.dataset) == ("bsp", 1, 0, "mlp", "digits")
+    assert (cfg.paradigm, cfg.servers, cfg.groups, cfg.model, cfg.dataset) == ("dssp", 1, 0, "mlp", "digits")
+    assert (cfg.staleness, cfg.s_hi) == (2, 6)
     assert steps_for(cfg, per_epoch=11) == DEFAULT_STEPS
 
 
@@ -31,6 +32,10 @@ def test_slowdown_flags_parse_rank_equals_factor():
     ({"steps": 10, "epochs": 2}, r"give --steps or --epochs, not both"),
     ({"target_accuracy": 1.5}, r"--target-accuracy: "),
     ({"device": "tpu"}, r"--device: "),
+    ({"staleness": 3, "staleness_max": 2}, r"--staleness-max 2 must be >= --staleness 3"),
+    ({"jitter": "lognormal"}, r"--jitter needs --compute-time"),
+    ({"compute_time": 0.01, "jitter": "uniform", "jitter_cv": 0.9}, r"--jitter-cv must be <= 0.577"),
+    ({"compute_time": -1.0}, r"--compute-time: "),
 ])
 def test_bad_values_name_the_option(flags, message):
     with pytest.raises(UserError, match=message):

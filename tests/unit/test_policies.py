@@ -6,10 +6,11 @@ import pytest
 
 from hpcps.errors import UserError
 from hpcps.policies import Decision, make_policy, paradigms, policy_class
+from hpcps.policies.dssp import extra_iterations
 
 
 def test_registry_knows_the_classic_paradigms():
-    assert {"bsp", "asp", "ssp"} <= set(paradigms())
+    assert {"bsp", "asp", "ssp", "dssp"} <= set(paradigms())
     assert policy_class("ssp").name == "ssp"
 
 
@@ -25,7 +26,7 @@ def test_bsp_holds_a_round_until_every_worker_pushed():
     d = p.on_push(1, 1, 0, 0.0)
     assert d.updates == ((0, 2, 1),)
     assert sorted(d.grants) == [0, 1, 2]
-    assert p.threshold == 0
+    assert p.threshold(1) == 0
 
 
 def test_bsp_round_closes_when_the_missing_worker_leaves():
@@ -42,7 +43,7 @@ def test_bsp_round_closes_when_the_missing_worker_leaves():
 def test_asp_applies_and_releases_at_once():
     p = make_policy("asp", 4)
     assert p.on_push(3, 7, 2, 0.0) == Decision(updates=((3,),), grants=(3,))
-    assert not type(p).worker_blocks and p.threshold == -1
+    assert not type(p).worker_blocks and p.threshold(3) == -1
 
 
 def test_ssp_releases_only_within_s_of_the_slowest():
@@ -62,14 +63,16 @@ def test_ssp_leaving_worker_no_longer_holds_others_back():
     assert p.on_push(0, 2, 1, 0.0).grants == (0,)
 
 
-def _simulate(name, n, steps, staleness, seed):
+def _simulate(name, n, steps, staleness, seed, staleness_max=None):
     """Drive a policy with a random interleaving of workers; check universal invariants.
 
-    A blocked worker pushes again only after its grant. Returns the largest
-    clock gap seen when a worker was released.
+    A blocked worker pushes again only after its grant; event times grow by
+    random steps, longer for the last worker (a straggler). Returns the
+    largest clock gap seen when a worker was released.
     """
     rng = random.Random(seed)
-    p = make_policy(name, n, staleness=staleness)
+    p = make_policy(name, n, staleness=staleness, staleness_max=staleness_max)
+    now = 0.0
     blocks = type(p).worker_blocks
     clocks, version, held, applied = [0] * n, 0, set(), []
     can_push = set(range(n))
@@ -79,12 +82,13 @@ def _simulate(name, n, steps, staleness, seed):
         if not ready:
             raise AssertionError(f"{name}: deadlock with clocks {clocks}")
         w = rng.choice(ready)
+        now += rng.random() * (3.0 if w == n - 1 else 1.0)
         clocks[w] += 1
         held.add(w)
         can_push.discard(w)
-        decisions = [p.on_push(w, clocks[w], version, 0.0)]
+        decisions = [p.on_push(w, clocks[w], version, now)]
         if clocks[w] == steps:
-            decisions.append(p.on_leave(w, 0.0))
+            decisions.append(p.on_leave(w, now))
         for d in decisions:
             for group in d.updates:
                 assert set(group) <= held, "applied a gradient that was not pending"
@@ -102,11 +106,72 @@ def _simulate(name, n, steps, staleness, seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-@pytest.mark.parametrize("name,staleness,bound", [("bsp", 0, 0), ("ssp", 0, 0), ("ssp", 2, 2), ("ssp", 5, 5)])
-def test_random_interleavings_keep_the_bound_and_lose_nothing(name, staleness, bound, seed):
-    assert _simulate(name, n=4, steps=12, staleness=staleness, seed=seed) <= bound
+@pytest.mark.parametrize("name,staleness,staleness_max,bound", [
+    ("bsp", 0, None, 0), ("ssp", 0, None, 0), ("ssp", 2, None, 2), ("ssp", 5, None, 5),
+    ("dssp", 1, 1, 1), ("dssp", 1, 4, 4), ("dssp", 0, 6, 6),
+])
+def test_random_interleavings_keep_the_bound_and_lose_nothing(name, staleness, staleness_max, bound, seed):
+    assert _simulate(name, n=4, steps=12, staleness=staleness, seed=seed, staleness_max=staleness_max) <= bound
 
 
 def test_asp_random_interleavings_lose_nothing():
     for seed in range(20):
         _simulate("asp", n=4, steps=12, staleness=0, seed=seed)
+
+
+# -- DSSP --------------------------------------------------------------------------------------
+
+def test_controller_aligns_the_fast_push_with_a_slow_one():
+    # fast pushes at 4, 5, 6, 7, 8 for i = 0..4; slow pushes at 6, 9, 12: i = 2 meets 6 exactly
+    assert extra_iterations(4.0, 1.0, 3.0, 3.0, r_max=4) == 2
+    # the slow worker's next push (4.1) is imminent: waiting now is best
+    assert extra_iterations(4.0, 1.0, 1.1, 3.0, r_max=4) == 0
+    # fast at 0, 2, 4; slow at 1, 3, 5: every i is 1 away, the smallest i wins the tie
+    assert extra_iterations(0.0, 2.0, -1.0, 2.0, r_max=2) == 0
+    assert extra_iterations(4.0, 1.0, 3.0, 3.0, r_max=1) == 1  # the range caps r*
+
+
+def test_dssp_hand_timed_scenario():
+    """s_lo=1, s_hi=5; worker 0 pushes every 1 s, worker 1 every 3 s (timeline worked out by hand)."""
+    p = make_policy("dssp", 2, staleness=1, staleness_max=5)
+    assert p.on_push(1, 1, 0, 0.0).grants == (1,)
+    assert p.on_push(0, 1, 1, 1.0).grants == (0,)
+    assert p.on_push(0, 2, 2, 2.0).grants == (0,)  # gap 1 = s_lo
+    assert p.on_push(1, 2, 3, 3.0).grants == (1,)
+    assert p.on_push(0, 3, 4, 3.0).grants == (0,)  # clocks 3,2
+    # clocks 4,2: gap 2 passes the bound; T_f=4, Δ_f=1, T_s=3, Δ_s=3: r* = 2, bound 2 - 1 + 2 = 3
+    assert p.on_push(0, 4, 5, 4.0).grants == (0,)
+    assert p.threshold(0) == 3 and p.decisions[-1] == (4.0, 0, 2, 2, 3)
+    assert p.on_push(0, 5, 6, 5.0).grants == (0,)  # gap 3 <= 3
+    # gap 4: the slow worker pushes right now (6 = 3 + 3): r* = 0, wait with bound 3 ...
+    assert p.on_push(0, 6, 7, 6.0).grants == ()
+    assert p.decisions[-1] == (6.0, 0, 4, 0, 3)
+    # ... and its aligned push releases the fast worker at once
+    assert p.on_push(1, 3, 8, 6.0).grants == (0, 1)
+    # clocks 7,3: gap 4 again; T_f=7, T_s=6: pushes at 7, 8, 9 for i = 0..2 and the slow one's
+    # next at 9, so r* = 2 and the bound rises to 4 - 1 + 2 = 5 = s_hi
+    assert p.on_push(0, 7, 9, 7.0).grants == (0,)
+    assert p.decisions[-1] == (7.0, 0, 4, 2, 5)
+    assert p.on_push(0, 8, 10, 8.0).grants == (0,)  # gap 5 <= 5
+    assert p.on_push(1, 4, 11, 9.0).grants == (1,)  # clocks 8,4
+    assert p.on_push(0, 9, 12, 9.0).grants == (0,)  # gap 5
+    assert p.on_push(0, 10, 13, 10.0).grants == ()  # gap 6: r* range is empty, the bound stays at s_hi
+    assert p.threshold(0) == 5
+    assert p.on_push(1, 5, 14, 12.0).grants == (0, 1)  # clocks 10,5
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dssp_with_equal_bounds_is_exactly_ssp(seed):
+    rng = random.Random(seed)
+    dssp, ssp = make_policy("dssp", 3, staleness=2, staleness_max=2), make_policy("ssp", 3, staleness=2)
+    clocks, can_push, now = [0, 0, 0], {0, 1, 2}, 0.0
+    for _ in range(60):
+        w = rng.choice(sorted(can_push))
+        now += rng.random()
+        clocks[w] += 1
+        can_push.discard(w)
+        a, b = dssp.on_push(w, clocks[w], 0, now), ssp.on_push(w, clocks[w], 0, now)
+        assert a == b
+        can_push.update(a.grants)
+    assert all(dssp.threshold(w) == 2 for w in range(3))
+    assert dssp.decisions and all(r == 0 for _, _, _, r, _ in dssp.decisions)  # the range forced r* = 0

@@ -1,0 +1,28 @@
+"""The compute-time model of heterogeneity emulation."""
+
+import numpy as np
+import pytest
+
+from hpcps.emulation import ComputeTime
+
+
+def test_real_compute_with_slowdown_sleeps_factor_minus_one_times_as_long():
+    rng = np.random.default_rng(0)
+    assert ComputeTime(factor=3.0).sleep_after(0.01, rng) == pytest.approx(0.02)
+    assert ComputeTime().sleep_after(0.01, rng) == 0.0
+
+
+def test_model_tops_up_the_real_pass_to_mean_times_factor():
+    rng = np.random.default_rng(0)
+    assert ComputeTime(mean=0.05, factor=2.0).sleep_after(0.01, rng) == pytest.approx(0.09)
+    assert ComputeTime(mean=0.001).sleep_after(0.01, rng) == 0.0  # real pass already longer
+
+
+@pytest.mark.parametrize("jitter,cv", [("uniform", 0.3), ("lognormal", 0.2), ("exponential", 1.0)])
+def test_jitter_has_mean_one_and_the_requested_spread(jitter, cv):
+    model = ComputeTime(mean=1.0, jitter=jitter, cv=cv)
+    rng = np.random.default_rng(1)
+    x = np.array([model.jitter_sample(rng) for _ in range(40000)])
+    assert x.min() > 0
+    assert x.mean() == pytest.approx(1.0, abs=0.02)
+    assert x.std() / x.mean() == pytest.approx(cv, rel=0.05)

@@ -1,4 +1,4 @@
-"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun).
+"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun) and ``hpcps report`` (offline).
 
 Options are parsed before MPI starts; every flag can also come from a TOML
 file (``--config``), and flags given on the command line win. Bad input
@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="progress bar on rank 0 when stderr is a terminal (default on)")
     t.set_defaults(func=_train)
+
+    r = sub.add_parser("report", help="plots and tables comparing runs (no MPI needed)",
+                       description="Compare runs from their HDF5 metrics files: PNG plots (accuracy and loss "
+                                   "against wall time, iterations/s per worker, time breakdown per worker, "
+                                   "staleness histogram, DSSP bounds over time) and a Markdown/CSV table.")
+    r.add_argument("runs", nargs="+", metavar="RUN.h5", help="metrics files written by hpcps train")
+    r.add_argument("--out", required=True, metavar="DIR", help="directory for the plots and tables")
+    r.add_argument("--target", type=float, default=0.9, metavar="ACC",
+                   help="accuracy whose first evaluation counts as time-to-target (default 0.9)")
+    r.set_defaults(func=_report)
     return parser
 
 
@@ -120,6 +130,19 @@ def _train(args: argparse.Namespace) -> int:
         s = result.summary
         print(f"hpcps: {cfg.paradigm}: final accuracy {s['final_accuracy']:.4f}, wall {s['wall_s']:.1f} s, "
               f"{s['gradients_applied']}/{s['gradients_pushed']} gradients applied -> {result.path}", flush=True)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hpcps.report import make_report
+
+    try:
+        written = make_report(args.runs, args.out, target=args.target)
+    except UserError as exc:
+        print(f"hpcps: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    for path in written:
+        print(path)
     return 0
 
 

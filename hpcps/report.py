@@ -1,0 +1,220 @@
+"""``hpcps report``: plots and tables comparing runs, from their HDF5 files alone.
+
+Offline by design: h5py, numpy and matplotlib (Agg backend), never MPI, so
+it runs on a login node or a laptop. Writes into ``--out DIR``:
+
+* ``accuracy.png``   held-out accuracy and loss against wall time, one line per run
+* ``throughput.png`` iterations/s of every worker, grouped by run
+* ``breakdown.png``  mean time per iteration per worker: compute, push, pull, wait
+* ``staleness.png``  staleness histogram of the applied gradients, per run
+* ``thresholds.png`` DSSP bounds over time (only when a dssp run is given)
+* ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpcps.errors import UserError
+
+
+@dataclass
+class Run:
+    """One metrics file, loaded."""
+
+    name: str
+    paradigm: str
+    config: dict
+    iterations: np.ndarray
+    updates: np.ndarray
+    evals: np.ndarray
+    summary: dict
+
+    @property
+    def label(self) -> str:
+        return self.name if self.paradigm in self.name else f"{self.name} ({self.paradigm})"
+
+    def time_to(self, target: float) -> float:
+        hits = self.evals["t"][self.evals["accuracy"] >= target]
+        return float(hits.min()) if len(hits) else float("nan")
+
+    def worker_rates(self) -> dict[int, float]:
+        """Iterations per second of each worker rank, over its own active time."""
+        it = self.iterations
+        return {int(r): float((it["rank"] == r).sum() / it["t_end"][it["rank"] == r].max())
+                for r in np.unique(it["rank"])}
+
+
+def load_run(path: str | os.PathLike) -> Run:
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as f:
+            return Run(name=path.stem, paradigm=str(f.attrs["paradigm"]),
+                       config=json.loads(f.attrs["config"]),
+                       iterations=f["workers/iterations"][()], updates=f["servers/updates"][()],
+                       evals=f["eval"][()], summary=dict(f["summary"].attrs))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (OSError, KeyError) as exc:
+        raise UserError(f"{path}: not an hpcps metrics file ({exc})") from None
+
+
+def summary_rows(runs: list[Run], target: float) -> list[dict]:
+    rows = []
+    for r in runs:
+        it = r.iterations
+        applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
+        rates = r.worker_rates()
+        rows.append({
+            "run": r.name, "paradigm": r.paradigm, "workers": len(rates),
+            f"time_to_{target:g}_s": round(r.time_to(target), 3),
+            "final_accuracy": round(float(r.summary.get("final_accuracy", float("nan"))), 4),
+            "wall_s": round(float(r.summary.get("wall_s", float("nan"))), 3),
+            "iterations_per_s_per_worker": round(float(np.mean(list(rates.values()))) if rates else float("nan"), 1),
+            "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),
+            "mean_staleness": round(float(applied["staleness"].mean()) if len(applied) else float("nan"), 2),
+            "gradients_applied": int(r.summary.get("gradients_applied", len(applied))),
+        })
+    return rows
+
+
+def write_tables(rows: list[dict], out: Path) -> list[Path]:
+    md, cs = out / "summary.md", out / "summary.csv"
+    keys = list(rows[0])
+    with open(cs, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join("never" if isinstance(v, float) and np.isnan(v) else str(v)
+                                for v in row.values()) + " |" for row in rows]
+    md.write_text("\n".join(lines) + "\n")
+    return [md, cs]
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+def _figure(*args, **kwargs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, *plt.subplots(*args, **kwargs)
+
+
+def plot_accuracy(runs: list[Run], out: Path, target: float) -> Path:
+    plt, fig, (ax1, ax2) = _figure(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        ax1.plot(r.evals["t"], r.evals["accuracy"], marker=".", label=r.label)
+        ax2.plot(r.evals["t"], r.evals["loss"], marker=".", label=r.label)
+    ax1.axhline(target, color="grey", linestyle=":", label=f"target {target:g}")
+    ax1.set(xlabel="wall time (s)", ylabel="held-out accuracy", title="Accuracy against wall time")
+    ax2.set(xlabel="wall time (s)", ylabel="held-out loss (cross-entropy)", title="Loss against wall time",
+            yscale="log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _save(plt, fig, out / "accuracy.png")
+
+
+def plot_throughput(runs: list[Run], out: Path) -> Path:
+    plt, fig, ax = _figure(figsize=(max(6, 1.5 * len(runs) + 4), 4.5))
+    width = 0.8 / max(1, len(runs))
+    for k, r in enumerate(runs):
+        rates = r.worker_rates()
+        x = np.arange(len(rates)) + k * width
+        ax.bar(x, list(rates.values()), width, label=r.label)
+    ranks = sorted(runs[0].worker_rates()) if runs else []
+    ax.set_xticks(np.arange(len(ranks)) + 0.4 - width / 2, [f"rank {w}" for w in ranks])
+    ax.set(ylabel="iterations per second", title="Iteration throughput per worker")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(plt, fig, out / "throughput.png")
+
+
+def plot_breakdown(runs: list[Run], out: Path) -> Path:
+    parts = [("compute_s", "compute"), ("push_s", "push"), ("pull_s", "pull"), ("wait_s", "wait (grant)")]
+    labels, values = [], []
+    for r in runs:
+        for w in np.unique(r.iterations["rank"]):
+            rows = r.iterations[r.iterations["rank"] == w]
+            labels.append(f"{r.label} · rank {w}")
+            values.append([rows[field].mean() * 1e3 for field, _ in parts])
+    plt, fig, ax = _figure(figsize=(10, 0.35 * len(labels) + 1.8))
+    values = np.array(values).reshape(len(labels), len(parts))
+    left = np.zeros(len(labels))
+    for j, (_, name) in enumerate(parts):
+        ax.barh(labels, values[:, j], left=left, label=name)
+        left += values[:, j]
+    ax.invert_yaxis()
+    ax.set(xlabel="mean time per iteration (ms)", title="Where each worker's iterations go")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
+    return _save(plt, fig, out / "breakdown.png")
+
+
+def plot_staleness(runs: list[Run], out: Path) -> Path:
+    plt, fig, ax = _figure(figsize=(8, 4.5))
+    top = max((int(r.updates["staleness"].max()) for r in runs if len(r.updates)), default=0)
+    bins = np.arange(-0.5, top + 1.5)
+    for r in runs:
+        applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
+        ax.hist(applied["staleness"], bins=bins, histtype="step", linewidth=2, density=True, label=r.label)
+    ax.set(xlabel="staleness (server versions between read and apply)", ylabel="share of applied gradients",
+           title="Staleness of applied gradients")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(plt, fig, out / "staleness.png")
+
+
+def plot_thresholds(runs: list[Run], out: Path) -> Path | None:
+    dssp = [r for r in runs if r.paradigm == "dssp"]
+    if not dssp:
+        return None
+    plt, fig, axes = _figure(len(dssp), 1, figsize=(10, 3.2 * len(dssp)), squeeze=False)
+    for ax, r in zip(axes[:, 0], dssp):
+        up = r.updates[r.updates["shard"] == 0]
+        for w in np.unique(up["worker"]):
+            mine = up[up["worker"] == w]
+            ax.step(mine["t"], mine["threshold"], where="post", label=f"rank {w}")
+        s_lo, s_hi = r.config.get("staleness"), r.config.get("staleness_max")
+        s_hi = s_hi if s_hi is not None else (s_lo + 4 if s_lo is not None else None)
+        for bound, name in ((s_lo, "s_lo"), (s_hi, "s_hi")):
+            if bound is not None:
+                ax.axhline(bound, color="grey", linestyle=":")
+                ax.annotate(name, (0, bound), xytext=(2, 2), textcoords="offset points", color="grey")
+        ax.set(xlabel="wall time (s)", ylabel="clock-gap bound", title=f"DSSP bounds over time: {r.label}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", ncol=4)
+    return _save(plt, fig, out / "thresholds.png")
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def make_report(paths: list[str], out: str | os.PathLike, *, target: float = 0.9) -> list[Path]:
+    """Load ``paths``, write plots and tables into ``out``; return the files written."""
+    runs = [load_run(p) for p in paths]
+    names = [r.name for r in runs]
+    for r, p in zip(runs, paths):  # keep labels unique when files share a name
+        if names.count(r.name) > 1:
+            r.name = f"{Path(p).parent.name}/{r.name}"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = write_tables(summary_rows(runs, target), out)
+    written += [plot_accuracy(runs, out, target), plot_throughput(runs, out), plot_breakdown(runs, out),
+                plot_staleness(runs, out)]
+    thresholds = plot_thresholds(runs, out)
+    return written + ([thresholds] if thresholds else [])

@@ -157,3 +157,17 @@ def test_target_accuracy_stops_early_and_loses_nothing(world, mpi_tmp_path):
     # in-flight gradients are still applied (nothing lost), but BSP stops within two rounds:
     # the round under way when the flag rose, and one a worker may have pulled just before it
     assert 0 <= facts["rounds_after_hit"] <= 2
+
+
+def test_compute_time_model_sets_each_workers_iteration_time(world, mpi_tmp_path):
+    mean, steps = 0.004, 12
+    _, t = train(mpi_tmp_path / "emu.h5", paradigm="asp", steps=steps, compute_time=mean, slowdown=["4=2.5"])
+    facts = None
+    if world.rank == 0:
+        it = t["workers/iterations"]
+        facts = {int(r): float(it["compute_s"][it["rank"] == r].min()) for r in WORKERS}
+        facts["applied"] = int(t["summary"]["gradients_applied"])
+    facts = share(world, facts)
+    assert all(facts[r] >= mean for r in (1, 2, 3))  # the sleep tops every real pass up to MEAN
+    assert facts[4] >= 2.5 * mean  # ... times the worker's factor
+    assert facts["applied"] == 4 * steps  # and the gradients are real and all applied

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")
     g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default 32)")
     g.add_argument("--lr", type=float, help="SGD learning rate (default 0.1)")
+    g.add_argument("--lr-staleness", dest="lr_staleness", metavar="{none,inverse,sqrt,exp}",
+                   help="scale each gradient's learning rate by the staleness its worker knows of: lr, lr/(1+s), "
+                        "lr/sqrt(1+s), lr*exp(-s) (default inverse for eager, none otherwise)")
     g.add_argument("--seed", type=int, help="seed of model initialisation and batch order (default 0)")
     g.add_argument("--target-accuracy", type=float, dest="target_accuracy", metavar="ACC",
                    help="stop once held-out accuracy reaches ACC (0-1)")

@@ -38,6 +38,7 @@ class TrainConfig(BaseModel):
     epochs: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.1, gt=0)
+    lr_staleness: Literal["none", "inverse", "sqrt", "exp"] | None = None
     staleness: int = Field(2, ge=0)
     staleness_max: int | None = Field(None, ge=0)
     slowdown: dict[int, float] = Field(default_factory=dict)

@@ -5,7 +5,8 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
 
 * ``accuracy.png``   held-out accuracy and loss against wall time, one line per run
 * ``throughput.png`` iterations/s of every worker, grouped by run
-* ``breakdown.png``  mean time per iteration per worker: compute, push, pull, wait
+* ``breakdown.png``  mean time per iteration per worker: compute, push, pull waited for, grant
+                     wait; the part of a pull hidden behind compute (eager) is written beside
 * ``staleness.png``  staleness histogram of the applied gradients, per run
 * ``thresholds.png`` DSSP bounds over time (only when a dssp run is given)
 * ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
@@ -141,21 +142,30 @@ def plot_throughput(runs: list[Run], out: Path) -> Path:
 
 
 def plot_breakdown(runs: list[Run], out: Path) -> Path:
-    parts = [("compute_s", "compute"), ("push_s", "push"), ("pull_s", "pull"), ("wait_s", "wait (grant)")]
-    labels, values = [], []
+    """Stacked: what each iteration waits for. A pull that overlapped compute (eager) is on the
+    critical path only for its waited part; the hidden rest is written beside the bar."""
+    parts = [("compute_s", "compute"), ("push_s", "push"), ("pull_wait_s", "pull (waited for)"),
+             ("wait_s", "wait (grant)")]
+    labels, values, hidden = [], [], []
     for r in runs:
         for w in np.unique(r.iterations["rank"]):
             rows = r.iterations[r.iterations["rank"] == w]
             labels.append(f"{r.label} · rank {w}")
             values.append([rows[field].mean() * 1e3 for field, _ in parts])
+            hidden.append(max(0.0, float((rows["pull_s"] - rows["pull_wait_s"]).mean() * 1e3)))
     plt, fig, ax = _figure(figsize=(10, 0.35 * len(labels) + 1.8))
     values = np.array(values).reshape(len(labels), len(parts))
     left = np.zeros(len(labels))
     for j, (_, name) in enumerate(parts):
         ax.barh(labels, values[:, j], left=left, label=name)
         left += values[:, j]
+    for y, (end, h) in enumerate(zip(left, hidden)):
+        if h >= 0.01:
+            ax.annotate(f"+{h:.2f} ms pull hidden behind compute", (end, y), xytext=(4, 0),
+                        textcoords="offset points", va="center", fontsize="x-small", color="dimgrey")
+    ax.set_xlim(0, left.max() * 1.35 if len(left) else 1)
     ax.invert_yaxis()
-    ax.set(xlabel="mean time per iteration (ms)", title="Where each worker's iterations go")
+    ax.set(xlabel="mean time per iteration on the critical path (ms)", title="Where each worker's iterations go")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize="small", loc="lower right")
     return _save(plt, fig, out / "breakdown.png")

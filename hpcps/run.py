@@ -50,7 +50,7 @@ from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, wait_until
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
-from hpcps.worker import Worker
+from hpcps.worker import EagerWorker, Worker
 
 log = logging.getLogger("hpcps")
 
@@ -197,15 +197,21 @@ class _Run:
 
     def _work(self, window: ParamWindow, recorder) -> None:
         topo, cfg = self.topo, self.cfg
-        pusher = Pusher(topo.ps, grads=self.flat.grads, shard_ranks=self.shards, bounds=self.bounds,
-                        worker_rank=topo.rank)
+        policy = policy_class(cfg.paradigm)
+        extra, buffers = {}, [self.flat.grads]
+        if policy.eager_pull:
+            buffers = extra["send_buffers"] = [np.empty_like(self.flat.grads) for _ in range(2)]
+        pusher = Pusher(topo.ps, buffers=buffers, shard_ranks=self.shards, bounds=self.bounds, worker_rank=topo.rank)
         notices = NoticeBox(topo.ps, shard_ranks=self.shards)
-        Worker(rank=topo.rank, index=self.layout.worker_index(topo.rank), n_workers=self.layout.n_workers,
-               model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher, notices=notices,
-               blocks=policy_class(cfg.paradigm).worker_blocks, recorder=recorder, clock=self.clock,
-               steps=self.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
-               compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter, cfg.jitter_cv),
-               backoff=self.backoff).run()
+        worker_class = EagerWorker if policy.eager_pull else Worker
+        worker_class(rank=topo.rank, index=self.layout.worker_index(topo.rank), n_workers=self.layout.n_workers,
+                     model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher,
+                     notices=notices, blocks=policy.worker_blocks, recorder=recorder, clock=self.clock,
+                     steps=self.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
+                     lr_schedule=cfg.lr_staleness or policy.default_lr_staleness,
+                     compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter,
+                                              cfg.jitter_cv),
+                     backoff=self.backoff, **extra).run()
         pusher.free()
         notices.free()
 

@@ -1,15 +1,28 @@
-"""The worker loop: pull, compute, push, (wait for the grant), pull again.
+"""The worker loops: pull, compute, push, (wait for the grant), pull again.
 
-One iteration of worker ``w`` at ``step`` k::
+One iteration of :class:`Worker` ``w`` at ``step`` k::
 
     compute   forward/backward on batch_indices(..., worker=w, step=k) into the
               flat gradient buffer, then sleep as the emulation says (hpcps.emulation)
-    push      start the persistent sends of header + gradient to every shard
+    push      start the persistent sends of header + gradient to every shard, with
+              the learning rate scaled by the staleness the worker knows of
     wait      if the paradigm blocks: until every shard granted clock k+1
     pull      RMA Get of every shard's parameters (overlaps the push in flight)
     settle    the push must have left before backward writes the buffer again
 
-Receipts (apply version and staleness of each push) arrive as notices; an
+:class:`EagerWorker` (paradigm ``eager``) decouples both: when it starts
+computing it asks a helper thread for the newest parameters, which the
+thread pulls behind the computation and keeps refreshing whenever a shard
+publishes a newer version; the worker pushes from a copy of its gradients,
+so it never waits for a push before computing again, and swaps the freshest
+pulled parameters in after computing.
+
+The staleness a worker *knows of* when it pushes is the newest version it
+has seen (from pulls; from receipts, since a gradient applied at version v
+means the server is past v; and, when a learning-rate schedule is in force,
+from reading the shards' headers just before pushing) minus the version it
+computed on. Receipts
+(apply version and staleness of each push) arrive as notices; an
 iteration's row goes to the metrics once every shard's receipt is in. On
 leaving, the worker sends ``DONE`` and reads notices until every shard has
 said ``BYE``, so no message is left unreceived.
@@ -27,7 +40,10 @@ import torch.nn.functional as F
 from hpcps.data import Dataset, batch_indices
 from hpcps.emulation import ComputeTime
 from hpcps.flat import FlatParameters
+from hpcps.lr import scaled_lr
+from hpcps.metrics.schema import ITERATION
 from hpcps.transport import wire
+from hpcps.transport.eager import EagerPuller
 from hpcps.transport.notices import NoticeBox
 from hpcps.transport.poll import Backoff, wait_until
 from hpcps.transport.push import Pusher
@@ -37,10 +53,14 @@ from hpcps.transport.window import ParamWindow
 class Worker:
     """Run ``steps`` iterations (or until a shard raises the stop flag)."""
 
+    #: read the shards' versions just before pushing when the learning rate depends on staleness:
+    #: a worker that pulled after its grant would otherwise know of no newer version than its own
+    peek_before_push = True
+
     def __init__(self, *, rank: int, index: int, n_workers: int, model: torch.nn.Module,
                  flat: FlatParameters, data: Dataset, window: ParamWindow, pusher: Pusher,
                  notices: NoticeBox, blocks: bool, recorder, clock: Callable[[], float],
-                 steps: int, lr: float, batch_size: int, seed: int,
+                 steps: int, lr: float, batch_size: int, seed: int, lr_schedule: str = "none",
                  compute_time: ComputeTime | None = None, backoff: Backoff | None = None) -> None:
         self.rank, self.index, self.n_workers = rank, index, n_workers
         self.model, self.flat, self.data = model, flat, data
@@ -49,6 +69,7 @@ class Worker:
         self.recorder = recorder
         self.clock = clock
         self.steps, self.lr, self.batch_size, self.seed = steps, lr, batch_size, seed
+        self.lr_schedule = lr_schedule
         self.compute_time = compute_time or ComputeTime()
         self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
@@ -56,35 +77,52 @@ class Worker:
         self.y = torch.from_numpy(data.y_train)
         n_shards = len(window.shard_ranks)
         self.grants = np.zeros(n_shards, np.int64)
-        self.receipts: dict[int, list[tuple[int, int]]] = {}
-        self.rows: dict[int, tuple] = {}
+        self.known = np.zeros(n_shards, np.int64)  # newest version seen, per shard
+        self.receipts: dict[int, list[tuple[int, bool]]] = {}
+        self.rows: dict[int, dict] = {}
         self.clock_count = 0
 
     # -- the loop ---------------------------------------------------------
     def run(self) -> int:
         """Train; return the number of gradients pushed."""
-        versions, stop = self.window.pull(self.flat.params, self.backoff)
+        versions, stop = self._pull()
         for step in range(self.steps):
             if stop:
                 break
-            t_start = self.clock()
-            loss, compute_s = self._compute(step)
+            row = {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min())}
+            row["loss"], row["compute_s"] = self._compute(step)
             t = time.perf_counter()
-            self.clock_count = step + 1
-            self.pusher.start(self.clock_count, versions, self.lr)
-            push_s = time.perf_counter() - t
-            wait_s = self._wait(lambda: self.grants.min() >= self.clock_count) if self.blocks else 0.0
+            self._push(versions, row)
+            row["push_s"] = time.perf_counter() - t
+            row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count) if self.blocks else 0.0
             t = time.perf_counter()
-            new_versions, stop = self.window.pull(self.flat.params, self.backoff)
-            pull_s = time.perf_counter() - t
-            push_s += self._wait(self.pusher.test)
-            self.rows[self.clock_count] = (
-                self.rank, step, t_start, self.clock(), compute_s, push_s, pull_s, wait_s,
-                int(versions.min()), -1, self.lr, loss)
-            self._read_notices()
-            versions = new_versions
+            versions, stop = self._pull()
+            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
+            row["push_s"] += self._wait(self.pusher.test)
+            self._finish_row(row)
         self._leave()
         return self.clock_count
+
+    def _pull(self) -> tuple[np.ndarray, bool]:
+        versions, stop = self.window.pull(self.flat.params, self.backoff)
+        np.maximum(self.known, versions, out=self.known)
+        return versions, stop
+
+    def _push(self, versions: np.ndarray, row: dict, slot: int = 0) -> None:
+        """Push the gradient computed on ``versions``, its learning rate scaled by known staleness."""
+        self._read_notices()
+        if self.lr_schedule != "none" and self.peek_before_push:
+            np.maximum(self.known, self.window.peek(self.backoff), out=self.known)
+        row["lr_staleness"] = int((self.known - versions).max())
+        row["lr"] = scaled_lr(self.lr_schedule, self.lr, row["lr_staleness"])
+        self.clock_count += 1
+        self.pusher.start(self.clock_count, versions, row["lr"], slot)
+
+    def _finish_row(self, row: dict) -> None:
+        row["t_end"] = self.clock()
+        row["staleness"] = -1
+        self.rows[self.clock_count] = row
+        self._read_notices()
 
     def _compute(self, step: int) -> tuple[float, float]:
         idx = torch.from_numpy(batch_indices(len(self.y), batch_size=self.batch_size, n_workers=self.n_workers,
@@ -117,10 +155,60 @@ class Worker:
             if note.flags & wire.GRANT:
                 self.grants[note.shard] += 1
             if note.flags & wire.RECEIPT:
-                got = self.receipts.setdefault(note.clock, [])
-                got.append((note.staleness, bool(note.flags & wire.DROPPED)))
+                self.receipts.setdefault(note.clock, []).append((note.staleness, bool(note.flags & wire.DROPPED)))
+                if not note.flags & wire.DROPPED:
+                    self.known[note.shard] = max(self.known[note.shard], note.version + 1)
         for clock in [c for c, got in self.receipts.items() if len(got) == n_shards and c in self.rows]:
             got = self.receipts.pop(clock)
             row = self.rows.pop(clock)
-            staleness = -1 if any(dropped for _, dropped in got) else max(s for s, _ in got)
-            self.recorder.add("workers/iterations", row[:9] + (staleness,) + row[10:])
+            row["staleness"] = -1 if any(dropped for _, dropped in got) else max(s for s, _ in got)
+            self.recorder.add("workers/iterations", tuple(row[name] for name in ITERATION.names))
+
+
+class EagerWorker(Worker):
+    """Decoupled push and pull (paradigm ``eager``); see the module docstring.
+
+    ``pusher`` must have two slots, ``send_buffers``: the gradient is copied
+    into slot ``k % 2`` and pushed from there, so a push may still be in
+    flight while the next gradient is computed.
+    """
+
+    #: the helper thread's pull, issued when computing started, already brings fresh versions
+    #: (and two threads must not lock the same window target at once)
+    peek_before_push = False
+
+    def __init__(self, *, send_buffers: list[np.ndarray], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.send_buffers = send_buffers
+        self.puller = EagerPuller(self.window, self.flat.size)
+
+    def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.puller.close()
+
+    def _run(self) -> int:
+        self.puller.request()
+        wait_until(self.puller.ready, self.backoff)
+        versions, stop, _ = self.puller.take(self.flat.params)
+        np.maximum(self.known, versions, out=self.known)
+        for step in range(self.steps):
+            if stop:
+                break
+            row = {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
+                   "wait_s": 0.0}
+            self.puller.request()  # the newest parameters, fetched (and refreshed) behind this computation
+            row["loss"], row["compute_s"] = self._compute(step)
+            slot = step % 2
+            t = time.perf_counter()
+            self._wait(lambda: self.pusher.test(slot))  # pushed two iterations ago: long gone, as a rule
+            np.copyto(self.send_buffers[slot], self.flat.grads)
+            self._push(versions, row, slot)
+            row["push_s"] = time.perf_counter() - t
+            row["pull_wait_s"] = self._wait(self.puller.ready)
+            versions, stop, row["pull_s"] = self.puller.take(self.flat.params)
+            np.maximum(self.known, versions, out=self.known)
+            self._finish_row(row)
+        self._leave()
+        return self.clock_count

@@ -14,44 +14,22 @@ shared machine are noise.
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-
-def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
+from benchlib import fmt, time_to, train
 
 
 def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float) -> dict:
-    cmd = [mpiexec(), "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm,
-           "--seed", str(seed), "--out", str(out), "--no-progress", *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_"))}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
-    with h5py.File(out) as f:
-        s, it = dict(f["summary"].attrs), f["workers/iterations"][()]
-        ev = f["eval"][()]
-    per_worker = [len(it[it["rank"] == r]) / (it["t_end"][it["rank"] == r].max()) for r in np.unique(it["rank"])]
-    hits = ev["t"][ev["accuracy"] >= target]
-    return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]),
-            "ttt": float(hits.min()) if len(hits) else float("nan"),
+    r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra])
+    it, s = r["it"], r["summary"]
+    per_worker = [len(it[it["rank"] == w]) / it["t_end"][it["rank"] == w].max() for w in np.unique(it["rank"])]
+    return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]), "ttt": time_to(r["ev"], target),
             "its": float(np.mean(per_worker)), "wait": float(it["wait_s"].mean() * 1e3),
             "stale": float(it["staleness"].mean())}
-
-
-def fmt(values: list[float], digits: int) -> str:
-    vals = [v for v in values if not math.isnan(v)]
-    if not vals:
-        return "never"
-    miss = f" ({len(values) - len(vals)} missed)" if len(vals) < len(values) else ""
-    return f"{np.mean(vals):.{digits}f} ± {np.std(vals):.{digits}f}{miss}"
 
 
 def main() -> None:

@@ -13,12 +13,17 @@ SCHEMA_VERSION = 1
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
 #: ``staleness``: server version at apply minus ``version`` (largest over
-#: shards; -1 if the gradient was dropped); ``wait_s``: blocked on the
-#: paradigm's grant; ``push_s``/``pull_s``: in the push and pull calls.
+#: shards; -1 if the gradient was dropped); ``lr_staleness``: the staleness
+#: the worker knew of when it pushed (newest version seen minus ``version``),
+#: from which ``lr`` was scaled; ``wait_s``: blocked on the paradigm's grant;
+#: ``push_s``: in push calls and waiting for a push to leave; ``pull_s``: the
+#: pull's own duration; ``pull_wait_s``: the part of it the worker waited for
+#: (equal to ``pull_s`` unless the pull overlapped compute, as in eager).
 ITERATION = np.dtype([
     ("rank", "i4"), ("step", "i8"), ("t_start", "f8"), ("t_end", "f8"),
     ("compute_s", "f8"), ("push_s", "f8"), ("pull_s", "f8"), ("wait_s", "f8"),
     ("version", "i8"), ("staleness", "i8"), ("lr", "f8"), ("loss", "f8"),
+    ("pull_wait_s", "f8"), ("lr_staleness", "i8"),
 ])
 
 #: ``/servers/updates``: one row per gradient per shard, applied or dropped.

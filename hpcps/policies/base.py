@@ -50,6 +50,10 @@ class Policy(ABC):
     worker_blocks: ClassVar[bool] = True
     #: whether the paradigm runs group servers (``--groups``)
     uses_groups: ClassVar[bool] = False
+    #: whether workers pull eagerly, behind their computation (hpcps.worker.EagerWorker)
+    eager_pull: ClassVar[bool] = False
+    #: ``--lr-staleness`` when the user gives none
+    default_lr_staleness: ClassVar[str] = "none"
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         if n_workers < 1:

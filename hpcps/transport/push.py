@@ -1,10 +1,12 @@
 """Pushes: worker-side persistent sends, server-side per-worker receives.
 
-The worker's gradient leaves straight from its flat gradient buffer (one
-persistent send per shard, no copy); the header travels in a separate small
-message ahead of it (format in :mod:`wire`). Buffer ownership: a started
-push owns the worker's gradient buffer until :meth:`Pusher.test` returns
-true; the worker must not run backward into it before then.
+A worker pushes from one of a ring of send *slots*: by default a single slot
+that is its flat gradient buffer itself (no copy), or several buffers it
+copies gradients into so that a push can still be in flight while the next
+backward runs (eager). Each slot has persistent sends per shard; the header
+travels in a separate small message ahead of the gradient (format in
+:mod:`wire`). Buffer ownership: a started push owns its slot's buffer until
+``test(slot)`` returns true.
 """
 
 from __future__ import annotations
@@ -19,33 +21,35 @@ from hpcps.transport import wire
 
 
 class Pusher:
-    """Worker side: sends ``grads`` (sliced by ``bounds``) to every shard."""
+    """Worker side: sends a slot's buffer (sliced by ``bounds``) to every shard."""
 
-    def __init__(self, comm: MPI.Comm, *, grads: np.ndarray, shard_ranks: Sequence[int],
+    def __init__(self, comm: MPI.Comm, *, buffers: Sequence[np.ndarray], shard_ranks: Sequence[int],
                  bounds: Sequence[tuple[int, int]], worker_rank: int) -> None:
         self.comm = comm
         self.worker_rank = worker_rank
         self.shard_ranks = list(shard_ranks)
-        self.headers = np.zeros((len(self.shard_ranks), wire.HEADER_LEN), np.int64)
-        self.requests: list[MPI.Prequest] = []
-        for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, bounds)):
-            self.requests.append(comm.Send_init(self.headers[s], dest=rank, tag=wire.TAG_PUSH_HEADER))
-            self.requests.append(comm.Send_init(grads[lo:hi], dest=rank, tag=wire.TAG_PUSH_DATA))
+        self.headers = np.zeros((len(buffers), len(self.shard_ranks), wire.HEADER_LEN), np.int64)
+        self.requests: list[list[MPI.Prequest]] = []
+        for slot, buf in enumerate(buffers):
+            reqs = []
+            for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, bounds)):
+                reqs.append(comm.Send_init(self.headers[slot, s], dest=rank, tag=wire.TAG_PUSH_HEADER))
+                reqs.append(comm.Send_init(buf[lo:hi], dest=rank, tag=wire.TAG_PUSH_DATA))
+            self.requests.append(reqs)
         self._done: list[tuple[MPI.Request, np.ndarray]] = []
-        self._started = False
 
-    def start(self, clock: int, versions: np.ndarray, lr: float) -> None:
-        """Begin pushing the gradient with ``clock``; ``versions[s]`` is shard s's version it used."""
-        if self._started and not self.test():
-            raise RuntimeError("push started while the previous one is still in flight")
+    def start(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0) -> None:
+        """Push ``slot``'s buffer as the gradient with ``clock``; ``versions[s]``: shard s's version it used."""
+        if not self.test(slot):
+            raise RuntimeError(f"push slot {slot} started while its previous push is still in flight")
         for s in range(len(self.shard_ranks)):
-            wire.encode_header(self.headers[s], wire.KIND_PUSH, self.worker_rank, clock, int(versions[s]), lr)
-        MPI.Prequest.Startall(self.requests)
-        self._started = True
+            wire.encode_header(self.headers[slot, s], wire.KIND_PUSH, self.worker_rank, clock, int(versions[s]), lr)
+        MPI.Prequest.Startall(self.requests[slot])
 
-    def test(self) -> bool:
-        """True once the last push's buffers may be reused."""
-        return MPI.Request.Testall(self.requests)
+    def test(self, slot: int | None = None) -> bool:
+        """True once ``slot``'s (default: every slot's) buffer may be reused."""
+        slots = self.requests if slot is None else [self.requests[slot]]
+        return all(MPI.Request.Testall(reqs) for reqs in slots)
 
     def start_done(self, clock: int) -> None:
         """Tell every shard this worker leaves after ``clock`` pushes (after any push in flight)."""
@@ -58,8 +62,9 @@ class Pusher:
         return MPI.Request.Testall([r for r, _ in self._done]) and self.test()
 
     def free(self) -> None:
-        for req in self.requests:
-            req.Free()
+        for reqs in self.requests:
+            for req in reqs:
+                req.Free()
         self.requests = []
 
 

@@ -84,12 +84,20 @@ class ParamWindow:
         Returns the shard versions (int64 array, one per shard) and whether
         any shard raised its stop flag. Waits politely.
         """
+        return self._read(out, backoff)
+
+    def peek(self, backoff: Backoff | None = None) -> np.ndarray:
+        """The current version of every shard (headers only: 64 bytes per shard)."""
+        return self._read(None, backoff)[0]
+
+    def _read(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
         win = self._live()
         requests = []
         for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, self.bounds)):
             win.Lock(rank, MPI.LOCK_SHARED)
             requests.append(win.Rget(self._heads[s], rank, (0, wire.WINDOW_HEADER_BYTES, MPI.BYTE)))
-            requests.append(win.Rget(out[lo:hi], rank, (wire.WINDOW_HEADER_BYTES, 4 * (hi - lo), MPI.BYTE)))
+            if out is not None:
+                requests.append(win.Rget(out[lo:hi], rank, (wire.WINDOW_HEADER_BYTES, 4 * (hi - lo), MPI.BYTE)))
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
         for rank in self.shard_ranks:
             win.Unlock(rank)

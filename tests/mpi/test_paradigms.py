@@ -9,7 +9,9 @@ from mpi4py import MPI
 from mpitest import clocks_at, share, train
 from hpcps.data import batch_indices, load_dataset
 from hpcps.flat import FlatParameters
+from hpcps.lr import scaled_lr
 from hpcps.models import build_model
+from hpcps.transport.poll import wait_until
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -107,7 +109,7 @@ def test_asp_fast_workers_never_wait_for_the_straggler(world, mpi_tmp_path):
 
 
 @pytest.mark.parametrize("servers", [1, 2])
-@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp", "dssp"])
+@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp", "dssp", "eager"])
 def test_nothing_lost(world, mpi_tmp_path, paradigm, servers):
     steps = 25
     _, t = train(mpi_tmp_path / f"{paradigm}{servers}.h5", paradigm=paradigm, servers=servers, steps=steps,
@@ -171,3 +173,56 @@ def test_compute_time_model_sets_each_workers_iteration_time(world, mpi_tmp_path
     assert all(facts[r] >= mean for r in (1, 2, 3))  # the sleep tops every real pass up to MEAN
     assert facts[4] >= 2.5 * mean  # ... times the worker's factor
     assert facts["applied"] == 4 * steps  # and the gradients are real and all applied
+
+
+
+@pytest.mark.parametrize("paradigm,schedule", [("eager", "inverse"), ("asp", "sqrt"), ("dssp", "exp")])
+def test_learning_rate_is_the_formula_of_the_known_staleness(world, mpi_tmp_path, paradigm, schedule):
+    _, t = train(mpi_tmp_path / f"lr-{paradigm}.h5", paradigm=paradigm, steps=30, lr=0.2,
+                 lr_staleness=schedule, slowdown=["4=2"])
+    facts = None
+    if world.rank == 0:
+        it = t["workers/iterations"]
+        expected = [scaled_lr(schedule, 0.2, int(s)) for s in it["lr_staleness"]]
+        facts = {"max_error": float(np.abs(it["lr"] - expected).max()),
+                 "known_le_server": bool((it["lr_staleness"] <= it["staleness"]).all()),
+                 "scaled": int((it["lr"] < 0.2).sum()), "rows": len(it)}
+    facts = share(world, facts)
+    assert facts["rows"] == 4 * 30 and facts["max_error"] == 0.0
+    assert facts["known_le_server"]  # what the worker knew is a lower bound of the staleness at apply
+    assert facts["scaled"] > 0  # some gradients really were stale and scaled down
+
+
+def test_single_eager_worker_matches_a_replay_of_its_own_record(world, mpi_tmp_path):
+    """One server + one eager worker: replay SGD from the recorded versions and learning rates."""
+    steps, batch, lr = 25, 16, 0.3
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    facts = None
+    if pair != MPI.COMM_NULL:
+        result, t = train(mpi_tmp_path / "eager1.h5", comm=pair, paradigm="eager", steps=steps, batch_size=batch,
+                          lr=lr, seed=3, compute_time=0.002)
+        if pair.rank == 0:
+            it = np.sort(t["workers/iterations"], order="step")
+            data = load_dataset("digits")
+            model = build_model("mlp", data.in_shape, data.n_classes, seed=3)
+            flat = FlatParameters(model)
+            x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+            history = [flat.params.copy()]  # parameters by server version
+            for row in it:
+                flat.params[:] = history[int(row["version"])]
+                idx = batch_indices(len(y), batch_size=batch, n_workers=1, worker=0, step=int(row["step"]), seed=3)
+                flat.zero_grad()
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                history.append(history[-1] - np.float32(row["lr"]) * flat.grads)
+            facts = {"max_diff": float(np.abs(result.params - history[-1]).max()),
+                     "ahead": int((it["version"] > it["step"]).sum()),
+                     "backwards": int((np.diff(it["version"]) < 0).sum()),
+                     "lr_ok": bool(np.all(it["lr"] == lr / (1 + it["lr_staleness"])))}
+        pair.Free()
+    wait_until(world.Ibarrier().Test)
+    facts = world.bcast(facts, root=0)
+    assert facts["lr_ok"]
+    # one worker: version k needs k applied gradients, so a step never runs ahead of its own
+    # pushes, and the snapshots it takes never go back in time
+    assert facts["ahead"] == 0 and facts["backwards"] == 0
+    assert facts["max_diff"] < 1e-5

@@ -1,0 +1,43 @@
+"""Shared helpers of the benchmarks in tools/: launch real jobs, read their metrics, format tables."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+
+def mpiexec() -> str:
+    """The mpiexec of this Python environment (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def train(np_: int, out: Path, options: list[str], timeout: float = 900) -> dict:
+    """Run ``mpiexec -n NP hpcps train --out OUT OPTIONS``; return the run's tables and summary."""
+    cmd = [mpiexec(), "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress",
+           *options]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_"))}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    with h5py.File(out) as f:
+        return {"it": f["workers/iterations"][()], "up": f["servers/updates"][()], "ev": f["eval"][()],
+                "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"])}
+
+
+def time_to(ev: np.ndarray, target: float) -> float:
+    hits = ev["t"][ev["accuracy"] >= target]
+    return float(hits.min()) if len(hits) else float("nan")
+
+
+def fmt(values: list[float], digits: int) -> str:
+    """mean ± standard deviation, ignoring NaN (runs that never got there), which are counted."""
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return "never"
+    miss = f" ({len(values) - len(vals)} missed)" if len(vals) < len(values) else ""
+    return f"{np.mean(vals):.{digits}f} ± {np.std(vals):.{digits}f}{miss}"

@@ -1,4 +1,4 @@
-"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun) and ``hpcps report`` (offline).
+"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun), ``hpcps report`` and ``hpcps jobs render``.
 
 Options are parsed before MPI starts; every flag can also come from a TOML
 file (``--config``), and flags given on the command line win. Bad input
@@ -105,6 +105,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", type=float, default=0.9, metavar="ACC",
                    help="accuracy whose first evaluation counts as time-to-target (default 0.9)")
     r.set_defaults(func=_report)
+
+    jobs = sub.add_parser("jobs", help="batch job scripts (Slurm, PBS, LSF, plain mpiexec)")
+    jsub = jobs.add_subparsers(dest="jobs_command", required=True, parser_class=_Parser)
+    j = jsub.add_parser("render", help="print a ready batch script",
+                        usage="hpcps jobs render {slurm,pbs,lsf,mpiexec} [options] -- [hpcps train options]",
+                        description="Print a batch script that runs hpcps train with the options after --, "
+                                    "unchanged. Example: hpcps jobs render slurm --nodes 2 --ntasks-per-node 4 "
+                                    "--gpus-per-node 4 -- --paradigm dssp --steps 1000 > job.sbatch")
+    j.add_argument("scheduler", choices=["slurm", "pbs", "lsf", "mpiexec"])
+    j.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    j.add_argument("--ntasks-per-node", type=int, default=5, dest="ntasks_per_node",
+                   help="MPI ranks per node (default 5)")
+    j.add_argument("--gpus-per-node", type=int, default=0, dest="gpus_per_node", help="GPUs per node (default 0)")
+    j.add_argument("--cpus-per-task", type=int, default=1, dest="cpus_per_task",
+                   help="cores per rank; also OMP_NUM_THREADS (default 1)")
+    j.add_argument("--time", default="01:00:00", metavar="HH:MM:SS", help="wall time (default 01:00:00)")
+    j.add_argument("--partition", metavar="P", help="partition (Slurm) or queue (PBS, LSF)")
+    j.add_argument("--account", metavar="A", help="account (Slurm, PBS) or project (LSF) to charge")
+    j.add_argument("--setup", action="append", default=[], metavar="LINE",
+                   help="a shell line run before the launch, e.g. 'module load openmpi' (repeatable)")
+    j.add_argument("--mpi", metavar="PLUGIN", help="Slurm: srun --mpi plugin, e.g. pmi2 (MPICH) or pmix "
+                                                  "(Open MPI); default: the site's MpiDefault")
+    j.add_argument("--name", default="hpcps", help="job name, also in output file names (default hpcps)")
+    j.set_defaults(func=_jobs_render, train_args=[])  # the hpcps train options after --: see main()
     return parser
 
 
@@ -113,12 +137,19 @@ def _train(args: argparse.Namespace) -> int:
 
     from hpcps.agree import agree
     from hpcps.config import make_config
+    from hpcps.launcher import check_world
     from hpcps.log import setup_logging
     from hpcps.run import run_training
 
     comm = MPI.COMM_WORLD
     log = setup_logging(comm.rank)
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    try:
+        check_world(comm.size)
+    except UserError as exc:
+        if launcher_rank() == 0:
+            print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "command_line")}
     try:
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
         result = run_training(cfg, comm)
@@ -149,6 +180,29 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jobs_render(args: argparse.Namespace) -> int:
+    import shlex
+
+    from hpcps.jobs import JobSpec, render
+
+    spec = JobSpec(**{k: v for k, v in vars(args).items()
+                      if k not in ("command", "jobs_command", "func", "command_line")})
+    try:
+        sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))
+    except UserError as exc:
+        print(f"hpcps: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    original, passthrough = list(argv), None
+    if argv[:2] == ["jobs", "render"] and "--" in argv:  # everything after -- belongs to hpcps train
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if passthrough is not None:
+        args.train_args = passthrough
+    args.command_line = original
     return args.func(args)

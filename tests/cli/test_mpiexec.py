@@ -4,6 +4,7 @@ A deadlock makes ``subprocess.run`` time out, the test kills the job and
 fails; nothing here can hang the suite.
 """
 
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,12 @@ def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
 def test_module_entry_point_and_version():
     proc = subprocess.run([sys.executable, "-m", "hpcps", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("hpcps ")
+
+
+def test_launcher_with_several_tasks_but_a_world_of_one_fails_naming_the_fix(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "SLURM_"))}
+    env["SLURM_STEP_NUM_TASKS"] = "4"  # what srun without the right --mpi plugin leaves each task with
+    proc = subprocess.run([sys.executable, "-m", "hpcps", "train", "--out", str(tmp_path / "x.h5")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "srun started 4 tasks but MPI sees a world of 1" in proc.stderr and "--mpi=pmi2" in proc.stderr

@@ -1,0 +1,82 @@
+"""``hpcps jobs render``: batch scripts for Slurm, PBS, LSF and plain mpiexec.
+
+The templates are Jinja2 files shipped in ``hpcps/templates/``. Every script
+sets up the environment (``--setup`` lines: modules, venv activation), sets
+``OMP_NUM_THREADS``, makes a per-job run directory named with the job id
+(``runs/<jobid>``) and launches ``hpcps train`` with the options given after
+``--``, unchanged. Without an ``--out`` among them the metrics go to
+``$RUN_DIR/metrics.h5``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from importlib import resources
+
+import jinja2
+
+from hpcps.errors import UserError
+
+SCHEDULERS = {"slurm": "job.sbatch", "pbs": "job.pbs", "lsf": "job.lsf", "mpiexec": "job.sh"}
+_TIME = re.compile(r"^(\d+):([0-5]\d):([0-5]\d)$")
+
+
+@dataclass
+class JobSpec:
+    """What a batch script asks for; the options of ``hpcps jobs render``."""
+
+    scheduler: str
+    nodes: int = 1
+    ntasks_per_node: int = 5
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    setup: list[str] = field(default_factory=list)
+    mpi: str | None = None
+    name: str = "hpcps"
+    train_args: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise UserError(f"unknown scheduler {self.scheduler!r} (known: {', '.join(SCHEDULERS)})")
+        for opt in ("nodes", "ntasks_per_node", "cpus_per_task"):
+            if getattr(self, opt) < 1:
+                raise UserError(f"--{opt.replace('_', '-')} must be at least 1 (got {getattr(self, opt)})")
+        if self.gpus_per_node < 0:
+            raise UserError(f"--gpus-per-node must be 0 or more (got {self.gpus_per_node})")
+        if not _TIME.match(self.time):
+            raise UserError(f"--time {self.time!r}: expected HH:MM:SS, e.g. 02:30:00")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise UserError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-'")
+
+
+def lsf_minutes(hh_mm_ss: str) -> str:
+    """LSF's ``-W [hours:]minutes`` from HH:MM:SS, seconds rounded up."""
+    h, m, s = (int(x) for x in _TIME.match(hh_mm_ss).groups())
+    total = h * 60 + m + (s > 0)
+    return f"{total // 60}:{total % 60:02d}"
+
+
+def launch_args(train_args: list[str]) -> str:
+    """The ``hpcps train`` options, shell-quoted, with a per-job ``--out`` unless one is given."""
+    args = [a for a in train_args if a != "--"] if train_args[:1] == ["--"] else list(train_args)
+    quoted = shlex.join(args)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        quoted = (quoted + " " if quoted else "") + '--out "$RUN_DIR/metrics.h5"'
+    return quoted
+
+
+def render(spec: JobSpec, *, command: str = "hpcps jobs render") -> str:
+    """The batch script for ``spec``."""
+    spec.validate()
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    text = resources.files("hpcps").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
+    return env.from_string(text).render(
+        **{k: v for k, v in vars(spec).items() if k != "train_args"},
+        train_args=launch_args(spec.train_args), hpcps="hpcps", lsf_time=lsf_minutes(spec.time),
+        script_name=SCHEDULERS[spec.scheduler], command=command,
+    )

@@ -1,0 +1,102 @@
+"""Batch scripts: rendering, shell validity, options passed through unchanged; launcher checks."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcps.cli import main
+from hpcps.errors import UserError
+from hpcps.jobs import SCHEDULERS, JobSpec, launch_args, lsf_minutes, render
+from hpcps.launcher import check_world, launched_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ["--paradigm", "dssp", "--slowdown", "4=3", "--dataset", "my data.h5"]
+
+
+def _spec(scheduler, **kw):
+    return JobSpec(scheduler, nodes=2, ntasks_per_node=4, gpus_per_node=4, time="02:30:00", partition="gpu",
+                   account="proj1", setup=["module load openmpi", "source ~/venv/bin/activate"], mpi="pmix",
+                   train_args=TRAIN, **kw)
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_scripts_are_valid_bash_and_pass_shellcheck(tmp_path, scheduler):
+    script = tmp_path / "job.sh"
+    script.write_text(render(_spec(scheduler)))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (apt-get install shellcheck); bash -n passed")
+    check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.parametrize("scheduler,launch", [("slurm", "srun --mpi=pmix hpcps train"), ("pbs", "mpiexec -n 8 hpcps train"),
+                                              ("lsf", "mpirun -n 8 hpcps train"), ("mpiexec", "mpiexec -n 8 hpcps train")])
+def test_train_options_reach_the_launch_line_unchanged(scheduler, launch):
+    text = render(_spec(scheduler))
+    line = next(l for l in text.splitlines() if l.startswith(launch))
+    assert line == f"{launch} --paradigm dssp --slowdown 4=3 --dataset 'my data.h5' --out \"$RUN_DIR/metrics.h5\""
+    assert "module load openmpi" in text and "export OMP_NUM_THREADS" in text and "runs/" in text
+
+
+def test_resources_appear_in_each_dialect():
+    slurm, pbs, lsf = (render(_spec(s)) for s in ("slurm", "pbs", "lsf"))
+    for needle in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--time=02:30:00",
+                   "--partition=gpu", "--account=proj1", "${SLURM_JOB_ID}"):
+        assert needle in slurm
+    for needle in ("select=2:ncpus=4:mpiprocs=4:ngpus=4", "walltime=02:30:00", "#PBS -q gpu", "#PBS -A proj1"):
+        assert needle in pbs
+    for needle in ("#BSUB -n 8", "span[ptile=4]", 'num=4"', "#BSUB -W 2:30", "#BSUB -q gpu", "#BSUB -P proj1"):
+        assert needle in lsf
+
+
+def test_a_given_out_is_kept_and_no_mpi_plugin_means_the_site_default():
+    text = render(JobSpec("slurm", train_args=["--out", "X.h5"]))
+    assert "srun hpcps train --out X.h5\n" in text
+    assert launch_args([]) == '--out "$RUN_DIR/metrics.h5"'
+
+
+def test_bad_job_options_are_named():
+    with pytest.raises(UserError, match=r"--time '2h': expected HH:MM:SS"):
+        render(JobSpec("slurm", time="2h"))
+    with pytest.raises(UserError, match=r"--nodes must be at least 1"):
+        render(JobSpec("pbs", nodes=0))
+    assert lsf_minutes("00:00:01") == "0:01" and lsf_minutes("26:59:59") == "27:00"
+
+
+def test_cli_render_passes_everything_after_the_double_dash(capsys):
+    assert main(["jobs", "render", "slurm", "--nodes", "3", "--", "--paradigm", "bsp", "--nodes-x"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=3" in out and "srun hpcps train --paradigm bsp --nodes-x --out" in out
+    assert "# Rendered by: hpcps jobs render slurm --nodes 3 -- --paradigm bsp --nodes-x" in out
+
+
+EXAMPLES = {
+    "slurm-2node-gpu.sbatch": ["jobs", "render", "slurm", "--nodes", "2", "--ntasks-per-node", "4",
+                               "--gpus-per-node", "4", "--time", "02:00:00", "--partition", "gpu",
+                               "--account", "myproject", "--setup", "module load openmpi",
+                               "--setup", "source \"$HOME/venvs/hpcps/bin/activate\"", "--mpi", "pmix", "--",
+                               "--paradigm", "dssp", "--servers", "1", "--steps", "2000"],
+    "pbs.pbs": ["jobs", "render", "pbs", "--nodes", "2", "--ntasks-per-node", "4", "--", "--paradigm", "ssp"],
+    "lsf.lsf": ["jobs", "render", "lsf", "--nodes", "2", "--ntasks-per-node", "4", "--", "--paradigm", "asp"],
+    "mpiexec.sh": ["jobs", "render", "mpiexec", "--ntasks-per-node", "5", "--", "--paradigm", "bsp"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_shipped_examples_are_what_render_prints(name, capsys):
+    assert main(EXAMPLES[name]) == 0
+    assert (ROOT / "jobs" / name).read_text() == capsys.readouterr().out, f"re-render jobs/{name}"
+
+
+def test_launcher_mismatch_is_detected_with_the_fix():
+    assert launched_tasks({"SLURM_STEP_NUM_TASKS": "4"}) == ("srun", 4)
+    with pytest.raises(UserError, match=r"srun started 4 tasks but MPI sees a world of 1.*srun --mpi=pmi2"):
+        check_world(1, {"SLURM_STEP_NUM_TASKS": "4"})
+    with pytest.raises(UserError, match=r"mpiexec started 3 tasks.*different MPI"):
+        check_world(1, {"PMI_SIZE": "3"})
+    check_world(4, {"SLURM_STEP_NUM_TASKS": "4"})  # wired right
+    check_world(1, {"SLURM_NTASKS": "8"})  # a batch shell, not a step: nothing to say
+    check_world(1, {})

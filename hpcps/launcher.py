@@ -10,8 +10,14 @@ check that job would run N independent single-rank trainings.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
 from hpcps.errors import UserError
+
+#: prefixes of the variables a launcher leaves in a rank's environment
+LAUNCHER_VAR_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "SLURM_")
 
 #: (environment variable, launcher) pairs that announce the number of tasks started
 _TASK_VARS = (
@@ -45,3 +51,16 @@ def check_world(world_size: int, environ=os.environ) -> None:
                "that MPI's launcher (python -c 'import mpi4py; print(mpi4py.get_config())' tells which)")
     raise UserError(f"{launcher} started {n} tasks but MPI sees a world of 1 in each: every task would train "
                     f"alone. {fix}")
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec beside this Python (the mpich wheel's, matching mpi4py), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def clean_environ(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables, for starting a new job from inside one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VAR_PREFIXES)}
+    env.update(extra)
+    return env

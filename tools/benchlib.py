@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,19 +10,14 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-
-def mpiexec() -> str:
-    """The mpiexec of this Python environment (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
+from hpcps.launcher import clean_environ, find_mpiexec
 
 
 def train(np_: int, out: Path, options: list[str], timeout: float = 900) -> dict:
     """Run ``mpiexec -n NP hpcps train --out OUT OPTIONS``; return the run's tables and summary."""
-    cmd = [mpiexec(), "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress",
+    cmd = [find_mpiexec() or "mpiexec", "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress",
            *options]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_"))}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    subprocess.run(cmd, check=True, env=clean_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
     with h5py.File(out) as f:
         return {"it": f["workers/iterations"][()], "up": f["servers/updates"][()], "ev": f["eval"][()],
                 "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"])}

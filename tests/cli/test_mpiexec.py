@@ -4,13 +4,13 @@ A deadlock makes ``subprocess.run`` time out, the test kills the job and
 fails; nothing here can hang the suite.
 """
 
-import os
 import subprocess
 import sys
 
 import h5py
 import pytest
 
+from hpcps.launcher import clean_environ
 from launching import launch, needs_mpiexec
 
 pytestmark = needs_mpiexec
@@ -58,8 +58,7 @@ def test_module_entry_point_and_version():
 
 
 def test_launcher_with_several_tasks_but_a_world_of_one_fails_naming_the_fix(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "SLURM_"))}
-    env["SLURM_STEP_NUM_TASKS"] = "4"  # what srun without the right --mpi plugin leaves each task with
+    env = clean_environ(SLURM_STEP_NUM_TASKS="4")  # what srun without the right --mpi plugin leaves each task
     proc = subprocess.run([sys.executable, "-m", "hpcps", "train", "--out", str(tmp_path / "x.h5")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

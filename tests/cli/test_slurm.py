@@ -14,6 +14,8 @@ from pathlib import Path
 import h5py
 import pytest
 
+from hpcps.launcher import clean_environ
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slurm
 
@@ -33,9 +35,7 @@ def cluster():
 
 def _env():
     """The job must find this Python environment's hpcps and mpiexec."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "SLURM_"))}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    return env
+    return clean_environ(PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
 
 
 def test_rendered_slurm_job_runs_and_writes_a_valid_run_file(cluster, tmp_path):

@@ -47,7 +47,7 @@ from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
 from hpcps.topology import Topology
 from hpcps.transport.notices import NoticeBox, Notifier
-from hpcps.transport.poll import Backoff, wait_until
+from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
 from hpcps.worker import EagerWorker, Worker
@@ -139,7 +139,7 @@ class _Run:
             log.info("%s on %s; model %s (%d parameters), %s (%d train / %d test), %d steps per worker",
                      self.cfg.paradigm, self.layout.describe(), self.cfg.model, self.flat.size,
                      self.data.name, len(self.data.y_train), len(self.data.y_test), self.steps)
-        comm.Barrier()
+        polite_barrier(comm, Backoff(cap=1e-4))  # the common start: ranks leave it within ~0.1 ms
         self.t0 = time.perf_counter()
         if topo.role is Role.SERVER:
             self._serve(window, master, recorder)
@@ -147,8 +147,7 @@ class _Run:
             self._work(window, recorder)
         wall_s = self.clock()
         recorder.close(self.backoff)
-        barrier = comm.Ibarrier()
-        wait_until(barrier.Test, self.backoff)
+        polite_barrier(comm, self.backoff)
         window.free()
         return self._finish(runfile, wall_s) if comm.rank == 0 else None
 

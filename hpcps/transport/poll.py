@@ -46,3 +46,8 @@ def wait_until(test: Callable[[], bool], backoff: Backoff | None = None) -> floa
         backoff.pause()
         if test():
             return time.perf_counter() - start
+
+
+def polite_barrier(comm, backoff: Backoff | None = None) -> float:
+    """A barrier on ``comm`` that polls ``Ibarrier`` instead of spinning; returns seconds waited."""
+    return wait_until(comm.Ibarrier().Test, backoff)

@@ -11,7 +11,7 @@ from hpcps.data import batch_indices, load_dataset
 from hpcps.flat import FlatParameters
 from hpcps.lr import scaled_lr
 from hpcps.models import build_model
-from hpcps.transport.poll import wait_until
+from hpcps.transport.poll import polite_barrier
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -219,7 +219,7 @@ def test_single_eager_worker_matches_a_replay_of_its_own_record(world, mpi_tmp_p
                      "backwards": int((np.diff(it["version"]) < 0).sum()),
                      "lr_ok": bool(np.all(it["lr"] == lr / (1 + it["lr_staleness"])))}
         pair.Free()
-    wait_until(world.Ibarrier().Test)
+    polite_barrier(world)
     facts = world.bcast(facts, root=0)
     assert facts["lr_ok"]
     # one worker: version k needs k applied gradients, so a step never runs ahead of its own

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from mpitest import share
 from hpcps.layout import shard_bounds
 from hpcps.server import apply_update
-from hpcps.transport.poll import Backoff, wait_until
+from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.window import ParamWindow
 
 pytestmark = pytest.mark.mpi(min_size=5)
@@ -43,7 +43,7 @@ def test_pulls_never_return_a_torn_snapshot(world):
             for s, (a, b) in enumerate(bounds):
                 bad += int(not np.all(out[a:b] == versions[s]))
                 seen.add(int(versions[s]))
-        wait_until(world.Ibarrier().Test)
+        polite_barrier(world)
     window.free()
     facts = share(world, {"bad": world.reduce(bad, root=0),
                           "distinct": world.reduce(len(seen), root=0)})
@@ -74,7 +74,7 @@ def _pull_latency(comm, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40
             times.append(time.perf_counter() - t)
             time.sleep(0.002)
         median = float(np.median(times))
-        wait_until(comm.Ibarrier().Test)
+        polite_barrier(comm)
     window.free()
     return median
 
@@ -86,7 +86,7 @@ def test_pulls_stay_fast_while_the_server_applies_updates(world):
     if pair != MPI.COMM_NULL:
         results = (_pull_latency(pair, monolithic=False), _pull_latency(pair, monolithic=True))
         pair.Free()
-    wait_until(world.Ibarrier().Test)  # idle ranks must not spin in a blocking collective meanwhile
+    polite_barrier(world)  # idle ranks must not spin in a blocking collective meanwhile
     facts = world.bcast(results, root=1)
     chunked, monolithic = facts
     print(f"median pull while busy: chunked {chunked * 1e3:.2f} ms, monolithic {monolithic * 1e3:.2f} ms")

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")
     g.add_argument("--device", help="auto or cpu (default auto; GPU training is not in this release)")
     g.add_argument("--threads", type=int, help="torch threads per rank (default 1)")
+    g = t.add_argument_group("failures")
+    g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
+                                       "worker pushes a gradient with NaN or Inf (default skip)")
+    g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
+                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise or exit (repeatable)")
     g = t.add_argument_group("output")
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",
@@ -137,6 +142,8 @@ def _train(args: argparse.Namespace) -> int:
 
     from hpcps.agree import agree
     from hpcps.config import make_config
+    from hpcps.errors import RunAborted
+    from hpcps.faults import InjectedFault
     from hpcps.launcher import check_world
     from hpcps.log import setup_logging
     from hpcps.run import run_training
@@ -157,8 +164,11 @@ def _train(args: argparse.Namespace) -> int:
         if comm.rank == 0:
             print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except Exception:
-        log.exception("rank %d failed; aborting the job", comm.rank)
+    except Exception as exc:
+        print(f"hpcps: error: rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank",
+              file=sys.stderr, flush=True)
+        if not isinstance(exc, (RunAborted, InjectedFault)):
+            log.exception("rank %d failed", comm.rank)
         comm.Abort(1)
     if result is not None:
         s = result.summary

@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpcps.errors import UserError
+from hpcps.faults import parse_fault
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,6 +54,8 @@ class TrainConfig(BaseModel):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     threads: int = Field(1, ge=1)
     progress: bool = True
+    nonfinite: Literal["skip", "abort"] = "skip"
+    fault: list[str] = Field(default_factory=list)
 
     @field_validator("slowdown", mode="before")
     @classmethod
@@ -67,6 +70,13 @@ class TrainConfig(BaseModel):
         for rank, factor in value.items():
             if not factor >= 1.0:
                 raise ValueError(f"{rank}={factor}: FACTOR must be a number >= 1 (how many times slower)")
+        return value
+
+    @field_validator("fault")
+    @classmethod
+    def _check_faults(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            parse_fault(spec)
         return value
 
     @model_validator(mode="after")

@@ -9,3 +9,11 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+class RunAborted(RuntimeError):
+    """A run that must end on every rank (e.g. a non-finite gradient under ``--nonfinite abort``).
+
+    The rank that raises it prints one line and calls ``MPI_Abort``; the
+    metrics recorded so far stay in the run file.
+    """

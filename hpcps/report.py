@@ -56,7 +56,8 @@ class Run:
 def load_run(path: str | os.PathLike) -> Run:
     path = Path(path)
     try:
-        with h5py.File(path, "r") as f:
+        # no HDF5 file lock: the file may belong to a job that is still running or has just crashed
+        with h5py.File(path, "r", locking=False) as f:
             return Run(name=path.stem, paradigm=str(f.attrs["paradigm"]),
                        config=json.loads(f.attrs["config"]),
                        iterations=f["workers/iterations"][()], updates=f["servers/updates"][()],

@@ -36,6 +36,7 @@ from hpcps.data import Dataset, batches_per_epoch, load_dataset
 from hpcps.emulation import ComputeTime
 from hpcps.errors import UserError
 from hpcps.evaluator import Evaluator
+from hpcps.faults import parse_fault
 from hpcps.flat import FlatParameters
 from hpcps.layout import Layout, Role, shard_bounds
 from hpcps.log import setup_logging
@@ -75,6 +76,10 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.groups and not cls.uses_groups:
         raise UserError(f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers")
     workers = f"ranks {layout.first_worker}-{world_size - 1}"
+    for fault in map(parse_fault, cfg.fault):
+        if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
+            raise UserError(f"--fault {fault.kind}@{fault.rank}:{fault.step}: rank {fault.rank} is not a worker "
+                            f"(workers are {workers})")
     for rank in cfg.slowdown:
         if not 0 <= rank < world_size:
             raise UserError(f"--slowdown {rank}=...: no rank {rank} in a world of {world_size} (workers are {workers})")
@@ -141,10 +146,17 @@ class _Run:
                      self.data.name, len(self.data.y_train), len(self.data.y_test), self.steps)
         polite_barrier(comm, Backoff(cap=1e-4))  # the common start: ranks leave it within ~0.1 ms
         self.t0 = time.perf_counter()
-        if topo.role is Role.SERVER:
-            self._serve(window, master, recorder)
-        elif topo.role is Role.WORKER:
-            self._work(window, recorder)
+        try:
+            if topo.role is Role.SERVER:
+                self._serve(window, master, recorder)
+            elif topo.role is Role.WORKER:
+                self._work(window, recorder)
+        except BaseException:
+            if runfile is not None:  # keep what rank 0 has recorded before the job is aborted
+                recorder.drain()
+                recorder.flush()
+                runfile.close()
+            raise
         wall_s = self.clock()
         recorder.close(self.backoff)
         polite_barrier(comm, self.backoff)
@@ -185,6 +197,7 @@ class _Run:
             shard=topo.rank, rank=topo.rank, policy=make_policy(cfg.paradigm, layout.n_workers, staleness=cfg.staleness,
                                                          staleness_max=cfg.s_hi),
             inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
+            abort_on_nonfinite=cfg.nonfinite == "abort",
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
@@ -210,6 +223,7 @@ class _Run:
                      lr_schedule=cfg.lr_staleness or policy.default_lr_staleness,
                      compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter,
                                               cfg.jitter_cv),
+                     faults=[f for f in map(parse_fault, cfg.fault) if f.rank == topo.rank],
                      backoff=self.backoff, **extra).run()
         pusher.free()
         notices.free()

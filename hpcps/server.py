@@ -6,6 +6,11 @@ only when nothing is happening. Passive-target RMA in MPICH is served only
 while the target is inside MPI, so this is what keeps pulls fast while the
 server is busy.
 
+A gradient with NaN or Inf is never applied: it is recorded as dropped
+(reason 1), its worker gets a receipt marked ``DROPPED``, and a group it was
+part of is averaged over the others; under ``--nonfinite abort`` the shard
+raises :class:`RunAborted` instead.
+
 Order of one step, and why: apply the updates the policy names, publish the
 new parameters, *then* send receipts and grants. A granted worker pulls
 after it sees its grant, so it always sees the version the grant promised.
@@ -18,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from hpcps.errors import RunAborted
 from hpcps.policies import Decision, Policy
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
@@ -55,7 +61,7 @@ class ShardServer:
                  window: ParamWindow, master: np.ndarray, worker_ranks: Sequence[int], recorder,
                  clock: Callable[[], float], progress: Callable[[], object],
                  side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
-                 backoff: Backoff | None = None) -> None:
+                 abort_on_nonfinite: bool = False, backoff: Backoff | None = None) -> None:
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -71,6 +77,7 @@ class ShardServer:
         self.progress = progress
         self.side_tasks = list(side_tasks)
         self.on_applied = on_applied
+        self.abort_on_nonfinite = abort_on_nonfinite
         self.backoff = backoff or Backoff()
         self.version = 0
         self.pending: dict[int, PushEvent] = {}
@@ -110,21 +117,36 @@ class ShardServer:
     def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
         for group in decision.updates:
             pushes = [self.pending.pop(w) for w in group]
-            apply_update(self.master_t, [self.grads_t[p.worker] for p in pushes],
-                         [p.lr / len(pushes) for p in pushes], progress=self.progress)
+            finite = [p for p in pushes if self._finite(p)]
+            if finite:
+                apply_update(self.master_t, [self.grads_t[p.worker] for p in finite],
+                             [p.lr / len(finite) for p in finite], progress=self.progress)
             t = self.clock()
             for p in pushes:
-                staleness = self.version - p.version
+                applied = p in finite
+                staleness = self.version - p.version if applied else -1
                 self.recorder.add("servers/updates", (
                     self.rank, self.shard, t, self.worker_ranks[p.worker], p.clock,
-                    self.version, staleness, self.policy.threshold(p.worker), 1, 0))
-                _note(notices, p.worker, wire.RECEIPT, p.clock, self.version, staleness)
+                    self.version, staleness, self.policy.threshold(p.worker), int(applied), 0 if applied else 1))
+                flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
+                _note(notices, p.worker, flags, p.clock, self.version, staleness)
                 self.inbox.release(p.worker)
-            self.version += 1
+            if finite:
+                self.version += 1
             if self.on_applied is not None:
                 self.on_applied(len(pushes))
         for w in decision.grants:
             _note(notices, w, wire.GRANT)
+
+
+    def _finite(self, push: PushEvent) -> bool:
+        """Whether a gradient may be applied; a non-finite one is dropped, or ends the run."""
+        if bool(torch.isfinite(self.grads_t[push.worker]).all()):
+            return True
+        if self.abort_on_nonfinite:
+            raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "
+                             f"(its gradient {push.clock}) and --nonfinite is abort")
+        return False
 
 
 def _note(notices: dict[int, list[int]], worker: int, flag: int, *fields: int) -> None:

@@ -30,6 +30,7 @@ said ``BYE``, so no message is left unreceived.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 from hpcps.data import Dataset, batch_indices
 from hpcps.emulation import ComputeTime
+from hpcps.faults import Fault, InjectedFault
 from hpcps.flat import FlatParameters
 from hpcps.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
@@ -61,7 +63,8 @@ class Worker:
                  flat: FlatParameters, data: Dataset, window: ParamWindow, pusher: Pusher,
                  notices: NoticeBox, blocks: bool, recorder, clock: Callable[[], float],
                  steps: int, lr: float, batch_size: int, seed: int, lr_schedule: str = "none",
-                 compute_time: ComputeTime | None = None, backoff: Backoff | None = None) -> None:
+                 compute_time: ComputeTime | None = None, faults: list[Fault] = (),
+                 backoff: Backoff | None = None) -> None:
         self.rank, self.index, self.n_workers = rank, index, n_workers
         self.model, self.flat, self.data = model, flat, data
         self.window, self.pusher, self.notices = window, pusher, notices
@@ -71,6 +74,7 @@ class Worker:
         self.steps, self.lr, self.batch_size, self.seed = steps, lr, batch_size, seed
         self.lr_schedule = lr_schedule
         self.compute_time = compute_time or ComputeTime()
+        self.faults = {f.step: f for f in faults}
         self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
         self.x = torch.from_numpy(data.x_train)
@@ -134,7 +138,19 @@ class Worker:
         pause = self.compute_time.sleep_after(time.perf_counter() - t, self.rng)
         if pause > 0.0:
             time.sleep(pause)
+        if step in self.faults:
+            self._inject(self.faults[step])
         return float(loss.detach()), time.perf_counter() - t
+
+    def _inject(self, fault: Fault) -> None:
+        """``--fault``: poison the gradient, raise, or die (see hpcps.faults)."""
+        if fault.kind == "nan":
+            self.flat.grads[:: max(1, self.flat.size // 7)] = np.nan
+        elif fault.kind == "raise":
+            raise InjectedFault(f"injected fault at step {fault.step}")
+        else:
+            self.recorder.flush()
+            os._exit(3)
 
     def _leave(self) -> None:
         self.pusher.start_done(self.clock_count)

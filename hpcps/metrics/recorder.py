@@ -51,7 +51,7 @@ class _Buffer:
 class ForwardingRecorder:
     """Any rank but 0: batch rows and send them to rank 0."""
 
-    def __init__(self, comm: MPI.Comm, *, batch_rows: int = 256, interval: float = 1.0) -> None:
+    def __init__(self, comm: MPI.Comm, *, batch_rows: int = 256, interval: float = 0.25) -> None:
         self.comm = comm
         self.buffer = _Buffer(batch_rows, interval)
         self._sends: list[MPI.Request] = []
@@ -77,7 +77,7 @@ class ForwardingRecorder:
 class FileRecorder:
     """Rank 0: own rows straight to the file; other ranks' batches via :meth:`drain`."""
 
-    def __init__(self, comm: MPI.Comm, runfile: RunFile, *, interval: float = 1.0) -> None:
+    def __init__(self, comm: MPI.Comm, runfile: RunFile, *, interval: float = 0.25) -> None:
         self.comm = comm
         self.file = runfile
         self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)

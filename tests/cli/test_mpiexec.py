@@ -63,3 +63,22 @@ def test_launcher_with_several_tasks_but_a_world_of_one_fails_naming_the_fix(tmp
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "srun started 4 tasks but MPI sees a world of 1" in proc.stderr and "--mpi=pmi2" in proc.stderr
+
+
+@pytest.mark.parametrize("fault,message", [
+    (["--nonfinite", "abort", "--fault", "nan@2:60"], "rank 0 failed: RunAborted: worker rank 2 pushed a non-finite"),
+    (["--fault", "raise@3:60"], "rank 3 failed: InjectedFault"),
+    (["--fault", "exit@3:60"], None),  # a rank that dies: mpiexec ends the job
+])
+def test_a_failing_rank_ends_the_job_promptly_and_keeps_the_metrics(tmp_path, fault, message):
+    out = tmp_path / "x.h5"
+    proc = hpcps(5, "train", "--paradigm", "asp", "--steps", "400", "--compute-time", "0.005", "--out", str(out),
+                 *fault, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcps: error:")]
+    if message is not None:
+        assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    # readable (without HDF5's lock: rank 0 may still be exiting), with what was recorded before the failure
+    with h5py.File(out, "r", locking=False) as f:
+        assert len(f["workers/iterations"]) > 0 and len(f["servers/updates"]) > 0
+        assert f["workers/iterations"]["step"].max() < 400

@@ -226,3 +226,23 @@ def test_single_eager_worker_matches_a_replay_of_its_own_record(world, mpi_tmp_p
     # pushes, and the snapshots it takes never go back in time
     assert facts["ahead"] == 0 and facts["backwards"] == 0
     assert facts["max_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("paradigm", ["bsp", "asp"])
+def test_nonfinite_gradient_is_dropped_with_a_reason_never_applied(world, mpi_tmp_path, paradigm):
+    steps = 20
+    result, t = train(mpi_tmp_path / f"nan-{paradigm}.h5", paradigm=paradigm, steps=steps, fault=["nan@2:5"])
+    facts = None
+    if world.rank == 0:
+        up, it, s = t["servers/updates"], t["workers/iterations"], t["summary"]
+        dropped = up[up["applied"] == 0]
+        facts = {"dropped": [(int(r["worker"]), int(r["worker_clock"]), int(r["reason"])) for r in dropped],
+                 "counts": (int(s["gradients_pushed"]), int(s["gradients_applied"]), int(s["gradients_dropped"])),
+                 "worker_row": int(it["staleness"][(it["rank"] == 2) & (it["step"] == 5)][0]),
+                 "versions": int(up["version"].max()) + 1, "finite": bool(np.isfinite(result.params).all())}
+    facts = share(world, facts)
+    assert facts["dropped"] == [(2, 6, 1)]  # worker rank 2's 6th gradient, reason 1: non-finite
+    assert facts["counts"] == (4 * steps, 4 * steps - 1, 1)
+    assert facts["worker_row"] == -1 and facts["finite"]
+    # BSP still closes every round (averaging the three others); ASP loses that one version
+    assert facts["versions"] == (steps if paradigm == "bsp" else 4 * steps - 1)

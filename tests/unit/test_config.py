@@ -36,6 +36,9 @@ def test_slowdown_flags_parse_rank_equals_factor():
     ({"jitter": "lognormal"}, r"--jitter needs --compute-time"),
     ({"compute_time": 0.01, "jitter": "uniform", "jitter_cv": 0.9}, r"--jitter-cv must be <= 0.577"),
     ({"compute_time": -1.0}, r"--compute-time: "),
+    ({"fault": ["nan2:5"]}, r"--fault: .*expected KIND@RANK:STEP"),
+    ({"fault": ["hang@2:5"]}, r"--fault: .*KIND must be one of nan, raise, exit"),
+    ({"nonfinite": "ignore"}, r"--nonfinite: "),
 ])
 def test_bad_values_name_the_option(flags, message):
     with pytest.raises(UserError, match=message):

@@ -1,0 +1,38 @@
+"""Fault injection for tests: ``--fault KIND@RANK:STEP`` (pure parsing, no MPI).
+
+At iteration STEP, worker RANK, after its forward/backward pass:
+
+* ``nan``: poisons its gradient with NaN (the server then drops it, or aborts
+  the job under ``--nonfinite abort``);
+* ``raise``: raises an exception (the job must end on every rank, naming the rank);
+* ``exit``: leaves the process at once with status 3, as a crashed rank would.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("nan", "raise", "exit")
+_SPEC = re.compile(r"^([a-z]+)@(\d+):(\d+)$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``raise`` fault raises."""
+
+
+def parse_fault(spec: str) -> Fault:
+    m = _SPEC.match(str(spec))
+    if not m:
+        raise ValueError(f"{spec!r}: expected KIND@RANK:STEP, e.g. nan@2:10")
+    kind, rank, step = m.group(1), int(m.group(2)), int(m.group(3))
+    if kind not in KINDS:
+        raise ValueError(f"{spec!r}: KIND must be one of {', '.join(KINDS)}")
+    return Fault(kind, rank, step)

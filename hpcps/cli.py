@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "worker pushes a gradient with NaN or Inf (default skip)")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
                    help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise or exit (repeatable)")
+    g = t.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", metavar="STEPS",
+                   help="bsp: write a checkpoint every STEPS rounds (HDF5, written atomically)")
+    g.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR",
+                   help="where checkpoints go, as step-NNNNNN.h5 (default checkpoints)")
+    g.add_argument("--resume", metavar="CKPT", help="bsp: continue the run from checkpoint CKPT, exactly")
     g = t.add_argument_group("output")
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",

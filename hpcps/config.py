@@ -55,6 +55,9 @@ class TrainConfig(BaseModel):
     threads: int = Field(1, ge=1)
     progress: bool = True
     nonfinite: Literal["skip", "abort"] = "skip"
+    checkpoint_every: int | None = Field(None, ge=1)
+    checkpoint_dir: str = "checkpoints"
+    resume: str | None = None
     fault: list[str] = Field(default_factory=list)
 
     @field_validator("slowdown", mode="before")

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 import hpcps
 from hpcps.agree import agree
+from hpcps.checkpoint import Checkpoint, check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data import Dataset, batches_per_epoch, load_dataset
 from hpcps.emulation import ComputeTime
@@ -75,6 +76,10 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     cls = policy_class(cfg.paradigm)
     if cfg.groups and not cls.uses_groups:
         raise UserError(f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers")
+    if (cfg.checkpoint_every or cfg.resume) and cfg.paradigm != "bsp":
+        option = "--checkpoint-every" if cfg.checkpoint_every else "--resume"
+        raise UserError(f"{option}: checkpoints are consistent only under bsp in this release "
+                        f"(got --paradigm {cfg.paradigm})")
     workers = f"ranks {layout.first_worker}-{world_size - 1}"
     for fault in map(parse_fault, cfg.fault):
         if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
@@ -111,16 +116,26 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
     model = agree(comm, lambda: build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed))
     steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, data, layout)))
     flat = FlatParameters(model)
+    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout.n_workers)) if cfg.resume else None
+    if ckpt is not None:
+        flat.params[:] = ckpt.params
     with Topology(comm, layout) as topo:
-        return _Run(cfg, topo, data, model, flat, steps).run()
+        return _Run(cfg, topo, data, model, flat, steps, ckpt).run()
+
+
+def _load_checkpoint(cfg: TrainConfig, n_params: int, n_workers: int) -> Checkpoint:
+    ckpt = read_checkpoint(cfg.resume)
+    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params, n_workers=n_workers)
+    return ckpt
 
 
 class _Run:
     """The per-rank state of one run (built after the start-up checks passed)."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology, data: Dataset, model: torch.nn.Module,
-                 flat: FlatParameters, steps: int) -> None:
+                 flat: FlatParameters, steps: int, ckpt: Checkpoint | None = None) -> None:
         self.cfg, self.topo, self.data, self.model, self.flat, self.steps = cfg, topo, data, model, flat, steps
+        self.ckpt = ckpt
         self.layout = topo.layout
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
         self.shards = list(range(self.layout.n_servers))
@@ -174,6 +189,8 @@ class _Run:
                 "n_servers": self.layout.n_servers,
                 "n_groups": self.layout.n_groups,
                 "steps_per_worker": self.steps,
+                "resumed_from": self.cfg.resume or "",
+                "start_version": self.ckpt.version if self.ckpt else 0,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             })
@@ -197,7 +214,8 @@ class _Run:
             shard=topo.rank, rank=topo.rank, policy=make_policy(cfg.paradigm, layout.n_workers, staleness=cfg.staleness,
                                                          staleness_max=cfg.s_hi),
             inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
-            abort_on_nonfinite=cfg.nonfinite == "abort",
+            abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
+            on_published=self._checkpointer(window) if topo.rank == 0 and cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
@@ -224,9 +242,32 @@ class _Run:
                      compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter,
                                               cfg.jitter_cv),
                      faults=[f for f in map(parse_fault, cfg.fault) if f.rank == topo.rank],
+                     start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      backoff=self.backoff, **extra).run()
         pusher.free()
         notices.free()
+
+    def _checkpointer(self, window: ParamWindow):
+        """Rank 0's ``on_published``: every ``--checkpoint-every`` versions, snapshot all shards.
+
+        Called after shard 0 published version v and before it grants anyone,
+        so under BSP every worker is blocked and every other shard is at v or
+        about to be (its round-v pushes are in flight): pull until all are at v.
+        """
+        cfg, buf = self.cfg, np.empty(self.flat.size, np.float32)
+
+        def on_published(version: int) -> None:
+            if version % cfg.checkpoint_every:
+                return
+            versions, _ = window.pull(buf, Backoff())
+            while not (versions == version).all():
+                versions, _ = window.pull(buf, Backoff())
+            path = write_checkpoint(checkpoint_path(cfg.checkpoint_dir, version), buf, version=version,
+                                    worker_clocks=[version] * self.layout.n_workers, config=cfg.as_json_dict(),
+                                    n_servers=self.layout.n_servers)
+            log.info("checkpoint of version %d written to %s", version, path)
+
+        return on_published
 
     def _finish(self, runfile: RunFile, wall_s: float) -> RunResult:
         summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),

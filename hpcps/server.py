@@ -61,7 +61,8 @@ class ShardServer:
                  window: ParamWindow, master: np.ndarray, worker_ranks: Sequence[int], recorder,
                  clock: Callable[[], float], progress: Callable[[], object],
                  side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
-                 abort_on_nonfinite: bool = False, backoff: Backoff | None = None) -> None:
+                 abort_on_nonfinite: bool = False, version: int = 0,
+                 on_published: Callable[[int], object] | None = None, backoff: Backoff | None = None) -> None:
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -79,7 +80,8 @@ class ShardServer:
         self.on_applied = on_applied
         self.abort_on_nonfinite = abort_on_nonfinite
         self.backoff = backoff or Backoff()
-        self.version = 0
+        self.version = version
+        self.on_published = on_published
         self.pending: dict[int, PushEvent] = {}
 
     def run(self) -> None:
@@ -99,6 +101,8 @@ class ShardServer:
                 self._handle(event, notices)
             if self.version != version_before:
                 self.window.publish(self.master, self.version)
+                if self.on_published is not None:  # before any grant: every blocked worker still waits
+                    self.on_published(self.version)
             for worker, (flags, clock, version, staleness) in notices.items():
                 self.notifier.send(worker, flags, clock, version, staleness)
         if self.pending:

@@ -63,7 +63,7 @@ class Worker:
                  flat: FlatParameters, data: Dataset, window: ParamWindow, pusher: Pusher,
                  notices: NoticeBox, blocks: bool, recorder, clock: Callable[[], float],
                  steps: int, lr: float, batch_size: int, seed: int, lr_schedule: str = "none",
-                 compute_time: ComputeTime | None = None, faults: list[Fault] = (),
+                 compute_time: ComputeTime | None = None, faults: list[Fault] = (), start_step: int = 0,
                  backoff: Backoff | None = None) -> None:
         self.rank, self.index, self.n_workers = rank, index, n_workers
         self.model, self.flat, self.data = model, flat, data
@@ -84,13 +84,15 @@ class Worker:
         self.known = np.zeros(n_shards, np.int64)  # newest version seen, per shard
         self.receipts: dict[int, list[tuple[int, bool]]] = {}
         self.rows: dict[int, dict] = {}
-        self.clock_count = 0
+        self.start_step = start_step  # > 0 when resuming: gradients pushed (and granted) before
+        self.clock_count = start_step
+        self.grants[:] = start_step
 
     # -- the loop ---------------------------------------------------------
     def run(self) -> int:
         """Train; return the number of gradients pushed."""
         versions, stop = self._pull()
-        for step in range(self.steps):
+        for step in range(self.start_step, self.steps):
             if stop:
                 break
             row = {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min())}
@@ -209,7 +211,7 @@ class EagerWorker(Worker):
         wait_until(self.puller.ready, self.backoff)
         versions, stop, _ = self.puller.take(self.flat.params)
         np.maximum(self.known, versions, out=self.known)
-        for step in range(self.steps):
+        for step in range(self.start_step, self.steps):
             if stop:
                 break
             row = {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),

@@ -41,7 +41,9 @@ class BSP(Policy):
     def _close_round(self) -> Decision:
         if not self.round or not self.active.issubset(self.round):
             return Decision()
-        done, self.round = tuple(self.round), []
+        # in worker order, not arrival order: the float sum is then the same in every run,
+        # which makes BSP runs (and resumed runs) bit-for-bit reproducible
+        done, self.round = tuple(sorted(self.round)), []
         return Decision(updates=(done,), grants=done)
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from mpitest import clocks_at, share, train
+from hpcps.checkpoint import read_checkpoint
 from hpcps.data import batch_indices, load_dataset
 from hpcps.flat import FlatParameters
 from hpcps.lr import scaled_lr
@@ -246,3 +247,24 @@ def test_nonfinite_gradient_is_dropped_with_a_reason_never_applied(world, mpi_tm
     assert facts["worker_row"] == -1 and facts["finite"]
     # BSP still closes every round (averaging the three others); ASP loses that one version
     assert facts["versions"] == (steps if paradigm == "bsp" else 4 * steps - 1)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_bsp_resumed_from_a_checkpoint_ends_bit_for_bit_as_the_uninterrupted_run(world, mpi_tmp_path, servers):
+    ckdir = mpi_tmp_path / f"ck{servers}"
+    common = dict(paradigm="bsp", steps=40, servers=servers, seed=4, checkpoint_every=20, checkpoint_dir=str(ckdir))
+    full, _ = train(mpi_tmp_path / f"full{servers}.h5", **common)
+    resumed, t = train(mpi_tmp_path / f"resumed{servers}.h5", resume=str(ckdir / "step-000020.h5"),
+                       **{**common, "checkpoint_dir": str(ckdir / "again")})
+    facts = None
+    if world.rank == 0:
+        facts = {"equal": bool(np.array_equal(full.params, resumed.params)),
+                 "moved": float(np.abs(full.params - read_checkpoint(str(ckdir / "step-000020.h5")).params).max()),
+                 "steps": sorted(set(t["workers/iterations"]["step"].tolist())),
+                 "pushed": int(t["summary"]["gradients_pushed"]),
+                 "leftovers": sorted(p.name for p in ckdir.iterdir() if p.suffix == ".tmp")}
+    facts = share(world, facts)
+    assert facts["moved"] > 1e-3  # the second half did train
+    assert facts["equal"]  # exactly, not approximately
+    assert facts["steps"] == list(range(20, 40)) and facts["pushed"] == (5 - servers) * 20
+    assert facts["leftovers"] == []  # written atomically

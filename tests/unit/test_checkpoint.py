@@ -1,0 +1,42 @@
+"""Checkpoint files: round trip, atomic write, and clear errors when one does not fit (no MPI)."""
+
+import numpy as np
+import pytest
+
+from hpcps.checkpoint import check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
+from hpcps.config import make_config
+from hpcps.errors import UserError
+
+
+def _write(tmp_path, **config):
+    cfg = make_config({"paradigm": "bsp", **config}).as_json_dict()
+    path = checkpoint_path(str(tmp_path / "ck"), 20)
+    return write_checkpoint(path, np.arange(6, dtype=np.float32), version=20, worker_clocks=[20] * 4,
+                            config=cfg, n_servers=1)
+
+
+def test_round_trip_and_atomic_write(tmp_path):
+    path = _write(tmp_path)
+    assert path.endswith("ck/step-000020.h5")
+    ck = read_checkpoint(path)
+    assert ck.version == 20 and list(ck.worker_clocks) == [20] * 4 and ck.config["paradigm"] == "bsp"
+    assert np.array_equal(ck.params, np.arange(6, dtype=np.float32))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000020.h5"]  # no .tmp left
+
+
+def test_a_checkpoint_that_does_not_fit_names_every_mismatch(tmp_path):
+    ck = read_checkpoint(_write(tmp_path, lr=0.1))
+    here = make_config({"paradigm": "bsp", "lr": 0.2}).as_json_dict()
+    with pytest.raises(UserError, match=r"does not fit this run: lr is 0.2 here but 0.1 in the checkpoint; "
+                                        r"the model has 7 parameters, the checkpoint 6; 3 workers here, 4"):
+        check_compatible(ck, "x.h5", here, n_params=7, n_workers=3)
+    check_compatible(ck, "x.h5", make_config({"paradigm": "bsp"}).as_json_dict(), n_params=6, n_workers=4)
+
+
+def test_missing_and_foreign_files(tmp_path):
+    with pytest.raises(UserError, match=r"--resume .*nope.h5: no such file"):
+        read_checkpoint(str(tmp_path / "nope.h5"))
+    junk = tmp_path / "junk.h5"
+    junk.write_text("x")
+    with pytest.raises(UserError, match=r"not an hpcps checkpoint"):
+        read_checkpoint(str(junk))

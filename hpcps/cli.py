@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default skip)")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
-                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise or exit (repeatable)")
+                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit or hang (repeatable)")
+    g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
+                   help="log which ranks a server or worker has waited on for this long, and in what state (default 60)")
+    g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",
+                   help="end the job when a worker the servers wait on has been silent this long (default: never)")
     g = t.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", metavar="STEPS",
                    help="bsp: write a checkpoint every STEPS rounds (HDF5, written atomically)")
@@ -176,6 +180,7 @@ def _train(args: argparse.Namespace) -> int:
         if not isinstance(exc, (RunAborted, InjectedFault)):
             log.exception("rank %d failed", comm.rank)
         comm.Abort(1)
+        return 1  # MPI_Abort may return on a rank the launcher is already tearing down
     if result is not None:
         s = result.summary
         print(f"hpcps: {cfg.paradigm}: final accuracy {s['final_accuracy']:.4f}, wall {s['wall_s']:.1f} s, "

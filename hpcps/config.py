@@ -55,6 +55,8 @@ class TrainConfig(BaseModel):
     threads: int = Field(1, ge=1)
     progress: bool = True
     nonfinite: Literal["skip", "abort"] = "skip"
+    stall_warn: float = Field(60.0, gt=0)
+    stall_abort: float | None = Field(None, gt=0)
     checkpoint_every: int | None = Field(None, ge=1)
     checkpoint_dir: str = "checkpoints"
     resume: str | None = None

@@ -5,7 +5,9 @@ At iteration STEP, worker RANK, after its forward/backward pass:
 * ``nan``: poisons its gradient with NaN (the server then drops it, or aborts
   the job under ``--nonfinite abort``);
 * ``raise``: raises an exception (the job must end on every rank, naming the rank);
-* ``exit``: leaves the process at once with status 3, as a crashed rank would.
+* ``exit``: leaves the process at once with status 3, as a crashed rank would;
+* ``hang``: stops making progress forever (sleeping), as a stuck rank would; the
+  stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("nan", "raise", "exit")
+KINDS = ("nan", "raise", "exit", "hang")
 _SPEC = re.compile(r"^([a-z]+)@(\d+):(\d+)$")
 
 

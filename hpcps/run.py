@@ -215,6 +215,7 @@ class _Run:
                                                          staleness_max=cfg.s_hi),
             inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
             abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
+            stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
             on_published=self._checkpointer(window) if topo.rank == 0 and cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
@@ -243,6 +244,7 @@ class _Run:
                                               cfg.jitter_cv),
                      faults=[f for f in map(parse_fault, cfg.fault) if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
+                     stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
                      backoff=self.backoff, **extra).run()
         pusher.free()
         notices.free()

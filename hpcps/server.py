@@ -18,6 +18,7 @@ after it sees its grant, so it always sees the version the grant promised.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import numpy as np
@@ -30,6 +31,8 @@ from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff
 from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
+
+log = logging.getLogger("hpcps")
 
 #: float32 values updated between two progress pokes (1 MiB: fits in L2)
 APPLY_CHUNK = 1 << 18
@@ -62,7 +65,8 @@ class ShardServer:
                  clock: Callable[[], float], progress: Callable[[], object],
                  side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
                  abort_on_nonfinite: bool = False, version: int = 0,
-                 on_published: Callable[[int], object] | None = None, backoff: Backoff | None = None) -> None:
+                 on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
+                 stall_abort: float | None = None, backoff: Backoff | None = None) -> None:
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -83,6 +87,14 @@ class ShardServer:
         self.version = version
         self.on_published = on_published
         self.pending: dict[int, PushEvent] = {}
+        # stall detection: when each worker was last heard of, and who waits for a grant
+        self.stall_warn, self.stall_abort = stall_warn, stall_abort
+        self.heard = [0.0] * len(self.worker_ranks)
+        self.clocks = [0] * len(self.worker_ranks)
+        self.awaiting: set[int] = set()
+        self.gone: set[int] = set()
+        self.warned_at = 0.0
+        self.next_check = 0.0
 
     def run(self) -> None:
         self.window.publish(self.master, self.version)
@@ -90,6 +102,7 @@ class ShardServer:
             events = self.inbox.poll()
             for task in self.side_tasks:
                 task()
+            self._check_stall()
             if not events:
                 self.notifier.progress()
                 self.backoff.pause()
@@ -111,10 +124,15 @@ class ShardServer:
 
     def _handle(self, event: PushEvent | LeaveEvent, notices: dict[int, list[int]]) -> None:
         now = self.clock()
+        self.heard[event.worker] = now
         if isinstance(event, PushEvent):
+            self.clocks[event.worker] = event.clock
+            if self.policy.worker_blocks:
+                self.awaiting.add(event.worker)
             self.pending[event.worker] = event
             self._carry_out(self.policy.on_push(event.worker, event.clock, event.version, now), notices)
         else:
+            self.gone.add(event.worker)
             self._carry_out(self.policy.on_leave(event.worker, now), notices)
             _note(notices, event.worker, wire.BYE)
 
@@ -140,8 +158,37 @@ class ShardServer:
             if self.on_applied is not None:
                 self.on_applied(len(pushes))
         for w in decision.grants:
+            self.awaiting.discard(w)
             _note(notices, w, wire.GRANT)
 
+
+    def _check_stall(self) -> None:
+        """Name the workers that owe this shard a message and have been silent too long.
+
+        A worker waiting for its grant is silent by design; the suspects are
+        the others. Warn every ``stall_warn`` seconds; past ``stall_abort``
+        end the run (checked twice a second).
+        """
+        now = self.clock()
+        if now < self.next_check:
+            return
+        self.next_check = now + 0.5
+        owing = [w for w in range(len(self.worker_ranks)) if w not in self.gone and w not in self.awaiting]
+        silent = sorted((now - self.heard[w], w) for w in owing if now - self.heard[w] >= self.stall_warn)
+        if not silent:
+            self.warned_at = 0.0
+            return
+        longest = silent[-1][0]
+        names = ", ".join(f"{self.worker_ranks[w]} (silent {t:.0f} s, last gradient {self.clocks[w]})"
+                          for t, w in reversed(silent))
+        blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
+        message = (f"shard {self.shard}: no message from worker rank(s) {names}; "
+                   f"workers waiting for their grant: {blocked}")
+        if self.stall_abort is not None and longest >= self.stall_abort:
+            raise RunAborted(f"stall: {message} (--stall-abort {self.stall_abort:g} s)")
+        if longest >= self.warned_at + self.stall_warn:
+            self.warned_at = longest
+            log.warning("stall: %s", message)
 
     def _finite(self, push: PushEvent) -> bool:
         """Whether a gradient may be applied; a non-finite one is dropped, or ends the run."""

@@ -30,6 +30,7 @@ said ``BYE``, so no message is left unreceived.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable
@@ -47,9 +48,12 @@ from hpcps.metrics.schema import ITERATION
 from hpcps.transport import wire
 from hpcps.transport.eager import EagerPuller
 from hpcps.transport.notices import NoticeBox
-from hpcps.transport.poll import Backoff, wait_until
+from hpcps.errors import RunAborted
+from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.transport.push import Pusher
 from hpcps.transport.window import ParamWindow
+
+log = logging.getLogger("hpcps")
 
 
 class Worker:
@@ -64,6 +68,7 @@ class Worker:
                  notices: NoticeBox, blocks: bool, recorder, clock: Callable[[], float],
                  steps: int, lr: float, batch_size: int, seed: int, lr_schedule: str = "none",
                  compute_time: ComputeTime | None = None, faults: list[Fault] = (), start_step: int = 0,
+                 stall_warn: float = 60.0, stall_abort: float | None = None,
                  backoff: Backoff | None = None) -> None:
         self.rank, self.index, self.n_workers = rank, index, n_workers
         self.model, self.flat, self.data = model, flat, data
@@ -75,6 +80,9 @@ class Worker:
         self.lr_schedule = lr_schedule
         self.compute_time = compute_time or ComputeTime()
         self.faults = {f.step: f for f in faults}
+        # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
+        # (and gives up) only at twice the limits, when the server itself may be what is stuck
+        self.stall_warn, self.stall_abort = 2 * stall_warn, (2 * stall_abort if stall_abort is not None else None)
         self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
         self.x = torch.from_numpy(data.x_train)
@@ -100,11 +108,12 @@ class Worker:
             t = time.perf_counter()
             self._push(versions, row)
             row["push_s"] = time.perf_counter() - t
-            row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count) if self.blocks else 0.0
+            row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
+                             if self.blocks else 0.0)
             t = time.perf_counter()
             versions, stop = self._pull()
             row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
-            row["push_s"] += self._wait(self.pusher.test)
+            row["push_s"] += self._wait(self.pusher.test, "its push to leave")
             self._finish_row(row)
         self._leave()
         return self.clock_count
@@ -150,24 +159,30 @@ class Worker:
             self.flat.grads[:: max(1, self.flat.size // 7)] = np.nan
         elif fault.kind == "raise":
             raise InjectedFault(f"injected fault at step {fault.step}")
+        elif fault.kind == "hang":
+            while True:  # stuck for good: only the stall detector ends this job
+                time.sleep(3600)
         else:
             self.recorder.flush()
             os._exit(3)
 
     def _leave(self) -> None:
         self.pusher.start_done(self.clock_count)
-        self._wait(lambda: self.notices.open == 0 and self.pusher.test_done())
+        self._wait(lambda: self.notices.open == 0 and self.pusher.test_done(), "the servers' goodbye")
         if self.rows:
             raise RuntimeError(f"worker rank {self.rank}: no receipt for pushes {sorted(self.rows)}")
 
     # -- notices ----------------------------------------------------------
-    def _wait(self, condition: Callable[[], bool]) -> float:
+    def _wait(self, condition: Callable[[], bool], what: str = "the servers") -> float:
         def ready() -> bool:
             self._read_notices()
             return condition()
-        return wait_until(ready, self.backoff)
+        watch = StallWatch(warn=self.stall_warn, abort=self.stall_abort, log=log, error=RunAborted,
+                           describe=lambda: f"worker rank {self.rank} (gradient {self.clock_count}) waiting for {what}")
+        return wait_until(ready, self.backoff, watch)
 
     def _read_notices(self) -> None:
+        self.recorder.tick()
         n_shards = len(self.grants)
         for note in self.notices.poll():
             if note.flags & wire.GRANT:

@@ -38,7 +38,10 @@ class _Buffer:
         """Buffer one row; true when a flush is due."""
         self.rows[table].append(row)
         self.count += 1
-        return self.count >= self.batch_rows or time.monotonic() - self.last >= self.interval
+        return self.due()
+
+    def due(self) -> bool:
+        return self.count > 0 and (self.count >= self.batch_rows or time.monotonic() - self.last >= self.interval)
 
     def take(self) -> dict[str, np.ndarray]:
         batch = {t: np.array(rows, dtype=TABLES[t]) for t, rows in self.rows.items() if rows}
@@ -66,6 +69,11 @@ class ForwardingRecorder:
             self._sends.append(self.comm.isend(batch, dest=0, tag=TAG_ROWS))
         self._sends = [r for r in self._sends if not r.Test()]
 
+    def tick(self) -> None:
+        """Send rows that have waited ``interval`` (call while blocked, so a stalled job keeps them)."""
+        if self.buffer.due():
+            self.flush()
+
     def close(self, backoff: Backoff | None = None) -> None:
         """Send what is left and a close marker; wait (politely) until sent."""
         self.flush()
@@ -91,6 +99,11 @@ class FileRecorder:
         for table, rows in self.buffer.take().items():
             self.file.append(table, rows)
         self.file.flush()
+
+    def tick(self) -> None:
+        """Write own rows that have waited ``interval``."""
+        if self.buffer.due():
+            self.flush()
 
     def drain(self) -> bool:
         """Write every batch that has arrived; true if any did."""

@@ -35,8 +35,13 @@ class Backoff:
         self.delay = min(self.delay * 2.0, self.cap)
 
 
-def wait_until(test: Callable[[], bool], backoff: Backoff | None = None) -> float:
-    """Poll ``test()`` until it returns true; return the seconds spent waiting."""
+def wait_until(test: Callable[[], bool], backoff: Backoff | None = None,
+               watchdog: Callable[[float], object] | None = None) -> float:
+    """Poll ``test()`` until it returns true; return the seconds spent waiting.
+
+    ``watchdog(seconds_waited)``, if given, is called between polls: it may
+    log a stall or raise to end the wait.
+    """
     if test():
         return 0.0
     backoff = backoff or Backoff()
@@ -46,8 +51,32 @@ def wait_until(test: Callable[[], bool], backoff: Backoff | None = None) -> floa
         backoff.pause()
         if test():
             return time.perf_counter() - start
+        if watchdog is not None:
+            watchdog(time.perf_counter() - start)
 
 
 def polite_barrier(comm, backoff: Backoff | None = None) -> float:
     """A barrier on ``comm`` that polls ``Ibarrier`` instead of spinning; returns seconds waited."""
     return wait_until(comm.Ibarrier().Test, backoff)
+
+
+class StallWatch:
+    """Warn every ``warn`` seconds of one wait, raise ``error(message)`` past ``abort`` (None: never).
+
+    ``describe()`` says what is being waited for; it is called only when
+    there is something to report.
+    """
+
+    def __init__(self, *, warn: float, abort: float | None, describe: Callable[[], str], log, error) -> None:
+        self.warn, self.abort, self.describe, self.log, self.error = warn, abort, describe, log, error
+        self.warned = 0
+
+    def __call__(self, waited: float) -> None:
+        if self.abort is not None and waited >= self.abort:
+            raise self.error(f"stall: {self.describe()} for {waited:.0f} s (--stall-abort {self.abort:g})")
+        if waited >= self.warn * (self.warned + 1):
+            self.warned += 1
+            self.log.warning("stall: %s for %.0f s", self.describe(), waited)
+
+    def reset(self) -> None:
+        self.warned = 0

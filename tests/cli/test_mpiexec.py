@@ -72,11 +72,13 @@ def test_launcher_with_several_tasks_but_a_world_of_one_fails_naming_the_fix(tmp
     (["--nonfinite", "abort", "--fault", "nan@2:60"], "rank 0 failed: RunAborted: worker rank 2 pushed a non-finite"),
     (["--fault", "raise@3:60"], "rank 3 failed: InjectedFault"),
     (["--fault", "exit@3:60"], None),  # a rank that dies: mpiexec ends the job
+    (["--paradigm", "bsp", "--fault", "hang@2:60", "--stall-warn", "1", "--stall-abort", "3"],
+     "RunAborted: stall: shard 0: no message from worker rank(s) 2"),
 ])
 def test_a_failing_rank_ends_the_job_promptly_and_keeps_the_metrics(tmp_path, fault, message):
     out = tmp_path / "x.h5"
     proc = hpcps(5, "train", "--paradigm", "asp", "--steps", "400", "--compute-time", "0.005", "--out", str(out),
-                 *fault, timeout=120)
+                 *fault, timeout=120)  # a hung rank must not hang the job: the timeout would fail the test
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcps: error:")]
     if message is not None:

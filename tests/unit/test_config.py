@@ -37,7 +37,7 @@ def test_slowdown_flags_parse_rank_equals_factor():
     ({"compute_time": 0.01, "jitter": "uniform", "jitter_cv": 0.9}, r"--jitter-cv must be <= 0.577"),
     ({"compute_time": -1.0}, r"--compute-time: "),
     ({"fault": ["nan2:5"]}, r"--fault: .*expected KIND@RANK:STEP"),
-    ({"fault": ["hang@2:5"]}, r"--fault: .*KIND must be one of nan, raise, exit"),
+    ({"fault": ["boom@2:5"]}, r"--fault: .*KIND must be one of nan, raise, exit, hang"),
     ({"nonfinite": "ignore"}, r"--nonfinite: "),
 ])
 def test_bad_values_name_the_option(flags, message):

@@ -26,3 +26,24 @@ def test_jitter_has_mean_one_and_the_requested_spread(jitter, cv):
     assert x.min() > 0
     assert x.mean() == pytest.approx(1.0, abs=0.02)
     assert x.std() / x.mean() == pytest.approx(cv, rel=0.05)
+
+
+
+def test_stall_watch_warns_every_interval_and_raises_past_the_limit():
+    from hpcps.transport.poll import StallWatch
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def warning(self, fmt, *args):
+            self.lines.append(fmt % args)
+
+    log = Log()
+    watch = StallWatch(warn=2.0, abort=5.0, describe=lambda: "rank 3 waiting for its grant", log=log, error=RuntimeError)
+    for t in (0.5, 1.9, 2.0, 3.0, 4.1):
+        watch(t)
+    assert log.lines == ["stall: rank 3 waiting for its grant for 2 s", "stall: rank 3 waiting for its grant for 4 s"]
+    with pytest.raises(RuntimeError, match=r"stall: rank 3 waiting for its grant for 5 s \(--stall-abort 5\)"):
+        watch(5.0)
+    StallWatch(warn=1.0, abort=None, describe=str, log=log, error=RuntimeError)(1e9)  # never aborts

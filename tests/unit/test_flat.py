@@ -27,3 +27,14 @@ def test_backward_writes_the_flat_gradient_buffer():
     assert np.abs(flat.grads).sum() > 0 and np.array_equal(flat.grads, expected)
     flat.zero_grad()
     assert all(torch.all(p.grad == 0) for p in model.parameters())
+
+
+def test_a_model_that_does_not_fit_the_data_is_a_clear_error():
+    import pytest
+
+    from hpcps.errors import UserError
+
+    with pytest.raises(UserError, match=r"--model cnn needs inputs of shape \(channels, height, width\)"):
+        build_model("cnn", (64,), 10, seed=0)
+    with pytest.raises(UserError, match=r"--model: unknown model 'resnet'"):
+        build_model("resnet", (1, 8, 8), 10, seed=0)

@@ -1,0 +1,68 @@
+"""Randomised robustness: many short seeded runs over paradigms, shard counts and slowdowns.
+
+Every run must end (pytest-timeout turns a deadlock into a failure), lose
+nothing, and keep its paradigm's bound. CI runs 12 configurations; a local
+soak runs more: HPCPS_SOAK_RUNS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_robustness.py
+"""
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from mpitest import clocks_at, share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+RUNS = int(os.environ.get("HPCPS_SOAK_RUNS", "12"))
+
+
+def _configuration(rng: random.Random) -> dict:
+    servers = rng.choice([1, 1, 2])
+    workers = range(servers, 5)
+    slow = rng.sample(list(workers), rng.randint(0, 2))
+    cfg = {"paradigm": rng.choice(["bsp", "asp", "ssp", "dssp", "eager"]), "servers": servers,
+           "steps": rng.randint(5, 15), "seed": rng.randint(0, 99), "staleness": rng.randint(0, 3),
+           "slowdown": [f"{w}={rng.choice([1.5, 2, 3])}" for w in slow], "batch_size": rng.choice([8, 16, 32])}
+    if cfg["paradigm"] == "dssp":
+        cfg["staleness_max"] = cfg["staleness"] + rng.randint(0, 3)
+    return cfg
+
+
+@pytest.mark.timeout(600)
+def test_random_configurations_end_lose_nothing_and_keep_their_bounds(world, mpi_tmp_path):
+    rng = random.Random(20261121)  # the same draws on every rank
+    failures = []
+    for i in range(RUNS):
+        cfg = _configuration(rng)
+        _, t = train(mpi_tmp_path / f"r{i}.h5", **cfg)
+        problems = None
+        if world.rank == 0:
+            problems = _check(cfg, t)
+        problems = share(world, problems)
+        if problems:
+            failures.append((cfg, problems))
+    assert not failures, failures
+
+
+def _check(cfg: dict, t: dict) -> list[str]:
+    it, up, s = t["workers/iterations"], t["servers/updates"], t["summary"]
+    servers, steps = cfg["servers"], cfg["steps"]
+    workers = list(range(servers, 5))
+    problems = []
+    if not (s["gradients_pushed"] == s["gradients_applied"] + s["gradients_dropped"] == len(workers) * steps):
+        problems.append(f"counts {dict(s)}")
+    expected = sorted((w, c) for w in workers for c in range(1, steps + 1))
+    for shard in range(servers):
+        mine = up[up["shard"] == shard]
+        if sorted(zip(mine["worker"].tolist(), mine["worker_clock"].tolist())) != expected:
+            problems.append(f"shard {shard} did not record every gradient exactly once")
+    bound = {"bsp": 0, "ssp": cfg["staleness"], "dssp": cfg.get("staleness_max")}.get(cfg["paradigm"])
+    if bound is not None and servers == 1:
+        gaps = [int(r["step"]) - min(clocks_at(up, int(r["version"]), workers).values()) for r in it]
+        if max(gaps) > bound:
+            problems.append(f"clock gap {max(gaps)} > bound {bound}")
+    if cfg["paradigm"] == "bsp" and np.abs(up["staleness"]).max() != 0:
+        problems.append("stale gradient under bsp")
+    return problems

@@ -56,6 +56,12 @@ class Layout:
                 f"(start more with mpiexec -n / srun -n)"
             )
 
+    def check_groups(self) -> None:
+        """Every group needs at least one worker."""
+        if self.n_groups > self.n_workers:
+            raise UserError(f"--groups {self.n_groups}: only {self.n_workers} worker(s) to share between them "
+                            f"(at most one group per worker; start more ranks)")
+
     @property
     def n_workers(self) -> int:
         return self.world_size - self.n_servers - self.n_groups
@@ -82,6 +88,23 @@ class Layout:
 
     def worker_ranks(self) -> range:
         return range(self.first_worker, self.world_size)
+
+    def group_members(self) -> list[list[int]]:
+        """World ranks of the workers of each group server: contiguous, sizes differing by at most one."""
+        ranks = list(self.worker_ranks())
+        return [ranks[lo:hi] for lo, hi in shard_bounds(len(ranks), self.n_groups)] if self.n_groups else []
+
+    def group_of(self, rank: int) -> int | None:
+        """Group index of a group server or worker rank (None without groups, or for a central shard)."""
+        if self.role(rank) is Role.GROUP:
+            return rank - self.n_servers
+        for g, members in enumerate(self.group_members()):
+            if rank in members:
+                return g
+        return None
+
+    def group_server_rank(self, group: int) -> int:
+        return self.n_servers + group
 
     def describe(self) -> str:
         parts = [f"{self.n_servers} server shard(s) (rank 0-{self.n_servers - 1})"]

@@ -39,6 +39,7 @@ from hpcps.errors import UserError
 from hpcps.evaluator import Evaluator
 from hpcps.faults import parse_fault
 from hpcps.flat import FlatParameters
+from hpcps.groupserver import GroupServer
 from hpcps.layout import Layout, Role, shard_bounds
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
@@ -76,6 +77,9 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     cls = policy_class(cfg.paradigm)
     if cfg.groups and not cls.uses_groups:
         raise UserError(f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers")
+    if cls.uses_groups and not cfg.groups:
+        raise UserError(f"--paradigm {cfg.paradigm} needs --groups G (1 or more group servers)")
+    layout.check_groups()
     if (cfg.checkpoint_every or cfg.resume) and cfg.paradigm != "bsp":
         option = "--checkpoint-every" if cfg.checkpoint_every else "--resume"
         raise UserError(f"{option}: checkpoints are consistent only under bsp in this release "
@@ -152,9 +156,16 @@ class _Run:
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
         lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
         window = ParamWindow(topo.ps, shard_ranks=self.shards, bounds=self.bounds, local_len=hi - lo)
+        group_window = None
+        if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
+            n = self.flat.size
+            group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
+                                       local_len=n if topo.role is Role.GROUP else 0)
         master = self.flat.params[lo:hi].copy()
         if topo.role is Role.SERVER:
             window.publish(master, 0)
+        if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
+            group_window.publish(self.flat.params, 0)
         if comm.rank == 0:
             log.info("%s on %s; model %s (%d parameters), %s (%d train / %d test), %d steps per worker",
                      self.cfg.paradigm, self.layout.describe(), self.cfg.model, self.flat.size,
@@ -164,8 +175,10 @@ class _Run:
         try:
             if topo.role is Role.SERVER:
                 self._serve(window, master, recorder)
-            elif topo.role is Role.WORKER:
-                self._work(window, recorder)
+            elif topo.role is Role.GROUP:
+                self._group_serve(window, group_window, recorder)
+            else:
+                self._work(group_window or window, recorder)
         except BaseException:
             if runfile is not None:  # keep what rank 0 has recorded before the job is aborted
                 recorder.drain()
@@ -176,6 +189,8 @@ class _Run:
         recorder.close(self.backoff)
         polite_barrier(comm, self.backoff)
         window.free()
+        if group_window is not None:
+            group_window.free()
         return self._finish(runfile, wall_s) if comm.rank == 0 else None
 
     def _open(self, path: str) -> RunFile:
@@ -189,6 +204,8 @@ class _Run:
                 "n_servers": self.layout.n_servers,
                 "n_groups": self.layout.n_groups,
                 "steps_per_worker": self.steps,
+                "groups": json.dumps({self.layout.group_server_rank(g): members
+                                      for g, members in enumerate(self.layout.group_members())}),
                 "resumed_from": self.cfg.resume or "",
                 "start_version": self.ckpt.version if self.ckpt else 0,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
@@ -199,7 +216,9 @@ class _Run:
 
     def _serve(self, window: ParamWindow, master, recorder) -> None:
         topo, layout, cfg = self.topo, self.layout, self.cfg
-        workers = list(layout.worker_ranks())
+        grouped = layout.n_groups > 0  # then the central shards' clients are the group servers
+        workers = [layout.group_server_rank(g) for g in range(layout.n_groups)] if grouped \
+            else list(layout.worker_ranks())
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master))
         side_tasks, bar, evaluator = [], None, None
         if topo.rank == 0:
@@ -207,12 +226,13 @@ class _Run:
                                   pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
                                   clock=self.clock, interval=cfg.eval_interval, target=cfg.target_accuracy,
                                   on_target=window.set_stop)
-            bar = tqdm(total=layout.n_workers * self.steps, unit="grad", desc=cfg.paradigm, file=sys.stderr,
+            bar = tqdm(total=len(workers) * self.steps, unit="grad", desc=cfg.paradigm, file=sys.stderr,
                        disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True)
             side_tasks = [recorder.drain, evaluator.tick]
         ShardServer(
-            shard=topo.rank, rank=topo.rank, policy=make_policy(cfg.paradigm, layout.n_workers, staleness=cfg.staleness,
-                                                         staleness_max=cfg.s_hi),
+            shard=topo.rank, rank=topo.rank,
+            policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.staleness, staleness_max=cfg.s_hi),
+            table="groups/updates" if grouped else "servers/updates",
             inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
             abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
@@ -226,14 +246,41 @@ class _Run:
             evaluator.evaluate()  # also leaves the final global parameters in self.flat
             bar.close()
 
+    def _group_serve(self, central: ParamWindow, window: ParamWindow, recorder) -> None:
+        """A group server: BSP over its group (on the group communicator), a client of the central shards."""
+        topo, cfg, n = self.topo, self.cfg, self.flat.size
+        members = self.layout.group_members()[self.layout.group_of(topo.rank)]
+        local = list(range(1, topo.group.size))  # the workers' ranks in the group communicator
+        agg = np.zeros(n, np.float32)
+        central_pusher = Pusher(topo.ps, buffers=[agg], shard_ranks=self.shards, bounds=self.bounds,
+                                worker_rank=topo.rank)
+        central_notices = NoticeBox(topo.ps, shard_ranks=self.shards)
+        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=n)
+        GroupServer(
+            shard=0, rank=topo.rank, policy=make_policy(policy_class(cfg.paradigm).group_policy, len(members)),
+            inbox=inbox, notifier=Notifier(topo.group, worker_ranks=local), window=window,
+            master=np.zeros(n, np.float32), worker_ranks=members, recorder=recorder, clock=self.clock,
+            progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
+            abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
+            backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
+            central_window=central, agg=agg,
+        ).run()
+        inbox.free()
+        central_pusher.free()
+        central_notices.free()
+
     def _work(self, window: ParamWindow, recorder) -> None:
         topo, cfg = self.topo, self.cfg
         policy = policy_class(cfg.paradigm)
         extra, buffers = {}, [self.flat.grads]
         if policy.eager_pull:
             buffers = extra["send_buffers"] = [np.empty_like(self.flat.grads) for _ in range(2)]
-        pusher = Pusher(topo.ps, buffers=buffers, shard_ranks=self.shards, bounds=self.bounds, worker_rank=topo.rank)
-        notices = NoticeBox(topo.ps, shard_ranks=self.shards)
+        if topo.group != MPI.COMM_NULL:  # grouped: talk to the group server, rank 0 of the group communicator
+            comm, shards, bounds = topo.group, [0], [(0, self.flat.size)]
+        else:
+            comm, shards, bounds = topo.ps, self.shards, self.bounds
+        pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=bounds, worker_rank=topo.rank)
+        notices = NoticeBox(comm, shard_ranks=shards)
         worker_class = EagerWorker if policy.eager_pull else Worker
         worker_class(rank=topo.rank, index=self.layout.worker_index(topo.rank), n_workers=self.layout.n_workers,
                      model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher,

@@ -66,7 +66,8 @@ class ShardServer:
                  side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
                  abort_on_nonfinite: bool = False, version: int = 0,
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
-                 stall_abort: float | None = None, backoff: Backoff | None = None) -> None:
+                 stall_abort: float | None = None, table: str = "servers/updates",
+                 backoff: Backoff | None = None) -> None:
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -86,6 +87,7 @@ class ShardServer:
         self.backoff = backoff or Backoff()
         self.version = version
         self.on_published = on_published
+        self.table = table
         self.pending: dict[int, PushEvent] = {}
         # stall detection: when each worker was last heard of, and who waits for a grant
         self.stall_warn, self.stall_abort = stall_warn, stall_abort
@@ -140,27 +142,31 @@ class ShardServer:
         for group in decision.updates:
             pushes = [self.pending.pop(w) for w in group]
             finite = [p for p in pushes if self._finite(p)]
+            at = self.version
             if finite:
-                apply_update(self.master_t, [self.grads_t[p.worker] for p in finite],
-                             [p.lr / len(finite) for p in finite], progress=self.progress)
+                at = self._update([self.grads_t[p.worker] for p in finite], [p.lr / len(finite) for p in finite])
             t = self.clock()
             for p in pushes:
                 applied = p in finite
-                staleness = self.version - p.version if applied else -1
-                self.recorder.add("servers/updates", (
+                staleness = at - p.version if applied else -1
+                self.recorder.add(self.table, (
                     self.rank, self.shard, t, self.worker_ranks[p.worker], p.clock,
-                    self.version, staleness, self.policy.threshold(p.worker), int(applied), 0 if applied else 1))
+                    at, staleness, self.policy.threshold(p.worker), int(applied), 0 if applied else 1))
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
-                _note(notices, p.worker, flags, p.clock, self.version, staleness)
+                _note(notices, p.worker, flags, p.clock, at, staleness)
                 self.inbox.release(p.worker)
-            if finite:
-                self.version += 1
             if self.on_applied is not None:
                 self.on_applied(len(pushes))
         for w in decision.grants:
             self.awaiting.discard(w)
             _note(notices, w, wire.GRANT)
 
+
+    def _update(self, grads: list[torch.Tensor], coeffs: list[float]) -> int:
+        """Apply one update (``master -= sum(c * g)``); return the version it was applied to."""
+        apply_update(self.master_t, grads, coeffs, progress=self.progress)
+        self.version += 1
+        return self.version - 1
 
     def _check_stall(self) -> None:
         """Name the workers that owe this shard a message and have been silent too long.

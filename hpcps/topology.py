@@ -7,7 +7,10 @@ argument, and each component receives the communicator it talks on.
   parameter-server traffic never matches anyone else's messages);
 * ``metrics``: metric batches to rank 0 (another duplicate);
 * ``role_comm``: the ranks of this rank's role (servers, group servers, workers);
-* ``node``: the ranks on this node (shared-memory split), for local ranks.
+* ``node``: the ranks on this node (shared-memory split), for local ranks;
+* ``group``: with group servers, one per group: its group server (rank 0 in
+  it) and its workers; the group's pushes, notices and parameter window use
+  it. ``COMM_NULL`` on central shards and without groups.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class Topology:
         self.metrics = comm.Dup()
         self.role_comm = comm.Split(list(Role).index(self.role), comm.rank)
         self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        g = layout.group_of(comm.rank)
+        # key: the group server (a lower world rank than its workers) becomes rank 0 of its group
+        self.group = comm.Split(MPI.UNDEFINED if g is None else g, comm.rank)
 
     @property
     def local_rank(self) -> int:
@@ -38,7 +44,7 @@ class Topology:
         return self.node.rank
 
     def free(self) -> None:
-        for name in ("ps", "metrics", "role_comm", "node"):
+        for name in ("ps", "metrics", "role_comm", "node", "group"):
             c = getattr(self, name, None)
             if c is not None and c != MPI.COMM_NULL:
                 c.Free()

@@ -42,9 +42,13 @@ REASONS = {0: "applied", 1: "non-finite gradient"}
 #: ``/eval``: one row per evaluation of the global parameters on the held-out set.
 EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f8")])
 
+#: ``/groups/updates`` (grouped paradigm): the central shards' rows, one per group update
+#: applied (``worker`` is the group server's rank, ``worker_clock`` its round); the rows of
+#: ``/servers/updates`` are then the group servers', one per worker gradient.
 TABLES = {
     "workers/iterations": ITERATION,
     "servers/updates": UPDATE,
+    "groups/updates": UPDATE,
     "eval": EVAL,
 }
 

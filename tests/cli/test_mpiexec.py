@@ -46,6 +46,7 @@ def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     (["--paradigm", "asp", "--checkpoint-every", "5"], "--checkpoint-every: checkpoints are consistent only under bsp"),
     (["--paradigm", "bsp", "--resume", "/nonexistent/ck.h5"], "--resume /nonexistent/ck.h5: no such file"),
     (["--fault", "nan@0:3"], "--fault nan@0:3: rank 0 is not a worker"),
+    (["--paradigm", "grouped"], "--paradigm grouped needs --groups G"),
 ])
 def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
     proc = hpcps(3, "train", "--out", str(tmp_path / "x.h5"), *args, timeout=120)

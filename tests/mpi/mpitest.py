@@ -18,7 +18,7 @@ def train(out, comm=MPI.COMM_WORLD, **options):
     if comm.rank != 0:
         return None, None
     with h5py.File(result.path) as f:
-        tables = {name: f[name][()] for name in ("workers/iterations", "servers/updates", "eval")}
+        tables = {name: f[name][()] for name in ("workers/iterations", "servers/updates", "groups/updates", "eval")}
         tables["summary"] = dict(f["summary"].attrs)
         tables["attrs"] = dict(f.attrs)
     return result, tables

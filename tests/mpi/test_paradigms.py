@@ -19,15 +19,15 @@ pytestmark = pytest.mark.mpi(min_size=5)
 WORKERS = [1, 2, 3, 4]
 
 
-def _sgd_on_concatenated_batches(steps, batch_size, lr, seed):
+def _sgd_on_concatenated_batches(steps, batch_size, lr, seed, n_workers=4):
     """Single-process SGD where step k's batch is every worker's step-k batch together."""
     data = load_dataset("digits")
     model = build_model("mlp", data.in_shape, data.n_classes, seed=seed)
     flat = FlatParameters(model)
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     for k in range(steps):
-        idx = np.concatenate([batch_indices(len(y), batch_size=batch_size, n_workers=4, worker=w, step=k, seed=seed)
-                              for w in range(4)])
+        idx = np.concatenate([batch_indices(len(y), batch_size=batch_size, n_workers=n_workers, worker=w, step=k,
+                                            seed=seed) for w in range(n_workers)])
         flat.zero_grad()
         F.cross_entropy(model(x[idx]), y[idx]).backward()
         flat.params -= lr * flat.grads
@@ -268,3 +268,40 @@ def test_bsp_resumed_from_a_checkpoint_ends_bit_for_bit_as_the_uninterrupted_run
     assert facts["equal"]  # exactly, not approximately
     assert facts["steps"] == list(range(20, 40)) and facts["pushed"] == (5 - servers) * 20
     assert facts["leftovers"] == []  # written atomically
+
+
+
+def test_grouped_with_one_group_equals_single_process_sgd(world, mpi_tmp_path):
+    """G=1 is BSP: 1 central shard, 1 group server, 3 workers."""
+    steps, batch, lr, seed = 12, 16, 0.2, 6
+    result, t = train(mpi_tmp_path / "g1.h5", paradigm="grouped", groups=1, steps=steps, batch_size=batch, lr=lr,
+                      seed=seed)
+    facts = None
+    if world.rank == 0:
+        reference = _sgd_on_concatenated_batches(steps, batch, lr, seed, n_workers=3)
+        g = t["groups/updates"]
+        facts = {"max_diff": float(np.abs(result.params - reference).max()),
+                 "central": (len(g), int(np.abs(g["staleness"]).max()), sorted(set(g["worker"].tolist()))),
+                 "workers_stale": int(np.abs(t["servers/updates"]["staleness"]).max()),
+                 "groups": t["attrs"]["groups"]}
+    facts = share(world, facts)
+    assert facts["max_diff"] < 1e-5
+    assert facts["central"] == (steps, 0, [1])  # one update per round, from group server rank 1, never stale
+    assert facts["workers_stale"] == 0 and facts["groups"] == '{"1": [2, 3, 4]}'
+
+
+def test_grouped_with_two_groups_loses_nothing(world, mpi_tmp_path):
+    steps = 20
+    _, t = train(mpi_tmp_path / "g2.h5", paradigm="grouped", groups=2, steps=steps, slowdown=["4=3"])
+    facts = None
+    if world.rank == 0:
+        s, g, up = t["summary"], t["groups/updates"], t["servers/updates"]
+        facts = {"counts": (int(s["gradients_pushed"]), int(s["gradients_applied"])),
+                 "rounds": {int(w): sorted(g["worker_clock"][g["worker"] == w].tolist()) for w in (1, 2)},
+                 "per_worker": sorted(zip(up["worker"].tolist(), up["worker_clock"].tolist())),
+                 "central_versions": sorted(g["version"].tolist())}
+    facts = share(world, facts)
+    assert facts["counts"] == (2 * steps, 2 * steps)
+    assert facts["rounds"] == {1: list(range(1, steps + 1)), 2: list(range(1, steps + 1))}
+    assert facts["per_worker"] == sorted((w, c) for w in (3, 4) for c in range(1, steps + 1))
+    assert facts["central_versions"] == list(range(2 * steps))  # every group update applied once, in turn

@@ -19,10 +19,12 @@ RUNS = int(os.environ.get("HPCPS_SOAK_RUNS", "12"))
 
 
 def _configuration(rng: random.Random) -> dict:
+    paradigm = rng.choice(["bsp", "asp", "ssp", "dssp", "eager", "grouped"])
     servers = rng.choice([1, 1, 2])
-    workers = range(servers, 5)
+    groups = rng.choice([1, 2]) if paradigm == "grouped" and servers == 1 else (1 if paradigm == "grouped" else 0)
+    workers = range(servers + groups, 5)
     slow = rng.sample(list(workers), rng.randint(0, 2))
-    cfg = {"paradigm": rng.choice(["bsp", "asp", "ssp", "dssp", "eager"]), "servers": servers,
+    cfg = {"paradigm": paradigm, "servers": servers, "groups": groups,
            "steps": rng.randint(5, 15), "seed": rng.randint(0, 99), "staleness": rng.randint(0, 3),
            "slowdown": [f"{w}={rng.choice([1.5, 2, 3])}" for w in slow], "batch_size": rng.choice([8, 16, 32])}
     if cfg["paradigm"] == "dssp":
@@ -49,16 +51,20 @@ def test_random_configurations_end_lose_nothing_and_keep_their_bounds(world, mpi
 def _check(cfg: dict, t: dict) -> list[str]:
     it, up, s = t["workers/iterations"], t["servers/updates"], t["summary"]
     servers, steps = cfg["servers"], cfg["steps"]
-    workers = list(range(servers, 5))
+    workers = list(range(servers + cfg["groups"], 5))
     problems = []
     if not (s["gradients_pushed"] == s["gradients_applied"] + s["gradients_dropped"] == len(workers) * steps):
         problems.append(f"counts {dict(s)}")
     expected = sorted((w, c) for w in workers for c in range(1, steps + 1))
-    for shard in range(servers):
+    for shard in range(1 if cfg["groups"] else servers):  # group servers record every gradient as shard 0
         mine = up[up["shard"] == shard]
         if sorted(zip(mine["worker"].tolist(), mine["worker_clock"].tolist())) != expected:
             problems.append(f"shard {shard} did not record every gradient exactly once")
     bound = {"bsp": 0, "ssp": cfg["staleness"], "dssp": cfg.get("staleness_max")}.get(cfg["paradigm"])
+    if cfg["groups"]:
+        g = t["groups/updates"]
+        if len(g) != servers * cfg["groups"] * steps:
+            problems.append(f"{len(g)} group updates, expected {servers * cfg['groups'] * steps}")
     if bound is not None and servers == 1:
         gaps = [int(r["step"]) - min(clocks_at(up, int(r["version"]), workers).values()) for r in it]
         if max(gaps) > bound:

@@ -1,0 +1,75 @@
+"""The group server of the grouped paradigm (Basu et al., HiPC 2018).
+
+A :class:`GroupServer` is a shard server for its own group (its workers
+push to it, pull from its window, and wait for its BSP grants), all on the
+group's communicator. Its update step differs: instead of applying a
+closed round itself, it pushes the round's averaged update to the central
+shards, waits for their receipts, pulls the fresh central parameters and
+publishes those to its group. The central shards apply group updates as
+they arrive, so groups never wait for each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hpcps.server import ShardServer
+from hpcps.transport import wire
+from hpcps.transport.notices import NoticeBox
+from hpcps.transport.poll import wait_until
+from hpcps.transport.push import Pusher
+from hpcps.transport.window import ParamWindow
+
+
+class GroupServer(ShardServer):
+    """``central_*``: this group server's link to the central shards, as a worker of theirs.
+
+    ``agg`` is the buffer ``central_pusher`` sends from (the round's update, already
+    scaled by the learning rates: it is pushed with lr 1).
+    """
+
+    def __init__(self, *, central_pusher: Pusher, central_notices: NoticeBox, central_window: ParamWindow,
+                 agg: np.ndarray, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.central_pusher, self.central_notices, self.central_window = central_pusher, central_notices, central_window
+        self.agg_t = torch.from_numpy(agg)
+        self.central_versions = np.zeros(len(central_window.shard_ranks), np.int64)
+        self.rounds = 0
+        self.stopped = False
+
+    def run(self) -> None:
+        self._pull_central()  # start from the central parameters
+        super().run()
+        self.central_pusher.start_done(self.rounds)
+
+        def said_bye() -> bool:
+            self.central_notices.poll()  # grants of the last rounds, then every shard's BYE
+            return self.central_notices.open == 0 and self.central_pusher.test_done()
+
+        wait_until(said_bye, self.backoff)
+
+    def _pull_central(self) -> None:
+        versions, stop = self.central_window.pull(self.master, self.backoff)
+        self.central_versions, self.version = versions, int(versions.min())
+        if stop and not self.stopped:  # the target was reached: tell this group's workers
+            self.stopped = True
+            self.window.set_stop()
+
+    def _update(self, grads: list[torch.Tensor], coeffs: list[float]) -> int:
+        self.agg_t.zero_()
+        for g, c in zip(grads, coeffs):
+            self.agg_t.add_(g, alpha=c)
+        self.rounds += 1
+        self.central_pusher.start(self.rounds, self.central_versions, 1.0)
+        applied_at: list[int] = []
+
+        def receipts_in() -> bool:
+            for note in self.central_notices.poll():
+                if note.flags & wire.RECEIPT and note.clock == self.rounds:
+                    applied_at.append(note.version)
+            return len(applied_at) == len(self.central_versions) and self.central_pusher.test()
+
+        wait_until(receipts_in, self.backoff)
+        self._pull_central()
+        return min(applied_at)

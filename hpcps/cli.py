@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Sequence
 
 import hpcps
@@ -179,6 +180,7 @@ def _train(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         if not isinstance(exc, (RunAborted, InjectedFault)):
             log.exception("rank %d failed", comm.rank)
+        time.sleep(0.5)  # let the launcher forward that line before MPI_Abort tears the job down
         comm.Abort(1)
         return 1  # MPI_Abort may return on a rank the launcher is already tearing down
     if result is not None:

@@ -29,7 +29,7 @@ from hpcps.errors import UserError
 
 FORMAT = 1
 #: options that must match between the checkpointed run and the resuming one
-MUST_MATCH = ("paradigm", "model", "dataset", "batch_size", "lr", "seed", "test_fraction", "servers")
+MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "batch_size", "lr", "seed", "test_fraction", "servers")
 
 
 @dataclass(frozen=True)

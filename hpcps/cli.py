@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
     g = t.add_argument_group("model and data")
     g.add_argument("--model", help="mlp or cnn (default mlp)")
+    g.add_argument("--hidden", type=int, metavar="UNITS",
+                   help="units in the model's hidden layer (default 128); large values make a big model")
     g.add_argument("--dataset", metavar="NAME|FILE.h5", help="digits, or an HDF5 file with /x and /y (default digits)")
     g.add_argument("--steps", type=int, help="iterations per worker (default 500 unless --epochs)")
     g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")

@@ -34,6 +34,7 @@ class TrainConfig(BaseModel):
     servers: int = Field(1, ge=1)
     groups: int = Field(0, ge=0)
     model: str = "mlp"
+    hidden: int = Field(128, ge=1)
     dataset: str = "digits"
     steps: int | None = Field(None, ge=1)
     epochs: int | None = Field(None, ge=1)

@@ -117,7 +117,7 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
     data = agree(comm, lambda: load_dataset(cfg.dataset, test_fraction=cfg.test_fraction))
-    model = agree(comm, lambda: build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed))
+    model = agree(comm, lambda: build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed, hidden=cfg.hidden))
     steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, data, layout)))
     flat = FlatParameters(model)
     ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout.n_workers)) if cfg.resume else None

@@ -43,14 +43,23 @@ class Run:
         return self.name if self.paradigm in self.name else f"{self.name} ({self.paradigm})"
 
     def time_to(self, target: float) -> float:
-        hits = self.evals["t"][self.evals["accuracy"] >= target]
-        return float(hits.min()) if len(hits) else float("nan")
+        return time_to(self.evals, target)
 
     def worker_rates(self) -> dict[int, float]:
-        """Iterations per second of each worker rank, over its own active time."""
-        it = self.iterations
-        return {int(r): float((it["rank"] == r).sum() / it["t_end"][it["rank"] == r].max())
-                for r in np.unique(it["rank"])}
+        return worker_rates(self.iterations)
+
+
+def time_to(evals: np.ndarray, target: float) -> float:
+    """Time of the first evaluation at ``target`` accuracy or above (NaN: never)."""
+    hits = evals["t"][evals["accuracy"] >= target]
+    return float(hits.min()) if len(hits) else float("nan")
+
+
+def worker_rates(iterations: np.ndarray) -> dict[int, float]:
+    """Iterations per second of each worker rank, over its own active time."""
+    it = iterations
+    return {int(r): float((it["rank"] == r).sum() / it["t_end"][it["rank"] == r].max())
+            for r in np.unique(it["rank"])}
 
 
 def load_run(path: str | os.PathLike) -> Run:

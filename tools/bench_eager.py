@@ -12,14 +12,14 @@ accuracy, and ratios against blocking ASP measured in the same invocation.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchlib import fmt, time_to, train
+from benchlib import fmt, parser, train, train_options
+from hpcps.report import time_to
 
 VARIANTS = {
     "eager": ["--paradigm", "eager", "--lr-staleness", "inverse"],
@@ -40,14 +40,12 @@ def measure(r: dict, target: float, n_workers: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, seeds=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--np", type=int, default=5, help="MPI ranks (default 5: 1 server + 4 workers)")
     p.add_argument("--target", type=float, default=0.9)
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
     a = p.parse_args()
-    extra = [x for x in a.train_args if x != "--"]
+    extra = train_options(a)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.variants:

@@ -13,37 +13,35 @@ shared machine are noise.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchlib import fmt, time_to, train
+from benchlib import fmt, parser, train, train_options
+from hpcps.report import time_to, worker_rates
 
 
 def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float) -> dict:
     r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra])
     it, s = r["it"], r["summary"]
-    per_worker = [len(it[it["rank"] == w]) / it["t_end"][it["rank"] == w].max() for w in np.unique(it["rank"])]
+    per_worker = list(worker_rates(it).values())
     return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]), "ttt": time_to(r["ev"], target),
             "its": float(np.mean(per_worker)), "wait": float(it["wait_s"].mean() * 1e3),
             "stale": float(it["staleness"].mean())}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, seeds=[0, 1, 2])
     p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp"])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--np", type=int, default=5, help="MPI ranks (default 5: 1 server + 4 workers)")
     p.add_argument("--scenarios", nargs="+", default=["heterogeneous"], choices=["homogeneous", "heterogeneous"])
     p.add_argument("--straggler", type=float, default=3.0, help="slowdown of the last worker when heterogeneous")
     p.add_argument("--target", type=float, default=0.9,
                    help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there)")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
     a = p.parse_args()
-    extra = [x for x in a.train_args if x != "--"]
+    extra = train_options(a)
     for scenario in a.scenarios:
         options = extra + (["--slowdown", f"{a.np - 1}={a.straggler:g}"] if scenario == "heterogeneous" else [])
         rows = {}

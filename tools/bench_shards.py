@@ -8,25 +8,22 @@ publishes). Ratios are against one shard, measured in the same invocation.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchlib import fmt, train
+from benchlib import fmt, parser, train, train_options
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, seeds=[0, 1])
     p.add_argument("--shards", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--paradigm", default="asp")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
     a = p.parse_args()
-    extra = [x for x in a.train_args if x != "--"]
+    extra = train_options(a)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for s in a.shards:

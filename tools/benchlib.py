@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import subprocess
 import sys
@@ -23,9 +24,17 @@ def train(np_: int, out: Path, options: list[str], timeout: float = 900) -> dict
                 "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"])}
 
 
-def time_to(ev: np.ndarray, target: float) -> float:
-    hits = ev["t"][ev["accuracy"] >= target]
-    return float(hits.min()) if len(hits) else float("nan")
+def parser(doc: str, *, seeds: list[int]) -> argparse.ArgumentParser:
+    """The options every benchmark shares: ``--seeds`` and the hpcps train options after ``--``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", nargs="+", type=int, default=seeds)
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
+    return p
+
+
+def train_options(args: argparse.Namespace) -> list[str]:
+    """The hpcps train options given after ``--``."""
+    return [x for x in args.train_args if x != "--"]
 
 
 def fmt(values: list[float], digits: int) -> str:

@@ -28,7 +28,7 @@ from hpcps.errors import RunAborted
 from hpcps.policies import Decision, Policy
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
-from hpcps.transport.poll import Backoff
+from hpcps.transport.poll import Backoff, StallWatch
 from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
 
@@ -95,8 +95,10 @@ class ShardServer:
         self.clocks = [0] * len(self.worker_ranks)
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
-        self.warned_at = 0.0
+        self.silent: list[tuple[float, int]] = []
         self.next_check = 0.0
+        self.stall = StallWatch(warn=stall_warn, abort=stall_abort, describe=self._describe_stall, log=log,
+                                error=RunAborted)
 
     def run(self) -> None:
         self.window.publish(self.master, self.version)
@@ -172,29 +174,26 @@ class ShardServer:
         """Name the workers that owe this shard a message and have been silent too long.
 
         A worker waiting for its grant is silent by design; the suspects are
-        the others. Warn every ``stall_warn`` seconds; past ``stall_abort``
-        end the run (checked twice a second).
+        the others. The longest silence goes to the stall watch, which warns
+        every ``stall_warn`` seconds and ends the run past ``stall_abort``
+        (checked twice a second).
         """
         now = self.clock()
         if now < self.next_check:
             return
         self.next_check = now + 0.5
         owing = [w for w in range(len(self.worker_ranks)) if w not in self.gone and w not in self.awaiting]
-        silent = sorted((now - self.heard[w], w) for w in owing if now - self.heard[w] >= self.stall_warn)
-        if not silent:
-            self.warned_at = 0.0
-            return
-        longest = silent[-1][0]
+        self.silent = sorted((now - self.heard[w], w) for w in owing if now - self.heard[w] >= self.stall_warn)
+        if self.silent:
+            self.stall(self.silent[-1][0])
+        else:
+            self.stall.reset()
+
+    def _describe_stall(self) -> str:
         names = ", ".join(f"{self.worker_ranks[w]} (silent {t:.0f} s, last gradient {self.clocks[w]})"
-                          for t, w in reversed(silent))
+                          for t, w in reversed(self.silent))
         blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
-        message = (f"shard {self.shard}: no message from worker rank(s) {names}; "
-                   f"workers waiting for their grant: {blocked}")
-        if self.stall_abort is not None and longest >= self.stall_abort:
-            raise RunAborted(f"stall: {message} (--stall-abort {self.stall_abort:g} s)")
-        if longest >= self.warned_at + self.stall_warn:
-            self.warned_at = longest
-            log.warning("stall: %s", message)
+        return f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: {blocked}"
 
     def _finite(self, push: PushEvent) -> bool:
         """Whether a gradient may be applied; a non-finite one is dropped, or ends the run."""

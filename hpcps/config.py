@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpcps.errors import UserError
-from hpcps.faults import parse_fault
+from hpcps.faults import Fault, parse_fault
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,6 +96,11 @@ class TrainConfig(BaseModel):
         if self.jitter == "uniform" and self.jitter_cv > 1 / 3 ** 0.5:
             raise ValueError("--jitter-cv must be <= 0.577 for uniform jitter (times would go negative)")
         return self
+
+    @property
+    def faults(self) -> list[Fault]:
+        """``--fault`` specs, parsed (validated above)."""
+        return [parse_fault(spec) for spec in self.fault]
 
     @property
     def s_hi(self) -> int:

@@ -37,7 +37,6 @@ from hpcps.data import Dataset, batches_per_epoch, load_dataset
 from hpcps.emulation import ComputeTime
 from hpcps.errors import UserError
 from hpcps.evaluator import Evaluator
-from hpcps.faults import parse_fault
 from hpcps.flat import FlatParameters
 from hpcps.groupserver import GroupServer
 from hpcps.layout import Layout, Role, shard_bounds
@@ -85,7 +84,7 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
         raise UserError(f"{option}: checkpoints are consistent only under bsp in this release "
                         f"(got --paradigm {cfg.paradigm})")
     workers = f"ranks {layout.first_worker}-{world_size - 1}"
-    for fault in map(parse_fault, cfg.fault):
+    for fault in cfg.faults:
         if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
             raise UserError(f"--fault {fault.kind}@{fault.rank}:{fault.step}: rank {fault.rank} is not a worker "
                             f"(workers are {workers})")
@@ -289,7 +288,7 @@ class _Run:
                      lr_schedule=cfg.lr_staleness or policy.default_lr_staleness,
                      compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter,
                                               cfg.jitter_cv),
-                     faults=[f for f in map(parse_fault, cfg.fault) if f.rank == topo.rank],
+                     faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
                      backoff=self.backoff, **extra).run()

@@ -51,7 +51,25 @@ class _Buffer:
         return batch
 
 
-class ForwardingRecorder:
+class _Recorder:
+    """What every recorder does with a row: buffer it, and flush when the batch is due."""
+
+    buffer: _Buffer
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def add(self, table: str, row: tuple) -> None:
+        if self.buffer.add(table, row):
+            self.flush()
+
+    def tick(self) -> None:
+        """Flush rows that have waited ``interval`` (call while blocked, so a stalled job keeps them)."""
+        if self.buffer.due():
+            self.flush()
+
+
+class ForwardingRecorder(_Recorder):
     """Any rank but 0: batch rows and send them to rank 0."""
 
     def __init__(self, comm: MPI.Comm, *, batch_rows: int = 256, interval: float = 0.25) -> None:
@@ -59,20 +77,11 @@ class ForwardingRecorder:
         self.buffer = _Buffer(batch_rows, interval)
         self._sends: list[MPI.Request] = []
 
-    def add(self, table: str, row: tuple) -> None:
-        if self.buffer.add(table, row):
-            self.flush()
-
     def flush(self) -> None:
         batch = self.buffer.take()
         if batch:
             self._sends.append(self.comm.isend(batch, dest=0, tag=TAG_ROWS))
         self._sends = [r for r in self._sends if not r.Test()]
-
-    def tick(self) -> None:
-        """Send rows that have waited ``interval`` (call while blocked, so a stalled job keeps them)."""
-        if self.buffer.due():
-            self.flush()
 
     def close(self, backoff: Backoff | None = None) -> None:
         """Send what is left and a close marker; wait (politely) until sent."""
@@ -82,7 +91,7 @@ class ForwardingRecorder:
         self._sends = []
 
 
-class FileRecorder:
+class FileRecorder(_Recorder):
     """Rank 0: own rows straight to the file; other ranks' batches via :meth:`drain`."""
 
     def __init__(self, comm: MPI.Comm, runfile: RunFile, *, interval: float = 0.25) -> None:
@@ -91,19 +100,10 @@ class FileRecorder:
         self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)
         self.open_ranks = set(range(1, comm.size))
 
-    def add(self, table: str, row: tuple) -> None:
-        if self.buffer.add(table, row):
-            self.flush()
-
     def flush(self) -> None:
         for table, rows in self.buffer.take().items():
             self.file.append(table, rows)
         self.file.flush()
-
-    def tick(self) -> None:
-        """Write own rows that have waited ``interval``."""
-        if self.buffer.due():
-            self.flush()
 
     def drain(self) -> bool:
         """Write every batch that has arrived; true if any did."""

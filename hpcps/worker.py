@@ -120,14 +120,18 @@ class Worker:
 
     def _pull(self) -> tuple[np.ndarray, bool]:
         versions, stop = self.window.pull(self.flat.params, self.backoff)
-        np.maximum(self.known, versions, out=self.known)
+        self._seen(versions)
         return versions, stop
+
+    def _seen(self, versions: np.ndarray) -> None:
+        """Shard versions observed somewhere: raise what the worker knows the servers are at."""
+        np.maximum(self.known, versions, out=self.known)
 
     def _push(self, versions: np.ndarray, row: dict, slot: int = 0) -> None:
         """Push the gradient computed on ``versions``, its learning rate scaled by known staleness."""
         self._read_notices()
         if self.lr_schedule != "none" and self.peek_before_push:
-            np.maximum(self.known, self.window.peek(self.backoff), out=self.known)
+            self._seen(self.window.peek(self.backoff))
         row["lr_staleness"] = int((self.known - versions).max())
         row["lr"] = scaled_lr(self.lr_schedule, self.lr, row["lr_staleness"])
         self.clock_count += 1
@@ -225,7 +229,7 @@ class EagerWorker(Worker):
         self.puller.request()
         wait_until(self.puller.ready, self.backoff)
         versions, stop, _ = self.puller.take(self.flat.params)
-        np.maximum(self.known, versions, out=self.known)
+        self._seen(versions)
         for step in range(self.start_step, self.steps):
             if stop:
                 break
@@ -241,7 +245,7 @@ class EagerWorker(Worker):
             row["push_s"] = time.perf_counter() - t
             row["pull_wait_s"] = self._wait(self.puller.ready)
             versions, stop, row["pull_s"] = self.puller.take(self.flat.params)
-            np.maximum(self.known, versions, out=self.known)
+            self._seen(versions)
             self._finish_row(row)
         self._leave()
         return self.clock_count

@@ -39,6 +39,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _user_error(exc: UserError, *, show: bool = True) -> int:
+    """Print one ``hpcps: error:`` line (where ``show``) and return the exit status for bad input."""
+    if show:
+        print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
 def _paradigm_help() -> str:
     from hpcps.policies import paradigms
 
@@ -166,17 +173,13 @@ def _train(args: argparse.Namespace) -> int:
     try:
         check_world(comm.size)
     except UserError as exc:
-        if launcher_rank() == 0:
-            print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        return _user_error(exc, show=launcher_rank() == 0)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "command_line")}
     try:
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
         result = run_training(cfg, comm)
     except UserError as exc:
-        if comm.rank == 0:
-            print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        return _user_error(exc, show=comm.rank == 0)
     except Exception as exc:
         print(f"hpcps: error: rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank",
               file=sys.stderr, flush=True)
@@ -195,12 +198,7 @@ def _train(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from hpcps.report import make_report
 
-    try:
-        written = make_report(args.runs, args.out, target=args.target)
-    except UserError as exc:
-        print(f"hpcps: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    for path in written:
+    for path in make_report(args.runs, args.out, target=args.target):
         print(path)
     return 0
 
@@ -212,11 +210,7 @@ def _jobs_render(args: argparse.Namespace) -> int:
 
     spec = JobSpec(**{k: v for k, v in vars(args).items()
                       if k not in ("command", "jobs_command", "func", "command_line")})
-    try:
-        sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))
-    except UserError as exc:
-        print(f"hpcps: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))
     return 0
 
 
@@ -230,4 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if passthrough is not None:
         args.train_args = passthrough
     args.command_line = original
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as exc:  # report, jobs render; train handles its own (rank by rank)
+        return _user_error(exc)

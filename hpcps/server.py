@@ -2,9 +2,10 @@
 
 The loop never leaves MPI for long: it polls its receives, applies updates
 in chunks with a progress poke between chunks, and sleeps with a backoff
-only when nothing is happening. Passive-target RMA in MPICH is served only
-while the target is inside MPI, so this is what keeps pulls fast while the
-server is busy.
+only when nothing is happening. Large pushes (rendezvous messages) move
+only while the server is inside MPI, and so do pulls under the ``locked``
+window protocol (see :mod:`hpcps.transport.window`); this keeps both moving
+while the server is busy.
 
 A gradient with NaN or Inf is never applied: it is recorded as dropped
 (reason 1), its worker gets a receipt marked ``DROPPED``, and a group it was

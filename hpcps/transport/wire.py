@@ -26,11 +26,16 @@ at server ``version``, with that ``staleness``; or ``DROPPED`` with it),
 RMA window (one per run over the PS communicator; server shards expose
 memory, every other rank exposes none)::
 
-    bytes 0..63       int64[8]  version, stop flag, 0...
-    bytes 64..        float32[shard length]   the shard's published parameters
+    bytes 0..63       int64[8]  version, stop flag, publish counter,
+                                version in slot 0, version in slot 1, 0...
+    bytes 64..        float32[shard length]   slot 0: published parameters
+    then              float32[shard length]   slot 1 (seqlock protocol only)
 
-The shard writes it only under an exclusive lock on itself and readers
-``Get`` it under a shared lock, so a pull sees exactly one version.
+Two protocols keep a pull from ever mixing two versions
+(:mod:`hpcps.transport.window` has the details): ``seqlock`` (the default
+where the MPI library gives the unified memory model) never locks
+exclusively, so a pull needs nothing from the server's CPU; ``locked`` (the
+fallback) publishes under an exclusive lock and reads under shared locks.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ BYE = 4
 DROPPED = 8
 
 WINDOW_HEADER_BYTES = 64
-WIN_VERSION = 0
+WIN_VERSION = 0  # newest published version
 WIN_STOP = 1
+WIN_SEQ = 2  # seqlock: 2k-1 while publish k is written, 2k once it is complete
+WIN_SLOT_VERSION = 3  # seqlock: the version in slot 0 (index 3) and slot 1 (index 4)
 
 
 def encode_header(buf: np.ndarray, kind: int, worker: int, clock: int, version: int, lr: float) -> None:

@@ -1,4 +1,4 @@
-"""The parameter window: pulls never tear, and stay fast while the server is busy."""
+"""The parameter window: pulls never tear, and stay fast while the server is busy (both protocols)."""
 
 import time
 
@@ -16,13 +16,14 @@ from hpcps.transport.window import ParamWindow
 pytestmark = pytest.mark.mpi(min_size=5)
 
 
-def test_pulls_never_return_a_torn_snapshot(world):
+@pytest.mark.parametrize("protocol", ["seqlock", "locked"])
+def test_pulls_never_return_a_torn_snapshot(world, protocol):
     """Shards 0 and 1 publish version v as a block of v's as fast as they can; 3 readers check every pull."""
     n, shards, pulls = 1 << 18, [0, 1], 200
     bounds = shard_bounds(n, 2)
     is_server = world.rank in shards
     lo, hi = bounds[world.rank] if is_server else (0, 0)
-    window = ParamWindow(world, shard_ranks=shards, bounds=bounds, local_len=hi - lo)
+    window = ParamWindow(world, shard_ranks=shards, bounds=bounds, local_len=hi - lo, protocol=protocol)
     bad, seen = 0, set()
     if is_server:
         block = np.zeros(hi - lo, np.float32)
@@ -51,10 +52,11 @@ def test_pulls_never_return_a_torn_snapshot(world):
     assert facts["distinct"] > 10  # the readers really raced the publisher
 
 
-def _pull_latency(comm, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40) -> float | None:
-    """Rank 0 applies big updates back to back; rank 1 times small pulls. Returns rank 1's median (s)."""
+def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40) -> float | None:
+    """Rank 0 publishes, then applies big updates back to back; rank 1 times small pulls (median, s)."""
     bounds = [(0, 1024)]
-    window = ParamWindow(comm, shard_ranks=[0], bounds=bounds, local_len=1024 if comm.rank == 0 else 0)
+    window = ParamWindow(comm, shard_ranks=[0], bounds=bounds, local_len=1024 if comm.rank == 0 else 0,
+                         protocol=protocol)
     median = None
     if comm.rank == 0:
         window.publish(np.zeros(1024, np.float32), 0)
@@ -80,14 +82,21 @@ def _pull_latency(comm, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40
 
 
 def test_pulls_stay_fast_while_the_server_applies_updates(world):
-    """The chunked apply keeps serving RMA; one monolithic apply (no progress inside) would not."""
+    """Seqlock pulls need nothing from the server's CPU; locked ones need it inside MPI, hence the chunked apply.
+
+    Under ``locked``, one monolithic apply (no MPI call inside) holds pulls
+    up and the chunked apply with progress pokes does not; under
+    ``seqlock`` even the monolithic apply does not hold pulls up.
+    """
     pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
     results = None
     if pair != MPI.COMM_NULL:
-        results = (_pull_latency(pair, monolithic=False), _pull_latency(pair, monolithic=True))
+        results = {(protocol, monolithic): _pull_latency(pair, protocol, monolithic)
+                   for protocol in ("locked", "seqlock") for monolithic in (False, True)}
         pair.Free()
     polite_barrier(world)  # idle ranks must not spin in a blocking collective meanwhile
-    facts = world.bcast(results, root=1)
-    chunked, monolithic = facts
-    print(f"median pull while busy: chunked {chunked * 1e3:.2f} ms, monolithic {monolithic * 1e3:.2f} ms")
-    assert chunked * 3 < monolithic
+    t = world.bcast(results, root=1)
+    print("median pull while busy (ms): " + ", ".join(
+        f"{p} {'monolithic' if m else 'chunked'} {v * 1e3:.3f}" for (p, m), v in t.items()))
+    assert t["locked", False] * 3 < t["locked", True]
+    assert t["seqlock", True] * 3 < t["locked", True]

@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
     g.add_argument("--groups", type=int, metavar="G", help="group servers (default 0; for paradigms that use them)")
     g.add_argument("--staleness", type=int, metavar="S",
-                   help="ssp: max clock lead over the slowest worker; dssp: the lower bound s_lo (default 2)")
+                   help="ssp: max clock lead over the slowest worker; dssp: the lower bound s_lo (default 2); "
+                        "eager: never compute on parameters more than S versions behind the newest known "
+                        "(default: no bound)")
     g.add_argument("--staleness-max", type=int, dest="staleness_max", metavar="S_HI",
                    help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
     g = t.add_argument_group("model and data")

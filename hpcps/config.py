@@ -23,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_STEPS = 500
+DEFAULT_STALENESS = 2
 
 
 class TrainConfig(BaseModel):
@@ -41,7 +42,7 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.1, gt=0)
     lr_staleness: Literal["none", "inverse", "sqrt", "exp"] | None = None
-    staleness: int = Field(2, ge=0)
+    staleness: int | None = Field(None, ge=0)  # None: 2 for ssp/dssp, no bound for eager
     staleness_max: int | None = Field(None, ge=0)
     slowdown: dict[int, float] = Field(default_factory=dict)
     compute_time: float | None = Field(None, gt=0)
@@ -89,8 +90,8 @@ class TrainConfig(BaseModel):
     def _consistent(self) -> "TrainConfig":
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
-        if self.staleness_max is not None and self.staleness_max < self.staleness:
-            raise ValueError(f"--staleness-max {self.staleness_max} must be >= --staleness {self.staleness}")
+        if self.staleness_max is not None and self.staleness_max < self.s_lo:
+            raise ValueError(f"--staleness-max {self.staleness_max} must be >= --staleness {self.s_lo}")
         if self.jitter != "none" and self.compute_time is None:
             raise ValueError("--jitter needs --compute-time (it varies the emulated compute time)")
         if self.jitter == "uniform" and self.jitter_cv > 1 / 3 ** 0.5:
@@ -103,9 +104,14 @@ class TrainConfig(BaseModel):
         return [parse_fault(spec) for spec in self.fault]
 
     @property
+    def s_lo(self) -> int:
+        """The ssp bound and dssp's lower bound: ``--staleness``, default 2."""
+        return self.staleness if self.staleness is not None else DEFAULT_STALENESS
+
+    @property
     def s_hi(self) -> int:
         """Upper staleness bound of dssp: ``--staleness-max``, or ``--staleness`` + 4."""
-        return self.staleness_max if self.staleness_max is not None else self.staleness + 4
+        return self.staleness_max if self.staleness_max is not None else self.s_lo + 4
 
     def as_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -23,6 +23,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
 
 
@@ -205,8 +206,9 @@ def plot_thresholds(runs: list[Run], out: Path) -> Path | None:
         for w in np.unique(up["worker"]):
             mine = up[up["worker"] == w]
             ax.step(mine["t"], mine["threshold"], where="post", label=f"rank {w}")
-        s_lo, s_hi = r.config.get("staleness"), r.config.get("staleness_max")
-        s_hi = s_hi if s_hi is not None else (s_lo + 4 if s_lo is not None else None)
+        s_lo, s_hi = r.config.get("staleness", DEFAULT_STALENESS), r.config.get("staleness_max")
+        s_lo = DEFAULT_STALENESS if s_lo is None else s_lo  # null in the config: the default
+        s_hi = s_hi if s_hi is not None else s_lo + 4
         for bound, name in ((s_lo, "s_lo"), (s_hi, "s_hi")):
             if bound is not None:
                 ax.axhline(bound, color="grey", linestyle=":")

@@ -230,7 +230,7 @@ class _Run:
             side_tasks = [recorder.drain, evaluator.tick]
         ShardServer(
             shard=topo.rank, rank=topo.rank,
-            policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.staleness, staleness_max=cfg.s_hi),
+            policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi),
             table="groups/updates" if grouped else "servers/updates",
             inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
             abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
@@ -274,6 +274,7 @@ class _Run:
         extra, buffers = {}, [self.flat.grads]
         if policy.eager_pull:
             buffers = extra["send_buffers"] = [np.empty_like(self.flat.grads) for _ in range(2)]
+            extra["bound"] = cfg.staleness  # None: never wait for fresher parameters
         if topo.group != MPI.COMM_NULL:  # grouped: talk to the group server, rank 0 of the group communicator
             comm, shards, bounds = topo.group, [0], [(0, self.flat.size)]
         else:

@@ -15,7 +15,11 @@ computing it asks a helper thread for the newest parameters, which the
 thread pulls behind the computation and keeps refreshing whenever a shard
 publishes a newer version; the worker pushes from a copy of its gradients,
 so it never waits for a push before computing again, and swaps the freshest
-pulled parameters in after computing.
+pulled parameters in after computing. It waits only for the pull issued
+when computing started (so it never computes on parameters older than the
+newest version published when its previous computation started) and, with
+``--staleness s``, until what it computes on is at most ``s`` versions
+behind the newest it knows of.
 
 The staleness a worker *knows of* when it pushes is the newest version it
 has seen (from pulls; from receipts, since a gradient applied at version v
@@ -103,7 +107,7 @@ class Worker:
         for step in range(self.start_step, self.steps):
             if stop:
                 break
-            row = {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min())}
+            row = self._start_row(step, versions)
             row["loss"], row["compute_s"] = self._compute(step)
             t = time.perf_counter()
             self._push(versions, row)
@@ -136,6 +140,14 @@ class Worker:
         row["lr"] = scaled_lr(self.lr_schedule, self.lr, row["lr_staleness"])
         self.clock_count += 1
         self.pusher.start(self.clock_count, versions, row["lr"], slot)
+
+    def _start_row(self, step: int, versions: np.ndarray) -> dict:
+        return {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
+                "lag": self._lag(versions), "wait_s": 0.0}
+
+    def _lag(self, versions: np.ndarray) -> int:
+        """How far ``versions`` are behind the newest the worker knows of (largest over shards)."""
+        return int((self.known - versions).max())
 
     def _finish_row(self, row: dict) -> None:
         row["t_end"] = self.clock()
@@ -214,9 +226,10 @@ class EagerWorker(Worker):
     #: (and two threads must not lock the same window target at once)
     peek_before_push = False
 
-    def __init__(self, *, send_buffers: list[np.ndarray], **kwargs) -> None:
+    def __init__(self, *, send_buffers: list[np.ndarray], bound: int | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.send_buffers = send_buffers
+        self.bound = bound
         self.puller = EagerPuller(self.window, self.flat.size)
 
     def run(self) -> int:
@@ -230,22 +243,44 @@ class EagerWorker(Worker):
         wait_until(self.puller.ready, self.backoff)
         versions, stop, _ = self.puller.take(self.flat.params)
         self._seen(versions)
+        expected = 0.0  # running average of the compute time: when to start the pull
         for step in range(self.start_step, self.steps):
             if stop:
                 break
-            row = {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
-                   "wait_s": 0.0}
-            self.puller.request()  # the newest parameters, fetched (and refreshed) behind this computation
+            self._seen(self.puller.latest())
+            held = 0.0
+            while self.bound is not None and self._lag(versions) > self.bound and not stop:
+                # what the worker knows moved on after its last take (a receipt, a peek): refresh first
+                self.puller.request()
+                self.puller.hurry()
+                held += self._wait(self._fresh_enough, "fresh parameters")
+                versions, stop, _ = self.puller.take(self.flat.params)
+                self._seen(versions)
+            if stop:
+                break
+            row = self._start_row(step, versions)  # nothing between the check and here raises self.known
+            self.puller.request(expected)  # the newest parameters, fetched just in time behind this computation
             row["loss"], row["compute_s"] = self._compute(step)
+            expected = row["compute_s"] if step == self.start_step else 0.7 * expected + 0.3 * row["compute_s"]
             slot = step % 2
             t = time.perf_counter()
             self._wait(lambda: self.pusher.test(slot))  # pushed two iterations ago: long gone, as a rule
             np.copyto(self.send_buffers[slot], self.flat.grads)
             self._push(versions, row, slot)
             row["push_s"] = time.perf_counter() - t
-            row["pull_wait_s"] = self._wait(self.puller.ready)
+            self.puller.hurry()
+            row["pull_wait_s"] = held + self._wait(self._fresh_enough, "fresh parameters")
             versions, stop, row["pull_s"] = self.puller.take(self.flat.params)
             self._seen(versions)
             self._finish_row(row)
         self._leave()
         return self.clock_count
+
+    def _fresh_enough(self) -> bool:
+        """A pull issued since computing started has arrived, and (``--staleness``) is within the bound."""
+        if not self.puller.ready():
+            return False
+        if self.bound is None:
+            return True
+        self._seen(self.puller.latest())
+        return self._lag(self.puller.staged()) <= self.bound

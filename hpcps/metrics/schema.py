@@ -1,4 +1,4 @@
-"""HDF5 metrics schema, version 1 (pure numpy; no MPI, no h5py).
+"""HDF5 metrics schema, version 2 (pure numpy; no MPI, no h5py).
 
 Times are seconds since the run's common start (taken after a barrier).
 Ranks are ranks of the run's communicator (``COMM_WORLD`` for the CLI).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: workers/iterations.lag
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -18,12 +18,14 @@ SCHEMA_VERSION = 1
 #: from which ``lr`` was scaled; ``wait_s``: blocked on the paradigm's grant;
 #: ``push_s``: in push calls and waiting for a push to leave; ``pull_s``: the
 #: pull's own duration; ``pull_wait_s``: the part of it the worker waited for
-#: (equal to ``pull_s`` unless the pull overlapped compute, as in eager).
+#: (equal to ``pull_s`` unless the pull overlapped compute, as in eager);
+#: ``lag``: when computing started, the newest version the worker knew of
+#: minus ``version`` (largest over shards; eager's ``--staleness`` bounds it).
 ITERATION = np.dtype([
     ("rank", "i4"), ("step", "i8"), ("t_start", "f8"), ("t_end", "f8"),
     ("compute_s", "f8"), ("push_s", "f8"), ("pull_s", "f8"), ("wait_s", "f8"),
     ("version", "i8"), ("staleness", "i8"), ("lr", "f8"), ("loss", "f8"),
-    ("pull_wait_s", "f8"), ("lr_staleness", "i8"),
+    ("pull_wait_s", "f8"), ("lr_staleness", "i8"), ("lag", "i8"),
 ])
 
 #: ``/servers/updates``: one row per gradient per shard, applied or dropped.

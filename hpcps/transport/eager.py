@@ -1,13 +1,24 @@
 """Eager pulls: keep the newest parameters arriving behind the worker's computation.
 
-A helper thread (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE``) starts
-pulling when the worker asks (:meth:`EagerPuller.request`, when it starts
-computing) and, until the worker takes the snapshot, keeps it fresh: it reads
-the shards' version headers with a backoff and pulls again as soon as a
-shard has published a version newer than the one staged. Each pull is the
-window's ordinary locked ``Rget``, so the shared locks are held only for a
-transfer, never across the caller's compute, and the server's exclusive-lock
-publishes are not held up by a worker's forward/backward.
+A helper thread (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE``) pulls
+when the worker asks (:meth:`EagerPuller.request`, when it starts
+computing) and, until the worker takes the snapshot, keeps it fresh.
+
+*Just in time.* The worker says how long it expects to compute; the helper
+starts the pull that much later, less twice the recent pull duration and a
+margin, so one transfer per iteration lands just before the worker needs it
+and brings the newest version there is then. (Pulling at once and again on
+every new version would bring the same freshness only at many times the
+transfers, which on a busy node costs the worker its CPU and memory
+bandwidth.) While time is left before the expected end, or once the worker
+:meth:`hurry`-s (it finished computing, or needs fresher parameters), the
+helper reads the shards' version headers with a backoff and pulls again as
+soon as a shard has published a version newer than the one staged.
+
+Each pull is the window's ordinary ``pull``, so under the ``locked`` window
+protocol the shared locks are held only for a transfer, never across the
+caller's compute. The newest versions the helper has seen (:meth:`latest`)
+let the worker bound how far behind the staged snapshot may be.
 
 Two staging buffers: the helper writes the one that is not *ready* and
 swaps them under a lock when a pull completes; :meth:`take` copies the ready
@@ -26,6 +37,10 @@ from hpcps.transport.poll import Backoff
 from hpcps.transport.window import ParamWindow
 
 
+#: seconds between the helper's pull landing and the worker's expected take (thread wake-up, jitter)
+JIT_MARGIN = 5e-4
+
+
 class EagerPuller:
     """Call :meth:`close` before the window is freed."""
 
@@ -35,6 +50,7 @@ class EagerPuller:
         n = len(window.shard_ranks)
         self._meta = [(np.full(n, -1, np.int64), False, 0.0), (np.full(n, -1, np.int64), False, 0.0)]
         self._ready = -1  # index of the staged snapshot, -1: none yet
+        self._latest = np.zeros(n, np.int64)  # newest versions seen by a peek or a pull
         self._lock = threading.Lock()
         self._wanted = threading.Event()  # the worker wants fresh parameters
         self._arrived = threading.Event()  # a snapshot is staged
@@ -42,6 +58,9 @@ class EagerPuller:
         self._error: BaseException | None = None
         self.pulls = 0
         self._refresh = Backoff(first=1e-4, cap=refresh_cap)
+        self._hurry = threading.Event()  # the worker is waiting: pull (again) now, whatever the schedule
+        self._start_at = self._due = 0.0  # perf_counter times: first pull of this request; expected take
+        self.pull_s = 0.0  # running average of a pull's duration
         self._thread = threading.Thread(target=self._run, name="hpcps-eager-pull", daemon=True)
         self._thread.start()
 
@@ -52,15 +71,28 @@ class EagerPuller:
                 self._wanted.wait()
                 if self._closing:
                     return
-                if self._arrived.is_set() and not self._newer_published(backoff):
-                    self._refresh.pause()
+                if not self._arrived.is_set():
+                    delay = self._start_at - time.perf_counter()
+                    if delay > 0 and not self._hurry.wait(delay) and self._closing:
+                        return
+                elif self._hurry.is_set() or time.perf_counter() + self.pull_s < self._due:
+                    if not self._newer_published(backoff):
+                        self._refresh.pause()
+                        continue
+                else:  # staged, and no time for another pull before the worker takes: idle
+                    self._hurry.wait(self._refresh.cap)
+                    continue
+                if self._closing or not self._wanted.is_set():
                     continue
                 self._refresh.reset()
                 target = 1 - self._ready if self._ready >= 0 else 0
                 t = time.perf_counter()
                 versions, stop = self.window.pull(self.staging[target], backoff)
+                took = time.perf_counter() - t
+                self.pull_s = took if self.pulls == 0 else 0.7 * self.pull_s + 0.3 * took
                 with self._lock:
-                    self._meta[target] = (versions, stop, time.perf_counter() - t)
+                    np.maximum(self._latest, versions, out=self._latest)
+                    self._meta[target] = (versions, stop, took)
                     self._ready = target
                     self.pulls += 1
                 self._arrived.set()
@@ -70,15 +102,36 @@ class EagerPuller:
 
     def _newer_published(self, backoff: Backoff) -> bool:
         staged = self._meta[self._ready][0]
-        return bool((self.window.peek(backoff) > staged).any())
+        published = self.window.peek(backoff)
+        with self._lock:
+            np.maximum(self._latest, published, out=self._latest)
+        return bool((published > staged).any())
 
-    def request(self) -> None:
-        """Start fetching the newest parameters, and keep them fresh until :meth:`take`."""
+    def request(self, expected: float = 0.0) -> None:
+        """Fetch the newest parameters for a take expected in ``expected`` seconds; keep them fresh until then."""
+        now = time.perf_counter()
+        self._due = now + expected
+        self._start_at = now + max(0.0, expected - 2.0 * self.pull_s - JIT_MARGIN)
+        self._hurry.clear()
         self._arrived.clear()
         self._wanted.set()
 
+    def hurry(self) -> None:
+        """The worker is waiting: start the pull now if it has not started, refresh whenever newer is published."""
+        self._hurry.set()
+
     def ready(self) -> bool:
         return self._arrived.is_set()
+
+    def latest(self) -> np.ndarray:
+        """The newest version of every shard the helper has seen published (a copy)."""
+        with self._lock:
+            return self._latest.copy()
+
+    def staged(self) -> np.ndarray:
+        """The versions of the staged snapshot (valid once :meth:`ready`)."""
+        with self._lock:
+            return self._meta[self._ready][0].copy()
 
     def take(self, out: np.ndarray) -> tuple[np.ndarray, bool, float]:
         """Copy the freshest staged snapshot into ``out``; return (versions, stop flag, last pull's duration)."""
@@ -96,5 +149,6 @@ class EagerPuller:
         """End the helper thread (after the pull or peek it may be in)."""
         if self._thread.is_alive():
             self._closing = True
+            self._hurry.set()
             self._wanted.set()
             self._thread.join()

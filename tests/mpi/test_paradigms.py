@@ -194,6 +194,28 @@ def test_learning_rate_is_the_formula_of_the_known_staleness(world, mpi_tmp_path
     assert facts["scaled"] > 0  # some gradients really were stale and scaled down
 
 
+def test_eager_staleness_bound_holds_where_unbounded_eager_lags(world, mpi_tmp_path):
+    """``--staleness 0``: every iteration starts on the newest version its worker knows of.
+
+    The same job without the bound starts some iterations on parameters
+    older than what the worker already knew of (its receipts and the
+    helper's header reads move on after the take), so the bound is not
+    vacuous.
+    """
+    facts = {}
+    for bound in (0, None):
+        _, t = train(mpi_tmp_path / f"eager-bound-{bound}.h5", paradigm="eager", steps=40, staleness=bound,
+                     slowdown=["4=3"])
+        if world.rank == 0:
+            it = t["workers/iterations"]
+            facts[bound] = {"lag": (int(it["lag"].min()), int(it["lag"].max())),
+                            "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts[0]["lag"] == (0, 0)
+    assert facts[None]["lag"][0] == 0 and facts[None]["lag"][1] >= 1, facts
+    assert facts[0]["applied"] == facts[None]["applied"] == 4 * 40
+
+
 def test_single_eager_worker_matches_a_replay_of_its_own_record(world, mpi_tmp_path):
     """One server + one eager worker: replay SGD from the recorded versions and learning rates."""
     steps, batch, lr = 25, 16, 0.3

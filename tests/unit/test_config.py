@@ -9,7 +9,7 @@ from hpcps.errors import UserError
 def test_defaults_make_a_useful_run():
     cfg = make_config({})
     assert (cfg.paradigm, cfg.servers, cfg.groups, cfg.model, cfg.dataset) == ("dssp", 1, 0, "mlp", "digits")
-    assert (cfg.staleness, cfg.s_hi) == (2, 6)
+    assert (cfg.staleness, cfg.s_lo, cfg.s_hi) == (None, 2, 6)  # None: no bound for eager
     assert steps_for(cfg, per_epoch=11) == DEFAULT_STEPS
 
 

@@ -21,7 +21,7 @@ def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness):
     for k in range(20):
         rank, step = 1 + k % 2, k // 2
         it[k] = (rank, step, step * iteration_ms / 1e3, (step + 1) * iteration_ms / 1e3,
-                 1e-3, 1e-4, 2e-4, wait_ms / 1e3, step, staleness, 0.1, 1.0, 2e-4, staleness)
+                 1e-3, 1e-4, 2e-4, wait_ms / 1e3, step, staleness, 0.1, 1.0, 2e-4, staleness, 0)
     up = np.zeros(20, UPDATE)
     for k in range(20):
         up[k] = (0, 0, k * 0.01, 1 + k % 2, k // 2 + 1, k, staleness, 2 + (k > 10), 1, 0)

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ssp: max clock lead over the slowest worker; dssp: the lower bound s_lo (default 2); "
                         "eager: never compute on parameters more than S versions behind the newest known "
                         "(default: no bound)")
+    g.add_argument("--hsp-max-stale", type=int, dest="hsp_max_stale", metavar="K",
+                   help="hsp: extra gradients a worker may compute per round while it waits (default 1)")
     g.add_argument("--staleness-max", type=int, dest="staleness_max", metavar="S_HI",
                    help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
     g = t.add_argument_group("model and data")

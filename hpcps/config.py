@@ -44,6 +44,7 @@ class TrainConfig(BaseModel):
     lr_staleness: Literal["none", "inverse", "sqrt", "exp"] | None = None
     staleness: int | None = Field(None, ge=0)  # None: 2 for ssp/dssp, no bound for eager
     staleness_max: int | None = Field(None, ge=0)
+    hsp_max_stale: int = Field(1, ge=0)
     slowdown: dict[int, float] = Field(default_factory=dict)
     compute_time: float | None = Field(None, gt=0)
     jitter: Literal["none", "uniform", "exponential", "lognormal"] = "none"

@@ -48,11 +48,12 @@ from hpcps.models import build_model
 from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
 from hpcps.topology import Topology
+from hpcps.transport import wire
 from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
-from hpcps.worker import EagerWorker, Worker
+from hpcps.worker import EagerWorker, HSPWorker, Worker
 
 log = logging.getLogger("hpcps")
 
@@ -218,7 +219,10 @@ class _Run:
         grouped = layout.n_groups > 0  # then the central shards' clients are the group servers
         workers = [layout.group_server_rank(g) for g in range(layout.n_groups)] if grouped \
             else list(layout.worker_ranks())
-        inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master))
+        notifier = Notifier(topo.ps, worker_ranks=workers)
+        serial = policy_class(cfg.paradigm).serial_transfers and not grouped
+        inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
+                          on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None)
         side_tasks, bar, evaluator = [], None, None
         if topo.rank == 0:
             evaluator = Evaluator(model=self.model, flat=self.flat, data=self.data,
@@ -232,7 +236,7 @@ class _Run:
             shard=topo.rank, rank=topo.rank,
             policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi),
             table="groups/updates" if grouped else "servers/updates",
-            inbox=inbox, notifier=Notifier(topo.ps, worker_ranks=workers), window=window, master=master,
+            inbox=inbox, notifier=notifier, window=window, master=master,
             abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
             on_published=self._checkpointer(window) if topo.rank == 0 and cfg.checkpoint_every else None,
@@ -272,16 +276,20 @@ class _Run:
         topo, cfg = self.topo, self.cfg
         policy = policy_class(cfg.paradigm)
         extra, buffers = {}, [self.flat.grads]
-        if policy.eager_pull:
+        if policy.eager_pull or policy.extra_gradients:
             buffers = extra["send_buffers"] = [np.empty_like(self.flat.grads) for _ in range(2)]
+        if policy.eager_pull:
             extra["bound"] = cfg.staleness  # None: never wait for fresher parameters
+        if policy.extra_gradients:
+            extra["max_extra"] = cfg.hsp_max_stale
         if topo.group != MPI.COMM_NULL:  # grouped: talk to the group server, rank 0 of the group communicator
             comm, shards, bounds = topo.group, [0], [(0, self.flat.size)]
         else:
             comm, shards, bounds = topo.ps, self.shards, self.bounds
-        pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=bounds, worker_rank=topo.rank)
+        pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=bounds, worker_rank=topo.rank,
+                        serial=policy.serial_transfers)
         notices = NoticeBox(comm, shard_ranks=shards)
-        worker_class = EagerWorker if policy.eager_pull else Worker
+        worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         worker_class(rank=topo.rank, index=self.layout.worker_index(topo.rank), n_workers=self.layout.n_workers,
                      model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher,
                      notices=notices, blocks=policy.worker_blocks, recorder=recorder, clock=self.clock,

@@ -105,6 +105,7 @@ class ShardServer:
         self.window.publish(self.master, self.version)
         while self.inbox.open:
             events = self.inbox.poll()
+            self._log_transfers()
             for task in self.side_tasks:
                 task()
             self._check_stall()
@@ -127,6 +128,12 @@ class ShardServer:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
         self.notifier.drain(self.backoff)
 
+    def _log_transfers(self) -> None:
+        """Serial transfers (hsp): record who streamed into this shard when."""
+        for worker, began, ended in self.inbox.transfers:
+            self.recorder.add("servers/transfers", (self.rank, self.shard, self.worker_ranks[worker], began, ended))
+        self.inbox.transfers.clear()
+
     def _handle(self, event: PushEvent | LeaveEvent, notices: dict[int, list[int]]) -> None:
         now = self.clock()
         self.heard[event.worker] = now
@@ -135,19 +142,22 @@ class ShardServer:
             if self.policy.worker_blocks:
                 self.awaiting.add(event.worker)
             self.pending[event.worker] = event
-            self._carry_out(self.policy.on_push(event.worker, event.clock, event.version, now), notices)
+            extra = {"extra": event.extra} if self.policy.extra_gradients else {}
+            self._carry_out(self.policy.on_push(event.worker, event.clock, event.version, now, **extra), notices)
         else:
             self.gone.add(event.worker)
             self._carry_out(self.policy.on_leave(event.worker, now), notices)
             _note(notices, event.worker, wire.BYE)
 
     def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
-        for group in decision.updates:
+        for k, group in enumerate(decision.updates):
             pushes = [self.pending.pop(w) for w in group]
             finite = [p for p in pushes if self._finite(p)]
             at = self.version
+            weight = decision.weights[k] if decision.weights else 1.0
             if finite:
-                at = self._update([self.grads_t[p.worker] for p in finite], [p.lr / len(finite) for p in finite])
+                at = self._update([self.grads_t[p.worker] for p in finite],
+                                  [weight * p.lr / len(finite) for p in finite])
             t = self.clock()
             for p in pushes:
                 applied = p in finite

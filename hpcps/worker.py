@@ -131,7 +131,7 @@ class Worker:
         """Shard versions observed somewhere: raise what the worker knows the servers are at."""
         np.maximum(self.known, versions, out=self.known)
 
-    def _push(self, versions: np.ndarray, row: dict, slot: int = 0) -> None:
+    def _push(self, versions: np.ndarray, row: dict, slot: int = 0, flags: int = 0) -> None:
         """Push the gradient computed on ``versions``, its learning rate scaled by known staleness."""
         self._read_notices()
         if self.lr_schedule != "none" and self.peek_before_push:
@@ -139,7 +139,7 @@ class Worker:
         row["lr_staleness"] = int((self.known - versions).max())
         row["lr"] = scaled_lr(self.lr_schedule, self.lr, row["lr_staleness"])
         self.clock_count += 1
-        self.pusher.start(self.clock_count, versions, row["lr"], slot)
+        self.pusher.start(self.clock_count, versions, row["lr"], slot, flags)
 
     def _start_row(self, step: int, versions: np.ndarray) -> dict:
         return {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
@@ -201,6 +201,8 @@ class Worker:
         self.recorder.tick()
         n_shards = len(self.grants)
         for note in self.notices.poll():
+            if note.flags & wire.TRANSFER:
+                self.pusher.transfer(note.shard)
             if note.flags & wire.GRANT:
                 self.grants[note.shard] += 1
             if note.flags & wire.RECEIPT:
@@ -284,3 +286,56 @@ class EagerWorker(Worker):
             return True
         self._seen(self.puller.latest())
         return self._lag(self.puller.staged()) <= self.bound
+
+
+class HSPWorker(Worker):
+    """Paradigm ``hsp``: a round's gradient, then up to ``max_extra`` extra ones while the round is open.
+
+    After pushing its round's gradient (and waiting for its turn to stream
+    it in: computing meanwhile would hold up the shard's serial transfers)
+    the worker does not sit idle: while its grant has not come it computes
+    further gradients on the parameters it has and pushes them flagged
+    ``EXTRA`` (the shard scales them by their staleness), at most
+    ``max_extra`` per round. Each extra is an iteration
+    of its own (a row, a step), so a worker still pushes ``steps``
+    gradients in all. Pushes go from two send buffers, as a payload may wait
+    for its ``TRANSFER`` turn while the next gradient is computed.
+    """
+
+    def __init__(self, *, send_buffers: list[np.ndarray], max_extra: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.send_buffers = send_buffers
+        self.max_extra = max_extra
+
+    def run(self) -> int:
+        versions, stop = self._pull()
+        extras = 0  # extra gradients pushed in this round
+        extra = False  # this gradient is computed while an earlier push of the round waits for its grant
+        for step in range(self.start_step, self.steps):
+            if stop:
+                break
+            row = self._start_row(step, versions)
+            row["loss"], row["compute_s"] = self._compute(step)
+            slot = step % 2
+            t = time.perf_counter()
+            self._wait(lambda: self.pusher.test(slot), "its push to leave")
+            np.copyto(self.send_buffers[slot], self.flat.grads)
+            self._push(versions, row, slot, wire.EXTRA if extra else 0)
+            row["push_s"] = time.perf_counter() - t
+            extras += extra
+            if not extra:  # the round's gradient: idle until its turn to stream in is over
+                row["push_s"] += self._wait(lambda: self.pusher.test(slot), "its turn to transfer")
+            if extras < self.max_extra and self.grants.min() < self.clock_count and step + 1 < self.steps:
+                row["pull_s"] = row["pull_wait_s"] = 0.0  # go on computing on the parameters it has
+                self._finish_row(row)
+                extra = True
+                continue
+            row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
+            extras, extra = 0, False
+            t = time.perf_counter()
+            versions, stop = self._pull()
+            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
+            self._finish_row(row)
+        self._leave()
+        return self.clock_count
+

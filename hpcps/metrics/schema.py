@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: workers/iterations.lag
+SCHEMA_VERSION = 2  # 2: workers/iterations.lag, servers/transfers
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -38,6 +38,11 @@ UPDATE = np.dtype([
     ("version", "i8"), ("staleness", "i8"), ("threshold", "i8"), ("applied", "i1"), ("reason", "i1"),
 ])
 
+#: ``/servers/transfers`` (hsp): one row per gradient streamed into a shard under serial
+#: transfers: the shard's rank and index, the worker's rank, when the shard told the worker to
+#: send (``t_begin``) and when the gradient had arrived (``t_end``), on the shard's clock.
+TRANSFER = np.dtype([("rank", "i4"), ("shard", "i4"), ("worker", "i4"), ("t_begin", "f8"), ("t_end", "f8")])
+
 #: ``reason`` codes of ``/servers/updates``
 REASONS = {0: "applied", 1: "non-finite gradient"}
 
@@ -51,6 +56,7 @@ TABLES = {
     "workers/iterations": ITERATION,
     "servers/updates": UPDATE,
     "groups/updates": UPDATE,
+    "servers/transfers": TRANSFER,
     "eval": EVAL,
 }
 

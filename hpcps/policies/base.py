@@ -15,6 +15,8 @@ Each returns a :class:`Decision`:
 * ``updates``: gradients to apply now, as tuples of worker indices. Each
   tuple becomes *one* update of the parameters (the average of those
   workers' pending gradients) and advances the server version by one.
+* ``weights``: optional, one factor per update (default 1): the update's
+  learning rates are multiplied by it (hsp scales late gradients down).
 * ``grants``: workers that may start their next iteration. Every push is
   granted exactly once (unless its worker leaves first); a worker of a
   policy whose ``worker_blocks`` is true waits for its grant before it
@@ -37,6 +39,7 @@ class Decision:
 
     updates: tuple[tuple[int, ...], ...] = ()
     grants: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
 
 
 class Policy(ABC):
@@ -52,6 +55,10 @@ class Policy(ABC):
     uses_groups: ClassVar[bool] = False
     #: whether workers pull eagerly, behind their computation (hpcps.worker.EagerWorker)
     eager_pull: ClassVar[bool] = False
+    #: whether each shard lets one worker at a time stream its gradient in (hpcps.transport.push)
+    serial_transfers: ClassVar[bool] = False
+    #: whether workers compute extra gradients while they wait for their grant (hsp; on_push gets ``extra``)
+    extra_gradients: ClassVar[bool] = False
     #: ``--lr-staleness`` when the user gives none
     default_lr_staleness: ClassVar[str] = "none"
 

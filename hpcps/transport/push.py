@@ -7,12 +7,19 @@ backward runs (eager). Each slot has persistent sends per shard; the header
 travels in a separate small message ahead of the gradient (format in
 :mod:`wire`). Buffer ownership: a started push owns its slot's buffer until
 ``test(slot)`` returns true.
+
+With ``serial=True`` (hsp) a push sends its headers only, and the payload
+to shard s leaves when shard s says ``TRANSFER`` (:meth:`Pusher.transfer`);
+the inbox then lets one worker at a time stream into the shard and keeps a
+log of who transferred when (:attr:`PushInbox.transfers`).
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -24,8 +31,10 @@ class Pusher:
     """Worker side: sends a slot's buffer (sliced by ``bounds``) to every shard."""
 
     def __init__(self, comm: MPI.Comm, *, buffers: Sequence[np.ndarray], shard_ranks: Sequence[int],
-                 bounds: Sequence[tuple[int, int]], worker_rank: int) -> None:
+                 bounds: Sequence[tuple[int, int]], worker_rank: int, serial: bool = False) -> None:
         self.comm = comm
+        self.serial = serial
+        self.waiting: list[deque[int]] = [deque() for _ in shard_ranks]  # serial: slots owed to each shard
         self.worker_rank = worker_rank
         self.shard_ranks = list(shard_ranks)
         self.headers = np.zeros((len(buffers), len(self.shard_ranks), wire.HEADER_LEN), np.int64)
@@ -38,16 +47,29 @@ class Pusher:
             self.requests.append(reqs)
         self._done: list[tuple[MPI.Request, np.ndarray]] = []
 
-    def start(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0) -> None:
+    def start(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0, flags: int = 0) -> None:
         """Push ``slot``'s buffer as the gradient with ``clock``; ``versions[s]``: shard s's version it used."""
         if not self.test(slot):
             raise RuntimeError(f"push slot {slot} started while its previous push is still in flight")
         for s in range(len(self.shard_ranks)):
-            wire.encode_header(self.headers[slot, s], wire.KIND_PUSH, self.worker_rank, clock, int(versions[s]), lr)
-        MPI.Prequest.Startall(self.requests[slot])
+            wire.encode_header(self.headers[slot, s], wire.KIND_PUSH, self.worker_rank, clock, int(versions[s]), lr,
+                               flags)
+        if not self.serial:
+            MPI.Prequest.Startall(self.requests[slot])
+            return
+        MPI.Prequest.Startall(self.requests[slot][0::2])  # headers only; payloads wait for TRANSFER
+        for owed in self.waiting:
+            owed.append(slot)
+
+    def transfer(self, shard: int) -> None:
+        """Serial: ``shard`` said TRANSFER; send it the payload of this worker's oldest waiting push."""
+        slot = self.waiting[shard].popleft()
+        self.requests[slot][2 * shard + 1].Start()
 
     def test(self, slot: int | None = None) -> bool:
         """True once ``slot``'s (default: every slot's) buffer may be reused."""
+        if any(slot in owed if slot is not None else owed for owed in self.waiting):
+            return False
         slots = self.requests if slot is None else [self.requests[slot]]
         return all(MPI.Request.Testall(reqs) for reqs in slots)
 
@@ -76,6 +98,7 @@ class PushEvent:
     clock: int
     version: int
     lr: float
+    extra: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +117,15 @@ class PushInbox:
     read before its previous gradient is dealt with.
     """
 
-    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int) -> None:
+    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
+                 on_transfer: Callable[[int], object] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload."""
         n = len(worker_ranks)
+        self.on_transfer, self.clock = on_transfer, clock
+        self.ready: deque[int] = deque()  # serial: workers whose header came, in arrival order
+        self.streaming: tuple[int, float] | None = None  # serial: (worker, since when)
+        self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
         self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)
         self.grads = np.zeros((n, shard_len), np.float32)
         self.header_reqs = [comm.Recv_init(self.headers[i], source=r, tag=wire.TAG_PUSH_HEADER)
@@ -110,14 +140,24 @@ class PushInbox:
         events: list[PushEvent | LeaveEvent] = []
         for i in MPI.Request.Testsome(self.header_reqs) or ():
             h = self.headers[i]
-            if h[0] == wire.KIND_PUSH:
-                self.data_reqs[i].Start()
-            else:
+            if h[0] != wire.KIND_PUSH:
                 self.open -= 1
                 events.append(LeaveEvent(i, int(h[2])))
+            elif self.on_transfer is None:
+                self.data_reqs[i].Start()
+            else:
+                self.ready.append(i)
         for i in MPI.Request.Testsome(self.data_reqs) or ():
             h = self.headers[i]
-            events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h)))
+            events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA)))
+            if self.streaming is not None and self.streaming[0] == i:
+                self.transfers.append((i, self.streaming[1], self.clock()))
+                self.streaming = None
+        if self.on_transfer is not None and self.streaming is None and self.ready:
+            i = self.ready.popleft()  # one at a time, in the order the workers became ready
+            self.data_reqs[i].Start()
+            self.streaming = (i, self.clock())
+            self.on_transfer(i)
         return events
 
     def gradient(self, worker: int) -> np.ndarray:

@@ -5,11 +5,17 @@ communicator, so they never meet user or metrics traffic).
 
 Push (worker -> every server shard), two messages in this order::
 
-    tag PUSH_HEADER   int64[6]  kind, worker rank, clock, version, lr (float64 bits), 0
+    tag PUSH_HEADER   int64[6]  kind, worker rank, clock, version, lr (float64 bits), push flags
     tag PUSH_DATA     float32[shard length]      the gradient's slice for that shard
 
 ``kind`` is ``PUSH`` (a payload follows) or ``DONE`` (the worker leaves; no
-payload). ``version`` is the shard version the gradient was computed on.
+payload). Push flags: ``EXTRA`` marks an hsp gradient computed while the
+worker waited for its round to close.
+
+*Serial transfers* (hsp): the worker sends the header alone; each shard
+answers ``TRANSFER`` to one ready worker at a time, and only then does that
+worker send the payload to it, so no two gradients stream into one shard at
+once. ``version`` is the shard version the gradient was computed on.
 MPI's non-overtaking rule (same source, communicator and tag) keeps a
 worker's messages in order, so a ``DONE`` is never seen before that worker's
 last push.
@@ -21,7 +27,8 @@ Notice (server shard -> worker)::
 ``flags`` is a bit set: ``RECEIPT`` (the push with that clock was applied,
 at server ``version``, with that ``staleness``; or ``DROPPED`` with it),
 ``GRANT`` (the worker may start its next iteration), ``BYE`` (answer to
-``DONE``; the last notice the shard sends that worker).
+``DONE``; the last notice the shard sends that worker), ``TRANSFER`` (serial
+transfers: send the payload of your oldest waiting push now).
 
 RMA window (one per run over the PS communicator; server shards expose
 memory, every other rank exposes none)::
@@ -55,6 +62,9 @@ RECEIPT = 1
 GRANT = 2
 BYE = 4
 DROPPED = 8
+TRANSFER = 16
+
+EXTRA = 1  # push flags (header field 5)
 
 WINDOW_HEADER_BYTES = 64
 WIN_VERSION = 0  # newest published version
@@ -63,14 +73,15 @@ WIN_SEQ = 2  # seqlock: 2k-1 while publish k is written, 2k once it is complete
 WIN_SLOT_VERSION = 3  # seqlock: the version in slot 0 (index 3) and slot 1 (index 4)
 
 
-def encode_header(buf: np.ndarray, kind: int, worker: int, clock: int, version: int, lr: float) -> None:
+def encode_header(buf: np.ndarray, kind: int, worker: int, clock: int, version: int, lr: float,
+                  flags: int = 0) -> None:
     """Fill one push header in place (``buf`` is int64[HEADER_LEN])."""
     buf[0] = kind
     buf[1] = worker
     buf[2] = clock
     buf[3] = version
     buf[4:5].view(np.float64)[0] = lr
-    buf[5] = 0
+    buf[5] = flags
 
 
 def decode_lr(buf: np.ndarray) -> float:

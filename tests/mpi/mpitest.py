@@ -7,6 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.config import make_config
+from hpcps.metrics.schema import TABLES
 from hpcps.run import run_training
 
 
@@ -18,7 +19,7 @@ def train(out, comm=MPI.COMM_WORLD, **options):
     if comm.rank != 0:
         return None, None
     with h5py.File(result.path) as f:
-        tables = {name: f[name][()] for name in ("workers/iterations", "servers/updates", "groups/updates", "eval")}
+        tables = {name: f[name][()] for name in TABLES}
         tables["summary"] = dict(f["summary"].attrs)
         tables["attrs"] = dict(f.attrs)
     return result, tables

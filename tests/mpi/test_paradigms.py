@@ -110,7 +110,7 @@ def test_asp_fast_workers_never_wait_for_the_straggler(world, mpi_tmp_path):
 
 
 @pytest.mark.parametrize("servers", [1, 2])
-@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp", "dssp", "eager"])
+@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp", "dssp", "eager", "hsp"])
 def test_nothing_lost(world, mpi_tmp_path, paradigm, servers):
     steps = 25
     _, t = train(mpi_tmp_path / f"{paradigm}{servers}.h5", paradigm=paradigm, servers=servers, steps=steps,
@@ -140,8 +140,11 @@ def test_nothing_lost(world, mpi_tmp_path, paradigm, servers):
     assert all(pairs == expected for pairs in facts["per_shard"].values())  # each gradient once per shard
     assert facts["steps"] == {w: list(range(steps)) for w in range(servers, 5)}
     assert facts["staleness_agrees"]
-    n_versions = steps if paradigm == "bsp" else n_workers * steps
-    assert all(v == list(range(n_versions)) for v in facts["versions"].values())
+    if paradigm == "hsp":  # a round's update, or one extra gradient's: as many versions as updates
+        assert all(v == list(range(len(v))) for v in facts["versions"].values())
+    else:
+        n_versions = steps if paradigm == "bsp" else n_workers * steps
+        assert all(v == list(range(n_versions)) for v in facts["versions"].values())
     assert facts["n_servers"] == servers
 
 
@@ -327,3 +330,45 @@ def test_grouped_with_two_groups_loses_nothing(world, mpi_tmp_path):
     assert facts["rounds"] == {1: list(range(1, steps + 1)), 2: list(range(1, steps + 1))}
     assert facts["per_worker"] == sorted((w, c) for w in (3, 4) for c in range(1, steps + 1))
     assert facts["central_versions"] == list(range(2 * steps))  # every group update applied once, in turn
+
+
+@pytest.mark.parametrize("max_stale", [1, 2])
+def test_hsp_streams_one_gradient_at_a_time_into_each_shard(world, mpi_tmp_path, max_stale):
+    """Two shards, a 3x straggler: transfers into a shard never overlap, each gradient streams in once,
+    and the extra gradients (updates of one gradient) come at most ``max_stale`` per worker per round."""
+    steps = 30
+    _, t = train(mpi_tmp_path / f"hsp{max_stale}.h5", paradigm="hsp", servers=2, steps=steps,
+                 hsp_max_stale=max_stale, slowdown=["4=3"])
+    facts = None
+    if world.rank == 0:
+        tr, up = t["servers/transfers"], t["servers/updates"]
+        overlaps, per_shard, longest = 0, {}, 0
+        for shard in (0, 1):
+            mine = np.sort(tr[tr["shard"] == shard], order="t_begin")
+            overlaps += int((mine["t_begin"][1:] < mine["t_end"][:-1]).sum())
+            per_shard[shard] = sorted(mine["worker"].tolist())
+        it, first = t["workers/iterations"], up[up["shard"] == 0]
+        size = {int(v): int((first["version"] == v).sum()) for v in np.unique(first["version"])}
+        extras = []  # (worker rank, clock) of gradients computed on the parameters of the one before
+        for w in (2, 3, 4):
+            mine, run = np.sort(it[it["rank"] == w], order="step"), 0
+            for prev, row in zip(mine[:-1], mine[1:]):
+                run = run + 1 if prev["pull_s"] == 0.0 else 0  # no pull in between: an extra
+                longest = max(longest, run)
+                if run:
+                    extras.append((w, int(row["step"]) + 1))
+        applied = {(int(r["worker"]), int(r["worker_clock"])): r for r in first}
+        extras_alone = all(size[int(applied[e]["version"])] == 1 for e in extras)
+        extras_stale = all(int(applied[e]["staleness"]) >= 1 for e in extras)
+        facts = {"overlaps": overlaps, "per_shard": per_shard, "longest": longest, "n_extras": len(extras),
+                 "extras_alone": extras_alone, "extras_stale": extras_stale,
+                 "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts["overlaps"] == 0
+    expected = sorted(w for w in (2, 3, 4) for _ in range(steps))
+    assert facts["per_shard"] == {0: expected, 1: expected}  # every gradient streamed into each shard once
+    assert facts["applied"] == 3 * steps
+    assert 0 < facts["n_extras"] and facts["longest"] <= max_stale, facts
+    assert facts["extras_alone"]  # applied on its own, not averaged into a round
+    assert facts["extras_stale"]  # and read only after its round closed
+

@@ -1,8 +1,8 @@
 """Randomised robustness: many short seeded runs over paradigms, shard counts and slowdowns.
 
 Every run must end (pytest-timeout turns a deadlock into a failure), lose
-nothing, and keep its paradigm's bound. CI runs 12 configurations; a local
-soak runs more: HPCPS_SOAK_RUNS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_robustness.py
+nothing, and keep its paradigm's bound (eager: its lag; hsp: one transfer
+at a time). CI runs 12 configurations; a local soak runs more: HPCPS_SOAK_RUNS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_robustness.py
 """
 
 import os
@@ -19,7 +19,7 @@ RUNS = int(os.environ.get("HPCPS_SOAK_RUNS", "12"))
 
 
 def _configuration(rng: random.Random) -> dict:
-    paradigm = rng.choice(["bsp", "asp", "ssp", "dssp", "eager", "grouped"])
+    paradigm = rng.choice(["bsp", "asp", "ssp", "dssp", "eager", "hsp", "grouped"])
     servers = rng.choice([1, 1, 2])
     groups = rng.choice([1, 2]) if paradigm == "grouped" and servers == 1 else (1 if paradigm == "grouped" else 0)
     workers = range(servers + groups, 5)
@@ -29,6 +29,8 @@ def _configuration(rng: random.Random) -> dict:
            "slowdown": [f"{w}={rng.choice([1.5, 2, 3])}" for w in slow], "batch_size": rng.choice([8, 16, 32])}
     if cfg["paradigm"] == "dssp":
         cfg["staleness_max"] = cfg["staleness"] + rng.randint(0, 3)
+    if cfg["paradigm"] == "hsp":
+        cfg["hsp_max_stale"] = rng.randint(0, 2)
     return cfg
 
 
@@ -69,6 +71,14 @@ def _check(cfg: dict, t: dict) -> list[str]:
         gaps = [int(r["step"]) - min(clocks_at(up, int(r["version"]), workers).values()) for r in it]
         if max(gaps) > bound:
             problems.append(f"clock gap {max(gaps)} > bound {bound}")
+    if cfg["paradigm"] == "eager" and it["lag"].max() > cfg["staleness"]:
+        problems.append(f"eager lag {it['lag'].max()} > --staleness {cfg['staleness']}")
+    if cfg["paradigm"] == "hsp":
+        tr = t["servers/transfers"]
+        for shard in range(servers):
+            mine = np.sort(tr[tr["shard"] == shard], order="t_begin")
+            if len(mine) != len(workers) * steps or (mine["t_begin"][1:] < mine["t_end"][:-1]).any():
+                problems.append(f"shard {shard}: {len(mine)} transfers, or two overlapped")
     if cfg["paradigm"] == "bsp" and np.abs(up["staleness"]).max() != 0:
         problems.append("stale gradient under bsp")
     return problems

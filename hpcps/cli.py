@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("paradigm and topology")
     g.add_argument("--paradigm", help=f"synchronization paradigm (default dssp). {_paradigm_help()}")
     g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
-    g.add_argument("--groups", type=int, metavar="G", help="group servers (default 0; for paradigms that use them)")
+    g.add_argument("--groups", metavar="G", help="group servers (default 0; for paradigms that use them), or auto: "
+                   "2 groups formed by measured speed after a warm-up")
+    g.add_argument("--group-by", dest="group_by", metavar="{rank,speed}",
+                   help="how workers are put in groups: contiguous rank blocks (default), or by speed measured "
+                        "in a warm-up, so a straggler shares a group only with slow peers")
     g.add_argument("--staleness", type=int, metavar="S",
                    help="ssp: max clock lead over the slowest worker; dssp: the lower bound s_lo (default 2); "
                         "eager: never compute on parameters more than S versions behind the newest known "

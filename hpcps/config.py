@@ -24,6 +24,7 @@ else:  # pragma: no cover
 
 DEFAULT_STEPS = 500
 DEFAULT_STALENESS = 2
+AUTO_GROUPS = 2  # --groups auto
 
 
 class TrainConfig(BaseModel):
@@ -33,7 +34,8 @@ class TrainConfig(BaseModel):
 
     paradigm: str = "dssp"
     servers: int = Field(1, ge=1)
-    groups: int = Field(0, ge=0)
+    groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
+    group_by: Literal["rank", "speed"] = "rank"
     model: str = "mlp"
     hidden: int = Field(128, ge=1)
     dataset: str = "digits"
@@ -64,6 +66,16 @@ class TrainConfig(BaseModel):
     checkpoint_dir: str = "checkpoints"
     resume: str | None = None
     fault: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _groups_auto(cls, values: Any) -> Any:
+        """``--groups auto``: two groups formed by measured speed (the slow workers apart from the fast)."""
+        if isinstance(values, dict) and values.get("groups") == "auto":
+            if values.get("group_by", "speed") != "speed":
+                raise ValueError("--groups auto forms groups by speed; drop --group-by rank")
+            values = {**values, "groups": AUTO_GROUPS, "group_by": "speed"}
+        return values
 
     @field_validator("slowdown", mode="before")
     @classmethod

@@ -26,12 +26,17 @@ class GroupServer(ShardServer):
     """``central_*``: this group server's link to the central shards, as a worker of theirs.
 
     ``agg`` is the buffer ``central_pusher`` sends from (the round's update, already
-    scaled by the learning rates: it is pushed with lr 1).
+    scaled by the learning rates). It is pushed with lr ``weight``: the group's
+    size over the mean group size, so every gradient weighs the same at the
+    central server however unevenly the groups are formed (a straggler alone
+    in its group does not get the weight of a group of three). Equal groups
+    (and G=1, G=N) have weight 1.
     """
 
     def __init__(self, *, central_pusher: Pusher, central_notices: NoticeBox, central_window: ParamWindow,
-                 agg: np.ndarray, **kwargs) -> None:
+                 agg: np.ndarray, weight: float = 1.0, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.weight = weight
         self.central_pusher, self.central_notices, self.central_window = central_pusher, central_notices, central_window
         self.agg_t = torch.from_numpy(agg)
         self.central_versions = np.zeros(len(central_window.shard_ranks), np.int64)
@@ -61,7 +66,7 @@ class GroupServer(ShardServer):
         for g, c in zip(grads, coeffs):
             self.agg_t.add_(g, alpha=c)
         self.rounds += 1
-        self.central_pusher.start(self.rounds, self.central_versions, 1.0)
+        self.central_pusher.start(self.rounds, self.central_versions, self.weight)
         applied_at: list[int] = []
 
         def receipts_in() -> bool:

@@ -42,6 +42,8 @@ class Layout:
     world_size: int
     n_servers: int = 1
     n_groups: int = 0
+    #: explicit group membership (world ranks per group; ``--group-by speed``), else contiguous blocks
+    members: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.n_servers < 1:
@@ -90,7 +92,10 @@ class Layout:
         return range(self.first_worker, self.world_size)
 
     def group_members(self) -> list[list[int]]:
-        """World ranks of the workers of each group server: contiguous, sizes differing by at most one."""
+        """World ranks of the workers of each group server: ``members``, or contiguous blocks whose sizes
+        differ by at most one."""
+        if self.members is not None:
+            return [list(m) for m in self.members]
         ranks = list(self.worker_ranks())
         return [ranks[lo:hi] for lo, hi in shard_bounds(len(ranks), self.n_groups)] if self.n_groups else []
 

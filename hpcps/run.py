@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from hpcps.emulation import ComputeTime
 from hpcps.errors import UserError
 from hpcps.evaluator import Evaluator
 from hpcps.flat import FlatParameters
+from hpcps.grouping import speed_groups
 from hpcps.groupserver import GroupServer
 from hpcps.layout import Layout, Role, shard_bounds
 from hpcps.log import setup_logging
@@ -53,6 +54,7 @@ from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
+from hpcps.warmup import gather_pass_times, measure_pass_time
 from hpcps.worker import EagerWorker, HSPWorker, Worker
 
 log = logging.getLogger("hpcps")
@@ -123,8 +125,27 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
     ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout.n_workers)) if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params
+    if cfg.group_by == "speed" and layout.n_groups:
+        layout = _group_by_speed(cfg, comm, layout, model, flat, data)
     with Topology(comm, layout) as topo:
         return _Run(cfg, topo, data, model, flat, steps, ckpt).run()
+
+
+def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: torch.nn.Module,
+                    flat: FlatParameters, data: Dataset) -> Layout:
+    """Collective: time every worker in a warm-up, then group the workers of similar speed."""
+    mine = None
+    if layout.role(comm.rank) is Role.WORKER:
+        mine = measure_pass_time(model, flat, data, rank=comm.rank, index=layout.worker_index(comm.rank),
+                                 n_workers=layout.n_workers, batch_size=cfg.batch_size, seed=cfg.seed,
+                                 compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(comm.rank, 1.0),
+                                                          cfg.jitter, cfg.jitter_cv))
+    times = gather_pass_times(comm, mine)
+    members = speed_groups(times, layout.n_groups)
+    if comm.rank == 0:
+        log.info("groups by measured speed (warm-up, ms per pass): %s", "; ".join(
+            ", ".join(f"{r}: {times[r] * 1e3:.1f}" for r in group) for group in members))
+    return replace(layout, members=tuple(tuple(m) for m in members))
 
 
 def _load_checkpoint(cfg: TrainConfig, n_params: int, n_workers: int) -> Checkpoint:
@@ -266,7 +287,7 @@ class _Run:
             progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
             backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
-            central_window=central, agg=agg,
+            central_window=central, agg=agg, weight=len(members) * self.layout.n_groups / self.layout.n_workers,
         ).run()
         inbox.free()
         central_pusher.free()

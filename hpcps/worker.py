@@ -60,6 +60,14 @@ from hpcps.transport.window import ParamWindow
 log = logging.getLogger("hpcps")
 
 
+def gradient_pass(model: torch.nn.Module, flat: FlatParameters, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward and backward on one batch into the flat gradient buffer; return the loss."""
+    flat.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return float(loss.detach())
+
+
 class Worker:
     """Run ``steps`` iterations (or until a shard raises the stop flag)."""
 
@@ -159,15 +167,13 @@ class Worker:
         idx = torch.from_numpy(batch_indices(len(self.y), batch_size=self.batch_size, n_workers=self.n_workers,
                                              worker=self.index, step=step, seed=self.seed))
         t = time.perf_counter()
-        self.flat.zero_grad()
-        loss = F.cross_entropy(self.model(self.x[idx]), self.y[idx])
-        loss.backward()
+        loss = gradient_pass(self.model, self.flat, self.x[idx], self.y[idx])
         pause = self.compute_time.sleep_after(time.perf_counter() - t, self.rng)
         if pause > 0.0:
             time.sleep(pause)
         if step in self.faults:
             self._inject(self.faults[step])
-        return float(loss.detach()), time.perf_counter() - t
+        return loss, time.perf_counter() - t
 
     def _inject(self, fault: Fault) -> None:
         """``--fault``: poison the gradient, raise, or die (see hpcps.faults)."""

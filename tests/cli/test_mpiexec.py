@@ -4,6 +4,7 @@ A deadlock makes ``subprocess.run`` time out, the test kills the job and
 fails; nothing here can hang the suite.
 """
 
+import json
 import subprocess
 import sys
 
@@ -47,6 +48,7 @@ def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     (["--paradigm", "bsp", "--resume", "/nonexistent/ck.h5"], "--resume /nonexistent/ck.h5: no such file"),
     (["--fault", "nan@0:3"], "--fault nan@0:3: rank 0 is not a worker"),
     (["--paradigm", "grouped"], "--paradigm grouped needs --groups G"),
+    (["--paradigm", "grouped", "--groups", "many"], "--groups: Input should be a valid integer"),
 ])
 def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
     proc = hpcps(3, "train", "--out", str(tmp_path / "x.h5"), *args, timeout=120)
@@ -54,6 +56,19 @@ def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_groups_auto_puts_the_straggler_only_with_slow_peers(tmp_path):
+    """7 ranks: 1 server, 2 group servers, 4 workers; rank 4 is 4x slower, so it gets a group of its own."""
+    out = tmp_path / "auto.h5"
+    proc = hpcps(7, "train", "--paradigm", "grouped", "--groups", "auto", "--slowdown", "4=4",
+                 "--compute-time", "0.005", "--steps", "20", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(out) as f:
+        assert json.loads(f.attrs["groups"]) == {"1": [3, 5, 6], "2": [4]}
+        assert f["summary"].attrs["gradients_applied"] == 4 * 20
+        assert json.loads(f.attrs["config"])["group_by"] == "speed"
+    assert "groups by measured speed" in proc.stderr
 
 
 def test_module_entry_point_and_version():

@@ -1,5 +1,7 @@
 """End-to-end facts of BSP, ASP and SSP on 1 server + 4 workers (mpiexec -n 5)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -371,4 +373,20 @@ def test_hsp_streams_one_gradient_at_a_time_into_each_shard(world, mpi_tmp_path,
     assert 0 < facts["n_extras"] and facts["longest"] <= max_stale, facts
     assert facts["extras_alone"]  # applied on its own, not averaged into a round
     assert facts["extras_stale"]  # and read only after its round closed
+
+
+
+
+def test_grouped_by_speed_pairs_each_group_server_with_workers_of_its_speed(world, mpi_tmp_path):
+    """5 ranks, 2 groups of 1 worker: by rank, group server 1 gets worker 3; by speed (3 is 4x slower)
+    the fastest group comes first, so group server 1 gets worker 4."""
+    facts = {}
+    for group_by in ("rank", "speed"):
+        _, t = train(mpi_tmp_path / f"by-{group_by}.h5", paradigm="grouped", groups=2, group_by=group_by, steps=10,
+                     slowdown=["3=4"], compute_time=0.003)
+        if world.rank == 0:
+            facts[group_by] = (json.loads(t["attrs"]["groups"]), int(t["summary"]["gradients_applied"]))
+    facts = share(world, facts)
+    assert facts["rank"] == ({"1": [3], "2": [4]}, 20)
+    assert facts["speed"] == ({"1": [4], "2": [3]}, 20)
 

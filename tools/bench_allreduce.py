@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Homogeneous BSP through the parameter server against data-parallel allreduce, same model and workers.
+
+Measured in one invocation, median step time over the steps of each run:
+
+* ``hpcps bsp S=1`` and ``hpcps bsp S=N``: ``hpcps train --paradigm bsp``
+  on S server shards + N workers (a step: compute, push, wait for the
+  round, pull);
+* ``allreduce (mpi4py)``: N ranks, each computes its gradient on its own
+  batch (the same batches as hpcps), ``Allreduce`` of the flat gradient,
+  SGD step;
+* ``DDP (gloo)``: the same with ``torch.nn.parallel.DistributedDataParallel``
+  over gloo, the ranks and addresses taken from MPI.
+
+Ratios are step time against mpi4py allreduce (1.00: as fast; above: slower).
+
+    python tools/bench_allreduce.py --workers 4 -- --hidden 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchlib import train
+
+
+def _inner(kind: str, steps: int, options: list[str]) -> None:
+    """Run under mpiexec -n N: data-parallel SGD with ``kind`` in {mpi, ddp}; rank 0 prints the median step."""
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    from hpcps.config import make_config
+    from hpcps.data import batch_indices, load_dataset
+    from hpcps.flat import FlatParameters
+    from hpcps.models import build_model
+
+    comm = MPI.COMM_WORLD
+    flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
+    cfg = make_config(flags)
+    torch.set_num_threads(cfg.threads)
+    data = load_dataset(cfg.dataset, test_fraction=cfg.test_fraction)
+    model = build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed, hidden=cfg.hidden)
+    flat = FlatParameters(model)
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    ddp = None
+    if kind == "ddp":
+        import torch.distributed as dist
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None)))
+        dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    grads = torch.from_numpy(flat.grads)
+    times = []
+    comm.Barrier()
+    for step in range(steps):
+        idx = torch.from_numpy(batch_indices(len(y), batch_size=cfg.batch_size, n_workers=comm.size,
+                                             worker=comm.rank, step=step, seed=cfg.seed))
+        t = time.perf_counter()
+        flat.zero_grad()
+        loss = F.cross_entropy((ddp or model)(x[idx]), y[idx])
+        loss.backward()
+        if kind == "mpi":
+            comm.Allreduce(MPI.IN_PLACE, flat.grads, op=MPI.SUM)
+            grads /= comm.size
+        # (DDP averaged the gradients during backward already)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-cfg.lr)
+        times.append(time.perf_counter() - t)
+    median = comm.reduce(float(np.median(times)), op=MPI.MAX, root=0)
+    if comm.rank == 0:
+        print(f"MEDIAN_STEP_S {median}")
+    if ddp is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def _run_inner(kind: str, n: int, steps: int, options: list[str]) -> float:
+    from hpcps.launcher import clean_environ, find_mpiexec
+    cmd = [find_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__), "--inner", kind,
+           "--steps", str(steps), "--", *options]
+    proc = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{proc.stderr[-2000:]}")
+    return float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("MEDIAN_STEP_S")))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4, help="N workers / data-parallel ranks (default 4)")
+    p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
+    p.add_argument("--inner", choices=["mpi", "ddp"], help=argparse.SUPPRESS)
+    p.add_argument("options", nargs="*", help="after --: hpcps train options shared by every run (model, batch)")
+    a = p.parse_args()
+    if a.inner:
+        _inner(a.inner, a.steps, a.options)
+        return
+    n = a.workers
+    rows = {"allreduce (mpi4py)": (n, _run_inner("mpi", n, a.steps, a.options)),
+            "DDP (gloo)": (n, _run_inner("ddp", n, a.steps, a.options))}
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in (1, n):
+            r = train(s + n, Path(tmp) / f"bsp{s}.h5",
+                      ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *a.options])
+            it = r["it"]
+            rows[f"hpcps bsp S={s}"] = (s + n, float(np.median(it["t_end"] - it["t_start"])))
+    base = rows["allreduce (mpi4py)"][1]
+    print(f"{n} workers, {a.steps} steps, options: {' '.join(a.options) or '(defaults)'}\n")
+    print("| method | ranks | median step ms | vs allreduce |")
+    print("|---|---|---|---|")
+    for name, (ranks, t) in rows.items():
+        print(f"| {name} | {ranks} | {t * 1e3:.2f} | {t / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

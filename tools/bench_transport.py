@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Push and pull through hpcps against raw mpi4py, on the same two ranks, in one run.
+
+Rank 0 is a server shard, rank 1 a worker. For each size, both measure:
+
+* push: ``R`` gradients of that size, one after the other (the next starts
+  when the previous has left), through hpcps (``Pusher`` -> ``PushInbox``:
+  header + payload, the shard releasing each) and through raw
+  ``Send``/``Recv`` of the payload alone;
+* pull: ``R`` pulls through hpcps (``ParamWindow.pull``, the protocol the
+  run would use) and through a raw ``Lock``/``Get``/``Unlock`` of a plain
+  window of the same size.
+
+Printed per size: GB/s of each and ``raw time / hpcps time`` for push,
+pull and push+pull; the last line is ``ratio vs raw: X.XX``, the worst
+push+pull ratio at 16 MiB and above (1.00: as fast as raw MPI).
+
+    python tools/bench_transport.py                 # starts mpiexec -n 2 itself
+    mpiexec -n 2 python tools/bench_transport.py    # or under your own launcher
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+MIB = 1 << 20
+
+
+def _relaunch(argv: list[str]) -> int:
+    from hpcps.launcher import clean_environ, find_mpiexec
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, os.path.abspath(__file__), *argv]
+    return subprocess.run(cmd, env=clean_environ()).returncode
+
+
+def _timed(comm, fn, reps: int) -> float:
+    """Seconds per repetition of ``fn`` on both ranks (started together, ended together)."""
+    comm.Barrier()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    comm.Barrier()
+    return (time.perf_counter() - t) / reps
+
+
+def measure(comm, nbytes: int, reps: int) -> dict[str, float]:
+    from mpi4py import MPI
+
+    from hpcps.transport.push import Pusher, PushInbox
+    from hpcps.transport.window import ParamWindow
+
+    n = nbytes // 4
+    server = comm.rank == 0
+    grad = np.ones(n, np.float32)
+    out = np.empty(n, np.float32)
+    bounds = [(0, n)]
+
+    # hpcps push: persistent header + payload sends, a per-worker persistent receive on the shard
+    pusher = None if server else Pusher(comm, buffers=[grad], shard_ranks=[0], bounds=bounds, worker_rank=1)
+    inbox = PushInbox(comm, worker_ranks=[1], shard_len=n) if server else None
+    versions = np.zeros(1, np.int64)
+    clock = [0]
+
+    def hpcps_push():
+        if server:
+            while not inbox.poll():
+                pass
+            inbox.release(0)
+        else:
+            clock[0] += 1
+            pusher.start(clock[0], versions, 0.1)
+            while not pusher.test():
+                pass
+
+    def raw_push():
+        if server:
+            comm.Recv(out, source=1, tag=77)
+        else:
+            comm.Send(grad, dest=0, tag=77)
+
+    # pulls: the run's window protocol, and a plain window with a shared lock around each Get
+    window = ParamWindow(comm, shard_ranks=[0], bounds=bounds, local_len=n if server else 0)
+    raw_win = MPI.Win.Allocate(nbytes if server else 0, 1, comm=comm)
+    if server:
+        window.publish(grad, 1)
+        np.frombuffer(raw_win.tomemory(), np.float32)[:] = 1.0
+    comm.Barrier()
+
+    def hpcps_pull():
+        if not server:
+            window.pull(out)
+
+    def raw_pull():
+        if not server:
+            raw_win.Lock(0, MPI.LOCK_SHARED)
+            raw_win.Get(out, 0)
+            raw_win.Unlock(0)
+
+    results = {}
+    for name, fn in (("push", hpcps_push), ("push_raw", raw_push), ("pull", hpcps_pull), ("pull_raw", raw_pull)):
+        fn()  # warm: first-touch, lazy connection set-up
+        results[name] = _timed(comm, fn, reps)
+    raw_win.Free()
+    window.free()
+    if inbox is not None:
+        inbox.free()
+    if pusher is not None:
+        pusher.free()
+    results["protocol"] = window.protocol
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64], help="MiB (default 1 16 64)")
+    p.add_argument("--reps", type=int, default=20, help="repetitions per measurement (default 20)")
+    a = p.parse_args()
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.size == 1:
+        return _relaunch(sys.argv[1:])
+    if comm.size != 2:
+        if comm.rank == 0:
+            print("bench_transport: run on exactly 2 ranks", file=sys.stderr)
+        return 2
+    rows, worst = [], None
+    for mib in a.sizes:
+        r = measure(comm, mib * MIB, a.reps)
+        both = (r["push_raw"] + r["pull_raw"]) / (r["push"] + r["pull"])
+        if mib >= 16:
+            worst = both if worst is None else min(worst, both)
+        rows.append((mib, r, both))
+    if comm.rank == 0:
+        print(f"2 ranks (server shard + worker), {a.reps} repetitions, window protocol {rows[0][1]['protocol']}\n")
+        print("| MiB | push GB/s hpcps | push GB/s raw | push ratio | pull GB/s hpcps | pull GB/s raw | pull ratio "
+              "| push+pull ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for mib, r, both in rows:
+            gbs = lambda s: mib * MIB / s / 1e9  # noqa: E731
+            print(f"| {mib} | {gbs(r['push']):.2f} | {gbs(r['push_raw']):.2f} | {r['push_raw'] / r['push']:.2f} "
+                  f"| {gbs(r['pull']):.2f} | {gbs(r['pull_raw']):.2f} | {r['pull_raw'] / r['pull']:.2f} | {both:.2f} |")
+        if worst is not None:
+            print(f"\nratio vs raw: {worst:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

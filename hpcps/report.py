@@ -9,6 +9,8 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
                      wait; the part of a pull hidden behind compute (eager) is written beside
 * ``staleness.png``  staleness histogram of the applied gradients, per run
 * ``thresholds.png`` DSSP bounds over time (only when a dssp run is given)
+* ``transfers.png``  which worker streamed its gradient into shard 0 when (only for runs with
+                     serial transfers, hsp): the first TRANSFER_SHOWN transfers, one lane per worker
 * ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -25,6 +27,10 @@ import numpy as np
 
 from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
+from hpcps.metrics.schema import TRANSFER
+
+#: transfers drawn in transfers.png (a whole run's are too many bars to read)
+TRANSFER_SHOWN = 120
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Run:
     updates: np.ndarray
     evals: np.ndarray
     summary: dict
+    transfers: np.ndarray = field(default_factory=lambda: np.zeros(0, TRANSFER))
 
     @property
     def label(self) -> str:
@@ -71,7 +78,8 @@ def load_run(path: str | os.PathLike) -> Run:
             return Run(name=path.stem, paradigm=str(f.attrs["paradigm"]),
                        config=json.loads(f.attrs["config"]),
                        iterations=f["workers/iterations"][()], updates=f["servers/updates"][()],
-                       evals=f["eval"][()], summary=dict(f["summary"].attrs))
+                       evals=f["eval"][()], summary=dict(f["summary"].attrs),
+                       **({"transfers": f["servers/transfers"][()]} if "servers/transfers" in f else {}))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except (OSError, KeyError) as exc:
@@ -219,6 +227,23 @@ def plot_thresholds(runs: list[Run], out: Path) -> Path | None:
     return _save(plt, fig, out / "thresholds.png")
 
 
+def plot_transfers(runs: list[Run], out: Path) -> Path | None:
+    serial = [r for r in runs if len(r.transfers)]
+    if not serial:
+        return None
+    plt, fig, axes = _figure(len(serial), 1, figsize=(10, 2.8 * len(serial)), squeeze=False)
+    for ax, r in zip(axes[:, 0], serial):
+        tr = np.sort(r.transfers[r.transfers["shard"] == 0], order="t_begin")[:TRANSFER_SHOWN]
+        workers = sorted(np.unique(tr["worker"]).tolist())
+        for lane, w in enumerate(workers):
+            mine = tr[tr["worker"] == w]
+            ax.broken_barh(list(zip(mine["t_begin"], mine["t_end"] - mine["t_begin"])), (lane - 0.4, 0.8))
+        ax.set_yticks(range(len(workers)), [f"rank {w}" for w in workers])
+        ax.set(xlabel="wall time (s)", title=f"gradients streaming into shard 0, first {len(tr)}: {r.label}")
+        ax.grid(axis="x", alpha=0.3)
+    return _save(plt, fig, out / "transfers.png")
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -238,5 +263,5 @@ def make_report(paths: list[str], out: str | os.PathLike, *, target: float = 0.9
     written = write_tables(summary_rows(runs, target), out)
     written += [plot_accuracy(runs, out, target), plot_throughput(runs, out), plot_breakdown(runs, out),
                 plot_staleness(runs, out)]
-    thresholds = plot_thresholds(runs, out)
-    return written + ([thresholds] if thresholds else [])
+    optional = [plot_thresholds(runs, out), plot_transfers(runs, out)]
+    return written + [p for p in optional if p is not None]

@@ -9,13 +9,13 @@ import pytest
 from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
-from hpcps.metrics.schema import EVAL, ITERATION, UPDATE
+from hpcps.metrics.schema import EVAL, ITERATION, TRANSFER, UPDATE
 from hpcps.report import load_run, make_report, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness):
+def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness, transfers=0):
     """Two workers (ranks 1, 2), 10 iterations each of ``iteration_ms``; one eval every 0.1 s."""
     it = np.zeros(20, ITERATION)
     for k in range(20):
@@ -31,6 +31,9 @@ def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness):
         rf.append("workers/iterations", it)
         rf.append("servers/updates", up)
         rf.append("eval", ev)
+        if transfers:  # one worker after the other into shard 0, 1 ms each
+            rf.append("servers/transfers", np.array([(0, 0, 1 + k % 2, k * 1e-3, (k + 1) * 1e-3)
+                                                     for k in range(transfers)], TRANSFER))
         rf.write_summary({"wall_s": 1.0, "final_accuracy": accuracies[-1], "gradients_applied": 20})
     return path
 
@@ -42,12 +45,14 @@ def runs(tmp_path):
                   staleness=0),
         _fake_run(tmp_path / "b-dssp.h5", "dssp", accuracies=[0.7, 0.92, 0.93], iteration_ms=20, wait_ms=1,
                   staleness=3),
+        _fake_run(tmp_path / "c-hsp.h5", "hsp", accuracies=[0.6, 0.85, 0.9], iteration_ms=30, wait_ms=2,
+                  staleness=1, transfers=20),
     ]
 
 
 def test_table_numbers_follow_from_the_files(runs):
     rows = summary_rows([load_run(p) for p in runs], target=0.9)
-    bsp, dssp = rows
+    bsp, dssp, _ = rows
     assert bsp["time_to_0.9_s"] == pytest.approx(0.3) and dssp["time_to_0.9_s"] == pytest.approx(0.2)
     assert bsp["iterations_per_s_per_worker"] == pytest.approx(20.0)  # 10 iterations in 0.5 s
     assert dssp["iterations_per_s_per_worker"] == pytest.approx(50.0)
@@ -61,19 +66,19 @@ def test_report_writes_every_plot_and_both_tables(runs, tmp_path):
     written = make_report([str(p) for p in runs], out, target=0.9)
     names = sorted(p.name for p in written)
     assert names == ["accuracy.png", "breakdown.png", "staleness.png", "summary.csv", "summary.md",
-                     "thresholds.png", "throughput.png"]
+                     "thresholds.png", "throughput.png", "transfers.png"]
     for p in written:
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
     with open(out / "summary.csv") as f:
         table = list(csv.DictReader(f))
-    assert [r["paradigm"] for r in table] == ["bsp", "dssp"]
+    assert [r["paradigm"] for r in table] == ["bsp", "dssp", "hsp"]
     assert "| b-dssp | dssp | 2 | 0.2 |" in (out / "summary.md").read_text()
 
 
-def test_no_thresholds_plot_without_a_dssp_run(runs, tmp_path):
+def test_no_thresholds_or_transfers_plot_without_a_dssp_or_hsp_run(runs, tmp_path):
     written = make_report([str(runs[0])], tmp_path / "r")
-    assert "thresholds.png" not in [p.name for p in written]
+    assert not {"thresholds.png", "transfers.png"} & {p.name for p in written}
 
 
 def test_cli_report_and_its_errors(runs, tmp_path, capsys):

@@ -139,6 +139,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accuracy whose first evaluation counts as time-to-target (default 0.9)")
     r.set_defaults(func=_report)
 
+    m = sub.add_parser("simulate", help="predict throughput, waiting and staleness at any scale (no MPI needed)",
+                       description="Discrete-event model of a job driving the real policy objects: per-worker "
+                                   "compute times, link latency and bandwidth, server costs. Prints a table; "
+                                   "--out writes simulate.csv and simulated_throughput.png.")
+    m.add_argument("--paradigm", nargs="+", default=["bsp", "asp", "ssp", "dssp", "eager"], metavar="NAME",
+                   help="paradigms to model (default bsp asp ssp dssp eager; hsp and grouped are not modelled)")
+    m.add_argument("--workers", nargs="+", type=int, default=[4, 16, 64, 256, 1024, 4096], metavar="N",
+                   help="worker counts (default 4 16 64 256 1024 4096)")
+    m.add_argument("--steps", type=int, default=20, help="iterations per worker (default 20)")
+    m.add_argument("--params", type=int, default=9610, help="float32 parameters (default 9610: the default MLP)")
+    m.add_argument("--compute-time", dest="compute_time", type=float, default=0.01, metavar="SECONDS",
+                   help="mean compute time per iteration (default 0.01)")
+    m.add_argument("--jitter", choices=["none", "uniform", "exponential", "lognormal"], default="none")
+    m.add_argument("--jitter-cv", dest="jitter_cv", type=float, default=0.1)
+    m.add_argument("--straggler", type=float, default=1.0, metavar="F", help="the last worker is F times slower")
+    m.add_argument("--staleness", type=int, default=2, help="ssp bound, dssp s_lo (default 2)")
+    m.add_argument("--latency", type=float, default=50e-6, help="seconds per transfer (default 50e-6)")
+    m.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s of a transfer (default 10e9)")
+    m.add_argument("--server-s", dest="server_s", type=float, default=20e-6,
+                   help="server seconds per push handled (default 20e-6)")
+    m.add_argument("--apply-rate", dest="apply_rate", type=float, default=5e9,
+                   help="bytes/s the server applies updates at (default 5e9)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", metavar="DIR", help="write simulate.csv and simulated_throughput.png here")
+    m.set_defaults(func=_simulate)
+
     jobs = sub.add_parser("jobs", help="batch job scripts (Slurm, PBS, LSF, plain mpiexec)")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True, parser_class=_Parser)
     j = jsub.add_parser("render", help="print a ready batch script",
@@ -208,6 +234,28 @@ def _report(args: argparse.Namespace) -> int:
 
     for path in make_report(args.runs, args.out, target=args.target):
         print(path)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from hpcps.simulate import Machine, sweep, write_outputs
+
+    try:
+        predictions = sweep(args.paradigm, args.workers, straggler=args.straggler, steps=args.steps,
+                            progress=sys.stderr.isatty(),
+                            nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
+                            jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed,
+                            machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print("| paradigm | workers | iterations/s | mean wait ms | mean staleness |")
+    print("|---|---|---|---|---|")
+    for r in predictions:
+        print(f"| {r.paradigm} | {r.workers} | {r.throughput:.1f} | {r.mean_wait_s * 1e3:.2f} | "
+              f"{r.mean_staleness:.2f} |")
+    if args.out:
+        for path in write_outputs(predictions, args.out):
+            print(path)
     return 0
 
 

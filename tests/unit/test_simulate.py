@@ -1,0 +1,57 @@
+"""The discrete-event model: closed-form rates on timelines simple enough to work out by hand."""
+
+import pytest
+
+from hpcps.cli import main
+from hpcps.simulate import Machine, simulate, sweep
+
+C, L = 0.01, 0.001  # compute and transfer seconds
+FREE = Machine(latency=L, bandwidth=1e30, server_s=0.0, apply_rate=1e30)  # transfers cost L, the server nothing
+
+
+def test_asp_worker_runs_at_one_over_compute_plus_one_transfer():
+    """Pull L, compute C, push L; the next pull starts with the push: a period of C + L."""
+    r = simulate("asp", 4, steps=50, nbytes=0, compute_time=C, machine=FREE)
+    assert r.per_worker_rate == {w: pytest.approx(1 / (C + L)) for w in range(4)}
+    assert r.throughput == pytest.approx(4 / (C + L)) and r.mean_wait_s == 0.0
+
+
+def test_bsp_runs_everyone_at_the_stragglers_pace_and_counts_the_wait():
+    """A round: pull L, the straggler's 3C, push L; fast workers wait 2C each round."""
+    r = simulate("bsp", 4, steps=40, nbytes=0, compute_time=C, slowdown={3: 3.0}, machine=FREE)
+    assert r.per_worker_rate == {w: pytest.approx(1 / (3 * C + 2 * L)) for w in range(4)}
+    assert r.mean_wait_s == pytest.approx(3 / 4 * 2 * C)  # three of four workers wait 2C, the straggler none
+    assert r.mean_staleness == 0.0
+
+
+def test_eager_hides_the_pull():
+    r = simulate("eager", 2, steps=30, nbytes=0, compute_time=C, machine=FREE)
+    assert r.per_worker_rate[0] == pytest.approx(1 / C)
+
+
+def test_ssp_lies_between_bsp_and_asp_with_a_straggler():
+    rates = {p: simulate(p, 4, steps=60, nbytes=0, compute_time=C, slowdown={3: 3.0}, machine=FREE).throughput
+             for p in ("bsp", "ssp", "asp")}
+    assert rates["bsp"] < rates["ssp"] < rates["asp"]
+
+
+def test_server_apply_cost_bounds_bsp_rounds():
+    """Applying a round of 4 gradients of 1 MB at 1 GB/s takes 4 ms, on top of every round."""
+    machine = Machine(latency=L, bandwidth=1e30, server_s=0.0, apply_rate=1e9)
+    r = simulate("bsp", 4, steps=20, nbytes=10**6, compute_time=C, machine=machine)
+    assert r.per_worker_rate[0] == pytest.approx(1 / (C + 2 * L + 4e-3))
+
+
+def test_unmodelled_paradigms_are_refused():
+    with pytest.raises(ValueError, match="not modelled"):
+        simulate("hsp", 4, steps=5, nbytes=0, compute_time=C)
+    assert len(sweep(["asp", "bsp"], [2, 3], steps=5, nbytes=0, compute_time=C)) == 4
+
+
+def test_cli_simulate_table_plot_and_bad_paradigm(tmp_path, capsys):
+    assert main(["simulate", "--paradigm", "asp", "bsp", "--workers", "4", "16", "--steps", "5",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| asp | 16 |" in out and (tmp_path / "simulated_throughput.png").stat().st_size > 10_000
+    assert main(["simulate", "--paradigm", "grouped", "--workers", "4"]) == 2
+    assert "not modelled" in capsys.readouterr().err

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Check ``hpcps simulate`` against real emulated runs at 4, 8 and 16 workers.
+
+One invocation: first two calibration runs, neither of them a validated
+size. 1 server + 1 worker under asp gives the per-iteration overhead on
+this machine (median iteration time minus compute time), the model's
+transfer latency L. 1 server + 2 equal workers under bsp gives the
+server's cost per push: a round takes compute + 2L + 2 pushes' handling. Then, for each
+paradigm and worker count, a real run (``--compute-time``, the last worker
+``--straggler`` times slower) and the model of the same job. Throughput is
+iterations per second summed over workers, each over its own active time
+(as ``hpcps report`` counts). Printed: measured, predicted, and the error;
+the last line is ``worst error: X%``.
+
+    python tools/validate_simulator.py --workers 4 8 16 --paradigms bsp asp ssp
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchlib import train
+from hpcps.report import worker_rates
+from hpcps.simulate import Machine, simulate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp"])
+    p.add_argument("--compute-time", dest="compute_time", type=float, default=0.02)
+    p.add_argument("--straggler", type=float, default=2.0, help="the last worker is this much slower (default 2)")
+    p.add_argument("--steps", type=int, default=60)
+    a = p.parse_args()
+    common = ["--compute-time", str(a.compute_time), "--steps", str(a.steps), "--eval-interval", "1"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cal = train(2, Path(tmp) / "calibrate.h5", ["--paradigm", "asp", *common])["it"]
+        overhead = float(np.median(cal["t_end"] - cal["t_start"] - cal["compute_s"]))
+        cal = train(3, Path(tmp) / "calibrate-bsp.h5", ["--paradigm", "bsp", *common])["it"]
+        server_s = max(0.0, (float(np.median(cal["t_end"] - cal["t_start"])) - a.compute_time - 2 * overhead) / 2)
+        machine = Machine(latency=overhead, bandwidth=1e12, server_s=server_s, apply_rate=1e12)
+        for paradigm in a.paradigms:
+            for n in a.workers:
+                slow = ["--slowdown", f"{n}={a.straggler:g}"] if a.straggler > 1 else []
+                it = train(n + 1, Path(tmp) / f"{paradigm}-{n}.h5", ["--paradigm", paradigm, *common, *slow])["it"]
+                measured = sum(worker_rates(it).values())
+                predicted = simulate(paradigm, n, steps=a.steps, nbytes=0, compute_time=a.compute_time,
+                                     slowdown={n - 1: a.straggler}, machine=machine).throughput
+                rows.append((paradigm, n, measured, predicted, predicted / measured - 1))
+    print(f"compute {a.compute_time * 1e3:g} ms, last worker {a.straggler:g}x slower, {a.steps} steps; "
+          f"calibrated: transfer {overhead * 1e3:.2f} ms (1 worker, asp), server {server_s * 1e3:.3f} ms per push "
+          f"(2 workers, bsp)\n")
+    print("| paradigm | workers | measured iterations/s | predicted | error |")
+    print("|---|---|---|---|---|")
+    for paradigm, n, measured, predicted, err in rows:
+        print(f"| {paradigm} | {n} | {measured:.1f} | {predicted:.1f} | {err:+.1%} |")
+    print(f"\nworst error: {max(abs(r[4]) for r in rows):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,12 +21,15 @@ The policy counts versions itself (one per update it names), so it knows
 
 from __future__ import annotations
 
-from hpcps.policies.base import Decision, Policy
+from hpcps.policies.base import Decision
 from hpcps.policies.registry import register
+from hpcps.policies.sync import BSP
 
 
 @register
-class HSP(Policy):
+class HSP(BSP):
+    """BSP's rounds (in worker order, so reproducible), plus extras applied alone and scaled."""
+
     name = "hsp"
     summary = "rounds collected one worker at a time (no incast); waiting workers add scaled extra gradients"
     serial_transfers = True
@@ -34,7 +37,6 @@ class HSP(Policy):
 
     def __init__(self, n_workers: int, **options) -> None:
         super().__init__(n_workers)
-        self.round: list[int] = []
         self.version = 0
 
     def threshold(self, worker: int) -> int:
@@ -45,16 +47,9 @@ class HSP(Policy):
             s = self.version - version
             self.version += 1
             return Decision(updates=((worker,),), grants=(worker,), weights=(1.0 / (1 + s),))
-        self.round.append(worker)
-        return self._close_round()
-
-    def on_leave(self, worker: int, now: float) -> Decision:
-        super().on_leave(worker, now)
-        return self._close_round()
+        return super().on_push(worker, clock, version, now)
 
     def _close_round(self) -> Decision:
-        if not self.round or not self.active.issubset(self.round):
-            return Decision()
-        done, self.round = tuple(sorted(self.round)), []
-        self.version += 1
-        return Decision(updates=(done,), grants=done)
+        decision = super()._close_round()
+        self.version += len(decision.updates)
+        return decision

@@ -139,7 +139,7 @@ def main() -> int:
         return 2
     rows, worst = [], None
     for mib in a.sizes:
-        sub = comm.Dup()  # the inbox leaves a header receive posted: keep it away from the next size
+        sub = comm.Dup()  # a communicator per size: nothing of one size can meet the next
         r = sub.bcast(measure(sub, mib * MIB, a.reps), root=1)  # the worker's timings
         sub.Free()
         both = (r["push_raw"] + r["pull_raw"]) / (r["push"] + r["pull"])

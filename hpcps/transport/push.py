@@ -133,12 +133,14 @@ class PushInbox:
         self.data_reqs = [comm.Recv_init(self.grads[i], source=r, tag=wire.TAG_PUSH_DATA)
                           for i, r in enumerate(worker_ranks)]
         MPI.Prequest.Startall(self.header_reqs)
+        self.listening = set(range(n))  # workers whose header receive is posted
         self.open = n
 
     def poll(self) -> list[PushEvent | LeaveEvent]:
         """Advance every worker's state; return the pushes and leaves that completed."""
         events: list[PushEvent | LeaveEvent] = []
         for i in MPI.Request.Testsome(self.header_reqs) or ():
+            self.listening.discard(i)
             h = self.headers[i]
             if h[0] != wire.KIND_PUSH:
                 self.open -= 1
@@ -166,8 +168,15 @@ class PushInbox:
     def release(self, worker: int) -> None:
         """The held gradient of ``worker`` is used up; receive its next message."""
         self.header_reqs[worker].Start()
+        self.listening.add(worker)
 
     def free(self) -> None:
+        """Release the receives. A header receive still posted (a worker that never said DONE) is
+        cancelled first: freed while posted, it would stay posted and swallow a later message."""
+        for i in sorted(self.listening):
+            self.header_reqs[i].Cancel()
+            self.header_reqs[i].Wait()
+        self.listening.clear()
         for req in self.header_reqs + self.data_reqs:
             req.Free()
         self.header_reqs = self.data_reqs = []

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from mpitest import share
 from hpcps.layout import shard_bounds
 from hpcps.server import apply_update
-from hpcps.transport.poll import Backoff, polite_barrier
+from hpcps.transport.poll import Backoff, polite_barrier, wait_until
 from hpcps.transport.window import ParamWindow
 
 pytestmark = pytest.mark.mpi(min_size=5)
@@ -100,3 +100,41 @@ def test_pulls_stay_fast_while_the_server_applies_updates(world):
         f"{p} {'monolithic' if m else 'chunked'} {v * 1e3:.3f}" for (p, m), v in t.items()))
     assert t["locked", False] * 3 < t["locked", True]
     assert t["seqlock", True] * 3 < t["locked", True]
+
+
+def test_a_freed_inbox_leaves_no_receive_behind(world):
+    """After free(), a message on the same communicator and tag reaches whoever receives next.
+
+    The inbox re-posts a worker's header receive on release; freed while
+    posted, that receive would stay posted and swallow the next header sent
+    to this rank (the worker here never says DONE).
+    """
+    from hpcps.transport import wire
+    from hpcps.transport.push import PushInbox, Pusher
+
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    got = None
+    if pair != MPI.COMM_NULL:
+        grad = np.full(8, 3.0, np.float32)
+        if pair.rank == 0:
+            inbox = PushInbox(pair, worker_ranks=[1], shard_len=8)
+            events = []
+            wait_until(lambda: bool(events.extend(inbox.poll()) or events))
+            inbox.release(0)  # posts the next header receive
+            inbox.free()
+            header = np.zeros(wire.HEADER_LEN, np.int64)
+            req = pair.Irecv(header, source=1, tag=wire.TAG_PUSH_HEADER)
+            wait_until(req.Test)
+            got = int(header[2])
+        else:
+            pusher = Pusher(pair, buffers=[grad], shard_ranks=[0], bounds=[(0, 8)], worker_rank=1)
+            pusher.start(1, np.zeros(1, np.int64), 0.1)
+            wait_until(pusher.test)
+            pusher.free()
+            header = np.zeros(wire.HEADER_LEN, np.int64)
+            wire.encode_header(header, wire.KIND_PUSH, 1, 42, 0, 0.1)
+            wait_until(pair.Isend(header, dest=0, tag=wire.TAG_PUSH_HEADER).Test)
+        pair.Free()
+    polite_barrier(world)
+    assert world.bcast(got, root=0) == 42
+

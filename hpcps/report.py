@@ -214,13 +214,12 @@ def plot_thresholds(runs: list[Run], out: Path) -> Path | None:
         for w in np.unique(up["worker"]):
             mine = up[up["worker"] == w]
             ax.step(mine["t"], mine["threshold"], where="post", label=f"rank {w}")
-        s_lo, s_hi = r.config.get("staleness", DEFAULT_STALENESS), r.config.get("staleness_max")
-        s_lo = DEFAULT_STALENESS if s_lo is None else s_lo  # null in the config: the default
-        s_hi = s_hi if s_hi is not None else s_lo + 4
+        s_lo, s_hi = r.config.get("staleness"), r.config.get("staleness_max")
+        s_lo = DEFAULT_STALENESS if s_lo is None else s_lo  # absent or null in the config: the default
+        s_hi = s_lo + 4 if s_hi is None else s_hi
         for bound, name in ((s_lo, "s_lo"), (s_hi, "s_hi")):
-            if bound is not None:
-                ax.axhline(bound, color="grey", linestyle=":")
-                ax.annotate(name, (0, bound), xytext=(2, 2), textcoords="offset points", color="grey")
+            ax.axhline(bound, color="grey", linestyle=":")
+            ax.annotate(name, (0, bound), xytext=(2, 2), textcoords="offset points", color="grey")
         ax.set(xlabel="wall time (s)", ylabel="clock-gap bound", title=f"DSSP bounds over time: {r.label}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", ncol=4)

@@ -131,6 +131,11 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
         return _Run(cfg, topo, data, model, flat, steps, ckpt).run()
 
 
+def _compute_time(cfg: TrainConfig, rank: int) -> ComputeTime:
+    """The emulated compute time of worker ``rank`` (``--compute-time``, its ``--slowdown``, ``--jitter``)."""
+    return ComputeTime(cfg.compute_time, cfg.slowdown.get(rank, 1.0), cfg.jitter, cfg.jitter_cv)
+
+
 def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: torch.nn.Module,
                     flat: FlatParameters, data: Dataset) -> Layout:
     """Collective: time every worker in a warm-up, then group the workers of similar speed."""
@@ -138,8 +143,7 @@ def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: tor
     if layout.role(comm.rank) is Role.WORKER:
         mine = measure_pass_time(model, flat, data, rank=comm.rank, index=layout.worker_index(comm.rank),
                                  n_workers=layout.n_workers, batch_size=cfg.batch_size, seed=cfg.seed,
-                                 compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(comm.rank, 1.0),
-                                                          cfg.jitter, cfg.jitter_cv))
+                                 compute_time=_compute_time(cfg, comm.rank))
     times = gather_pass_times(comm, mine)
     members = speed_groups(times, layout.n_groups)
     if comm.rank == 0:
@@ -316,8 +320,7 @@ class _Run:
                      notices=notices, blocks=policy.worker_blocks, recorder=recorder, clock=self.clock,
                      steps=self.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
                      lr_schedule=cfg.lr_staleness or policy.default_lr_staleness,
-                     compute_time=ComputeTime(cfg.compute_time, cfg.slowdown.get(topo.rank, 1.0), cfg.jitter,
-                                              cfg.jitter_cv),
+                     compute_time=_compute_time(cfg, topo.rank),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,

@@ -10,8 +10,6 @@ same groups (:func:`hpcps.grouping.speed_groups`) without another message.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -20,7 +18,7 @@ from hpcps.data import Dataset, batch_indices
 from hpcps.emulation import ComputeTime
 from hpcps.flat import FlatParameters
 from hpcps.transport.poll import Backoff, wait_until
-from hpcps.worker import gradient_pass
+from hpcps.worker import emulated_pass
 
 #: timed passes per worker (the first also pays for warming caches, hence the median)
 WARMUP_PASSES = 5
@@ -36,12 +34,7 @@ def measure_pass_time(model: torch.nn.Module, flat: FlatParameters, data: Datase
     for step in range(passes):
         idx = torch.from_numpy(batch_indices(len(y), batch_size=batch_size, n_workers=n_workers, worker=index,
                                              step=step, seed=seed))
-        t = time.perf_counter()
-        gradient_pass(model, flat, x[idx], y[idx])
-        pause = compute_time.sleep_after(time.perf_counter() - t, rng)
-        if pause > 0.0:
-            time.sleep(pause)
-        times.append(time.perf_counter() - t)
+        times.append(emulated_pass(model, flat, x[idx], y[idx], compute_time, rng)[1])
     flat.zero_grad()
     return float(np.median(times))
 

@@ -60,12 +60,18 @@ from hpcps.transport.window import ParamWindow
 log = logging.getLogger("hpcps")
 
 
-def gradient_pass(model: torch.nn.Module, flat: FlatParameters, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Forward and backward on one batch into the flat gradient buffer; return the loss."""
+def emulated_pass(model: torch.nn.Module, flat: FlatParameters, x: torch.Tensor, y: torch.Tensor,
+                  compute_time: ComputeTime, rng: np.random.Generator) -> tuple[float, float]:
+    """Forward and backward on one batch into the flat gradient buffer, topped up by the emulated
+    compute time (hpcps.emulation); return the loss and the seconds it all took."""
+    t = time.perf_counter()
     flat.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    return float(loss.detach())
+    pause = compute_time.sleep_after(time.perf_counter() - t, rng)
+    if pause > 0.0:
+        time.sleep(pause)
+    return float(loss.detach()), time.perf_counter() - t
 
 
 class Worker:
@@ -167,10 +173,7 @@ class Worker:
         idx = torch.from_numpy(batch_indices(len(self.y), batch_size=self.batch_size, n_workers=self.n_workers,
                                              worker=self.index, step=step, seed=self.seed))
         t = time.perf_counter()
-        loss = gradient_pass(self.model, self.flat, self.x[idx], self.y[idx])
-        pause = self.compute_time.sleep_after(time.perf_counter() - t, self.rng)
-        if pause > 0.0:
-            time.sleep(pause)
+        loss, _ = emulated_pass(self.model, self.flat, self.x[idx], self.y[idx], self.compute_time, self.rng)
         if step in self.faults:
             self._inject(self.faults[step])
         return loss, time.perf_counter() - t
@@ -222,7 +225,26 @@ class Worker:
             self.recorder.add("workers/iterations", tuple(row[name] for name in ITERATION.names))
 
 
-class EagerWorker(Worker):
+class _SlottedWorker(Worker):
+    """A worker that pushes from a copy of its gradient in one of two ``send_buffers`` (the pusher's
+    slots), so a push may still be in flight while the next gradient is computed."""
+
+    def __init__(self, *, send_buffers: list[np.ndarray], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.send_buffers = send_buffers
+
+    def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
+        """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
+        slot = step % 2
+        t = time.perf_counter()
+        self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
+        np.copyto(self.send_buffers[slot], self.flat.grads)
+        self._push(versions, row, slot, flags)
+        row["push_s"] = time.perf_counter() - t
+        return slot
+
+
+class EagerWorker(_SlottedWorker):
     """Decoupled push and pull (paradigm ``eager``); see the module docstring.
 
     ``pusher`` must have two slots, ``send_buffers``: the gradient is copied
@@ -234,9 +256,8 @@ class EagerWorker(Worker):
     #: (and two threads must not lock the same window target at once)
     peek_before_push = False
 
-    def __init__(self, *, send_buffers: list[np.ndarray], bound: int | None = None, **kwargs) -> None:
+    def __init__(self, *, bound: int | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.send_buffers = send_buffers
         self.bound = bound
         self.puller = EagerPuller(self.window, self.flat.size)
 
@@ -270,12 +291,7 @@ class EagerWorker(Worker):
             self.puller.request(expected)  # the newest parameters, fetched just in time behind this computation
             row["loss"], row["compute_s"] = self._compute(step)
             expected = row["compute_s"] if step == self.start_step else 0.7 * expected + 0.3 * row["compute_s"]
-            slot = step % 2
-            t = time.perf_counter()
-            self._wait(lambda: self.pusher.test(slot))  # pushed two iterations ago: long gone, as a rule
-            np.copyto(self.send_buffers[slot], self.flat.grads)
-            self._push(versions, row, slot)
-            row["push_s"] = time.perf_counter() - t
+            self._push_copy(step, versions, row)
             self.puller.hurry()
             row["pull_wait_s"] = held + self._wait(self._fresh_enough, "fresh parameters")
             versions, stop, row["pull_s"] = self.puller.take(self.flat.params)
@@ -294,7 +310,7 @@ class EagerWorker(Worker):
         return self._lag(self.puller.staged()) <= self.bound
 
 
-class HSPWorker(Worker):
+class HSPWorker(_SlottedWorker):
     """Paradigm ``hsp``: a round's gradient, then up to ``max_extra`` extra ones while the round is open.
 
     After pushing its round's gradient (and waiting for its turn to stream
@@ -308,9 +324,8 @@ class HSPWorker(Worker):
     for its ``TRANSFER`` turn while the next gradient is computed.
     """
 
-    def __init__(self, *, send_buffers: list[np.ndarray], max_extra: int = 1, **kwargs) -> None:
+    def __init__(self, *, max_extra: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.send_buffers = send_buffers
         self.max_extra = max_extra
 
     def run(self) -> int:
@@ -322,12 +337,7 @@ class HSPWorker(Worker):
                 break
             row = self._start_row(step, versions)
             row["loss"], row["compute_s"] = self._compute(step)
-            slot = step % 2
-            t = time.perf_counter()
-            self._wait(lambda: self.pusher.test(slot), "its push to leave")
-            np.copyto(self.send_buffers[slot], self.flat.grads)
-            self._push(versions, row, slot, wire.EXTRA if extra else 0)
-            row["push_s"] = time.perf_counter() - t
+            slot = self._push_copy(step, versions, row, wire.EXTRA if extra else 0)
             extras += extra
             if not extra:  # the round's gradient: idle until its turn to stream in is over
                 row["push_s"] += self._wait(lambda: self.pusher.test(slot), "its turn to transfer")

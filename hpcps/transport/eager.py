@@ -73,8 +73,8 @@ class EagerPuller:
                     return
                 if not self._arrived.is_set():
                     delay = self._start_at - time.perf_counter()
-                    if delay > 0 and not self._hurry.wait(delay) and self._closing:
-                        return
+                    if delay > 0:
+                        self._hurry.wait(delay)  # close() hurries too; the check below then ends the loop
                 elif self._hurry.is_set() or time.perf_counter() + self.pull_s < self._due:
                     if not self._newer_published(backoff):
                         self._refresh.pause()

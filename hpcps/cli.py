@@ -104,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default none)")
     g.add_argument("--jitter-cv", type=float, dest="jitter_cv", metavar="CV",
                    help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")
-    g.add_argument("--device", help="auto or cpu (default auto; GPU training is not in this release)")
+    g.add_argument("--device", metavar="{auto,cpu,cuda}",
+                   help="where workers train: auto (default) takes cuda:<i> when GPUs are visible, i being the "
+                        "worker's index among the node's workers; cuda insists on a GPU; servers use the CPU")
+    g.add_argument("--cuda-aware", dest="cuda_aware", metavar="{auto,yes,no}",
+                   help="push gradients straight from GPU memory (yes) or through pinned host buffers (no); "
+                        "auto (default) asks the MPI library and its vendor's variables")
     g.add_argument("--threads", type=int, help="torch threads per rank (default 1)")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "

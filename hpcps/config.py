@@ -54,7 +54,8 @@ class TrainConfig(BaseModel):
     seed: int = 0
     out: str | None = None
     target_accuracy: float | None = Field(None, gt=0, le=1)
-    device: Literal["auto", "cpu"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cuda_aware: Literal["auto", "yes", "no"] = "auto"
     eval_interval: float = Field(0.1, gt=0)
     test_fraction: float = Field(0.2, gt=0, lt=1)
     threads: int = Field(1, ge=1)

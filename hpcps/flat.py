@@ -1,9 +1,27 @@
 """One flat, contiguous buffer for a model's parameters and one for its gradients.
 
-Every parameter of the model becomes a view into :attr:`FlatParameters.params`
-and its ``.grad`` a view into :attr:`FlatParameters.grads`, so a pull writes
-straight into the model, a push sends straight from backward's output, and
-shards are plain contiguous blocks of the vector. Nothing is copied per step.
+Every parameter of the model becomes a view into :attr:`FlatParameters.params_t`
+and its ``.grad`` a view into :attr:`FlatParameters.grads_t`, so a pull
+writes the whole model at once, a push sends backward's output as one block,
+and shards are plain contiguous blocks of the vector.
+
+The *host side* is what MPI reads and writes: :attr:`params` (pulls land
+there) and :attr:`push_grads` (pushes leave from there). How it relates to
+the model's buffers is the transfer mode (see :mod:`hpcps.device`):
+
+``shared`` (CPU)
+    the host side *is* the model's memory: nothing is copied per step.
+``staged`` (GPU, MPI not CUDA-aware)
+    pinned host copies: :meth:`upload` after a pull, :meth:`stage_grads`
+    before a push.
+``direct`` (GPU, CUDA-aware MPI)
+    parameters as in ``staged`` (the RMA windows are in host memory); pushes
+    leave from GPU memory, so :attr:`push_grads` is the GPU tensor and
+    :attr:`grads` is None.
+
+On the CPU, ``staged`` and ``direct`` can be asked for explicitly: they then
+copy between two host buffers (``direct`` pushes a torch tensor), which lets
+the GPU code paths be tested on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -11,29 +29,83 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hpcps.device import Transfer
+
 
 class FlatParameters:
-    """Re-home ``model``'s parameters and gradients into flat float32 buffers."""
+    """Re-home ``model``'s parameters and gradients into flat float32 buffers on ``device``."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
+                 transfer: Transfer | None = None) -> None:
+        self.device = torch.device(device)
+        self.transfer: Transfer = transfer or ("shared" if self.device.type == "cpu" else "staged")
+        if self.transfer == "shared" and self.device.type != "cpu":
+            raise ValueError("transfer 'shared' is for CPU training: GPU memory needs 'staged' or 'direct'")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
-            raise ValueError("flat buffers hold float32 CPU parameters")
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError("flat buffers hold float32 parameters")
+        model.to(self.device)  # buffers too (batch-norm statistics), not only the parameters
         self.size = sum(p.numel() for p in params)
-        self.params = np.empty(self.size, np.float32)
-        self.grads = np.zeros(self.size, np.float32)
-        flat_p = torch.from_numpy(self.params)
-        flat_g = torch.from_numpy(self.grads)
+        if self.transfer == "shared":  # numpy's memory: MPICH's shared-memory transfers out of torch's ran 3x slower
+            self.params, self.grads = np.empty(self.size, np.float32), np.zeros(self.size, np.float32)
+            self.params_t, self.grads_t = torch.from_numpy(self.params), torch.from_numpy(self.grads)
+        else:
+            self.params_t = torch.empty(self.size, dtype=torch.float32, device=self.device)
+            self.grads_t = torch.zeros(self.size, dtype=torch.float32, device=self.device)
         offset = 0
         for p in params:
             n = p.numel()
-            flat_p[offset:offset + n].copy_(p.detach().reshape(-1))
-            p.data = flat_p[offset:offset + n].view_as(p)
-            p.grad = flat_g[offset:offset + n].view_as(p)
+            self.params_t[offset:offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.params_t[offset:offset + n].view_as(p)
+            p.grad = self.grads_t[offset:offset + n].view_as(p)
             offset += n
+        if self.transfer != "shared":
+            self.params = self._host_buffer()
+            self.params[:] = self.params_t.cpu().numpy()
+            self.grads = None if self.transfer == "direct" else self._host_buffer()
+
+    @property
+    def push_grads(self) -> np.ndarray | torch.Tensor:
+        """The buffer a one-slot push sends: host memory, or (``direct``) the model's gradient tensor."""
+        return self.grads_t if self.transfer == "direct" else self.grads
+
+    def new_push_buffer(self) -> np.ndarray | torch.Tensor:
+        """Another buffer of the kind :attr:`push_grads` is, for pushes from several slots."""
+        return torch.empty_like(self.grads_t) if self.transfer == "direct" else self._host_buffer()
+
+    def _host_buffer(self) -> np.ndarray:
+        """A flat float32 host array, page-locked when training on a GPU (fast, asynchronous copies)."""
+        if self.device.type == "cuda":
+            return torch.empty(self.size, dtype=torch.float32, pin_memory=True).numpy()
+        return np.empty(self.size, np.float32)
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer in place (backward accumulates into the views)."""
-        self.grads.fill(0.0)
+        self.grads_t.zero_()
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (a no-op on the CPU): timings and MPI see finished results."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def upload(self) -> None:
+        """The host :attr:`params` changed (a pull): bring the model's parameters up to date."""
+        if self.transfer != "shared":
+            self.params_t.copy_(torch.from_numpy(self.params))
+
+    def stage_grads(self, out: np.ndarray | torch.Tensor | None = None) -> None:
+        """Make the last backward's gradient readable by MPI in ``out`` (default :attr:`push_grads`).
+
+        Returns once the data is there: MPI reads the buffer outside any CUDA stream.
+        """
+        out = self.push_grads if out is None else out
+        if isinstance(out, np.ndarray):
+            if self.transfer != "shared":
+                torch.from_numpy(out).copy_(self.grads_t)  # device to host copies block until done
+            elif out is not self.grads:
+                np.copyto(out, self.grads)
+        elif out is not self.grads_t:
+            out.copy_(self.grads_t)
+        self.synchronize()

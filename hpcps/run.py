@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ from hpcps.agree import agree
 from hpcps.checkpoint import Checkpoint, check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data import Dataset, batches_per_epoch, load_dataset
+from hpcps.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.emulation import ComputeTime
 from hpcps.errors import UserError
 from hpcps.evaluator import Evaluator
@@ -48,8 +50,9 @@ from hpcps.metrics.schema import summarize
 from hpcps.models import build_model
 from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
-from hpcps.topology import Topology
+from hpcps.topology import Topology, node_local_index
 from hpcps.transport import wire
+from hpcps.transport.mpilib import library_version, query_cuda_support
 from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
@@ -121,14 +124,29 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
     data = agree(comm, lambda: load_dataset(cfg.dataset, test_fraction=cfg.test_fraction))
     model = agree(comm, lambda: build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed, hidden=cfg.hidden))
     steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, data, layout)))
-    flat = FlatParameters(model)
+    device = _plan_device(cfg, comm, layout)
+    devices = comm.allgather(device.describe())
+    flat = FlatParameters(model, device.device, device.transfer)
     ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout.n_workers)) if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params
+        flat.upload()
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, data)
     with Topology(comm, layout) as topo:
-        return _Run(cfg, topo, data, model, flat, steps, ckpt).run()
+        return _Run(cfg, topo, data, model, flat, steps, ckpt, devices).run()
+
+
+def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
+    """Collective: this rank's device (``--device``) and how its tensors reach MPI (``--cuda-aware``)."""
+    local = node_local_index(comm, layout.worker_ranks())
+    n_gpus = torch.cuda.device_count() if local is not None and cfg.device != "cpu" else 0
+    plan = agree(comm, lambda: plan_device(
+        cfg.device, cfg.cuda_aware, local, n_gpus,
+        detect=lambda: detect_cuda_aware(library_version(), os.environ, query_cuda_support())))
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    return plan
 
 
 def _compute_time(cfg: TrainConfig, rank: int) -> ComputeTime:
@@ -152,6 +170,12 @@ def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: tor
     return replace(layout, members=tuple(tuple(m) for m in members))
 
 
+def _devices_summary(devices: list[str]) -> str:
+    """``cpu (4 workers)`` or ``cuda:0, staged ... (2 workers); cuda:1, ... (2 workers)``: the log's device line."""
+    counts = Counter(devices)
+    return "; ".join(f"{d} ({n} worker{'s' if n > 1 else ''})" for d, n in counts.items())
+
+
 def _load_checkpoint(cfg: TrainConfig, n_params: int, n_workers: int) -> Checkpoint:
     ckpt = read_checkpoint(cfg.resume)
     check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params, n_workers=n_workers)
@@ -162,9 +186,11 @@ class _Run:
     """The per-rank state of one run (built after the start-up checks passed)."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology, data: Dataset, model: torch.nn.Module,
-                 flat: FlatParameters, steps: int, ckpt: Checkpoint | None = None) -> None:
+                 flat: FlatParameters, steps: int, ckpt: Checkpoint | None = None,
+                 devices: list[str] | None = None) -> None:
         self.cfg, self.topo, self.data, self.model, self.flat, self.steps = cfg, topo, data, model, flat, steps
         self.ckpt = ckpt
+        self.devices = devices or ["cpu"] * topo.comm.size  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
         self.shards = list(range(self.layout.n_servers))
@@ -195,6 +221,7 @@ class _Run:
             log.info("%s on %s; model %s (%d parameters), %s (%d train / %d test), %d steps per worker",
                      self.cfg.paradigm, self.layout.describe(), self.cfg.model, self.flat.size,
                      self.data.name, len(self.data.y_train), len(self.data.y_test), self.steps)
+            log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
         polite_barrier(comm, Backoff(cap=1e-4))  # the common start: ranks leave it within ~0.1 ms
         self.t0 = time.perf_counter()
         try:
@@ -234,6 +261,7 @@ class _Run:
                 "resumed_from": self.cfg.resume or "",
                 "start_version": self.ckpt.version if self.ckpt else 0,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                "devices": json.dumps(self.devices),
                 "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             })
         except OSError as exc:
@@ -300,9 +328,9 @@ class _Run:
     def _work(self, window: ParamWindow, recorder) -> None:
         topo, cfg = self.topo, self.cfg
         policy = policy_class(cfg.paradigm)
-        extra, buffers = {}, [self.flat.grads]
+        extra, buffers = {}, [self.flat.push_grads]
         if policy.eager_pull or policy.extra_gradients:
-            buffers = extra["send_buffers"] = [np.empty_like(self.flat.grads) for _ in range(2)]
+            buffers = extra["send_buffers"] = [self.flat.new_push_buffer() for _ in range(2)]
         if policy.eager_pull:
             extra["bound"] = cfg.staleness  # None: never wait for fresher parameters
         if policy.extra_gradients:

@@ -55,3 +55,20 @@ class Topology:
 
     def __exit__(self, *exc) -> None:
         self.free()
+
+
+def node_local_index(comm: MPI.Comm, members) -> int | None:
+    """Collective: this rank's index among the ``members`` ranks (of ``comm``) on its node; None if not one.
+
+    Works before a :class:`Topology` exists (devices are chosen before the
+    model's buffers are laid out), so it splits and frees a node communicator
+    of its own.
+    """
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        on_node = node.allgather(comm.rank)
+    finally:
+        node.Free()
+    members = set(members)
+    local = [r for r in on_node if r in members]
+    return local.index(comm.rank) if comm.rank in members else None

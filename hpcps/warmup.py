@@ -28,12 +28,12 @@ def measure_pass_time(model: torch.nn.Module, flat: FlatParameters, data: Datase
                       n_workers: int, batch_size: int, seed: int, compute_time: ComputeTime,
                       passes: int = WARMUP_PASSES) -> float:
     """Median seconds per gradient pass of this worker, emulated compute time included."""
-    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    x, y = torch.from_numpy(data.x_train).to(flat.device), torch.from_numpy(data.y_train).to(flat.device)
     rng = np.random.default_rng([seed, rank, 11])
     times = []
     for step in range(passes):
         idx = torch.from_numpy(batch_indices(len(y), batch_size=batch_size, n_workers=n_workers, worker=index,
-                                             step=step, seed=seed))
+                                             step=step, seed=seed)).to(flat.device)
         times.append(emulated_pass(model, flat, x[idx], y[idx], compute_time, rng)[1])
     flat.zero_grad()
     return float(np.median(times))

@@ -68,6 +68,7 @@ def emulated_pass(model: torch.nn.Module, flat: FlatParameters, x: torch.Tensor,
     flat.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
+    flat.synchronize()  # a GPU's queued work belongs to this pass's time
     pause = compute_time.sleep_after(time.perf_counter() - t, rng)
     if pause > 0.0:
         time.sleep(pause)
@@ -103,8 +104,8 @@ class Worker:
         self.stall_warn, self.stall_abort = 2 * stall_warn, (2 * stall_abort if stall_abort is not None else None)
         self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
-        self.x = torch.from_numpy(data.x_train)
-        self.y = torch.from_numpy(data.y_train)
+        self.x = torch.from_numpy(data.x_train).to(flat.device)
+        self.y = torch.from_numpy(data.y_train).to(flat.device)
         n_shards = len(window.shard_ranks)
         self.grants = np.zeros(n_shards, np.int64)
         self.known = np.zeros(n_shards, np.int64)  # newest version seen, per shard
@@ -124,6 +125,7 @@ class Worker:
             row = self._start_row(step, versions)
             row["loss"], row["compute_s"] = self._compute(step)
             t = time.perf_counter()
+            self.flat.stage_grads()
             self._push(versions, row)
             row["push_s"] = time.perf_counter() - t
             row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
@@ -138,6 +140,7 @@ class Worker:
 
     def _pull(self) -> tuple[np.ndarray, bool]:
         versions, stop = self.window.pull(self.flat.params, self.backoff)
+        self.flat.upload()
         self._seen(versions)
         return versions, stop
 
@@ -171,7 +174,7 @@ class Worker:
 
     def _compute(self, step: int) -> tuple[float, float]:
         idx = torch.from_numpy(batch_indices(len(self.y), batch_size=self.batch_size, n_workers=self.n_workers,
-                                             worker=self.index, step=step, seed=self.seed))
+                                             worker=self.index, step=step, seed=self.seed)).to(self.flat.device)
         t = time.perf_counter()
         loss, _ = emulated_pass(self.model, self.flat, self.x[idx], self.y[idx], self.compute_time, self.rng)
         if step in self.faults:
@@ -181,7 +184,7 @@ class Worker:
     def _inject(self, fault: Fault) -> None:
         """``--fault``: poison the gradient, raise, or die (see hpcps.faults)."""
         if fault.kind == "nan":
-            self.flat.grads[:: max(1, self.flat.size // 7)] = np.nan
+            self.flat.grads_t[:: max(1, self.flat.size // 7)] = float("nan")
         elif fault.kind == "raise":
             raise InjectedFault(f"injected fault at step {fault.step}")
         elif fault.kind == "hang":
@@ -238,7 +241,7 @@ class _SlottedWorker(Worker):
         slot = step % 2
         t = time.perf_counter()
         self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
-        np.copyto(self.send_buffers[slot], self.flat.grads)
+        self.flat.stage_grads(self.send_buffers[slot])
         self._push(versions, row, slot, flags)
         row["push_s"] = time.perf_counter() - t
         return slot
@@ -270,8 +273,7 @@ class EagerWorker(_SlottedWorker):
     def _run(self) -> int:
         self.puller.request()
         wait_until(self.puller.ready, self.backoff)
-        versions, stop, _ = self.puller.take(self.flat.params)
-        self._seen(versions)
+        versions, stop, _ = self._take()
         expected = 0.0  # running average of the compute time: when to start the pull
         for step in range(self.start_step, self.steps):
             if stop:
@@ -283,8 +285,7 @@ class EagerWorker(_SlottedWorker):
                 self.puller.request()
                 self.puller.hurry()
                 held += self._wait(self._fresh_enough, "fresh parameters")
-                versions, stop, _ = self.puller.take(self.flat.params)
-                self._seen(versions)
+                versions, stop, _ = self._take()
             if stop:
                 break
             row = self._start_row(step, versions)  # nothing between the check and here raises self.known
@@ -294,11 +295,17 @@ class EagerWorker(_SlottedWorker):
             self._push_copy(step, versions, row)
             self.puller.hurry()
             row["pull_wait_s"] = held + self._wait(self._fresh_enough, "fresh parameters")
-            versions, stop, row["pull_s"] = self.puller.take(self.flat.params)
-            self._seen(versions)
+            versions, stop, row["pull_s"] = self._take()
             self._finish_row(row)
         self._leave()
         return self.clock_count
+
+    def _take(self) -> tuple[np.ndarray, bool, float]:
+        """Swap the staged parameters in (:meth:`EagerPuller.take`, then onto the device)."""
+        versions, stop, pull_s = self.puller.take(self.flat.params)
+        self.flat.upload()
+        self._seen(versions)
+        return versions, stop, pull_s
 
     def _fresh_enough(self) -> bool:
         """A pull issued since computing started has arrived, and (``--staleness``) is within the bound."""

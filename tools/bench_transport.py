@@ -11,12 +11,20 @@ Rank 0 is a server shard, rank 1 a worker. For each size, both measure:
   run would use) and through a raw ``Lock``/``Get``/``Unlock`` of a plain
   window of the same size.
 
+With ``--device cuda`` (or ``--transfer staged|direct`` on the CPU, to
+see what the copies cost without a GPU) the worker's vectors live where a
+GPU worker's do: hpcps's push includes staging the gradient
+(``FlatParameters.stage_grads``) and its pull the upload to the device,
+while the raw baselines still move host memory, so the ratio is the whole
+price of the GPU path against MPI at its best.
+
 Times are the worker's, the median over repetitions that alternate hpcps
 and raw. Printed per size: GB/s of each and ``raw time / hpcps time`` for
 push, pull and push+pull; the last line is ``ratio vs raw: X.XX``, the worst
 push+pull ratio at 16 MiB and above (1.00: as fast as raw MPI).
 
     python tools/bench_transport.py                 # starts mpiexec -n 2 itself
+    python tools/bench_transport.py --device cuda   # worker on cuda:0, staged unless --transfer direct
     mpiexec -n 2 python tools/bench_transport.py    # or under your own launcher
 """
 
@@ -56,7 +64,23 @@ def _timed_pair(comm, fns, reps: int) -> list[float]:
     return [float(np.median(ts)) for ts in times]
 
 
-def measure(comm, nbytes: int, reps: int) -> dict[str, float]:
+def _worker_vectors(n: int, device: str, transfer: str | None):
+    """A worker's flat parameters and gradient of ``n`` floats on ``device``, moved as ``transfer`` says."""
+    import torch
+
+    from hpcps.flat import FlatParameters
+
+    class Vector(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(n))
+
+    flat = FlatParameters(Vector(), device, transfer)
+    flat.grads_t.fill_(1.0)
+    return flat
+
+
+def measure(comm, nbytes: int, reps: int, device: str = "cpu", transfer: str | None = None) -> dict[str, float]:
     from mpi4py import MPI
 
     from hpcps.transport.push import Pusher, PushInbox
@@ -67,9 +91,11 @@ def measure(comm, nbytes: int, reps: int) -> dict[str, float]:
     grad = np.ones(n, np.float32)
     out = np.empty(n, np.float32)
     bounds = [(0, n)]
+    flat = None if server else _worker_vectors(n, device, transfer)
 
     # hpcps push: persistent header + payload sends, a per-worker persistent receive on the shard
-    pusher = None if server else Pusher(comm, buffers=[grad], shard_ranks=[0], bounds=bounds, worker_rank=1)
+    pusher = None if server else Pusher(comm, buffers=[flat.push_grads], shard_ranks=[0], bounds=bounds,
+                                        worker_rank=1)
     inbox = PushInbox(comm, worker_ranks=[1], shard_len=n) if server else None
     versions = np.zeros(1, np.int64)
     clock = [0]
@@ -81,6 +107,7 @@ def measure(comm, nbytes: int, reps: int) -> dict[str, float]:
             inbox.release(0)
         else:
             clock[0] += 1
+            flat.stage_grads()
             pusher.start(clock[0], versions, 0.1)
             while not pusher.test():
                 pass
@@ -101,7 +128,8 @@ def measure(comm, nbytes: int, reps: int) -> dict[str, float]:
 
     def hpcps_pull():
         if not server:
-            window.pull(out)
+            window.pull(flat.params)
+            flat.upload()
 
     def raw_pull():
         if not server:
@@ -121,13 +149,25 @@ def measure(comm, nbytes: int, reps: int) -> dict[str, float]:
     if pusher is not None:
         pusher.free()
     results["protocol"] = window.protocol
+    if flat is not None:
+        results["transfer"] = f"worker on {flat.device}, transfer {flat.transfer}"
     return results
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return f" ({torch.cuda.get_device_name(torch.device(device))})" if device.startswith("cuda") else ""
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64], help="MiB (default 1 16 64)")
     p.add_argument("--reps", type=int, default=50, help="repetitions per measurement (default 50)")
+    p.add_argument("--device", default="cpu", help="the worker's device: cpu (default), cuda or cuda:N")
+    p.add_argument("--transfer", choices=["shared", "staged", "direct"],
+                   help="how the worker's tensors reach MPI (default: shared on the CPU, staged on a GPU; "
+                        "direct needs a CUDA-aware MPI on a GPU)")
     a = p.parse_args()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -140,14 +180,15 @@ def main() -> int:
     rows, worst = [], None
     for mib in a.sizes:
         sub = comm.Dup()  # a communicator per size: nothing of one size can meet the next
-        r = sub.bcast(measure(sub, mib * MIB, a.reps), root=1)  # the worker's timings
+        r = sub.bcast(measure(sub, mib * MIB, a.reps, a.device, a.transfer), root=1)  # the worker's timings
         sub.Free()
         both = (r["push_raw"] + r["pull_raw"]) / (r["push"] + r["pull"])
         if mib >= 16:
             worst = both if worst is None else min(worst, both)
         rows.append((mib, r, both))
     if comm.rank == 0:
-        print(f"2 ranks (server shard + worker), median of {a.reps} repetitions, window protocol {rows[0][1]['protocol']}\n")
+        print(f"2 ranks (server shard + worker), median of {a.reps} repetitions, window protocol "
+              f"{rows[0][1]['protocol']}, {rows[0][1]['transfer']}{_device_name(a.device)}\n")
         print("| MiB | push GB/s hpcps | push GB/s raw | push ratio | pull GB/s hpcps | pull GB/s raw | pull ratio "
               "| push+pull ratio |")
         print("|---|---|---|---|---|---|---|---|")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import h5py
 import numpy as np
+import torch
 from mpi4py import MPI
 
+import hpcps.run
 from hpcps.config import make_config
+from hpcps.device import DevicePlan
+from hpcps.layout import Role
 from hpcps.metrics.schema import TABLES
 from hpcps.run import run_training
 
@@ -34,3 +38,16 @@ def clocks_at(updates: np.ndarray, version: int, worker_ranks) -> dict[int, int]
     """Gradients of each worker among those applied before ``version`` (shard 0, one per version)."""
     first = updates[(updates["shard"] == 0) & (updates["version"] < version)]
     return {w: int((first["worker"] == w).sum()) for w in worker_ranks}
+
+
+def force_transfer(monkeypatch, transfer: str) -> None:
+    """Make the workers of the next runs move tensors as on a GPU (``staged``/``direct``), on the CPU.
+
+    Replaces the device planning of :func:`hpcps.run.run_training` (collective
+    there; a plain function here, on every rank alike).
+    """
+    def plan(cfg, comm, layout):
+        if layout.role(comm.rank) is not Role.WORKER:
+            return DevicePlan(torch.device("cpu"), "shared")
+        return DevicePlan(torch.device("cpu"), transfer, "forced by the test")
+    monkeypatch.setattr(hpcps.run, "_plan_device", plan)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from mpitest import clocks_at, share, train
+from mpitest import clocks_at, force_transfer, share, train
 from hpcps.checkpoint import read_checkpoint
 from hpcps.data import batch_indices, load_dataset
 from hpcps.flat import FlatParameters
@@ -221,9 +221,15 @@ def test_eager_staleness_bound_holds_where_unbounded_eager_lags(world, mpi_tmp_p
     assert facts[0]["applied"] == facts[None]["applied"] == 4 * 40
 
 
-def test_single_eager_worker_matches_a_replay_of_its_own_record(world, mpi_tmp_path):
-    """One server + one eager worker: replay SGD from the recorded versions and learning rates."""
+@pytest.mark.parametrize("transfer", ["shared", "direct"])
+def test_single_eager_worker_matches_a_replay_of_its_own_record(world, mpi_tmp_path, monkeypatch, transfer):
+    """One server + one eager worker: replay SGD from the recorded versions and learning rates.
+
+    ``direct``: the worker pushes from torch tensors, as from GPU memory with a CUDA-aware MPI.
+    """
     steps, batch, lr = 25, 16, 0.3
+    if transfer != "shared":
+        force_transfer(monkeypatch, transfer)
     pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
     facts = None
     if pair != MPI.COMM_NULL:

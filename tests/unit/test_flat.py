@@ -38,3 +38,58 @@ def test_a_model_that_does_not_fit_the_data_is_a_clear_error():
         build_model("cnn", (64,), 10, seed=0)
     with pytest.raises(UserError, match=r"--model: unknown model 'resnet'"):
         build_model("resnet", (1, 8, 8), 10, seed=0)
+
+
+def _backward(model):
+    x, y = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3)), torch.tensor([0, 1, 2, 3])
+    F.cross_entropy(model(x), y).backward()
+    return np.concatenate([p.grad.reshape(-1).numpy() for p in model.parameters()])
+
+
+def test_shared_transfer_copies_nothing():
+    flat = FlatParameters(build_model("mlp", (1, 8, 8), 10, seed=0))
+    assert flat.transfer == "shared"
+    assert np.shares_memory(flat.params, flat.params_t.numpy()) and flat.push_grads is flat.grads
+    assert np.shares_memory(flat.grads, flat.grads_t.numpy())
+
+
+def test_staged_transfer_keeps_host_and_model_apart_until_told():
+    """The GPU path without a GPU: ``staged`` copies between the host side and the model only when asked."""
+    model = build_model("cnn", (1, 8, 8), 10, seed=1)
+    initial = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+    flat = FlatParameters(model, "cpu", "staged")
+    assert np.array_equal(flat.params, initial)  # the host side starts as the model
+    assert not np.shares_memory(flat.params, flat.params_t.numpy())
+    flat.params[:] = 0.25  # a pull lands on the host side ...
+    assert not any(torch.any(p == 0.25) for p in model.parameters())  # ... the model has not seen it ...
+    flat.upload()
+    assert all(torch.all(p == 0.25) for p in model.parameters())  # ... until the upload
+    expected = _backward(model)
+    assert not np.array_equal(flat.grads, expected)  # backward wrote the model's gradient only
+    flat.stage_grads()
+    assert np.abs(expected).sum() > 0 and np.array_equal(flat.grads, expected)
+    slot = flat.new_push_buffer()
+    assert isinstance(slot, np.ndarray) and not np.shares_memory(slot, flat.grads)
+    flat.stage_grads(slot)
+    assert np.array_equal(slot, expected)
+
+
+def test_direct_transfer_pushes_the_models_gradient_tensor():
+    model = build_model("mlp", (1, 8, 8), 10, seed=2)
+    flat = FlatParameters(model, "cpu", "direct")
+    assert flat.grads is None and flat.push_grads is flat.grads_t  # no host copy of the gradient at all
+    expected = _backward(model)
+    slot = flat.new_push_buffer()
+    assert isinstance(slot, torch.Tensor) and slot.data_ptr() != flat.grads_t.data_ptr()
+    flat.stage_grads(slot)
+    assert np.array_equal(slot.numpy(), expected)
+    flat.params[:] = -1.0
+    flat.upload()  # parameters still come through the host, where the windows are
+    assert all(torch.all(p == -1.0) for p in model.parameters())
+
+
+def test_gpu_memory_cannot_be_shared_with_mpi():
+    import pytest
+
+    with pytest.raises(ValueError, match="'shared' is for CPU training"):
+        FlatParameters(build_model("mlp", (1, 8, 8), 10, seed=0), "cuda:0", "shared")

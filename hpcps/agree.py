@@ -28,9 +28,29 @@ def agree(comm: MPI.Comm, step: Callable[[], T]) -> T:
         log.exception("start-up failed on rank %d", comm.rank)
         value, error = None, f"internal error: {type(exc).__name__}: {exc}"
     errors = comm.allgather(error)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
-    if not failed:
+    if not any(errors):
         return value
-    if len(failed) == comm.size and len({msg for _, msg in failed}) == 1:
-        raise UserError(failed[0][1])
-    raise UserError("; ".join(f"rank {rank}: {msg}" for rank, msg in failed[:4]))
+    raise UserError(combine(errors))
+
+
+def combine(errors: list[str | None]) -> str:
+    """One message from the ranks' errors (None: no error): each distinct message once, with its ranks.
+
+    ``rank 1: A``, ``ranks 1-4: A``, ``ranks 1, 3: A; rank 2: B``; just ``A``
+    when every rank said A. At most four distinct messages are shown.
+    """
+    by_message: dict[str, list[int]] = {}
+    for rank, msg in enumerate(errors):
+        if msg:
+            by_message.setdefault(msg, []).append(rank)
+    if len(by_message) == 1 and all(errors):
+        return next(iter(by_message))
+    return "; ".join(f"{_ranks(ranks)}: {msg}" for msg, ranks in list(by_message.items())[:4])
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))

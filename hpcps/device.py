@@ -72,7 +72,7 @@ def select_device(requested: str, local_index: int | None, n_gpus: int) -> torch
         return torch.device("cpu")
     if n_gpus == 0:
         if requested == "cuda":
-            raise UserError("--device cuda: this rank sees no CUDA device (torch.cuda.device_count() is 0; "
+            raise UserError("--device cuda: this rank sees no CUDA device (torch.cuda.device_count() is 0: "
                             "check CUDA_VISIBLE_DEVICES, the job's GPU request and that torch is a CUDA build)")
         return torch.device("cpu")
     return torch.device("cuda", local_index % n_gpus)

@@ -64,3 +64,13 @@ def test_missing_and_broken_files_are_named(tmp_path):
 def test_epochs_become_steps():
     assert steps_for(TrainConfig(epochs=3), per_epoch=11) == 33
     assert steps_for(TrainConfig(steps=7), per_epoch=11) == 7
+
+
+def test_start_up_errors_name_each_distinct_message_once_with_its_ranks():
+    from hpcps.agree import combine
+
+    assert combine(["A", "A", "A"]) == "A"  # every rank: no rank list
+    assert combine([None, "A", "A", "A", "A"]) == "ranks 1-4: A"
+    assert combine([None, "A", "B", "A"]) == "ranks 1, 3: A; rank 2: B"
+    assert combine(["A", None]) == "rank 0: A"
+    assert combine([f"E{i}" for i in range(6)] + [None]).count(";") == 3  # four messages at most

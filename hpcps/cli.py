@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Discrete-event model of a job driving the real policy objects: per-worker "
                                    "compute times, link latency and bandwidth, server costs. Prints a table; "
                                    "--out writes simulate.csv and simulated_throughput.png.")
-    m.add_argument("--paradigm", nargs="+", default=["bsp", "asp", "ssp", "dssp", "eager"], metavar="NAME",
-                   help="paradigms to model (default bsp asp ssp dssp eager; hsp and grouped are not modelled)")
+    m.add_argument("--paradigm", nargs="+", default=["bsp", "asp", "ssp", "dssp", "eager", "grouped"], metavar="NAME",
+                   help="paradigms to model (default bsp asp ssp dssp eager grouped; hsp is not modelled)")
     m.add_argument("--workers", nargs="+", type=int, default=[4, 16, 64, 256, 1024, 4096], metavar="N",
                    help="worker counts (default 4 16 64 256 1024 4096)")
     m.add_argument("--steps", type=int, default=20, help="iterations per worker (default 20)")
@@ -160,12 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--jitter-cv", dest="jitter_cv", type=float, default=0.1)
     m.add_argument("--straggler", type=float, default=1.0, metavar="F", help="the last worker is F times slower")
     m.add_argument("--staleness", type=int, default=2, help="ssp bound, dssp s_lo (default 2)")
+    m.add_argument("--groups", type=int, default=2, metavar="G",
+                   help="grouped: group servers, over contiguous blocks of workers (default 2)")
     m.add_argument("--latency", type=float, default=50e-6, help="seconds per transfer (default 50e-6)")
     m.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s of a transfer (default 10e9)")
     m.add_argument("--server-s", dest="server_s", type=float, default=20e-6,
                    help="server seconds per push handled (default 20e-6)")
     m.add_argument("--apply-rate", dest="apply_rate", type=float, default=5e9,
                    help="bytes/s the server applies updates at (default 5e9)")
+    m.add_argument("--update-s", dest="update_s", type=float, default=0.0,
+                   help="server seconds per gradient when an update closes: row, receipt, grant (default 0)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--out", metavar="DIR", help="write simulate.csv and simulated_throughput.png here")
     m.set_defaults(func=_simulate)
@@ -249,8 +253,9 @@ def _simulate(args: argparse.Namespace) -> int:
         predictions = sweep(args.paradigm, args.workers, straggler=args.straggler, steps=args.steps,
                             progress=sys.stderr.isatty(),
                             nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
-                            jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed,
-                            machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate))
+                            jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed, groups=args.groups,
+                            machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,
+                                            args.update_s))
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print("| paradigm | workers | iterations/s | mean wait ms | mean staleness |")

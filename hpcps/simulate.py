@@ -10,15 +10,27 @@ What is modelled (every time in seconds):
   draws it;
 * a **transfer** of ``nbytes`` (a push, or a pull): ``latency + nbytes / bandwidth``;
 * the **server**: one queue, served in arrival order; handling a push costs
-  ``server_s`` (header, bookkeeping) and applying an update ``nbytes /
-  apply_rate`` per gradient in it.
+  ``server_s`` (header, bookkeeping) and applying an update ``update_s +
+  nbytes / apply_rate`` per gradient in it (``update_s``: what the server
+  does per gradient when an update closes: its row, its receipt, its grant).
 
 One iteration of worker w: pull (transfer), compute, push (transfer); the
 push joins the server's queue when it has arrived. A worker of a blocking
 paradigm then waits for its grant; otherwise it pulls as soon as its push
 has started (the two overlap), and eager's pull costs nothing (it hides
 behind the computation). Versions,
-staleness and waits are counted as the runtime records them. It does not
+staleness and waits are counted as the runtime records them.
+
+Grouped (``groups`` G): each group server runs BSP over its block of
+workers (contiguous, as ``--group-by rank``) as the server above does;
+when a round closes, its update travels to the central server (a
+transfer), which handles it in arrival order among the groups (the grouped
+policy: asynchronous over them); the receipt (``latency``) and the pull of
+the fresh central parameters (a transfer) come back before the group's
+workers are granted, and the group server handles nothing meanwhile, as
+:class:`hpcps.groupserver.GroupServer` waits. hsp is not modelled.
+
+It does not
 model contention for cores or the network: workers are independent
 machines and the server one core, as on a real cluster.
 """
@@ -33,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcps.emulation import ComputeTime
+from hpcps.layout import shard_bounds
 from hpcps.policies import make_policy
 
 
@@ -44,6 +57,7 @@ class Machine:
     bandwidth: float = 10e9
     server_s: float = 20e-6
     apply_rate: float = 5e9
+    update_s: float = 0.0
 
     def transfer(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -68,17 +82,23 @@ class Prediction:
 def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_time: float,
              slowdown: dict[int, float] | None = None, jitter: str = "none", jitter_cv: float = 0.1,
              machine: Machine = Machine(), staleness: int = 2, staleness_max: int | None = None,
-             seed: int = 0) -> Prediction:
-    """Run ``steps`` iterations of ``n_workers`` workers (indices 0..N-1) under ``paradigm``."""
+             seed: int = 0, groups: int = 2) -> Prediction:
+    """Run ``steps`` iterations of ``n_workers`` workers (indices 0..N-1) under ``paradigm``.
+
+    ``groups``: group servers, for the paradigms that have them (ignored by the others).
+    """
     policy = make_policy(paradigm, n_workers, staleness=staleness, staleness_max=staleness_max)
-    if policy.uses_groups or policy.extra_gradients:
-        raise ValueError(f"simulate: paradigm {paradigm!r} is not modelled (group servers, extra gradients)")
+    if policy.extra_gradients:
+        raise ValueError(f"simulate: paradigm {paradigm!r} is not modelled (extra gradients)")
     slowdown = slowdown or {}
     clocks = [ComputeTime(compute_time, slowdown.get(w, 1.0), jitter, jitter_cv) for w in range(n_workers)]
     rngs = [np.random.default_rng([seed, w, 7]) for w in range(n_workers)]
+    if policy.uses_groups:
+        return _simulate_grouped(paradigm, n_workers, groups, steps=steps, nbytes=nbytes, clocks=clocks, rngs=rngs,
+                                 machine=machine)
     transfer = machine.transfer(nbytes)
     pull = 0.0 if policy.eager_pull else transfer  # eager's pull hides behind the computation
-    apply_s = nbytes / machine.apply_rate
+    apply_s = machine.update_s + nbytes / machine.apply_rate
 
     events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, worker)
     counter = 0
@@ -138,6 +158,93 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     wall = max(finished)
     rates = {w: steps / finished[w] for w in range(n_workers) if finished[w] > 0}
     return Prediction(paradigm, n_workers, n_workers * steps, wall,
+                      float(np.mean(waits)) if waits else 0.0, float(np.mean(stale)) if stale else 0.0, rates)
+
+
+def _simulate_grouped(paradigm: str, n_workers: int, groups: int, *, steps: int, nbytes: int,
+                      clocks: list[ComputeTime], rngs: list[np.random.Generator], machine: Machine) -> Prediction:
+    """Grouped servers (see the module docstring); mean staleness is the central server's, per group update."""
+    if not 1 <= groups <= n_workers:
+        raise ValueError(f"simulate: --groups {groups} with {n_workers} workers (1 to {n_workers} groups)")
+    blocks = [list(range(lo, hi)) for lo, hi in shard_bounds(n_workers, groups)]
+    group_of = {w: g for g, ws in enumerate(blocks) for w in ws}
+    local = {w: i for ws in blocks for i, w in enumerate(ws)}
+    inner = [make_policy(make_policy(paradigm, groups).group_policy, len(ws)) for ws in blocks]
+    central = make_policy(paradigm, groups)
+    transfer = machine.transfer(nbytes)
+    close_s = machine.update_s + nbytes / machine.apply_rate  # per gradient of a closing update
+
+    events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, worker or group)
+    tick = iter(range(1 << 62))
+
+    def at(t: float, kind: str, who: int) -> None:
+        heapq.heappush(events, (t, next(tick), kind, who))
+
+    version, clock, finished = 0, [0] * n_workers, [0.0] * n_workers
+    rounds, pulled = [0] * groups, [0] * groups  # per group: updates sent; central version it last pulled
+    group_free, central_free = [0.0] * groups, 0.0
+    held: list[list[int]] = [[] for _ in range(groups)]  # grants a group gives once the central round trip is over
+    deferred: list[list[tuple[str, int]]] = [[] for _ in range(groups)]
+    blocked_since: dict[int, float] = {}
+    waits, stale = [], []
+
+    def release(g: int, t: float) -> None:
+        for i in held[g]:
+            w = blocks[g][i]
+            waits.append(t - blocked_since.pop(w))
+            start_iteration(w, t)
+        held[g] = []
+
+    def start_iteration(w: int, t: float) -> None:
+        if clock[w] >= steps:
+            finished[w] = t
+            at(t, "leave", w)
+        else:
+            at(t + transfer + clocks[w].sleep_after(0.0, rngs[w]) + transfer, "arrive", w)
+
+    for w in range(n_workers):
+        start_iteration(w, 0.0)
+    while events:
+        t, _, kind, who = heapq.heappop(events)
+        if kind == "central":  # group ``who``'s update reaches the central server
+            begin = max(t, central_free)
+            decision = central.on_push(who, rounds[who], pulled[who], begin)
+            central_free = begin + machine.server_s + close_s * sum(len(u) for u in decision.updates)
+            for _ in decision.updates:
+                stale.append(version - pulled[who])
+                version += 1
+            pulled[who] = version
+            at(central_free + machine.latency + transfer, "granted", who)  # receipt, then the pull
+            continue
+        if kind == "granted":
+            group_free[who] = t
+            release(who, t)
+            for kind_, w in deferred[who]:  # what reached the group server during the round trip
+                at(t, kind_, w)
+            deferred[who] = []
+            continue
+        g = group_of[who]
+        if group_free[g] == math.inf:
+            deferred[g].append((kind, who))
+            continue
+        begin = max(t, group_free[g])
+        if kind == "leave":
+            decision = inner[g].on_leave(local[who], begin)
+        else:
+            clock[who] += 1
+            blocked_since[who] = t
+            decision = inner[g].on_push(local[who], clock[who], rounds[g], begin)
+        done = begin + machine.server_s + close_s * sum(len(u) for u in decision.updates)
+        held[g] += [i for i in decision.grants if blocks[g][i] in blocked_since]
+        if decision.updates:  # busy with the central round trip until "granted"
+            rounds[g] += 1
+            group_free[g] = math.inf
+            at(done + transfer, "central", g)
+        else:
+            group_free[g] = done
+            release(g, done)
+    rates = {w: steps / finished[w] for w in range(n_workers) if finished[w] > 0}
+    return Prediction(paradigm, n_workers, n_workers * steps, max(finished),
                       float(np.mean(waits)) if waits else 0.0, float(np.mean(stale)) if stale else 0.0, rates)
 
 

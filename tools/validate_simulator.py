@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
 """Check ``hpcps simulate`` against real emulated runs at 4, 8 and 16 workers.
 
-One invocation: first two calibration runs, neither of them a validated
-size. 1 server + 1 worker under asp gives the per-iteration overhead on
-this machine (median iteration time minus compute time), the model's
-transfer latency L. 1 server + 2 equal workers under bsp gives the
-server's cost per push: a round takes compute + 2L + 2 pushes' handling. Then, for each
+One invocation: first calibration runs, none of them a validated size.
+1 server + 1 worker under asp gives the per-iteration overhead on this
+machine (median iteration time minus compute time), the model's transfer
+latency L. 1 server + n = 1, 2, 3, 5, 6 workers under bsp, the last one
+``--straggler`` times slower, give the server's costs: such a round takes
+straggler x compute + 2L + server_s (the straggler's push) + n x update_s
+(closing the round: a row, a receipt and a grant per gradient), and a
+least-squares line through the five round times gives update_s (slope)
+and server_s (intercept). (The sizes straddle 4 and lie below 8 and 16:
+with a range of one to three workers the slope was within its noise.) Then, for each
 paradigm and worker count, a real run (``--compute-time``, the last worker
 ``--straggler`` times slower) and the model of the same job. Throughput is
 iterations per second summed over workers, each over its own active time
-(as ``hpcps report`` counts). Printed: measured, predicted, and the error;
+(as ``hpcps report`` counts). Grouped runs have ``--groups`` group servers
+(default 2) over contiguous blocks of workers. Printed: measured, predicted, and the error;
 the last line is ``worst error: X%``.
 
-    python tools/validate_simulator.py --workers 4 8 16 --paradigms bsp asp ssp
+    python tools/validate_simulator.py --workers 4 8 16 --paradigms bsp asp ssp grouped
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from hpcps.simulate import Machine, simulate
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp"])
+    p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp", "grouped"])
+    p.add_argument("--groups", type=int, default=2, help="group servers of grouped runs (default 2)")
     p.add_argument("--compute-time", dest="compute_time", type=float, default=0.02)
     p.add_argument("--straggler", type=float, default=2.0, help="the last worker is this much slower (default 2)")
     p.add_argument("--steps", type=int, default=60)
@@ -41,20 +48,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cal = train(2, Path(tmp) / "calibrate.h5", ["--paradigm", "asp", *common])["it"]
         overhead = float(np.median(cal["t_end"] - cal["t_start"] - cal["compute_s"]))
-        cal = train(3, Path(tmp) / "calibrate-bsp.h5", ["--paradigm", "bsp", *common])["it"]
-        server_s = max(0.0, (float(np.median(cal["t_end"] - cal["t_start"])) - a.compute_time - 2 * overhead) / 2)
-        machine = Machine(latency=overhead, bandwidth=1e12, server_s=server_s, apply_rate=1e12)
+        sizes, rounds = [1, 2, 3, 5, 6], []
+        for n in sizes:
+            slow = ["--slowdown", f"{n}={a.straggler:g}"] if a.straggler > 1 else []
+            cal = train(n + 1, Path(tmp) / f"calibrate-bsp-{n}.h5", ["--paradigm", "bsp", *common, *slow])["it"]
+            rounds.append(float(np.median(cal["t_end"] - cal["t_start"])))
+        update_s, intercept = np.polyfit(sizes, rounds, 1)
+        update_s = max(0.0, float(update_s))
+        server_s = max(0.0, float(intercept) - max(a.straggler, 1.0) * a.compute_time - 2 * overhead)
+        machine = Machine(latency=overhead, bandwidth=1e12, server_s=server_s, apply_rate=1e12, update_s=update_s)
         for paradigm in a.paradigms:
             for n in a.workers:
-                slow = ["--slowdown", f"{n}={a.straggler:g}"] if a.straggler > 1 else []
-                it = train(n + 1, Path(tmp) / f"{paradigm}-{n}.h5", ["--paradigm", paradigm, *common, *slow])["it"]
+                groups = a.groups if paradigm == "grouped" else 0
+                last = n + groups  # the last worker's rank: after the server and the group servers
+                slow = ["--slowdown", f"{last}={a.straggler:g}"] if a.straggler > 1 else []
+                grouped = ["--groups", str(groups)] if groups else []
+                it = train(n + 1 + groups, Path(tmp) / f"{paradigm}-{n}.h5",
+                           ["--paradigm", paradigm, *grouped, *common, *slow])["it"]
                 measured = sum(worker_rates(it).values())
                 predicted = simulate(paradigm, n, steps=a.steps, nbytes=0, compute_time=a.compute_time,
-                                     slowdown={n - 1: a.straggler}, machine=machine).throughput
+                                     slowdown={n - 1: a.straggler}, machine=machine, groups=a.groups).throughput
                 rows.append((paradigm, n, measured, predicted, predicted / measured - 1))
     print(f"compute {a.compute_time * 1e3:g} ms, last worker {a.straggler:g}x slower, {a.steps} steps; "
-          f"calibrated: transfer {overhead * 1e3:.2f} ms (1 worker, asp), server {server_s * 1e3:.3f} ms per push "
-          f"(2 workers, bsp)\n")
+          f"calibrated: transfer {overhead * 1e3:.2f} ms (1 worker, asp); server {server_s * 1e3:.3f} ms per push "
+          f"and {update_s * 1e3:.3f} ms per gradient of a closing update (1-6 workers, bsp: rounds of "
+          f"{', '.join(f'{r * 1e3:.1f}' for r in rounds)} ms)\n")
     print("| paradigm | workers | measured iterations/s | predicted | error |")
     print("|---|---|---|---|---|")
     for paradigm, n, measured, predicted, err in rows:

@@ -52,7 +52,7 @@ from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
 from hpcps.topology import Topology, node_local_index
 from hpcps.transport import wire
-from hpcps.transport.mpilib import library_version, query_cuda_support
+from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
@@ -143,7 +143,7 @@ def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan
     n_gpus = torch.cuda.device_count() if local is not None and cfg.device != "cpu" else 0
     plan = agree(comm, lambda: plan_device(
         cfg.device, cfg.cuda_aware, local, n_gpus,
-        detect=lambda: detect_cuda_aware(library_version(), os.environ, query_cuda_support())))
+        detect=lambda: detect_cuda_aware(MPI.Get_library_version(), os.environ, query_cuda_support())))
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
     return plan
@@ -186,11 +186,10 @@ class _Run:
     """The per-rank state of one run (built after the start-up checks passed)."""
 
     def __init__(self, cfg: TrainConfig, topo: Topology, data: Dataset, model: torch.nn.Module,
-                 flat: FlatParameters, steps: int, ckpt: Checkpoint | None = None,
-                 devices: list[str] | None = None) -> None:
+                 flat: FlatParameters, steps: int, ckpt: Checkpoint | None, devices: list[str]) -> None:
         self.cfg, self.topo, self.data, self.model, self.flat, self.steps = cfg, topo, data, model, flat, steps
         self.ckpt = ckpt
-        self.devices = devices or ["cpu"] * topo.comm.size  # per rank, as DevicePlan.describe() says
+        self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
         self.shards = list(range(self.layout.n_servers))

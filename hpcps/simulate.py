@@ -38,6 +38,7 @@ machines and the server one core, as on a real cluster.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -101,12 +102,10 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     apply_s = machine.update_s + nbytes / machine.apply_rate
 
     events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, worker)
-    counter = 0
+    tick = itertools.count()
 
     def at(t: float, kind: str, w: int) -> None:
-        nonlocal counter
-        heapq.heappush(events, (t, counter, kind, w))
-        counter += 1
+        heapq.heappush(events, (t, next(tick), kind, w))
 
     version = 0
     computed_on = [0] * n_workers  # version each worker's current gradient is computed on
@@ -155,9 +154,14 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             if g in blocked_since and g not in gone:
                 waits.append(server_free - blocked_since.pop(g))
                 start_iteration(g, server_free)
-    wall = max(finished)
-    rates = {w: steps / finished[w] for w in range(n_workers) if finished[w] > 0}
-    return Prediction(paradigm, n_workers, n_workers * steps, wall,
+    return _prediction(paradigm, steps, finished, waits, stale)
+
+
+def _prediction(paradigm: str, steps: int, finished: list[float], waits: list[float],
+                stale: list[int]) -> Prediction:
+    """The :class:`Prediction` of a simulated job from when each worker finished, its waits and staleness."""
+    rates = {w: steps / t for w, t in enumerate(finished) if t > 0}
+    return Prediction(paradigm, len(finished), len(finished) * steps, max(finished),
                       float(np.mean(waits)) if waits else 0.0, float(np.mean(stale)) if stale else 0.0, rates)
 
 
@@ -169,13 +173,13 @@ def _simulate_grouped(paradigm: str, n_workers: int, groups: int, *, steps: int,
     blocks = [list(range(lo, hi)) for lo, hi in shard_bounds(n_workers, groups)]
     group_of = {w: g for g, ws in enumerate(blocks) for w in ws}
     local = {w: i for ws in blocks for i, w in enumerate(ws)}
-    inner = [make_policy(make_policy(paradigm, groups).group_policy, len(ws)) for ws in blocks]
     central = make_policy(paradigm, groups)
+    inner = [make_policy(central.group_policy, len(ws)) for ws in blocks]
     transfer = machine.transfer(nbytes)
     close_s = machine.update_s + nbytes / machine.apply_rate  # per gradient of a closing update
 
     events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, worker or group)
-    tick = iter(range(1 << 62))
+    tick = itertools.count()
 
     def at(t: float, kind: str, who: int) -> None:
         heapq.heappush(events, (t, next(tick), kind, who))
@@ -243,9 +247,7 @@ def _simulate_grouped(paradigm: str, n_workers: int, groups: int, *, steps: int,
         else:
             group_free[g] = done
             release(g, done)
-    rates = {w: steps / finished[w] for w in range(n_workers) if finished[w] > 0}
-    return Prediction(paradigm, n_workers, n_workers * steps, max(finished),
-                      float(np.mean(waits)) if waits else 0.0, float(np.mean(stale)) if stale else 0.0, rates)
+    return _prediction(paradigm, steps, finished, waits, stale)
 
 
 def sweep(paradigms: list[str], workers: list[int], *, straggler: float = 1.0, progress: bool = False,

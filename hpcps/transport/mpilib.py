@@ -1,15 +1,10 @@
-"""What the MPI library under mpi4py says about itself (the mechanism behind hpcps.device's policy)."""
+"""What the MPI library under mpi4py says of its CUDA support (the mechanism behind hpcps.device's policy)."""
 
 from __future__ import annotations
 
 import ctypes
 
 from mpi4py import MPI
-
-
-def library_version() -> str:
-    """``MPI_Get_library_version``: the vendor, version and (MPICH) configure line."""
-    return MPI.Get_library_version()
 
 
 def query_cuda_support() -> bool | None:

@@ -10,9 +10,15 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from mpi4py import MPI
 
 from mpitest import force_transfer, share, train
+from hpcps.data import load_dataset
+from hpcps.errors import UserError
+from hpcps.flat import FlatParameters
+from hpcps.models import build_model
+from hpcps.topology import node_local_index
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -39,10 +45,6 @@ def test_bsp_ends_bit_for_bit_as_with_shared_buffers(world, mpi_tmp_path, monkey
 
 def train_start(common):
     """The parameters every rank starts from (the model's initialisation)."""
-    from hpcps.data import load_dataset
-    from hpcps.flat import FlatParameters
-    from hpcps.models import build_model
-
     data = load_dataset("digits")
     return FlatParameters(build_model("mlp", data.in_shape, data.n_classes, seed=common["seed"])).params
 
@@ -61,8 +63,6 @@ def test_a_nan_injected_on_the_device_side_is_still_dropped(world, mpi_tmp_path,
 
 
 def test_workers_are_numbered_among_the_workers_of_their_node(world):
-    from hpcps.topology import node_local_index
-
     everyone = world.allgather(node_local_index(world, members=range(1, world.size)))
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     one_node = share(world, node.size == world.size)
@@ -73,10 +73,6 @@ def test_workers_are_numbered_among_the_workers_of_their_node(world):
 
 
 def test_device_cuda_without_a_gpu_fails_on_every_rank_with_one_message(world, mpi_tmp_path):
-    import torch
-
-    from hpcps.errors import UserError
-
     if torch.cuda.device_count():
         pytest.skip("this machine has a GPU")
     with pytest.raises(UserError, match=r"^ranks 1-4: --device cuda: this rank sees no CUDA device [^;]*$"):

@@ -1,18 +1,24 @@
-"""Checkpoints: the global parameters of one consistent version, and exact resume (h5py, no MPI).
+"""Checkpoints: the global parameters of one consistent version, and exact resume (no MPI).
 
-Tree (format 1)::
+Files of the checkpoint of version v (format 2)::
 
-    step-000020.h5
-    ├── params   float32[n]: the flat parameter vector, every shard at ``version``
+    step-000020.h5          written by rank 0
+    ├── params   float32[n]: the flat vector (parameters, then float buffers), every shard at ``version``
     └── attrs: format, hpcps_version, paradigm, version, worker_clocks (int64[N]),
                n_params, n_workers, n_servers, config (JSON)
+    step-000020.optim-0.pt  shard 0's optimizer state (torch.save of its state_dict)
+    step-000020.optim-1.pt  shard 1's, ... one per shard, each written by its shard
 
-Written atomically: to ``<name>.tmp``, then renamed. Only BSP checkpoints are
-consistent in this release (every shard and every worker at one version).
-Nothing else is needed for an exact resume: plain SGD has no optimizer
-state, the batch schedule is a pure function of (seed, step), and the
-models have no randomness in training. A BSP run resumed from its step-k
-checkpoint therefore ends with exactly the parameters of the uninterrupted run.
+Each file is written atomically: to ``<name>.tmp``, then renamed; a
+checkpoint is complete when all ``1 + n_servers`` files exist. Only BSP
+checkpoints are consistent in this release (every shard and every worker
+at one version). Nothing else is needed for an exact resume: the batch
+schedule is a pure function of (seed, step), workers pull parameters and
+buffers after every round, and the optimizer state comes back. A BSP run
+resumed from its step-k checkpoint therefore ends with exactly the
+parameters of the uninterrupted run, under any optimizer. (Models that
+draw random numbers in training, e.g. dropout, continue with other draws.)
+Format-1 checkpoints (plain SGD, no optimizer files) still resume.
 """
 
 from __future__ import annotations
@@ -23,13 +29,16 @@ from dataclasses import dataclass
 
 import h5py
 import numpy as np
+import torch
 
 import hpcps
 from hpcps.errors import UserError
 
-FORMAT = 1
+FORMAT = 2
 #: options that must match between the checkpointed run and the resuming one
-MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "batch_size", "lr", "seed", "test_fraction", "servers")
+MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "loss", "batch_size", "lr", "seed", "test_fraction",
+              "servers", "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
+              "warmup_steps", "lr_step_every", "lr_gamma", "clip_norm")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Checkpoint:
     worker_clocks: np.ndarray
     config: dict
     n_servers: int
+    format: int = FORMAT
 
 
 def checkpoint_path(directory: str, version: int) -> str:
@@ -60,21 +70,54 @@ def write_checkpoint(path: str, params: np.ndarray, *, version: int, worker_cloc
     return path
 
 
-def read_checkpoint(path: str) -> Checkpoint:
+def optimizer_state_path(path: str, shard: int) -> str:
+    """The file of shard ``shard``'s optimizer state in the checkpoint ``path``."""
+    return f"{os.path.splitext(path)[0]}.optim-{shard}.pt"
+
+
+def write_optimizer_state(path: str, shard: int, state: dict) -> str:
+    """Write shard ``shard``'s part of the checkpoint ``path`` atomically; return its file."""
+    part = optimizer_state_path(path, shard)
+    os.makedirs(os.path.dirname(os.path.abspath(part)), exist_ok=True)
+    torch.save(state, part + ".tmp")
+    os.replace(part + ".tmp", part)
+    return part
+
+
+def read_optimizer_state(path: str, shard: int) -> dict:
+    """Shard ``shard``'s optimizer state (empty for a format-1 checkpoint: plain SGD had none)."""
+    part = optimizer_state_path(path, shard)
+    if not os.path.exists(part):
+        return {}
+    return torch.load(part, weights_only=True)
+
+
+def read_checkpoint(path: str, n_servers: int | None = None) -> Checkpoint:
+    """Read the checkpoint ``path``; with ``n_servers``, insist that every shard's part is there."""
     try:
         with h5py.File(path, "r", locking=False) as f:
-            return Checkpoint(f["params"][()], int(f.attrs["version"]), np.asarray(f.attrs["worker_clocks"]),
-                              json.loads(f.attrs["config"]), int(f.attrs["n_servers"]))
+            ckpt = Checkpoint(f["params"][()], int(f.attrs["version"]), np.asarray(f.attrs["worker_clocks"]),
+                              json.loads(f.attrs["config"]), int(f.attrs["n_servers"]), int(f.attrs["format"]))
     except FileNotFoundError:
         raise UserError(f"--resume {path}: no such file") from None
     except (OSError, KeyError) as exc:
         raise UserError(f"--resume {path}: not an hpcps checkpoint ({exc})") from None
+    if n_servers is not None and ckpt.format >= 2:
+        missing = [optimizer_state_path(path, s) for s in range(n_servers)
+                   if not os.path.exists(optimizer_state_path(path, s))]
+        if missing:
+            raise UserError(f"--resume {path}: incomplete checkpoint, missing {', '.join(missing)}")
+    return ckpt
 
 
 def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int, n_workers: int) -> None:
     """UserError naming every way ``ckpt`` does not fit this run."""
-    problems = [f"{key} is {config.get(key)!r} here but {ckpt.config.get(key)!r} in the checkpoint"
-                for key in MUST_MATCH if config.get(key) != ckpt.config.get(key)]
+    from hpcps.config import TrainConfig
+
+    defaults = TrainConfig().as_json_dict()  # options an older checkpoint predates had their defaults
+    theirs = {key: ckpt.config.get(key, defaults.get(key)) for key in MUST_MATCH}
+    problems = [f"{key} is {config.get(key)!r} here but {theirs[key]!r} in the checkpoint"
+                for key in MUST_MATCH if config.get(key) != theirs[key]]
     if len(ckpt.params) != n_params:
         problems.append(f"the model has {n_params} parameters, the checkpoint {len(ckpt.params)}")
     if len(ckpt.worker_clocks) != n_workers:

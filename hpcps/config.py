@@ -36,13 +36,25 @@ class TrainConfig(BaseModel):
     servers: int = Field(1, ge=1)
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
     group_by: Literal["rank", "speed"] = "rank"
-    model: str = "mlp"
+    model: str = "mlp"  # a built-in name, or a plug-in: pkg.mod:name, path/file.py:name
     hidden: int = Field(128, ge=1)
-    dataset: str = "digits"
+    dataset: str = "digits"  # a built-in name, an HDF5 file, or a plug-in
+    loss: str = "cross_entropy"  # a built-in name, or a plug-in
     steps: int | None = Field(None, ge=1)
     epochs: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.1, gt=0)
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    momentum: float = Field(0.0, ge=0)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    lr_schedule: Literal["constant", "step", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    lr_step_every: int | None = Field(None, ge=1)
+    lr_gamma: float = Field(0.1, gt=0)
+    clip_norm: float | None = Field(None, gt=0)
     lr_staleness: Literal["none", "inverse", "sqrt", "exp"] | None = None
     staleness: int | None = Field(None, ge=0)  # None: 2 for ssp/dssp, no bound for eager
     staleness_max: int | None = Field(None, ge=0)
@@ -57,6 +69,8 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_aware: Literal["auto", "yes", "no"] = "auto"
     eval_interval: float = Field(0.1, gt=0)
+    eval_batch_size: int = Field(256, ge=1)
+    save: str | None = None
     test_fraction: float = Field(0.2, gt=0, lt=1)
     threads: int = Field(1, ge=1)
     progress: bool = True
@@ -77,6 +91,24 @@ class TrainConfig(BaseModel):
                 raise ValueError("--groups auto forms groups by speed; drop --group-by rank")
             values = {**values, "groups": AUTO_GROUPS, "group_by": "speed"}
         return values
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _parse_betas(cls, value: Any) -> Any:
+        """``--betas 0.9,0.999`` (a string on the command line, a list in TOML)."""
+        if isinstance(value, str):
+            parts = value.split(",")
+            if len(parts) != 2:
+                raise ValueError(f"{value!r}: expected BETA1,BETA2, e.g. 0.9,0.999")
+            return tuple(parts)
+        return value
+
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"{value[0]},{value[1]}: each beta must be in [0, 1)")
+        return value
 
     @field_validator("slowdown", mode="before")
     @classmethod
@@ -108,6 +140,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--staleness-max {self.staleness_max} must be >= --staleness {self.s_lo}")
         if self.jitter != "none" and self.compute_time is None:
             raise ValueError("--jitter needs --compute-time (it varies the emulated compute time)")
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum <= 0):
+            raise ValueError("--nesterov needs --optimizer sgd and a --momentum above 0")
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError(f"--momentum is for --optimizer sgd (adam and adamw take --betas); "
+                             f"got --optimizer {self.optimizer}")
         if self.jitter == "uniform" and self.jitter_cv > 1 / 3 ** 0.5:
             raise ValueError("--jitter-cv must be <= 0.577 for uniform jitter (times would go negative)")
         return self

@@ -5,6 +5,15 @@ and its ``.grad`` a view into :attr:`FlatParameters.grads_t`, so a pull
 writes the whole model at once, a push sends backward's output as one block,
 and shards are plain contiguous blocks of the vector.
 
+The model's floating-point *buffers* (BatchNorm's running statistics) follow
+the parameters in the same vector: ``params_t[n_params:]`` holds them, and
+each buffer of the model is a view into it, so a pull brings the servers'
+averaged buffers along with the parameters. They have no gradient: a
+worker's pass records in ``grads_t[n_params:]`` how its forward changed them
+(:meth:`begin_pass`, :meth:`end_pass`), and the servers add the mean of
+those changes (see :mod:`hpcps.server`). Integer buffers (BatchNorm's
+``num_batches_tracked``) stay local to each rank.
+
 The *host side* is what MPI reads and writes: :attr:`params` (pulls land
 there) and :attr:`push_grads` (pushes leave from there). How it relates to
 the model's buffers is the transfer mode (see :mod:`hpcps.device`):
@@ -47,7 +56,11 @@ class FlatParameters:
         if any(p.dtype != torch.float32 for p in params):
             raise ValueError("flat buffers hold float32 parameters")
         model.to(self.device)  # buffers too (batch-norm statistics), not only the parameters
-        self.size = sum(p.numel() for p in params)
+        buffers = _float_buffers(model)
+        if any(b.dtype != torch.float32 for _, _, b in buffers):
+            raise ValueError("flat buffers hold float32 buffers (BatchNorm statistics): use a float32 model")
+        self.n_params = sum(p.numel() for p in params)
+        self.size = self.n_params + sum(b.numel() for _, _, b in buffers)
         if self.transfer == "shared":  # numpy's memory: MPICH's shared-memory transfers out of torch's ran 3x slower
             self.params, self.grads = np.empty(self.size, np.float32), np.zeros(self.size, np.float32)
             self.params_t, self.grads_t = torch.from_numpy(self.params), torch.from_numpy(self.grads)
@@ -61,6 +74,12 @@ class FlatParameters:
             p.data = self.params_t[offset:offset + n].view_as(p)
             p.grad = self.grads_t[offset:offset + n].view_as(p)
             offset += n
+        for module, name, b in buffers:
+            n = b.numel()
+            self.params_t[offset:offset + n].copy_(b.detach().reshape(-1))
+            module._buffers[name] = self.params_t[offset:offset + n].view_as(b)
+            offset += n
+        self._before: torch.Tensor | None = None  # buffers when the pass began
         if self.transfer != "shared":
             self.params = self._host_buffer()
             self.params[:] = self.params_t.cpu().numpy()
@@ -84,6 +103,28 @@ class FlatParameters:
     def zero_grad(self) -> None:
         """Zero the gradient buffer in place (backward accumulates into the views)."""
         self.grads_t.zero_()
+
+    def begin_pass(self) -> None:
+        """Zero the gradients and note the buffers, before a forward pass that may update them."""
+        self.zero_grad()
+        if self.size > self.n_params:
+            self._before = self.params_t[self.n_params:].clone()
+
+    def end_pass(self, clip_norm: float | None = None) -> None:
+        """After backward: record the buffers' change in the gradient vector; clip the gradient.
+
+        ``clip_norm`` scales the parameters' gradient to that global L2 norm
+        if it is larger, as ``torch.nn.utils.clip_grad_norm_`` does (the
+        buffers' changes are not part of the norm).
+        """
+        if self._before is not None:
+            torch.sub(self.params_t[self.n_params:], self._before, out=self.grads_t[self.n_params:])
+            self._before = None
+        if clip_norm is not None:
+            grad = self.grads_t[:self.n_params]
+            coef = clip_norm / (float(grad.norm()) + 1e-6)
+            if coef < 1.0:
+                grad.mul_(coef)
 
     def synchronize(self) -> None:
         """Wait for the work queued on the device (a no-op on the CPU): timings and MPI see finished results."""
@@ -109,3 +150,14 @@ class FlatParameters:
         elif out is not self.grads_t:
             out.copy_(self.grads_t)
         self.synchronize()
+
+
+def _float_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(module, name, tensor) of every floating-point buffer, each tensor once, in ``model.buffers()`` order."""
+    seen, out = set(), []
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and id(b) not in seen:
+                seen.add(id(b))
+                out.append((module, name, b))
+    return out

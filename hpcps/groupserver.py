@@ -25,12 +25,13 @@ from hpcps.transport.window import ParamWindow
 class GroupServer(ShardServer):
     """``central_*``: this group server's link to the central shards, as a worker of theirs.
 
-    ``agg`` is the buffer ``central_pusher`` sends from (the round's update, already
-    scaled by the learning rates). It is pushed with lr ``weight``: the group's
-    size over the mean group size, so every gradient weighs the same at the
-    central server however unevenly the groups are formed (a straggler alone
-    in its group does not get the weight of a group of three). Equal groups
-    (and G=1, G=N) have weight 1.
+    ``agg`` is the buffer ``central_pusher`` sends from: the round's combined
+    gradient (and mean buffer change), which the central shards' optimizers
+    step with. It is pushed with the round's learning-rate factor times
+    ``weight``: the group's size over the mean group size, so every gradient
+    weighs the same at the central server however unevenly the groups are
+    formed (a straggler alone in its group does not get the weight of a
+    group of three). Equal groups (and G=1, G=N) have weight 1.
     """
 
     def __init__(self, *, central_pusher: Pusher, central_notices: NoticeBox, central_window: ParamWindow,
@@ -61,12 +62,14 @@ class GroupServer(ShardServer):
             self.stopped = True
             self.window.set_stop()
 
-    def _update(self, grads: list[torch.Tensor], coeffs: list[float]) -> int:
+    def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float) -> int:
+        p = self.n_params
         self.agg_t.zero_()
         for g, c in zip(grads, coeffs):
-            self.agg_t.add_(g, alpha=c)
+            self.agg_t[:p].add_(g[:p], alpha=c)
+            self.agg_t[p:].add_(g[p:], alpha=1.0 / len(grads))
         self.rounds += 1
-        self.central_pusher.start(self.rounds, self.central_versions, self.weight)
+        self.central_pusher.start(self.rounds, self.central_versions, self.unit_lr * self.weight * factor)
         applied_at: list[int] = []
 
         def receipts_in() -> bool:

@@ -1,16 +1,19 @@
 """One training run on a given communicator: set-up, roles, teardown, summary.
 
 :func:`run_training` is collective over the communicator it is given (the
-CLI passes ``COMM_WORLD``; tests pass sub-communicators). Start-up steps
+CLI passes ``COMM_WORLD``; tests pass sub-communicators). What it trains is
+a :class:`~hpcps.workload.Workload`: the user's objects (:func:`hpcps.train`)
+or those ``hpcps train`` names. Only workers and rank 0 load data. Start-up steps
 that can fail on bad input go through :func:`hpcps.agree.agree`, so every
 rank fails together with one message. Teardown, in order:
 
 1. workers leave (``DONE``, wait for every shard's ``BYE``);
-2. shards leave their loops once every worker has left; rank 0 evaluates
-   the final parameters;
+2. shards leave their loops once every worker has left, and wait for each
+   other; rank 0 evaluates the final parameters (and buffers);
 3. every rank closes its recorder (rank 0 waits for all the others' rows);
 4. a polite barrier, then the RMA window and communicators are freed;
-5. rank 0 writes ``/summary`` from the tables and closes the file.
+5. rank 0 writes ``/summary`` from the tables, saves the model's
+   ``state_dict`` (``--save``) and closes the file.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from tqdm import tqdm
 
 import hpcps
 from hpcps.agree import agree
-from hpcps.checkpoint import Checkpoint, check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
+from hpcps.batches import DataSource
+from hpcps.checkpoint import (Checkpoint, check_compatible, checkpoint_path, read_checkpoint, read_optimizer_state,
+                              write_checkpoint, write_optimizer_state)
 from hpcps.config import TrainConfig, steps_for
-from hpcps.data import Dataset, batches_per_epoch, load_dataset
+from hpcps.data import batches_per_epoch
 from hpcps.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.emulation import ComputeTime
 from hpcps.errors import UserError
@@ -47,7 +52,7 @@ from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import summarize
-from hpcps.models import build_model
+from hpcps.optim import ShardOptimizer, make_schedule
 from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
 from hpcps.topology import Topology, node_local_index
@@ -59,6 +64,7 @@ from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
 from hpcps.warmup import gather_pass_times, measure_pass_time
 from hpcps.worker import EagerWorker, HSPWorker, Worker
+from hpcps.workload import Workload, data_shape, workload_from_config
 
 log = logging.getLogger("hpcps")
 
@@ -68,12 +74,23 @@ _PROGRESS_TAG = 99
 
 @dataclass(frozen=True)
 class RunResult:
-    """What rank 0 returns: the metrics file, its ``/summary``, the final parameters."""
+    """What rank 0 returns.
+
+    ``path``: the metrics file; ``summary``: its ``/summary``; ``steps``: iterations per
+    worker; ``params``: the final flat vector (parameters, then float buffers);
+    ``model``: the trained model (eval mode, on the CPU) and ``state_dict`` its state,
+    a plain dict of tensors; ``metrics``: the final evaluation; ``saved``: where
+    ``--save`` wrote the state_dict (None when nothing was saved).
+    """
 
     path: str
     summary: dict[str, Any]
     steps: int
     params: np.ndarray
+    model: torch.nn.Module
+    state_dict: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+    saved: str | None
 
 
 def plan(cfg: TrainConfig, world_size: int) -> Layout:
@@ -103,38 +120,59 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     return layout
 
 
-def _per_epoch(cfg: TrainConfig, data: Dataset, layout: Layout) -> int:
-    n = batches_per_epoch(len(data.y_train), batch_size=cfg.batch_size, n_workers=layout.n_workers)
+def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | None:
+    if n_train is None:  # a batch factory: its epochs are its own
+        if cfg.epochs is not None:
+            raise UserError("--epochs needs a data set of known size; with a batch factory give --steps")
+        return None
+    n = batches_per_epoch(n_train, batch_size=cfg.batch_size, n_workers=layout.n_workers)
     if n < 1:
-        share = len(data.y_train) // layout.n_workers
+        share = n_train // layout.n_workers
         raise UserError(f"--batch-size {cfg.batch_size} is larger than a worker's share of the training set "
                         f"({share} samples for each of {layout.n_workers} workers)")
     return n
+
+
+def _data_facts(source: DataSource) -> dict[str, Any]:
+    """What every rank needs to know of the data, which only some ranks load."""
+    in_shape, n_classes = data_shape(source)
+    return {"name": source.name, "n_train": source.n_train, "n_test": source.n_test,
+            "in_shape": in_shape, "n_classes": n_classes}
 
 
 def default_out(paradigm: str) -> str:
     return os.path.join("runs", f"{paradigm}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
 
 
-def run_training(cfg: TrainConfig, comm: MPI.Comm) -> RunResult | None:
-    """Collective: train as ``cfg`` says on ``comm``; rank 0 returns the result, others None."""
+def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> RunResult | None:
+    """Collective: train ``workload`` (default: the one ``cfg`` names) as ``cfg`` says on ``comm``;
+    rank 0 returns the result, others None."""
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
-    data = agree(comm, lambda: load_dataset(cfg.dataset, test_fraction=cfg.test_fraction))
-    model = agree(comm, lambda: build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed, hidden=cfg.hidden))
-    steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, data, layout)))
+    if workload is None:
+        workload = agree(comm, lambda: workload_from_config(cfg))
+    loads_data = comm.rank == 0 or layout.role(comm.rank) is Role.WORKER  # workers train, rank 0 evaluates
+    source = agree(comm, lambda: workload.data() if loads_data else None)
+    facts = comm.bcast(agree(comm, lambda: _data_facts(source) if comm.rank == 0 else None), root=0)
+    model = agree(comm, lambda: workload.build_model(seed=cfg.seed, in_shape=facts["in_shape"],
+                                                     n_classes=facts["n_classes"], hidden=cfg.hidden))
+    steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, facts["n_train"], layout)))
     device = _plan_device(cfg, comm, layout)
     devices = comm.allgather(device.describe())
     flat = FlatParameters(model, device.device, device.transfer)
-    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout.n_workers)) if cfg.resume else None
+    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout)) if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params
         flat.upload()
+    batches = None
+    if layout.role(comm.rank) is Role.WORKER:
+        batches = source.for_worker(layout.worker_index(comm.rank), layout.n_workers, batch_size=cfg.batch_size,
+                                    seed=cfg.seed, device=flat.device)
     if cfg.group_by == "speed" and layout.n_groups:
-        layout = _group_by_speed(cfg, comm, layout, model, flat, data)
+        layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     with Topology(comm, layout) as topo:
-        return _Run(cfg, topo, data, model, flat, steps, ckpt, devices).run()
+        return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices).run()
 
 
 def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
@@ -155,12 +193,11 @@ def _compute_time(cfg: TrainConfig, rank: int) -> ComputeTime:
 
 
 def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: torch.nn.Module,
-                    flat: FlatParameters, data: Dataset) -> Layout:
+                    flat: FlatParameters, batches, workload: Workload) -> Layout:
     """Collective: time every worker in a warm-up, then group the workers of similar speed."""
     mine = None
     if layout.role(comm.rank) is Role.WORKER:
-        mine = measure_pass_time(model, flat, data, rank=comm.rank, index=layout.worker_index(comm.rank),
-                                 n_workers=layout.n_workers, batch_size=cfg.batch_size, seed=cfg.seed,
+        mine = measure_pass_time(model, flat, batches, workload.loss, rank=comm.rank, seed=cfg.seed,
                                  compute_time=_compute_time(cfg, comm.rank))
     times = gather_pass_times(comm, mine)
     members = speed_groups(times, layout.n_groups)
@@ -176,18 +213,21 @@ def _devices_summary(devices: list[str]) -> str:
     return "; ".join(f"{d} ({n} worker{'s' if n > 1 else ''})" for d, n in counts.items())
 
 
-def _load_checkpoint(cfg: TrainConfig, n_params: int, n_workers: int) -> Checkpoint:
-    ckpt = read_checkpoint(cfg.resume)
-    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params, n_workers=n_workers)
+def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout) -> Checkpoint:
+    ckpt = read_checkpoint(cfg.resume, layout.n_servers)
+    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params, n_workers=layout.n_workers)
     return ckpt
 
 
 class _Run:
     """The per-rank state of one run (built after the start-up checks passed)."""
 
-    def __init__(self, cfg: TrainConfig, topo: Topology, data: Dataset, model: torch.nn.Module,
-                 flat: FlatParameters, steps: int, ckpt: Checkpoint | None, devices: list[str]) -> None:
-        self.cfg, self.topo, self.data, self.model, self.flat, self.steps = cfg, topo, data, model, flat, steps
+    def __init__(self, cfg: TrainConfig, topo: Topology, workload: Workload, source: DataSource | None,
+                 facts: dict[str, Any], batches, model: torch.nn.Module, flat: FlatParameters, steps: int,
+                 ckpt: Checkpoint | None, devices: list[str]) -> None:
+        self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
+        self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
+        self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
         self.ckpt = ckpt
         self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
@@ -217,9 +257,12 @@ class _Run:
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
             group_window.publish(self.flat.params, 0)
         if comm.rank == 0:
-            log.info("%s on %s; model %s (%d parameters), %s (%d train / %d test), %d steps per worker",
-                     self.cfg.paradigm, self.layout.describe(), self.cfg.model, self.flat.size,
-                     self.data.name, len(self.data.y_train), len(self.data.y_test), self.steps)
+            f, unknown = self.facts, "?"
+            log.info("%s on %s; model %s (%d parameters, %d buffer values), %s (%s train / %s test), "
+                     "%d steps per worker", self.cfg.paradigm, self.layout.describe(), self.workload.model_name,
+                     self.flat.n_params, self.flat.size - self.flat.n_params, f["name"],
+                     unknown if f["n_train"] is None else f["n_train"],
+                     unknown if f["n_test"] is None else f["n_test"], self.steps)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
         polite_barrier(comm, Backoff(cap=1e-4))  # the common start: ranks leave it within ~0.1 ms
         self.t0 = time.perf_counter()
@@ -242,9 +285,20 @@ class _Run:
         window.free()
         if group_window is not None:
             group_window.free()
-        return self._finish(runfile, wall_s) if comm.rank == 0 else None
+        return self._finish(runfile, wall_s, path) if comm.rank == 0 else None
+
+    def _save_path(self, path: str) -> str:
+        """``--save``, or the metrics file's name with ``.pt``."""
+        return self.cfg.save or os.path.splitext(path)[0] + ".pt"
 
     def _open(self, path: str) -> RunFile:
+        save_dir = os.path.dirname(os.path.abspath(self._save_path(path)))
+        try:  # refuse at the start, not after hours of training
+            os.makedirs(save_dir, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--save {self._save_path(path)}: cannot create its directory ({exc})") from None
+        if not os.access(save_dir, os.W_OK):
+            raise UserError(f"--save {self._save_path(path)}: directory {save_dir} is not writable")
         try:
             return RunFile(path, {
                 "hpcps_version": hpcps.__version__,
@@ -275,9 +329,14 @@ class _Run:
         serial = policy_class(cfg.paradigm).serial_transfers and not grouped
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None)
+        lo, _ = self.bounds[topo.rank]
+        n_params = int(np.clip(self.flat.n_params - lo, 0, len(master)))  # the rest of the slice: buffers
+        optimizer = self._shard_optimizer(master[:n_params], len(workers))
         side_tasks, bar, evaluator = [], None, None
         if topo.rank == 0:
-            evaluator = Evaluator(model=self.model, flat=self.flat, data=self.data,
+            evaluator = Evaluator(model=self.model, flat=self.flat,
+                                  batches=self.source.test_batches(cfg.eval_batch_size),
+                                  evaluate=self.workload.evaluation(),
                                   pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
                                   clock=self.clock, interval=cfg.eval_interval, target=cfg.target_accuracy,
                                   on_target=window.set_stop)
@@ -289,17 +348,32 @@ class _Run:
             policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi),
             table="groups/updates" if grouped else "servers/updates",
             inbox=inbox, notifier=notifier, window=window, master=master,
+            optimizer=optimizer, n_params=n_params, unit_lr=cfg.lr,
             abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
-            on_published=self._checkpointer(window) if topo.rank == 0 and cfg.checkpoint_every else None,
+            on_published=self._checkpointer(window, optimizer) if cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
         ).run()
         inbox.free()
+        polite_barrier(topo.role_comm, self.backoff)  # every shard has published its final version
         if evaluator is not None:
-            evaluator.evaluate()  # also leaves the final global parameters in self.flat
+            evaluator.evaluate()  # also leaves the final global parameters and buffers in self.model
+            self.final_metrics = evaluator.metrics
             bar.close()
+
+    def _shard_optimizer(self, params: np.ndarray, n_clients: int) -> ShardOptimizer:
+        """The optimizer of this shard's trainable slice, its schedule over the run's updates, resumed state."""
+        cfg = self.cfg
+        horizon = self.steps * policy_class(cfg.paradigm).updates_per_step(n_clients)
+        schedule = self.workload.lr_schedule or make_schedule(cfg.lr_schedule, horizon=horizon,
+                                                              warmup=cfg.warmup_steps, step_every=cfg.lr_step_every,
+                                                              gamma=cfg.lr_gamma)
+        optimizer = ShardOptimizer(torch.from_numpy(params), self.workload.optimizer_factory(cfg), schedule)
+        if self.ckpt is not None:
+            optimizer.load_state_dict(read_optimizer_state(cfg.resume, self.topo.rank))
+        return optimizer
 
     def _group_serve(self, central: ParamWindow, window: ParamWindow, recorder) -> None:
         """A group server: BSP over its group (on the group communicator), a client of the central shards."""
@@ -314,7 +388,8 @@ class _Run:
         GroupServer(
             shard=0, rank=topo.rank, policy=make_policy(policy_class(cfg.paradigm).group_policy, len(members)),
             inbox=inbox, notifier=Notifier(topo.group, worker_ranks=local), window=window,
-            master=np.zeros(n, np.float32), worker_ranks=members, recorder=recorder, clock=self.clock,
+            master=np.zeros(n, np.float32), n_params=self.flat.n_params, unit_lr=cfg.lr,
+            worker_ranks=members, recorder=recorder, clock=self.clock,
             progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
             backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
@@ -342,11 +417,11 @@ class _Run:
                         serial=policy.serial_transfers)
         notices = NoticeBox(comm, shard_ranks=shards)
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
-        worker_class(rank=topo.rank, index=self.layout.worker_index(topo.rank), n_workers=self.layout.n_workers,
-                     model=self.model, flat=self.flat, data=self.data, window=window, pusher=pusher,
-                     notices=notices, blocks=policy.worker_blocks, recorder=recorder, clock=self.clock,
-                     steps=self.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
-                     lr_schedule=cfg.lr_staleness or policy.default_lr_staleness,
+        self.model.train()
+        worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches, loss=self.workload.loss,
+                     window=window, pusher=pusher, notices=notices, blocks=policy.worker_blocks, recorder=recorder,
+                     clock=self.clock, steps=self.steps, lr=cfg.lr, seed=cfg.seed,
+                     lr_staleness=cfg.lr_staleness or policy.default_lr_staleness, clip_norm=cfg.clip_norm,
                      compute_time=_compute_time(cfg, topo.rank),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
@@ -355,34 +430,57 @@ class _Run:
         pusher.free()
         notices.free()
 
-    def _checkpointer(self, window: ParamWindow):
-        """Rank 0's ``on_published``: every ``--checkpoint-every`` versions, snapshot all shards.
+    def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer):
+        """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.
 
-        Called after shard 0 published version v and before it grants anyone,
-        so under BSP every worker is blocked and every other shard is at v or
-        about to be (its round-v pushes are in flight): pull until all are at v.
+        Each shard writes its optimizer state; rank 0 also snapshots all
+        shards' parameters. Called after the shard published version v and
+        before it grants anyone, so under BSP every worker is blocked and
+        every other shard is at v or about to be (its round-v pushes are in
+        flight): rank 0 pulls until all are at v.
         """
-        cfg, buf = self.cfg, np.empty(self.flat.size, np.float32)
+        cfg, rank = self.cfg, self.topo.rank
+        buf = np.empty(self.flat.size, np.float32) if rank == 0 else None
 
         def on_published(version: int) -> None:
             if version % cfg.checkpoint_every:
                 return
+            path = checkpoint_path(cfg.checkpoint_dir, version)
+            write_optimizer_state(path, rank, optimizer.state_dict())
+            if rank != 0:
+                return
             versions, _ = window.pull(buf, Backoff())
             while not (versions == version).all():
                 versions, _ = window.pull(buf, Backoff())
-            path = write_checkpoint(checkpoint_path(cfg.checkpoint_dir, version), buf, version=version,
-                                    worker_clocks=[version] * self.layout.n_workers, config=cfg.as_json_dict(),
-                                    n_servers=self.layout.n_servers)
+            write_checkpoint(path, buf, version=version, worker_clocks=[version] * self.layout.n_workers,
+                             config=cfg.as_json_dict(), n_servers=self.layout.n_servers)
             log.info("checkpoint of version %d written to %s", version, path)
 
         return on_published
 
-    def _finish(self, runfile: RunFile, wall_s: float) -> RunResult:
+    def _finish(self, runfile: RunFile, wall_s: float, path: str) -> RunResult:
         summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.target_accuracy)
         runfile.write_summary(summary)
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        saved = save_model(state, self._save_path(path))
+        runfile.set_attrs(saved_model=saved or "")
         runfile.close()
-        log.info("done in %.1f s: final test accuracy %.4f, %d of %d gradients applied; metrics in %s",
+        log.info("done in %.1f s: final test accuracy %.4f, %d of %d gradients applied; metrics in %s%s",
                  summary["wall_s"], summary["final_accuracy"], summary["gradients_applied"],
-                 summary["gradients_pushed"], runfile.path)
-        return RunResult(runfile.path, summary, self.steps, self.flat.params.copy())
+                 summary["gradients_pushed"], runfile.path, f", model in {saved}" if saved else "")
+        return RunResult(runfile.path, summary, self.steps, self.flat.params.copy(), self.model.cpu(), state,
+                         self.final_metrics, saved)
+
+
+def save_model(state: dict[str, torch.Tensor], path: str) -> str | None:
+    """Write ``state`` for plain ``torch.load`` (atomically: a temporary file, then a rename); return the
+    path, or None (with a warning) if it cannot be written: the run's metrics are already safe."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        log.warning("--save %s: cannot write the model (%s)", path, exc)
+        return None
+    return path

@@ -12,6 +12,13 @@ A gradient with NaN or Inf is never applied: it is recorded as dropped
 part of is averaged over the others; under ``--nonfinite abort`` the shard
 raises :class:`RunAborted` instead.
 
+Updates: the shard's slice of trainable parameters is stepped by its
+:class:`~hpcps.optim.ShardOptimizer` (torch.optim, the learning rate
+scheduled by version and multiplied by the update's factors; see
+:mod:`hpcps.optim`). The rest of the slice holds model buffers (BatchNorm
+statistics): there the update adds the mean of the pushed changes, so after
+a BSP round the buffers are the mean of the workers' buffers.
+
 Order of one step, and why: apply the updates the policy names, publish the
 new parameters, *then* send receipts and grants. A granted worker pulls
 after it sees its grant, so it always sees the version the grant promised.
@@ -26,6 +33,7 @@ import numpy as np
 import torch
 
 from hpcps.errors import RunAborted
+from hpcps.optim import APPLY_CHUNK, ShardOptimizer, update_terms
 from hpcps.policies import Decision, Policy
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
@@ -34,9 +42,6 @@ from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
 
 log = logging.getLogger("hpcps")
-
-#: float32 values updated between two progress pokes (1 MiB: fits in L2)
-APPLY_CHUNK = 1 << 18
 
 
 def apply_update(master: torch.Tensor, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *,
@@ -59,11 +64,17 @@ def apply_update(master: torch.Tensor, grads: Sequence[torch.Tensor], coeffs: Se
 
 
 class ShardServer:
-    """Serve shard ``shard`` (parameters ``master``) until every worker has left."""
+    """Serve shard ``shard`` (parameters ``master``) until every worker has left.
+
+    ``master[:n_params]`` are trainable parameters, stepped by ``optimizer``;
+    the rest are buffers. ``unit_lr`` is the learning rate a push asks for at
+    factor 1 (``--lr``): a push's factor is its learning rate over it.
+    """
 
     def __init__(self, *, shard: int, rank: int, policy: Policy, inbox: PushInbox, notifier: Notifier,
                  window: ParamWindow, master: np.ndarray, worker_ranks: Sequence[int], recorder,
-                 clock: Callable[[], float], progress: Callable[[], object],
+                 clock: Callable[[], float], progress: Callable[[], object], unit_lr: float,
+                 optimizer: ShardOptimizer | None = None, n_params: int | None = None,
                  side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
                  abort_on_nonfinite: bool = False, version: int = 0,
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
@@ -77,6 +88,8 @@ class ShardServer:
         self.window = window
         self.master = master
         self.master_t = torch.from_numpy(master)
+        self.optimizer, self.unit_lr = optimizer, unit_lr
+        self.n_params = len(master) if n_params is None else n_params
         self.grads_t = torch.from_numpy(inbox.grads)
         self.worker_ranks = list(worker_ranks)
         self.recorder = recorder
@@ -156,8 +169,8 @@ class ShardServer:
             at = self.version
             weight = decision.weights[k] if decision.weights else 1.0
             if finite:
-                at = self._update([self.grads_t[p.worker] for p in finite],
-                                  [weight * p.lr / len(finite) for p in finite])
+                coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
+                at = self._update([self.grads_t[p.worker] for p in finite], coeffs, weight * factor)
             t = self.clock()
             for p in pushes:
                 applied = p in finite
@@ -175,9 +188,15 @@ class ShardServer:
             _note(notices, w, wire.GRANT)
 
 
-    def _update(self, grads: list[torch.Tensor], coeffs: list[float]) -> int:
-        """Apply one update (``master -= sum(c * g)``); return the version it was applied to."""
-        apply_update(self.master_t, grads, coeffs, progress=self.progress)
+    def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float) -> int:
+        """Apply one update: an optimizer step from ``sum(c * g)`` with the learning rate times
+        ``factor``, and the mean buffer change; return the version it was applied to."""
+        p = self.n_params
+        self.optimizer.step([g[:p] for g in grads], coeffs, version=self.version, factor=factor,
+                            progress=self.progress)
+        if p < len(self.master):
+            apply_update(self.master_t[p:], [g[p:] for g in grads], [-1.0 / len(grads)] * len(grads),
+                         progress=self.progress)
         self.version += 1
         return self.version - 1
 

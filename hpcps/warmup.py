@@ -10,11 +10,13 @@ same groups (:func:`hpcps.grouping.speed_groups`) without another message.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcps.data import Dataset, batch_indices
+from hpcps.batches import BatchSource, to_device
 from hpcps.emulation import ComputeTime
 from hpcps.flat import FlatParameters
 from hpcps.transport.poll import Backoff, wait_until
@@ -24,17 +26,18 @@ from hpcps.worker import emulated_pass
 WARMUP_PASSES = 5
 
 
-def measure_pass_time(model: torch.nn.Module, flat: FlatParameters, data: Dataset, *, rank: int, index: int,
-                      n_workers: int, batch_size: int, seed: int, compute_time: ComputeTime,
-                      passes: int = WARMUP_PASSES) -> float:
-    """Median seconds per gradient pass of this worker, emulated compute time included."""
-    x, y = torch.from_numpy(data.x_train).to(flat.device), torch.from_numpy(data.y_train).to(flat.device)
+def measure_pass_time(model: torch.nn.Module, flat: FlatParameters, batches: BatchSource, loss: Callable, *,
+                      rank: int, seed: int, compute_time: ComputeTime, passes: int = WARMUP_PASSES) -> float:
+    """Median seconds per gradient pass of this worker, emulated compute time included.
+
+    What the passes do to the model's buffers (BatchNorm statistics) does not
+    last: every worker starts training with a pull, which brings the servers' buffers.
+    """
     rng = np.random.default_rng([seed, rank, 11])
     times = []
     for step in range(passes):
-        idx = torch.from_numpy(batch_indices(len(y), batch_size=batch_size, n_workers=n_workers, worker=index,
-                                             step=step, seed=seed)).to(flat.device)
-        times.append(emulated_pass(model, flat, x[idx], y[idx], compute_time, rng)[1])
+        batch = to_device(batches.batch(step), flat.device)
+        times.append(emulated_pass(model, flat, loss, batch, compute_time, rng)[1])
     flat.zero_grad()
     return float(np.median(times))
 

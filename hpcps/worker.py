@@ -2,8 +2,9 @@
 
 One iteration of :class:`Worker` ``w`` at ``step`` k::
 
-    compute   forward/backward on batch_indices(..., worker=w, step=k) into the
-              flat gradient buffer, then sleep as the emulation says (hpcps.emulation)
+    compute   the user's loss on the worker's batch k (hpcps.batches), backward into
+              the flat gradient buffer (with the change of the model's buffers, and
+              clipped under --clip-norm), then sleep as the emulation says (hpcps.emulation)
     push      start the persistent sends of header + gradient to every shard, with
               the learning rate scaled by the staleness the worker knows of
     wait      if the paradigm blocks: until every shard granted clock k+1
@@ -41,9 +42,8 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from hpcps.data import Dataset, batch_indices
+from hpcps.batches import BatchSource, to_device
 from hpcps.emulation import ComputeTime
 from hpcps.faults import Fault, InjectedFault
 from hpcps.flat import FlatParameters
@@ -60,14 +60,17 @@ from hpcps.transport.window import ParamWindow
 log = logging.getLogger("hpcps")
 
 
-def emulated_pass(model: torch.nn.Module, flat: FlatParameters, x: torch.Tensor, y: torch.Tensor,
-                  compute_time: ComputeTime, rng: np.random.Generator) -> tuple[float, float]:
-    """Forward and backward on one batch into the flat gradient buffer, topped up by the emulated
-    compute time (hpcps.emulation); return the loss and the seconds it all took."""
+def emulated_pass(model: torch.nn.Module, flat: FlatParameters, loss_fn: Callable, batch,
+                  compute_time: ComputeTime, rng: np.random.Generator,
+                  clip_norm: float | None = None) -> tuple[float, float]:
+    """``loss_fn(model, batch)`` and its backward into the flat gradient buffer (buffers' change
+    included, see :meth:`FlatParameters.end_pass`), topped up by the emulated compute time
+    (hpcps.emulation); return the loss and the seconds it all took."""
     t = time.perf_counter()
-    flat.zero_grad()
-    loss = F.cross_entropy(model(x), y)
+    flat.begin_pass()
+    loss = loss_fn(model, batch)
     loss.backward()
+    flat.end_pass(clip_norm)
     flat.synchronize()  # a GPU's queued work belongs to this pass's time
     pause = compute_time.sleep_after(time.perf_counter() - t, rng)
     if pause > 0.0:
@@ -82,21 +85,21 @@ class Worker:
     #: a worker that pulled after its grant would otherwise know of no newer version than its own
     peek_before_push = True
 
-    def __init__(self, *, rank: int, index: int, n_workers: int, model: torch.nn.Module,
-                 flat: FlatParameters, data: Dataset, window: ParamWindow, pusher: Pusher,
-                 notices: NoticeBox, blocks: bool, recorder, clock: Callable[[], float],
-                 steps: int, lr: float, batch_size: int, seed: int, lr_schedule: str = "none",
-                 compute_time: ComputeTime | None = None, faults: list[Fault] = (), start_step: int = 0,
-                 stall_warn: float = 60.0, stall_abort: float | None = None,
-                 backoff: Backoff | None = None) -> None:
-        self.rank, self.index, self.n_workers = rank, index, n_workers
-        self.model, self.flat, self.data = model, flat, data
+    def __init__(self, *, rank: int, model: torch.nn.Module, flat: FlatParameters, batches: BatchSource,
+                 loss: Callable, window: ParamWindow, pusher: Pusher, notices: NoticeBox, blocks: bool, recorder,
+                 clock: Callable[[], float], steps: int, lr: float, seed: int, lr_staleness: str = "none",
+                 clip_norm: float | None = None, compute_time: ComputeTime | None = None,
+                 faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
+                 stall_abort: float | None = None, backoff: Backoff | None = None) -> None:
+        self.rank = rank
+        self.model, self.flat, self.batches, self.loss = model, flat, batches, loss
+        self.clip_norm = clip_norm
         self.window, self.pusher, self.notices = window, pusher, notices
         self.blocks = blocks
         self.recorder = recorder
         self.clock = clock
-        self.steps, self.lr, self.batch_size, self.seed = steps, lr, batch_size, seed
-        self.lr_schedule = lr_schedule
+        self.steps, self.lr = steps, lr
+        self.lr_staleness = lr_staleness
         self.compute_time = compute_time or ComputeTime()
         self.faults = {f.step: f for f in faults}
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
@@ -104,8 +107,6 @@ class Worker:
         self.stall_warn, self.stall_abort = 2 * stall_warn, (2 * stall_abort if stall_abort is not None else None)
         self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
-        self.x = torch.from_numpy(data.x_train).to(flat.device)
-        self.y = torch.from_numpy(data.y_train).to(flat.device)
         n_shards = len(window.shard_ranks)
         self.grants = np.zeros(n_shards, np.int64)
         self.known = np.zeros(n_shards, np.int64)  # newest version seen, per shard
@@ -151,10 +152,10 @@ class Worker:
     def _push(self, versions: np.ndarray, row: dict, slot: int = 0, flags: int = 0) -> None:
         """Push the gradient computed on ``versions``, its learning rate scaled by known staleness."""
         self._read_notices()
-        if self.lr_schedule != "none" and self.peek_before_push:
+        if self.lr_staleness != "none" and self.peek_before_push:
             self._seen(self.window.peek(self.backoff))
         row["lr_staleness"] = int((self.known - versions).max())
-        row["lr"] = scaled_lr(self.lr_schedule, self.lr, row["lr_staleness"])
+        row["lr"] = scaled_lr(self.lr_staleness, self.lr, row["lr_staleness"])
         self.clock_count += 1
         self.pusher.start(self.clock_count, versions, row["lr"], slot, flags)
 
@@ -173,10 +174,10 @@ class Worker:
         self._read_notices()
 
     def _compute(self, step: int) -> tuple[float, float]:
-        idx = torch.from_numpy(batch_indices(len(self.y), batch_size=self.batch_size, n_workers=self.n_workers,
-                                             worker=self.index, step=step, seed=self.seed)).to(self.flat.device)
         t = time.perf_counter()
-        loss, _ = emulated_pass(self.model, self.flat, self.x[idx], self.y[idx], self.compute_time, self.rng)
+        batch = to_device(self.batches.batch(step), self.flat.device)
+        loss, _ = emulated_pass(self.model, self.flat, self.loss, batch, self.compute_time, self.rng,
+                                self.clip_norm)
         if step in self.faults:
             self._inject(self.faults[step])
         return loss, time.perf_counter() - t

@@ -62,6 +62,10 @@ class RunFile:
         for key, value in summary.items():
             group.attrs[key] = value
 
+    def set_attrs(self, **attrs: Any) -> None:
+        """Root attributes known only at the end (e.g. ``saved_model``)."""
+        self._live().attrs.update(attrs)
+
     def flush(self) -> None:
         self._live().flush()
 

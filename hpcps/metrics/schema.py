@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: workers/iterations.lag, servers/transfers
+SCHEMA_VERSION = 3  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, saved_model
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -49,6 +49,10 @@ REASONS = {0: "applied", 1: "non-finite gradient"}
 #: ``/eval``: one row per evaluation of the global parameters on the held-out set.
 EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f8")])
 
+#: ``/eval_metrics``: the named metrics of an evaluation other than loss and accuracy (a user's
+#: evaluation function may return any), one row per metric per evaluation.
+EVAL_METRIC = np.dtype([("t", "f8"), ("version", "i8"), ("name", "S32"), ("value", "f8")])
+
 #: ``/groups/updates`` (grouped paradigm): the central shards' rows, one per group update
 #: applied (``worker`` is the group server's rank, ``worker_clock`` its round); the rows of
 #: ``/servers/updates`` are then the group servers', one per worker gradient.
@@ -58,6 +62,7 @@ TABLES = {
     "groups/updates": UPDATE,
     "servers/transfers": TRANSFER,
     "eval": EVAL,
+    "eval_metrics": EVAL_METRIC,
 }
 
 ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_size",

@@ -70,6 +70,15 @@ class Policy(ABC):
         self.staleness_max = staleness if staleness_max is None else staleness_max
         self.active = set(range(n_workers))
 
+    @classmethod
+    def updates_per_step(cls, n_clients: int) -> int:
+        """Updates a shard applies while each of its ``n_clients`` pushes one gradient.
+
+        The learning-rate schedule's horizon is ``steps`` times this: every
+        gradient is an update of its own unless the paradigm averages rounds.
+        """
+        return n_clients
+
     def threshold(self, worker: int) -> int:
         """Clock-gap bound in force for ``worker`` (recorded with each update; -1: none)."""
         return -1

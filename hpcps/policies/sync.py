@@ -27,6 +27,10 @@ class BSP(Policy):
         super().__init__(n_workers)
         self.round: list[int] = []
 
+    @classmethod
+    def updates_per_step(cls, n_clients: int) -> int:
+        return 1  # one averaged update per round
+
     def threshold(self, worker: int) -> int:
         return 0
 

@@ -1,0 +1,159 @@
+"""Optimizers on the server shards, and learning-rate schedules over the server version.
+
+As MXNet's KVStore with ``update_on_kvstore``: workers push gradients, and
+each server shard runs a torch optimizer on its own slice of the flat
+parameters, keeping the optimizer state of that slice only. Every rule in
+torch.optim is elementwise given its hyper-parameters (SGD with momentum,
+weight decay and Nesterov; Adam; AdamW), so S shards stepping their slices
+make exactly the update one optimizer would make on the whole vector.
+
+One update of the shard (a closed BSP round, one asynchronous gradient, an
+hsp extra, a group's update) is one optimizer step::
+
+    lr    = base_lr x schedule(version) x weight x F
+    grad  = sum_i (f_i / (n F)) g_i          F = mean_i f_i
+
+``f_i`` is gradient i's factor: the learning rate its worker asked for (the
+staleness-aware rate, ``--lr-staleness``) over ``--lr``; ``weight`` is the
+paradigm's factor for the update (hsp's late gradients, a grouped update's
+group size). Factors therefore multiply the learning rate, so they act on
+Adam too (Adam's step does not change when its gradient is scaled); where
+the gradients of one update have different factors, each is weighted by
+its factor relative to their mean. With plain SGD this is exactly
+``master -= sum_i base_lr x schedule x weight x f_i / n x g_i``.
+
+The shard's slice is stepped in chunks of :data:`APPLY_CHUNK` values (one
+``step()`` per chunk, the others' ``.grad`` unset), with an MPI progress
+poke between chunks, so a large update never keeps the server outside MPI
+for long.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+#: float32 values updated between two progress pokes (1 MiB: fits in L2)
+APPLY_CHUNK = 1 << 18
+
+#: builds an optimizer over a list of flat float32 tensors (the shard's chunks)
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+#: learning-rate multiplier as a function of the shard's version (updates applied so far)
+Schedule = Callable[[int], float]
+
+SCHEDULES = ("constant", "step", "cosine")
+
+
+def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int | None = None,
+                  gamma: float = 0.1) -> Schedule:
+    """The multiplier of the base learning rate at server version ``v`` (pure).
+
+    ``horizon`` is the number of updates the run will apply (its last
+    version). ``warmup`` versions ramp linearly from ``1/warmup`` to 1 first.
+    Then ``constant`` stays at 1; ``step`` multiplies by ``gamma`` every
+    ``step_every`` versions (default: a third of the horizon); ``cosine``
+    decays from 1 to 0 over the versions after the warm-up, as
+    ``0.5 (1 + cos(pi t))`` with ``t`` the share of them done (1 past the horizon).
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})")
+    horizon = max(1, horizon)
+    every = step_every or max(1, horizon // 3)
+
+    def after_warmup(v: int) -> float:
+        if name == "step":
+            return gamma ** (v // every)
+        if name == "cosine":
+            t = min(1.0, (v - warmup) / max(1, horizon - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * t))
+        return 1.0
+
+    def schedule(v: int) -> float:
+        if v < warmup:
+            return (v + 1) / warmup
+        return after_warmup(v)
+
+    return schedule
+
+
+def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
+                      weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                      eps: float = 1e-8) -> OptimizerFactory:
+    """``--optimizer sgd|adam|adamw`` and its options, as a factory of torch optimizers."""
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov,
+                                              weight_decay=weight_decay)
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r} (known: sgd, adam, adamw)")
+
+
+def update_terms(factors: Sequence[float]) -> tuple[list[float], float]:
+    """Per-gradient coefficients of the combined gradient, and the factor ``F`` on the learning rate."""
+    mean = sum(factors) / len(factors)
+    return [f / (len(factors) * mean) for f in factors], mean
+
+
+class ShardOptimizer:
+    """A torch optimizer over ``params`` (one shard's slice of trainable parameters), stepped in chunks.
+
+    ``make`` receives the list of chunks (1-D float32 views of ``params``)
+    and returns the optimizer; the optimizer's own learning rates at
+    construction are the base rates that ``schedule`` and the per-update
+    factors multiply (as ``initial_lr`` in torch's schedulers).
+    """
+
+    def __init__(self, params: torch.Tensor, make: OptimizerFactory, schedule: Schedule, *,
+                 chunk: int = APPLY_CHUNK) -> None:
+        n = params.numel()
+        self.chunk = chunk
+        self.chunks = [params[lo:min(lo + chunk, n)] for lo in range(0, n, chunk)]
+        self.schedule = schedule
+        self.optimizer = make(self.chunks) if self.chunks else None
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
+                            "not a torch.optim.Optimizer")
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+        self._sum: torch.Tensor | None = None  # the combined gradient of multi-gradient updates
+
+    def step(self, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *, version: int, factor: float,
+             progress: Callable[[], object] = lambda: None) -> int:
+        """One update from ``sum(c * g)`` at learning-rate multiplier ``schedule(version) x factor``.
+
+        Returns the number of chunks stepped (= progress calls).
+        """
+        if self.optimizer is None:
+            return 0
+        scale = self.schedule(version) * factor
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * scale
+        single = len(grads) == 1 and coeffs[0] == 1.0  # step straight from the received gradient
+        if not single and self._sum is None:
+            self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32)
+        lo = 0
+        for chunk in self.chunks:
+            hi = lo + chunk.numel()
+            if single:
+                chunk.grad = grads[0][lo:hi]
+            else:
+                total = self._sum[lo:hi]
+                torch.mul(grads[0][lo:hi], coeffs[0], out=total)
+                for g, c in zip(grads[1:], coeffs[1:]):
+                    total.add_(g[lo:hi], alpha=c)
+                chunk.grad = total
+            self.optimizer.step()
+            chunk.grad = None
+            progress()
+            lo = hi
+        return len(self.chunks)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict() if self.optimizer is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is not None and state:
+            self.optimizer.load_state_dict(state)

@@ -1,0 +1,224 @@
+"""What is trained: the user's model, data, loss, evaluation and server optimizer, as one object.
+
+A :class:`Workload` is what the runtime (:mod:`hpcps.run`) trains. The
+Python API (:func:`hpcps.train`) builds one from the user's objects;
+``hpcps train`` builds one from its options (:func:`workload_from_config`),
+where ``--model``, ``--dataset`` and ``--loss`` are built-in names or
+plug-ins (``pkg.mod:name``, ``path/file.py:name``, see :mod:`hpcps.plugins`).
+
+Which rank runs what: every rank calls the model factory (right after
+``torch.manual_seed(seed)``, so initial models agree); the data are loaded
+only by workers (their batches) and rank 0 (the held-out set it evaluates
+on); the loss runs on workers, the evaluation on rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hpcps.batches import ArrayData, DataSource, FactoryData, TorchData, _is_dataset
+from hpcps.config import TrainConfig
+from hpcps.data import SPLIT_SEED, load_dataset
+from hpcps.errors import UserError
+from hpcps.models import MODELS
+from hpcps.optim import OptimizerFactory, Schedule, builtin_optimizer
+from hpcps.plugins import call_with_accepted, is_plugin, load_plugin
+
+#: ``(model, batch) -> scalar tensor``
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+#: ``(model, held-out batches) -> {"loss": ..., "accuracy": ..., other named metrics}``
+EvalFn = Callable[[torch.nn.Module, Iterable[Any]], Mapping[str, float]]
+
+
+def cross_entropy(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The default loss: cross-entropy of ``model(x)`` against integer labels ``y`` of an ``(x, y)`` batch."""
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """Mean squared error of ``model(x)`` against float targets ``y`` (shapes must match)."""
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def default_evaluate(loss: LossFn) -> EvalFn:
+    """Evaluation when the user gives none: the mean ``loss`` over the held-out samples, and for
+    ``(x, y)`` batches with integer labels the accuracy of ``model(x).argmax(1)`` (else NaN)."""
+
+    def evaluate(model: torch.nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        loss_sum, n, correct, labelled = 0.0, 0, 0, 0
+        for batch in batches:
+            classify = isinstance(batch, (tuple, list)) and len(batch) == 2 and _labels(batch[1])
+            out = model(batch[0]) if classify else None
+            value = F.cross_entropy(out, batch[1]) if loss is cross_entropy else loss(model, batch)
+            size = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
+            loss_sum, n = loss_sum + float(value) * size, n + size
+            if classify and out.ndim == 2:
+                correct += int((out.argmax(1) == batch[1]).sum())
+                labelled += size
+        return {"loss": loss_sum / n if n else math.nan,
+                "accuracy": correct / labelled if labelled else math.nan}
+
+    return evaluate
+
+
+def _labels(y: Any) -> bool:
+    return isinstance(y, torch.Tensor) and y.ndim == 1 and not y.is_floating_point()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The user's objects (see the module docstring for which rank runs what).
+
+    ``data`` loads the training and held-out data where they are needed
+    (a zero-argument callable, so ranks that need no data load none).
+    ``optimizer`` and ``lr_schedule`` override ``--optimizer`` and
+    ``--lr-schedule`` when given.
+    """
+
+    model: Callable[..., torch.nn.Module]
+    data: Callable[[], DataSource]
+    loss: LossFn = cross_entropy
+    evaluate: EvalFn | None = None
+    optimizer: OptimizerFactory | None = None
+    lr_schedule: Schedule | None = None
+    model_name: str = "model"
+
+    def build_model(self, *, seed: int, in_shape: tuple[int, ...] | None, n_classes: int | None,
+                    hidden: int) -> torch.nn.Module:
+        """The model, identical on every rank: the factory runs right after ``torch.manual_seed(seed)``.
+
+        The factory gets the keyword arguments it accepts of ``in_shape``,
+        ``n_classes`` (where the data set tells them) and ``hidden``.
+        """
+        offered: dict[str, Any] = {"hidden": hidden}
+        if in_shape is not None:
+            offered["in_shape"] = tuple(in_shape)
+        if n_classes is not None:
+            offered["n_classes"] = n_classes
+        torch.manual_seed(seed)
+        try:
+            model = call_with_accepted(self.model, **offered)
+        except UserError:
+            raise
+        except TypeError as exc:
+            raise UserError(f"--model {self.model_name}: calling it failed: {exc} "
+                            f"(offered: {', '.join(offered)})") from None
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"--model {self.model_name}: returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def evaluation(self) -> EvalFn:
+        return self.evaluate or default_evaluate(self.loss)
+
+    def optimizer_factory(self, cfg: TrainConfig) -> OptimizerFactory:
+        return self.optimizer or builtin_optimizer(cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                                                   nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+                                                   betas=cfg.betas, eps=cfg.eps)
+
+
+def data_source(train: Any, test: Any = None, *, test_fraction: float = 0.2, name: str = "dataset") -> DataSource:
+    """The user's training data as a :class:`DataSource`.
+
+    ``train`` is a map-style ``Dataset`` (sharded by hpcps), a batch factory
+    ``(index, n_workers, seed, epoch) -> iterable of batches``, or a
+    ``(train, test)`` pair. ``test`` is a Dataset, a re-iterable of batches
+    (a DataLoader), or None: then a Dataset is split as ``test_fraction``
+    says (with the same fixed split as the built-in data sets) and a batch
+    factory is not evaluated.
+    """
+    if isinstance(train, tuple) and len(train) == 2 and test is None:
+        train, test = train
+    if _is_dataset(train):
+        if test is None:
+            train, test = split(train, test_fraction)
+        return TorchData(train, test, name=name)
+    if callable(train):
+        return FactoryData(train, test, name=name)
+    raise UserError(f"{name}: expected a torch Dataset, a (train, test) pair or a batch factory, "
+                    f"got a {type(train).__name__}")
+
+
+def split(dataset: Any, test_fraction: float) -> tuple[torch.utils.data.Subset, torch.utils.data.Subset]:
+    """Hold out ``test_fraction`` of ``dataset``, always the same samples (a permutation seeded once)."""
+    n = len(dataset)
+    n_test = int(round(n * test_fraction))
+    if n_test < 1 or n - n_test < 1:
+        raise UserError(f"{n} samples are too few to hold {test_fraction:.0%} out for testing")
+    order = np.random.default_rng(SPLIT_SEED).permutation(n).tolist()
+    return torch.utils.data.Subset(dataset, order[n_test:]), torch.utils.data.Subset(dataset, order[:n_test])
+
+
+def data_shape(source: DataSource) -> tuple[tuple[int, ...] | None, int | None]:
+    """``(in_shape, n_classes)`` of a data source where they can be told (None where not)."""
+    if isinstance(source, ArrayData):
+        return source.data.in_shape, source.data.n_classes
+    if isinstance(source, TorchData):
+        sample = source.train[0]
+        x = sample[0] if isinstance(sample, (tuple, list)) else sample
+        in_shape = tuple(x.shape) if hasattr(x, "shape") else None
+        base = getattr(source.train, "dataset", source.train)  # through a Subset
+        classes = getattr(base, "n_classes", None)
+        if classes is None and hasattr(base, "classes"):
+            classes = len(base.classes)
+        return in_shape, classes
+    return None, None
+
+
+def workload_from_config(cfg: TrainConfig) -> Workload:
+    """``hpcps train``'s workload: built-in names or plug-ins for ``--model``, ``--dataset``, ``--loss``."""
+    if is_plugin(cfg.model):
+        model = load_plugin(cfg.model, "--model")
+        if not callable(model):
+            raise UserError(f"--model {cfg.model}: {type(model).__name__} is not callable (a model factory)")
+    elif cfg.model in MODELS:
+        model = MODELS[cfg.model]
+    else:
+        raise UserError(f"--model: unknown model {cfg.model!r} (known: {', '.join(sorted(MODELS))}; "
+                        f"or a plug-in, pkg.mod:name or file.py:name)")
+    if is_plugin(cfg.loss):
+        loss = load_plugin(cfg.loss, "--loss")
+        if not callable(loss):
+            raise UserError(f"--loss {cfg.loss}: {type(loss).__name__} is not callable (model, batch) -> loss")
+    elif cfg.loss in LOSSES:
+        loss = LOSSES[cfg.loss]
+    else:
+        raise UserError(f"--loss: unknown loss {cfg.loss!r} (known: {', '.join(sorted(LOSSES))}; "
+                        f"or a plug-in, pkg.mod:name or file.py:name)")
+    data = _dataset_plugin(cfg) if is_plugin(cfg.dataset) else (
+        lambda: ArrayData(load_dataset(cfg.dataset, test_fraction=cfg.test_fraction)))
+    return Workload(model=model, data=data, loss=loss, model_name=cfg.model)
+
+
+def _dataset_plugin(cfg: TrainConfig) -> Callable[[], DataSource]:
+    """``--dataset pkg.mod:name``: a Dataset, a (train, test) pair, or a callable returning either."""
+    obj = load_plugin(cfg.dataset, "--dataset")
+
+    def load() -> DataSource:
+        value = obj
+        if callable(obj) and not _is_dataset(obj):
+            try:
+                value = obj()
+            except UserError:
+                raise
+            except Exception as exc:
+                raise UserError(f"--dataset {cfg.dataset}: calling it failed: {type(exc).__name__}: {exc}") from None
+        if not (_is_dataset(value) or (isinstance(value, tuple) and len(value) == 2)):
+            raise UserError(f"--dataset {cfg.dataset}: expected a torch Dataset or a (train, test) pair of them, "
+                            f"got a {type(value).__name__}")
+        try:
+            return data_source(value, test_fraction=cfg.test_fraction, name=cfg.dataset)
+        except UserError as exc:
+            raise UserError(f"--dataset {cfg.dataset}: {exc}") from None
+
+    return load

@@ -8,11 +8,12 @@ for one that has already quit.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, TypeVar
 
 from mpi4py import MPI
 
-from hpcps.errors import UserError
+from hpcps.errors import RunAborted, UserError, print_error
 
 T = TypeVar("T")
 log = logging.getLogger("hpcps")
@@ -54,3 +55,28 @@ def _ranks(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return "ranks " + ", ".join(map(str, ranks))
+
+
+def run_or_end(comm: MPI.Comm, step: Callable[[], T], *, quiet: tuple[type[BaseException], ...] = ()) -> tuple[T | None, int]:
+    """Collective: ``(step(), 0)``, or end as an HPC user expects, never a hang or N tracebacks.
+
+    Bad input (:class:`UserError`, raised on every rank alike by the
+    start-up steps, see :func:`agree`): rank 0 prints one ``hpcps: error:``
+    line, and every rank gets ``(None, exit status 2)``. Any other failure
+    is one rank's: it prints one line naming itself (with the traceback in
+    the log, unless the error is a :class:`RunAborted` or one of ``quiet``,
+    whose message says it all) and calls ``MPI_Abort``, which ends every rank.
+    """
+    try:
+        return step(), 0
+    except UserError as exc:
+        if comm.rank == 0:
+            print_error(str(exc))
+        return None, exc.exit_code
+    except Exception as exc:
+        print_error(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank")
+        if not isinstance(exc, (RunAborted, *quiet)):
+            log.exception("rank %d failed", comm.rank)
+        time.sleep(0.5)  # let the launcher forward that line before MPI_Abort tears the job down
+        comm.Abort(1)
+        return None, 1  # MPI_Abort may return on a rank the launcher is already tearing down

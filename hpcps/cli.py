@@ -15,7 +15,7 @@ import time
 from typing import Sequence
 
 import hpcps
-from hpcps.errors import UserError
+from hpcps.errors import UserError, print_error
 
 #: environment variables in which launchers publish the rank before MPI starts
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def _user_error(exc: UserError, *, show: bool = True) -> int:
     """Print one ``hpcps: error:`` line (where ``show``) and return the exit status for bad input."""
     if show:
-        print(f"hpcps: error: {exc}", file=sys.stderr, flush=True)
+        print_error(str(exc))
     return exc.exit_code
 
 
@@ -80,14 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--staleness-max", type=int, dest="staleness_max", metavar="S_HI",
                    help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
     g = t.add_argument_group("model and data")
-    g.add_argument("--model", help="mlp or cnn (default mlp)")
+    g.add_argument("--model", metavar="NAME|PLUGIN",
+                   help="mlp or cnn (default mlp), or your model factory as pkg.mod:name or path/file.py:name "
+                        "(called with in_shape, n_classes, hidden where it takes them)")
     g.add_argument("--hidden", type=int, metavar="UNITS",
                    help="units in the model's hidden layer (default 128); large values make a big model")
-    g.add_argument("--dataset", metavar="NAME|FILE.h5", help="digits, or an HDF5 file with /x and /y (default digits)")
+    g.add_argument("--dataset", metavar="NAME|FILE.h5|PLUGIN",
+                   help="digits, an HDF5 file with /x and /y (default digits), or a plug-in pkg.mod:name or "
+                        "file.py:name: a torch Dataset, a (train, test) pair, or a function returning either")
+    g.add_argument("--loss", metavar="NAME|PLUGIN",
+                   help="cross_entropy (default) or mse on (x, y) batches, or a plug-in (model, batch) -> loss")
     g.add_argument("--steps", type=int, help="iterations per worker (default 500 unless --epochs)")
     g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")
     g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default 32)")
-    g.add_argument("--lr", type=float, help="SGD learning rate (default 0.1)")
+    g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default 0.1)")
     g.add_argument("--lr-staleness", dest="lr_staleness", metavar="{none,inverse,sqrt,exp}",
                    help="scale each gradient's learning rate by the staleness its worker knows of: lr, lr/(1+s), "
                         "lr/sqrt(1+s), lr*exp(-s) (default inverse for eager, none otherwise)")
@@ -95,6 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-accuracy", type=float, dest="target_accuracy", metavar="ACC",
                    help="stop once held-out accuracy reaches ACC (0-1)")
     g.add_argument("--test-fraction", type=float, dest="test_fraction", help="held-out fraction (default 0.2)")
+    g = t.add_argument_group("server optimizer (run by every shard on its slice)")
+    g.add_argument("--optimizer", metavar="{sgd,adam,adamw}", help="torch.optim rule (default sgd)")
+    g.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd: Nesterov momentum (default off)")
+    g.add_argument("--weight-decay", type=float, dest="weight_decay", metavar="WD",
+                   help="weight decay: L2 in the gradient for sgd and adam, decoupled for adamw (default 0)")
+    g.add_argument("--betas", metavar="B1,B2", help="adam/adamw betas (default 0.9,0.999)")
+    g.add_argument("--eps", type=float, help="adam/adamw epsilon (default 1e-8)")
+    g.add_argument("--lr-schedule", dest="lr_schedule", metavar="{constant,step,cosine}",
+                   help="learning rate over the server version (updates applied): constant (default), step "
+                        "(x --lr-gamma every --lr-step-every versions), cosine (to 0 at the last update)")
+    g.add_argument("--warmup-steps", type=int, dest="warmup_steps", metavar="VERSIONS",
+                   help="ramp the learning rate up linearly over the first VERSIONS updates (default 0)")
+    g.add_argument("--lr-step-every", type=int, dest="lr_step_every", metavar="VERSIONS",
+                   help="step schedule: decay every VERSIONS updates (default a third of the run)")
+    g.add_argument("--lr-gamma", type=float, dest="lr_gamma", metavar="GAMMA",
+                   help="step schedule: the decay factor (default 0.1)")
+    g.add_argument("--clip-norm", type=float, dest="clip_norm", metavar="NORM",
+                   help="each worker clips its gradient to this global L2 norm before pushing (default off)")
     g = t.add_argument_group("emulation and resources")
     g.add_argument("--slowdown", action="append", metavar="RANK=FACTOR",
                    help="make worker RANK's compute FACTOR times slower (repeatable)")
@@ -130,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",
                    help="evaluate the global parameters this often (default 0.1)")
+    g.add_argument("--eval-batch-size", type=int, dest="eval_batch_size", metavar="N",
+                   help="held-out samples per forward pass of an evaluation (default 256)")
+    g.add_argument("--save", metavar="FILE.pt",
+                   help="write the trained model's state_dict here at the end (default: the metrics file's "
+                        "name with .pt)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="progress bar on rank 0 when stderr is a terminal (default on)")
     t.set_defaults(func=_train)
@@ -196,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--mpi", metavar="PLUGIN", help="Slurm: srun --mpi plugin, e.g. pmi2 (MPICH) or pmix "
                                                   "(Open MPI); default: the site's MpiDefault")
     j.add_argument("--name", default="hpcps", help="job name, also in output file names (default hpcps)")
+    j.add_argument("--script", metavar="FILE.py",
+                   help="launch python FILE.py (your script calling hpcps.train) instead of hpcps train; the "
+                        "arguments after -- go to it unchanged, and HPCPS_RUN_DIR names the job's run directory")
     j.set_defaults(func=_jobs_render, train_args=[])  # the hpcps train options after --: see main()
     return parser
 
@@ -203,39 +236,32 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from hpcps.agree import agree
+    from hpcps.agree import agree, run_or_end
     from hpcps.config import make_config
-    from hpcps.errors import RunAborted
     from hpcps.faults import InjectedFault
     from hpcps.launcher import check_world
     from hpcps.log import setup_logging
     from hpcps.run import run_training
 
     comm = MPI.COMM_WORLD
-    log = setup_logging(comm.rank)
+    setup_logging(comm.rank)
     try:
         check_world(comm.size)
     except UserError as exc:
         return _user_error(exc, show=launcher_rank() == 0)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "command_line")}
-    try:
+
+    def train():
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
-        result = run_training(cfg, comm)
-    except UserError as exc:
-        return _user_error(exc, show=comm.rank == 0)
-    except Exception as exc:
-        print(f"hpcps: error: rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank",
-              file=sys.stderr, flush=True)
-        if not isinstance(exc, (RunAborted, InjectedFault)):
-            log.exception("rank %d failed", comm.rank)
-        time.sleep(0.5)  # let the launcher forward that line before MPI_Abort tears the job down
-        comm.Abort(1)
-        return 1  # MPI_Abort may return on a rank the launcher is already tearing down
-    if result is not None:
+        return cfg, run_training(cfg, comm)
+
+    out, status = run_or_end(comm, train, quiet=(InjectedFault,))
+    if out is not None and out[1] is not None:
+        cfg, result = out
         s = result.summary
         print(f"hpcps: {cfg.paradigm}: final accuracy {s['final_accuracy']:.4f}, wall {s['wall_s']:.1f} s, "
               f"{s['gradients_applied']}/{s['gradients_pushed']} gradients applied -> {result.path}", flush=True)
-    return 0
+    return status
 
 
 def _report(args: argparse.Namespace) -> int:

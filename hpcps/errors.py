@@ -1,5 +1,12 @@
 """Errors that end a run with one clear message instead of a traceback."""
 
+import sys
+
+
+def print_error(message: str) -> None:
+    """The one line a failing hpcps command or run prints: ``hpcps: error: MESSAGE``."""
+    print(f"hpcps: error: {message}", file=sys.stderr, flush=True)
+
 
 class UserError(Exception):
     """Bad input from the user (options, config, data, rank count).

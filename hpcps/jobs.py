@@ -3,13 +3,16 @@
 The templates are Jinja2 files shipped in ``hpcps/templates/``. Every script
 sets up the environment (``--setup`` lines: modules, venv activation), sets
 ``OMP_NUM_THREADS``, makes a per-job run directory named with the job id
-(``runs/<jobid>``) and launches ``hpcps train`` with the options given after
-``--``, unchanged. Without an ``--out`` among them the metrics go to
-``$RUN_DIR/metrics.h5``.
+(``runs/<jobid>``, exported as ``HPCPS_RUN_DIR``) and launches ``hpcps train``
+with the options given after ``--``, unchanged. Without an ``--out`` among
+them the metrics go to ``$RUN_DIR/metrics.h5``. With ``--script FILE.py``
+it launches ``python FILE.py`` (a script calling :func:`hpcps.train`) with
+those arguments instead; its metrics go to the run directory by default.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ class JobSpec:
     setup: list[str] = field(default_factory=list)
     mpi: str | None = None
     name: str = "hpcps"
+    script: str | None = None
     train_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -52,6 +56,8 @@ class JobSpec:
             raise UserError(f"--time {self.time!r}: expected HH:MM:SS, e.g. 02:30:00")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise UserError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-'")
+        if self.script is not None and not os.path.isfile(self.script):
+            raise UserError(f"--script {self.script}: no such file (the job runs it from the directory you submit in)")
 
 
 def lsf_minutes(hh_mm_ss: str) -> str:
@@ -70,13 +76,21 @@ def launch_args(train_args: list[str]) -> str:
     return quoted
 
 
+def launch_line(spec: JobSpec) -> str:
+    """What each rank runs: ``hpcps train OPTIONS``, or ``python SCRIPT ARGS`` (arguments unchanged)."""
+    if spec.script is None:
+        return f"hpcps train {launch_args(spec.train_args)}"
+    args = spec.train_args[1:] if spec.train_args[:1] == ["--"] else spec.train_args
+    return shlex.join(["python", spec.script, *args])
+
+
 def render(spec: JobSpec, *, command: str = "hpcps jobs render") -> str:
     """The batch script for ``spec``."""
     spec.validate()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     text = resources.files("hpcps").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
     return env.from_string(text).render(
-        **{k: v for k, v in vars(spec).items() if k != "train_args"},
-        train_args=launch_args(spec.train_args), hpcps="hpcps", lsf_time=lsf_minutes(spec.time),
+        **{k: v for k, v in vars(spec).items() if k not in ("train_args", "script")},
+        launch=launch_line(spec), lsf_time=lsf_minutes(spec.time),
         script_name=SCHEDULERS[spec.scheduler], command=command,
     )

@@ -141,6 +141,9 @@ def _data_facts(source: DataSource) -> dict[str, Any]:
 
 
 def default_out(paradigm: str) -> str:
+    """``runs/<paradigm>-<timestamp>.h5``, or ``$HPCPS_RUN_DIR/metrics.h5`` in a job of ``hpcps jobs render``."""
+    if os.environ.get("HPCPS_RUN_DIR"):
+        return os.path.join(os.environ["HPCPS_RUN_DIR"], "metrics.h5")
     return os.path.join("runs", f"{paradigm}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
 
 

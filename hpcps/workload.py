@@ -177,32 +177,43 @@ def data_shape(source: DataSource) -> tuple[tuple[int, ...] | None, int | None]:
 
 def workload_from_config(cfg: TrainConfig) -> Workload:
     """``hpcps train``'s workload: built-in names or plug-ins for ``--model``, ``--dataset``, ``--loss``."""
-    if is_plugin(cfg.model):
-        model = load_plugin(cfg.model, "--model")
-        if not callable(model):
-            raise UserError(f"--model {cfg.model}: {type(model).__name__} is not callable (a model factory)")
-    elif cfg.model in MODELS:
-        model = MODELS[cfg.model]
-    else:
-        raise UserError(f"--model: unknown model {cfg.model!r} (known: {', '.join(sorted(MODELS))}; "
-                        f"or a plug-in, pkg.mod:name or file.py:name)")
-    if is_plugin(cfg.loss):
-        loss = load_plugin(cfg.loss, "--loss")
-        if not callable(loss):
-            raise UserError(f"--loss {cfg.loss}: {type(loss).__name__} is not callable (model, batch) -> loss")
-    elif cfg.loss in LOSSES:
-        loss = LOSSES[cfg.loss]
-    else:
-        raise UserError(f"--loss: unknown loss {cfg.loss!r} (known: {', '.join(sorted(LOSSES))}; "
-                        f"or a plug-in, pkg.mod:name or file.py:name)")
-    data = _dataset_plugin(cfg) if is_plugin(cfg.dataset) else (
-        lambda: ArrayData(load_dataset(cfg.dataset, test_fraction=cfg.test_fraction)))
-    return Workload(model=model, data=data, loss=loss, model_name=cfg.model)
+    return Workload(model=resolve_model(cfg.model), data=resolve_dataset(cfg.dataset, cfg.test_fraction),
+                    loss=resolve_loss(cfg.loss), model_name=cfg.model)
 
 
-def _dataset_plugin(cfg: TrainConfig) -> Callable[[], DataSource]:
-    """``--dataset pkg.mod:name``: a Dataset, a (train, test) pair, or a callable returning either."""
-    obj = load_plugin(cfg.dataset, "--dataset")
+def resolve_model(spec: str) -> Callable[..., torch.nn.Module]:
+    """``--model``: a built-in name (:data:`hpcps.models.MODELS`) or a plug-in model factory."""
+    if is_plugin(spec):
+        return _callable_plugin(spec, "--model", "a model factory")
+    if spec in MODELS:
+        return MODELS[spec]
+    raise UserError(f"--model: unknown model {spec!r} (known: {', '.join(sorted(MODELS))}; "
+                    f"or a plug-in, pkg.mod:name or file.py:name)")
+
+
+def resolve_loss(spec: str) -> LossFn:
+    """``--loss``: a built-in name (:data:`LOSSES`) or a plug-in ``(model, batch) -> loss``."""
+    if is_plugin(spec):
+        return _callable_plugin(spec, "--loss", "a loss (model, batch) -> tensor")
+    if spec in LOSSES:
+        return LOSSES[spec]
+    raise UserError(f"--loss: unknown loss {spec!r} (known: {', '.join(sorted(LOSSES))}; "
+                    f"or a plug-in, pkg.mod:name or file.py:name)")
+
+
+def _callable_plugin(spec: str, option: str, what: str) -> Callable:
+    obj = load_plugin(spec, option)
+    if not callable(obj):
+        raise UserError(f"{option} {spec}: a {type(obj).__name__} is not callable ({what})")
+    return obj
+
+
+def resolve_dataset(spec: str, test_fraction: float) -> Callable[[], DataSource]:
+    """``--dataset``: a built-in name or HDF5 file (:func:`hpcps.data.load_dataset`), or a plug-in:
+    a Dataset, a (train, test) pair, or a callable returning either. Loaded when called."""
+    if not is_plugin(spec):
+        return lambda: ArrayData(load_dataset(spec, test_fraction=test_fraction))
+    obj = load_plugin(spec, "--dataset")
 
     def load() -> DataSource:
         value = obj
@@ -212,13 +223,13 @@ def _dataset_plugin(cfg: TrainConfig) -> Callable[[], DataSource]:
             except UserError:
                 raise
             except Exception as exc:
-                raise UserError(f"--dataset {cfg.dataset}: calling it failed: {type(exc).__name__}: {exc}") from None
+                raise UserError(f"--dataset {spec}: calling it failed: {type(exc).__name__}: {exc}") from None
         if not (_is_dataset(value) or (isinstance(value, tuple) and len(value) == 2)):
-            raise UserError(f"--dataset {cfg.dataset}: expected a torch Dataset or a (train, test) pair of them, "
+            raise UserError(f"--dataset {spec}: expected a torch Dataset or a (train, test) pair of them, "
                             f"got a {type(value).__name__}")
         try:
-            return data_source(value, test_fraction=cfg.test_fraction, name=cfg.dataset)
+            return data_source(value, test_fraction=test_fraction, name=spec)
         except UserError as exc:
-            raise UserError(f"--dataset {cfg.dataset}: {exc}") from None
+            raise UserError(f"--dataset {spec}: {exc}") from None
 
     return load

@@ -10,6 +10,7 @@ export OMP_NUM_THREADS=1
 
 RUN_DIR="$PWD/runs/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$RUN_DIR"
+export HPCPS_RUN_DIR="$RUN_DIR"  # hpcps.train() scripts write their metrics here by default
 
 mpiexec -n 5 hpcps train --paradigm bsp --out "$RUN_DIR/metrics.h5"
 echo "hpcps: run directory $RUN_DIR"

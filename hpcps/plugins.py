@@ -22,7 +22,8 @@ from hpcps.errors import UserError
 def is_plugin(spec: str) -> bool:
     """Whether ``spec`` names a plug-in (``module:name`` or ``file.py:name``) rather than a built-in."""
     module, sep, name = spec.rpartition(":")
-    return bool(sep and module and name) and not (len(module) == 1 and module.isalpha())  # not C:\\ on Windows
+    # the attribute is a dotted Python name: so a path such as C:\\data.h5 is not a plug-in
+    return bool(sep and module) and all(part.isidentifier() for part in name.split("."))
 
 
 def load_plugin(spec: str, option: str) -> Any:

@@ -62,7 +62,7 @@ def default_evaluate(loss: LossFn) -> EvalFn:
             out = model(batch[0]) if classify else None
             value = F.cross_entropy(out, batch[1]) if loss is cross_entropy else loss(model, batch)
             size = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
-            loss_sum, n = loss_sum + float(value) * size, n + size
+            loss_sum, n = loss_sum + float(value.detach()) * size, n + size
             if classify and out.ndim == 2:
                 correct += int((out.argmax(1) == batch[1]).sum())
                 labelled += size

@@ -1,5 +1,7 @@
 """Configuration: defaults, TOML + flags precedence, messages that name the option."""
 
+import re
+
 import pytest
 
 from hpcps.config import DEFAULT_STEPS, TrainConfig, make_config, steps_for
@@ -74,3 +76,19 @@ def test_start_up_errors_name_each_distinct_message_once_with_its_ranks():
     assert combine([None, "A", "B", "A"]) == "ranks 1, 3: A; rank 2: B"
     assert combine(["A", None]) == "rank 0: A"
     assert combine([f"E{i}" for i in range(6)] + [None]).count(";") == 3  # four messages at most
+
+
+def test_optimizer_options_are_validated_naming_the_option():
+    cfg = make_config({"optimizer": "adamw", "betas": "0.8,0.99", "weight_decay": 0.05})
+    assert cfg.betas == (0.8, 0.99) and cfg.lr_schedule == "constant"
+    for flags, message in [
+        ({"nesterov": True}, "--nesterov needs --optimizer sgd and a --momentum above 0"),
+        ({"optimizer": "adam", "momentum": 0.9}, "--momentum is for --optimizer sgd"),
+        ({"betas": "0.9"}, "--betas: '0.9': expected BETA1,BETA2"),
+        ({"betas": "0.9,1.5"}, "each beta must be in [0, 1)"),
+        ({"optimizer": "lion"}, "--optimizer"),
+        ({"lr_schedule": "linear"}, "--lr-schedule"),
+        ({"warmup_steps": -1}, "--warmup-steps"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            make_config(flags)

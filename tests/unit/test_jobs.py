@@ -100,3 +100,13 @@ def test_launcher_mismatch_is_detected_with_the_fix():
     check_world(4, {"SLURM_STEP_NUM_TASKS": "4"})  # wired right
     check_world(1, {"SLURM_NTASKS": "8"})  # a batch shell, not a step: nothing to say
     check_world(1, {})
+
+
+def test_a_user_script_is_launched_in_place_of_hpcps_train(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    text = render(JobSpec("slurm", script="train.py", train_args=["--", "--steps", "10", "--note", "a b"]))
+    assert "srun python train.py --steps 10 --note 'a b'\n" in text
+    assert 'export HPCPS_RUN_DIR="$RUN_DIR"' in text and "hpcps train" not in text
+    with pytest.raises(UserError, match="--script nope.py: no such file"):
+        render(JobSpec("pbs", script="nope.py"))

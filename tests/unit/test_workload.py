@@ -1,0 +1,150 @@
+"""Data sources, default loss and evaluation, buffers in the flat vector (no MPI)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hpcps.batches import ArrayData, held_out_batches
+from hpcps.data import batch_indices, load_dataset
+from hpcps.errors import UserError
+from hpcps.evaluator import Evaluator
+from hpcps.flat import FlatParameters
+from hpcps.workload import cross_entropy, data_shape, data_source, default_evaluate, mse, split
+
+
+def _tensor_dataset(n=40, d=3):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, d, generator=g), torch.arange(n) % 4)
+
+
+def test_a_dataset_is_sharded_disjointly_on_the_batch_schedule():
+    ds = _tensor_dataset()
+    source = data_source(ds, ds)
+    seen = []
+    for w in range(2):
+        batches = source.for_worker(w, 2, batch_size=5, seed=3, device=torch.device("cpu"))
+        for step in range(4):  # two epochs of 2 batches each
+            x, y = batches.batch(step)
+            idx = batch_indices(40, batch_size=5, n_workers=2, worker=w, step=step, seed=3)
+            assert torch.equal(x, ds.tensors[0][idx]) and torch.equal(y, ds.tensors[1][idx])
+            if step < 2:
+                seen.extend(idx.tolist())
+    assert len(seen) == len(set(seen)) == 20  # epoch 0: the workers' samples never overlap
+
+
+def test_without_held_out_data_a_dataset_is_split_the_fixed_way():
+    ds = _tensor_dataset(50)
+    train, test = split(ds, 0.2)
+    again_train, again_test = split(ds, 0.2)
+    assert len(test) == 10 and len(train) == 40 and test.indices == again_test.indices
+    assert not set(train.indices) & set(test.indices)
+    source = data_source(ds)
+    assert source.n_train == 40 and source.n_test == 10
+    assert data_shape(source) == ((3,), None)
+    with pytest.raises(UserError, match="too few to hold"):
+        split(_tensor_dataset(2), 0.2)
+
+
+def test_a_batch_factory_runs_epoch_after_epoch():
+    calls = []
+
+    def factory(index, n_workers, seed, epoch):
+        calls.append((index, n_workers, seed, epoch))
+        return [torch.full((2,), 10.0 * epoch + k) for k in range(3)]
+
+    source = data_source(factory)
+    assert source.n_train is None and source.test_batches(8) is None
+    batches = source.for_worker(1, 4, batch_size=2, seed=7, device=torch.device("cpu"))
+    got = [float(batches.batch(step)[0]) for step in range(7)]
+    assert got == [0, 1, 2, 10, 11, 12, 20] and calls == [(1, 4, 7, 0), (1, 4, 7, 1), (1, 4, 7, 2)]
+    with pytest.raises(UserError, match="expected a torch Dataset"):
+        data_source(42)
+
+
+def test_default_evaluation_is_the_mean_loss_and_the_accuracy():
+    model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(2))
+    x = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]])
+    y = torch.tensor([0, 0, 0])
+    batches = held_out_batches(torch.utils.data.TensorDataset(x, y), 2)  # batches of 2 and 1
+    assert len(batches) == 2
+    with torch.no_grad():  # as the evaluator calls it
+        out = default_evaluate(cross_entropy)(model, batches)
+        want = float(nn.functional.cross_entropy(model(x), y))
+    assert out["loss"] == pytest.approx(want) and out["accuracy"] == pytest.approx(2 / 3)
+    regression = default_evaluate(mse)(model, [(x, x)])
+    assert regression["loss"] == 0.0 and math.isnan(regression["accuracy"])
+
+
+class _Rows:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, table, row):
+        self.rows.append((table, row))
+
+
+def test_a_dropout_models_evaluation_is_deterministic_and_leaves_no_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.BatchNorm1d(64), nn.Linear(64, 10))
+    flat = FlatParameters(model)
+    data = load_dataset("digits")
+    data = type(data)(data.name, data.x_train.reshape(-1, 64), data.y_train, data.x_test.reshape(-1, 64),
+                      data.y_test, data.n_classes)
+    params = flat.params.copy()
+    rows = _Rows()
+
+    def pull(out):
+        np.copyto(out, params)
+        return np.array([3]), False
+
+    ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
+                   evaluate=default_evaluate(cross_entropy), pull=pull, recorder=rows, clock=lambda: 1.0,
+                   interval=0.1)
+    model.train()
+    first, second = ev.evaluate(), ev.evaluate()
+    assert first == second and rows.rows[0][1] == rows.rows[1][1]
+    assert not model.training  # evaluation runs in eval mode
+    assert np.array_equal(flat.params, params)  # BatchNorm statistics untouched by evaluation
+    with torch.no_grad():
+        model.eval()
+        direct = float((model(torch.from_numpy(data.x_test)).argmax(1) == torch.from_numpy(data.y_test))
+                       .double().mean())
+    assert first == direct
+
+
+def test_buffers_follow_the_parameters_and_a_pass_records_their_change():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    flat = FlatParameters(model)
+    assert flat.n_params == 3 * 4 + 4 + 4 + 4 + 4 * 2 + 2 and flat.size == flat.n_params + 8
+    bn = model[1]
+    assert bn.running_mean.data_ptr() == flat.params_t[flat.n_params:].data_ptr()  # a view, no copy
+    before = flat.params[flat.n_params:].copy()
+    flat.begin_pass()
+    x = torch.randn(16, 3)
+    model(x).pow(2).sum().backward()
+    flat.end_pass()
+    after = flat.params[flat.n_params:]
+    assert np.allclose(flat.grads[flat.n_params:], after - before) and np.abs(after - before).max() > 0
+    with torch.no_grad():
+        h = model[0](x)
+    assert np.allclose(after[:4], 0.9 * before[:4] + 0.1 * h.mean(0).numpy(), atol=1e-6)  # momentum 0.1
+
+
+def test_clip_norm_scales_the_gradient_as_clip_grad_norm_does():
+    torch.manual_seed(1)
+    a, b = nn.Linear(5, 3), nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    flat = FlatParameters(a)
+    x = torch.randn(8, 5) * 10
+    flat.begin_pass()
+    a(x).pow(2).sum().backward()
+    flat.end_pass(clip_norm=0.5)
+    b(x).pow(2).sum().backward()
+    nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+    assert torch.allclose(a.weight.grad, b.weight.grad) and torch.allclose(a.bias.grad, b.bias.grad)
+    assert float(flat.grads_t.norm()) == pytest.approx(0.5, rel=1e-4)

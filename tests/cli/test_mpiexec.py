@@ -7,6 +7,7 @@ fails; nothing here can hang the suite.
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import pytest
@@ -15,6 +16,8 @@ from hpcps.launcher import clean_environ
 from launching import launch, needs_mpiexec
 
 pytestmark = needs_mpiexec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def hpcps(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -49,6 +52,13 @@ def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     (["--fault", "nan@0:3"], "--fault nan@0:3: rank 0 is not a worker"),
     (["--paradigm", "grouped"], "--paradigm grouped needs --groups G"),
     (["--paradigm", "grouped", "--groups", "many"], "--groups: Input should be a valid integer"),
+    (["--model", "nosuch/net.py:net"], "--model nosuch/net.py: no such file"),
+    (["--model", f"{EXAMPLES}/cnn_plugin.py:missing"], "cnn_plugin.py has no attribute 'missing'"),
+    (["--model", "builtins:dict"], "--model builtins:dict: returned a dict, not a torch.nn.Module"),
+    (["--dataset", "hpcps_nosuch_pkg.data:load"], "--dataset hpcps_nosuch_pkg.data: no module named 'hpcps_nosuch_pkg'"),
+    (["--dataset", f"{EXAMPLES}/cnn_plugin.py:cnn"], "cnn_plugin.py:cnn: calling it failed: TypeError"),
+    (["--loss", "l1"], "--loss: unknown loss 'l1'"),
+    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum is for --optimizer sgd"),
 ])
 def test_bad_input_ends_every_rank_with_one_clear_line(tmp_path, args, message):
     proc = hpcps(3, "train", "--out", str(tmp_path / "x.h5"), *args, timeout=120)

@@ -28,3 +28,15 @@ def test_every_train_option_is_documented():
 @pytest.mark.parametrize("path", sorted((ROOT / "jobs" / "examples").glob("*.toml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(path):
     make_config({}, config_file=str(path))
+
+
+def test_the_readme_shows_the_example_script_verbatim():
+    """The "Train your own model" script is examples/train_script.py, which the tests run."""
+    script = (ROOT / "examples" / "train_script.py").read_text()
+    assert f"```python\n{script}```" in README
+
+
+def test_every_example_is_run_by_the_tests():
+    tests = (ROOT / "tests" / "cli" / "test_examples.py").read_text()
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        assert path.name in tests, f"no test runs examples/{path.name}"

@@ -1,0 +1,105 @@
+"""Every script and plug-in in examples/ runs, at a small size, as the user would launch it (mpiexec)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from launching import launch, needs_mpiexec
+
+pytestmark = [needs_mpiexec, pytest.mark.slow]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_script_trains_a_batchnorm_model_with_adamw_and_cosine_and_its_saved_model_loads_in_plain_torch(tmp_path):
+    out = tmp_path / "runs" / "script.h5"
+    proc = launch(5, sys.executable, str(EXAMPLES / "train_script.py"), "--steps", "80", "--out", str(out),
+                  timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    example = _module("train_script")
+    net = example.Net()
+    net.load_state_dict(torch.load(out.with_suffix(".pt")))  # no hpcps import needed to load it
+    net.eval()
+    _, test = example.digits()
+    x, y = test.tensors
+    with torch.no_grad():
+        accuracy = float((net(x).argmax(1) == y).double().mean())
+    with h5py.File(out) as f:
+        config = json.loads(f.attrs["config"])
+        final = f["summary"].attrs["final_accuracy"]
+        assert f.attrs["saved_model"] == str(out.with_suffix(".pt"))
+        assert f["summary"].attrs["gradients_pushed"] == 4 * 80
+    assert (config["paradigm"], config["optimizer"], config["lr_schedule"]) == ("dssp", "adamw", "cosine")
+    assert accuracy == final  # the run's reported accuracy is the saved model's, computed in plain torch
+    assert final > 0.7
+    assert float(net.features[1].running_var.sub(1).abs().max()) > 1e-3  # the servers' BatchNorm statistics
+    assert f"final accuracy {final:.4f}" in proc.stdout
+
+
+def test_the_regression_example_loss_falls(tmp_path):
+    out = tmp_path / "reg.h5"
+    proc = launch(5, sys.executable, str(EXAMPLES / "regression.py"), "--steps", "200", "--out", str(out),
+                  timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    with h5py.File(out) as f:
+        loss = f["eval"]["loss"]
+        names = set(f["eval_metrics"]["name"].tolist())
+        pushed = f["summary"].attrs["gradients_pushed"]
+    assert pushed == 4 * 200 and names == {b"mae"}
+    assert loss[-1] < 0.5 * loss[0], loss  # float targets, an MSE loss: it learns
+
+
+def test_the_cnn_plugin_trains_on_an_hdf5_file_with_momentum_weight_decay_and_warmup(tmp_path):
+    data = tmp_path / "digits.h5"
+    _module("cnn_plugin").write_digits(str(data))
+    out = tmp_path / "cnn.h5"
+    proc = launch(5, sys.executable, "-m", "hpcps", "train", "--dataset", str(data),
+                  "--model", f"{EXAMPLES / 'cnn_plugin.py'}:cnn", "--optimizer", "sgd", "--momentum", "0.9",
+                  "--weight-decay", "5e-4", "--lr-schedule", "cosine", "--warmup-steps", "50", "--lr", "0.05",
+                  "--steps", "150", "--out", str(out), timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    with h5py.File(out) as f:
+        assert f["summary"].attrs["final_accuracy"] > 0.8
+    state = torch.load(out.with_suffix(".pt"))  # saved beside the metrics by default
+    assert "4.running_var" in state and "10.weight" in state  # BatchNorm statistics and the head
+
+
+def test_the_mnist1d_plugins_train_the_papers_cnn(tmp_path):
+    pytest.importorskip("mnist1d", reason="the MNIST-1D example needs the mnist1d package (pip install mnist1d)")
+    out = tmp_path / "m1d.h5"
+    plugin = EXAMPLES / "mnist1d_plugin.py"
+    proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "bsp", "--dataset", f"{plugin}:load",
+                  "--model", f"{plugin}:cnn1d", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05",
+                  "--steps", "150", "--out", str(out), timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    with h5py.File(out) as f:
+        assert f["summary"].attrs["gradients_applied"] == 4 * 150
+        assert f["summary"].attrs["final_accuracy"] > 0.3  # 10 classes; the paper's CNN reaches ~94% in longer runs
+    assert "(4000 train / 1000 test)" in proc.stderr
+
+
+def test_the_api_ends_every_rank_with_one_line_on_bad_input(tmp_path):
+    proc = launch(3, sys.executable, "-c", "import hpcps, torch\n"
+                  "hpcps.train(model=lambda: torch.nn.Linear(64, 10), data='digits', paradigm='ssq', steps=5)",
+                  timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == ["hpcps: error: --paradigm: unknown paradigm 'ssq' (known: asp, bsp, dssp, eager, grouped, hsp, "
+                      "ssp)"], proc.stderr

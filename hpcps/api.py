@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hpcps.batches import BatchFactory
 from hpcps.optim import OptimizerFactory, Schedule
 from hpcps.run import RunResult
 from hpcps.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
@@ -123,4 +122,4 @@ def _describe(obj: Any) -> str:
     return f"<{type(obj).__name__}>"
 
 
-__all__ = ["train", "RunResult", "BatchFactory"]
+__all__ = ["train", "RunResult"]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from hpcps.data import Dataset, batch_indices, batches_per_epoch
+from hpcps.data import Dataset, batch_indices
 
 BatchFactory = Callable[[int, int, int, int], Iterable[Any]]
 
@@ -114,7 +114,7 @@ class TorchData:
     def __init__(self, train: torch.utils.data.Dataset, test: Any = None, *, name: str = "dataset") -> None:
         self.train, self.test, self.name = train, test, name
         self.n_train = len(train)
-        self.n_test = len(test) if test is not None and _is_dataset(test) else None
+        self.n_test = _size(test)
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
                    device: torch.device) -> BatchSource:
@@ -132,7 +132,7 @@ class FactoryData:
     def __init__(self, factory: BatchFactory, test: Any = None, *, name: str = "batches") -> None:
         self.factory, self.test, self.name = factory, test, name
         self.n_train = None
-        self.n_test = len(test) if test is not None and _is_dataset(test) else None
+        self.n_test = _size(test)
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
                    device: torch.device) -> BatchSource:
@@ -196,14 +196,12 @@ def held_out_batches(test: Any, batch_size: int) -> Iterable[Any] | None:
     return _Slices(len(test), batch_size, lambda lo, hi: default_collate([test[i] for i in range(lo, hi)]))
 
 
+def _size(test: Any) -> int | None:
+    """Samples in a held-out Dataset (None for batches or nothing: not known in advance)."""
+    return len(test) if test is not None and _is_dataset(test) else None
+
+
 def _is_dataset(obj: Any) -> bool:
     """A map-style dataset: indexable and sized (a torch Dataset, or anything shaped like one)."""
     return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
                                                          and not isinstance(obj, (list, tuple)))
-
-
-def per_epoch_batches(source: DataSource, *, batch_size: int, n_workers: int) -> int | None:
-    """Batches each worker takes from one epoch (None for a batch factory: epochs are the factory's)."""
-    if source.n_train is None:
-        return None
-    return batches_per_epoch(source.n_train, batch_size=batch_size, n_workers=n_workers)

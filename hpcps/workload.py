@@ -183,25 +183,20 @@ def workload_from_config(cfg: TrainConfig) -> Workload:
 
 def resolve_model(spec: str) -> Callable[..., torch.nn.Module]:
     """``--model``: a built-in name (:data:`hpcps.models.MODELS`) or a plug-in model factory."""
-    if is_plugin(spec):
-        return _callable_plugin(spec, "--model", "a model factory")
-    if spec in MODELS:
-        return MODELS[spec]
-    raise UserError(f"--model: unknown model {spec!r} (known: {', '.join(sorted(MODELS))}; "
-                    f"or a plug-in, pkg.mod:name or file.py:name)")
+    return _builtin_or_plugin(spec, "--model", MODELS, "model", "a model factory")
 
 
 def resolve_loss(spec: str) -> LossFn:
     """``--loss``: a built-in name (:data:`LOSSES`) or a plug-in ``(model, batch) -> loss``."""
-    if is_plugin(spec):
-        return _callable_plugin(spec, "--loss", "a loss (model, batch) -> tensor")
-    if spec in LOSSES:
-        return LOSSES[spec]
-    raise UserError(f"--loss: unknown loss {spec!r} (known: {', '.join(sorted(LOSSES))}; "
-                    f"or a plug-in, pkg.mod:name or file.py:name)")
+    return _builtin_or_plugin(spec, "--loss", LOSSES, "loss", "a loss (model, batch) -> tensor")
 
 
-def _callable_plugin(spec: str, option: str, what: str) -> Callable:
+def _builtin_or_plugin(spec: str, option: str, builtins: Mapping[str, Callable], noun: str, what: str) -> Callable:
+    if not is_plugin(spec):
+        if spec in builtins:
+            return builtins[spec]
+        raise UserError(f"{option}: unknown {noun} {spec!r} (known: {', '.join(sorted(builtins))}; "
+                        f"or a plug-in, pkg.mod:name or file.py:name)")
     obj = load_plugin(spec, option)
     if not callable(obj):
         raise UserError(f"{option} {spec}: a {type(obj).__name__} is not callable ({what})")

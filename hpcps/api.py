@@ -93,18 +93,20 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
         if value is not None and not isinstance(value, str):
             flags[key] = _describe(value)  # how the run's config records the user's object
 
-    def run() -> RunResult | None:
-        cfg = agree(comm, lambda: make_config(flags, config_file=config))
-        workload = agree(comm, lambda: Workload(
-            model=resolve_model(model) if isinstance(model, str) else model,
-            data=(resolve_dataset(data, cfg.test_fraction) if isinstance(data, str)
-                  else lambda: data_source(data, test_data, test_fraction=cfg.test_fraction, name=cfg.dataset)),
-            loss=resolve_loss(cfg.loss) if loss is None or isinstance(loss, str) else loss,
-            evaluate=evaluate,
+    def workload(cfg) -> Workload:
+        """The user's objects, names and plug-ins resolved (on every rank: plug-ins may fail anywhere)."""
+        load, prepare = resolve_dataset(data, cfg.test_fraction) if isinstance(data, str) else (
+            lambda: data_source(data, test_data, test_fraction=cfg.test_fraction, name=cfg.dataset), None)
+        return Workload(
+            model=resolve_model(model) if isinstance(model, str) else model, data=load, prepare=prepare,
+            loss=resolve_loss(cfg.loss) if loss is None or isinstance(loss, str) else loss, evaluate=evaluate,
             optimizer=None if optimizer is None or isinstance(optimizer, str) else optimizer,
             lr_schedule=None if lr_schedule is None or isinstance(lr_schedule, str) else lr_schedule,
-            model_name=cfg.model))
-        return run_training(cfg, comm, workload)
+            model_name=cfg.model)
+
+    def run() -> RunResult | None:
+        cfg = agree(comm, lambda: make_config(flags, config_file=config))
+        return run_training(cfg, comm, agree(comm, lambda: workload(cfg)))
 
     if not exit_on_error:
         return run()

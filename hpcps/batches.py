@@ -44,9 +44,12 @@ class DataSource(Protocol):
     n_train: int | None
     n_test: int | None
 
+    #: what the data are, recorded as the run's ``dataset_kind``: builtin, hdf5, synthetic, dataset, factory
+    kind: str
+
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device) -> BatchSource:
-        """The batches of worker ``index`` of ``n_workers``."""
+                   device: torch.device, steps: int | None = None) -> BatchSource:
+        """The batches of worker ``index`` of ``n_workers`` (who will ask for ``steps`` of them)."""
 
     def test_batches(self, batch_size: int) -> Iterable[Any] | None:
         """The held-out batches (re-iterable), or None when there is nothing to evaluate on."""
@@ -83,13 +86,16 @@ class _Slices:
 class ArrayData:
     """Built-in data sets: training arrays indexed on the worker's device."""
 
+    kind = "builtin"
+
     def __init__(self, data: Dataset) -> None:
         self.data = data
         self.name = data.name
         self.n_train, self.n_test = len(data.y_train), len(data.y_test)
+        self.in_shape, self.n_classes = data.in_shape, data.n_classes
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device) -> BatchSource:
+                   device: torch.device, steps: int | None = None) -> BatchSource:
         return _IndexedBatches(self.n_train, index, n_workers, batch_size, seed, _ArrayTake(self.data, device))
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
@@ -111,13 +117,15 @@ class _ArrayTake:
 class TorchData:
     """A user's torch ``Dataset`` (and held-out set: a Dataset, an iterable of batches, or None)."""
 
+    kind = "dataset"
+
     def __init__(self, train: torch.utils.data.Dataset, test: Any = None, *, name: str = "dataset") -> None:
         self.train, self.test, self.name = train, test, name
         self.n_train = len(train)
         self.n_test = _size(test)
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device) -> BatchSource:
+                   device: torch.device, steps: int | None = None) -> BatchSource:
         def take(idx: np.ndarray) -> Any:
             return default_collate([self.train[int(i)] for i in idx])
         return _IndexedBatches(self.n_train, index, n_workers, batch_size, seed, take)
@@ -129,13 +137,15 @@ class TorchData:
 class FactoryData:
     """A user's batch factory ``(index, n_workers, seed, epoch) -> iterable of batches``."""
 
+    kind = "factory"
+
     def __init__(self, factory: BatchFactory, test: Any = None, *, name: str = "batches") -> None:
         self.factory, self.test, self.name = factory, test, name
         self.n_train = None
         self.n_test = _size(test)
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device) -> BatchSource:
+                   device: torch.device, steps: int | None = None) -> BatchSource:
         return _FactoryBatches(self.factory, index, n_workers, seed)
 
     def test_batches(self, batch_size: int) -> Iterable[Any] | None:

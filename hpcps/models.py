@@ -1,4 +1,10 @@
-"""Models by name (``--model``): small networks for the bundled data sets."""
+"""Models by name (``--model``): small networks for the bundled data sets, the 1-D CNN of the
+MNIST-1D paper, CIFAR-style ResNets, and torchvision's models (``torchvision:NAME``) where
+torchvision imports.
+
+Every factory takes ``in_shape`` (one sample's shape), ``n_classes`` and
+``hidden``, as plug-in factories may (:mod:`hpcps.workload`).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +36,108 @@ def cnn(in_shape: tuple[int, ...], n_classes: int, hidden: int = 128) -> nn.Modu
     )
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn}
+def cnn1d(in_shape: tuple[int, ...], n_classes: int, hidden: int = 128, channels: int = 25) -> nn.Module:
+    """The MNIST-1D paper's CNN (Greydanus 2020): three strided 1-D convolutions of 25 channels and a
+    linear layer, for (channels, length) inputs (about 5k parameters on MNIST-1D; ``hidden`` unused)."""
+    if len(in_shape) != 2:
+        raise UserError(f"--model cnn1d needs inputs of shape (channels, length); the data set's are {in_shape}")
+    length = in_shape[1]
+    for kernel in (5, 3, 3):  # stride 2, padding 1
+        length = (length + 2 - kernel) // 2 + 1
+    if length < 1:
+        raise UserError(f"--model cnn1d needs signals of at least 8 samples; the data set's have {in_shape[1]}")
+    return nn.Sequential(
+        nn.Conv1d(in_shape[0], channels, 5, stride=2, padding=1), nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(channels * length, n_classes),
+    )
+
+
+class _Basic(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, and the shortcut."""
+
+    expansion = 1
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width))
+        self.shortcut = _shortcut(c_in, width, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class _Bottleneck(nn.Module):
+    """ResNet's bottleneck block: 1x1, 3x3, 1x1 convolutions with BatchNorm, widened 4x, and the shortcut."""
+
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        out = width * self.expansion
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out))
+        self.shortcut = _shortcut(c_in, out, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def _shortcut(c_in: int, c_out: int, stride: int) -> nn.Module:
+    if stride == 1 and c_in == c_out:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+
+def _resnet(block: type[nn.Module], depths: tuple[int, ...], name: str):
+    def factory(in_shape: tuple[int, ...], n_classes: int, hidden: int = 128) -> nn.Module:
+        """CIFAR-style: a 3x3 stem without max-pooling, four stages of 64-512 channels, global pooling."""
+        if len(in_shape) != 3:
+            raise UserError(f"--model {name} needs inputs of shape (channels, height, width); "
+                            f"the data set's are {in_shape}")
+        layers: list[nn.Module] = [nn.Conv2d(in_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
+                                   nn.ReLU(inplace=True)]
+        c_in = 64
+        for stage, depth in enumerate(depths):
+            width = 64 * 2 ** stage
+            for i in range(depth):
+                layers.append(block(c_in, width, 2 if stage > 0 and i == 0 else 1))
+                c_in = width * block.expansion
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, n_classes)]
+        return nn.Sequential(*layers)
+
+    factory.__name__ = factory.__qualname__ = name
+    return factory
+
+
+resnet18 = _resnet(_Basic, (2, 2, 2, 2), "resnet18")
+resnet50 = _resnet(_Bottleneck, (3, 4, 6, 3), "resnet50")
+
+
+def torchvision_model(name: str) -> Callable[..., nn.Module]:
+    """``--model torchvision:NAME``: ``torchvision.models.get_model(NAME, num_classes=n_classes)``."""
+    try:
+        import torchvision
+    except Exception as exc:  # not installed, or (as a CUDA wheel against a CPU torch) broken
+        raise UserError(f"--model torchvision:{name}: torchvision does not import here "
+                        f"({type(exc).__name__}: {exc}); install a torchvision built for this torch, "
+                        f"or use --model resnet18/resnet50") from None
+    if name not in torchvision.models.list_models():
+        raise UserError(f"--model torchvision:{name}: torchvision has no model {name!r}")
+
+    def factory(in_shape: tuple[int, ...], n_classes: int) -> nn.Module:
+        return torchvision.models.get_model(name, num_classes=n_classes)
+
+    return factory
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "cnn1d": cnn1d,
+                                               "resnet18": resnet18, "resnet50": resnet50}
 
 
 def build_model(name: str, in_shape: tuple[int, ...], n_classes: int, *, seed: int, hidden: int = 128) -> nn.Module:

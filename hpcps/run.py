@@ -22,6 +22,8 @@ import datetime
 import json
 import logging
 import os
+import resource
+import socket
 import sys
 import time
 from collections import Counter
@@ -51,7 +53,7 @@ from hpcps.layout import Layout, Role, shard_bounds
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
-from hpcps.metrics.schema import summarize
+from hpcps.metrics.schema import RANK, summarize
 from hpcps.optim import ShardOptimizer, make_schedule
 from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
@@ -136,7 +138,7 @@ def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | N
 def _data_facts(source: DataSource) -> dict[str, Any]:
     """What every rank needs to know of the data, which only some ranks load."""
     in_shape, n_classes = data_shape(source)
-    return {"name": source.name, "n_train": source.n_train, "n_test": source.n_test,
+    return {"name": source.name, "kind": source.kind, "n_train": source.n_train, "n_test": source.n_test,
             "in_shape": in_shape, "n_classes": n_classes}
 
 
@@ -155,6 +157,8 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
     setup_logging(comm.rank, layout.role(comm.rank).value)
     if workload is None:
         workload = agree(comm, lambda: workload_from_config(cfg))
+    if workload.prepare is not None:  # once, on rank 0, before anyone loads (agree: everyone waits)
+        agree(comm, lambda: workload.prepare() if comm.rank == 0 else None)
     loads_data = comm.rank == 0 or layout.role(comm.rank) is Role.WORKER  # workers train, rank 0 evaluates
     source = agree(comm, lambda: workload.data() if loads_data else None)
     facts = comm.bcast(agree(comm, lambda: _data_facts(source) if comm.rank == 0 else None), root=0)
@@ -171,7 +175,7 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
     batches = None
     if layout.role(comm.rank) is Role.WORKER:
         batches = source.for_worker(layout.worker_index(comm.rank), layout.n_workers, batch_size=cfg.batch_size,
-                                    seed=cfg.seed, device=flat.device)
+                                    seed=cfg.seed, device=flat.device, steps=steps)
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     with Topology(comm, layout) as topo:
@@ -285,10 +289,17 @@ class _Run:
         wall_s = self.clock()
         recorder.close(self.backoff)
         polite_barrier(comm, self.backoff)
+        ranks = comm.gather(self._resources(), root=0)  # after the barrier: nobody waits long
         window.free()
         if group_window is not None:
             group_window.free()
-        return self._finish(runfile, wall_s, path) if comm.rank == 0 else None
+        return self._finish(runfile, wall_s, path, ranks) if comm.rank == 0 else None
+
+    def _resources(self) -> tuple:
+        """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set."""
+        read = getattr(self.source, "samples_read", -1) if self.source is not None else 0
+        return (self.topo.rank, self.topo.role.value.encode(), socket.gethostname().encode()[:64],
+                peak_rss_bytes(), read)
 
     def _save_path(self, path: str) -> str:
         """``--save``, or the metrics file's name with ``.pt``."""
@@ -318,6 +329,7 @@ class _Run:
                 "start_version": self.ckpt.version if self.ckpt else 0,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "devices": json.dumps(self.devices),
+                "dataset_kind": self.facts["kind"],
                 "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             })
         except OSError as exc:
@@ -461,7 +473,8 @@ class _Run:
 
         return on_published
 
-    def _finish(self, runfile: RunFile, wall_s: float, path: str) -> RunResult:
+    def _finish(self, runfile: RunFile, wall_s: float, path: str, ranks: list[tuple]) -> RunResult:
+        runfile.append("ranks", np.array(ranks, dtype=RANK))
         summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.target_accuracy)
         runfile.write_summary(summary)
@@ -474,6 +487,12 @@ class _Run:
                  summary["gradients_pushed"], runfile.path, f", model in {saved}" if saved else "")
         return RunResult(runfile.path, summary, self.steps, self.flat.params.copy(), self.model.cpu(), state,
                          self.final_metrics, saved)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports kilobytes, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def save_model(state: dict[str, torch.Tensor], path: str) -> str | None:

@@ -22,11 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hpcps.batches import ArrayData, DataSource, FactoryData, TorchData, _is_dataset
+from hpcps.batches import DataSource, FactoryData, TorchData, _is_dataset
 from hpcps.config import TrainConfig
-from hpcps.data import SPLIT_SEED, load_dataset
+from hpcps.data import SPLIT_SEED
+from hpcps.datasets import builtin_dataset, is_builtin_name
 from hpcps.errors import UserError
-from hpcps.models import MODELS
+from hpcps.models import MODELS, torchvision_model
 from hpcps.optim import OptimizerFactory, Schedule, builtin_optimizer
 from hpcps.plugins import call_with_accepted, is_plugin, load_plugin
 
@@ -83,7 +84,8 @@ class Workload:
     ``data`` loads the training and held-out data where they are needed
     (a zero-argument callable, so ranks that need no data load none).
     ``optimizer`` and ``lr_schedule`` override ``--optimizer`` and
-    ``--lr-schedule`` when given.
+    ``--lr-schedule`` when given. ``prepare``, if given, runs on rank 0
+    before any rank loads data (e.g. generating a cache file once).
     """
 
     model: Callable[..., torch.nn.Module]
@@ -93,6 +95,7 @@ class Workload:
     optimizer: OptimizerFactory | None = None
     lr_schedule: Schedule | None = None
     model_name: str = "model"
+    prepare: Callable[[], object] | None = None
 
     def build_model(self, *, seed: int, in_shape: tuple[int, ...] | None, n_classes: int | None,
                     hidden: int) -> torch.nn.Module:
@@ -161,8 +164,6 @@ def split(dataset: Any, test_fraction: float) -> tuple[torch.utils.data.Subset, 
 
 def data_shape(source: DataSource) -> tuple[tuple[int, ...] | None, int | None]:
     """``(in_shape, n_classes)`` of a data source where they can be told (None where not)."""
-    if isinstance(source, ArrayData):
-        return source.data.in_shape, source.data.n_classes
     if isinstance(source, TorchData):
         sample = source.train[0]
         x = sample[0] if isinstance(sample, (tuple, list)) else sample
@@ -172,17 +173,21 @@ def data_shape(source: DataSource) -> tuple[tuple[int, ...] | None, int | None]:
         if classes is None and hasattr(base, "classes"):
             classes = len(base.classes)
         return in_shape, classes
-    return None, None
+    return getattr(source, "in_shape", None), getattr(source, "n_classes", None)
 
 
 def workload_from_config(cfg: TrainConfig) -> Workload:
     """``hpcps train``'s workload: built-in names or plug-ins for ``--model``, ``--dataset``, ``--loss``."""
-    return Workload(model=resolve_model(cfg.model), data=resolve_dataset(cfg.dataset, cfg.test_fraction),
-                    loss=resolve_loss(cfg.loss), model_name=cfg.model)
+    load, prepare = resolve_dataset(cfg.dataset, cfg.test_fraction)
+    return Workload(model=resolve_model(cfg.model), data=load, prepare=prepare, loss=resolve_loss(cfg.loss),
+                    model_name=cfg.model)
 
 
 def resolve_model(spec: str) -> Callable[..., torch.nn.Module]:
-    """``--model``: a built-in name (:data:`hpcps.models.MODELS`) or a plug-in model factory."""
+    """``--model``: a built-in name (:data:`hpcps.models.MODELS`), ``torchvision:NAME``, or a plug-in
+    model factory."""
+    if spec.startswith("torchvision:"):
+        return torchvision_model(spec.partition(":")[2])
     return _builtin_or_plugin(spec, "--model", MODELS, "model", "a model factory")
 
 
@@ -203,11 +208,12 @@ def _builtin_or_plugin(spec: str, option: str, builtins: Mapping[str, Callable],
     return obj
 
 
-def resolve_dataset(spec: str, test_fraction: float) -> Callable[[], DataSource]:
-    """``--dataset``: a built-in name or HDF5 file (:func:`hpcps.data.load_dataset`), or a plug-in:
-    a Dataset, a (train, test) pair, or a callable returning either. Loaded when called."""
-    if not is_plugin(spec):
-        return lambda: ArrayData(load_dataset(spec, test_fraction=test_fraction))
+def resolve_dataset(spec: str, test_fraction: float) -> tuple[Callable[[], DataSource], Callable[[], object] | None]:
+    """``--dataset``: ``(load, prepare)`` of a built-in name or HDF5 file (:mod:`hpcps.datasets`), or of
+    a plug-in: a Dataset, a (train, test) pair, or a callable returning either. ``load`` builds the
+    data source where it is called; ``prepare`` (or None) runs once, on rank 0, before any load."""
+    if is_builtin_name(spec) or not is_plugin(spec):
+        return builtin_dataset(spec, test_fraction)
     obj = load_plugin(spec, "--dataset")
 
     def load() -> DataSource:
@@ -227,4 +233,4 @@ def resolve_dataset(spec: str, test_fraction: float) -> Callable[[], DataSource]
         except UserError as exc:
             raise UserError(f"--dataset {spec}: {exc}") from None
 
-    return load
+    return load, None

@@ -1,4 +1,4 @@
-"""HDF5 metrics schema, version 2 (pure numpy; no MPI, no h5py).
+"""HDF5 metrics schema, version 3 (pure numpy; no MPI, no h5py).
 
 Times are seconds since the run's common start (taken after a barrier).
 Ranks are ranks of the run's communicator (``COMM_WORLD`` for the CLI).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 3  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, saved_model
+SCHEMA_VERSION = 3  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -53,6 +53,12 @@ EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f
 #: evaluation function may return any), one row per metric per evaluation.
 EVAL_METRIC = np.dtype([("t", "f8"), ("version", "i8"), ("name", "S32"), ("value", "f8")])
 
+#: ``/ranks``: one row per rank, written at the end of the run: its role (server, group, worker),
+#: host name, peak resident memory (``getrusage``), and the training or held-out samples it read
+#: from a streamed data set (-1 where the data are not counted: in memory, or not streamed).
+RANK = np.dtype([("rank", "i4"), ("role", "S8"), ("host", "S64"), ("peak_rss_bytes", "i8"),
+                 ("samples_read", "i8")])
+
 #: ``/groups/updates`` (grouped paradigm): the central shards' rows, one per group update
 #: applied (``worker`` is the group server's rank, ``worker_clock`` its round); the rows of
 #: ``/servers/updates`` are then the group servers', one per worker gradient.
@@ -63,6 +69,7 @@ TABLES = {
     "servers/transfers": TRANSFER,
     "eval": EVAL,
     "eval_metrics": EVAL_METRIC,
+    "ranks": RANK,
 }
 
 ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_size",

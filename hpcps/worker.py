@@ -296,7 +296,9 @@ class EagerWorker(_SlottedWorker):
             self._push_copy(step, versions, row)
             self.puller.hurry()
             row["pull_wait_s"] = held + self._wait(self._fresh_enough, "fresh parameters")
+            t = time.perf_counter()
             versions, stop, row["pull_s"] = self._take()
+            row["pull_wait_s"] += time.perf_counter() - t  # swapping the snapshot in is the worker's own time
             self._finish_row(row)
         self._leave()
         return self.clock_count

@@ -3,9 +3,9 @@
 
 Measured in one invocation, median step time over the steps of each run:
 
-* ``hpcps bsp S=1`` and ``hpcps bsp S=N``: ``hpcps train --paradigm bsp``
+* ``hpcps bsp S=1``, ``S=2`` and ``S=N``: ``hpcps train --paradigm bsp``
   on S server shards + N workers (a step: compute, push, wait for the
-  round, pull);
+  round, pull; the medians of each part are printed too);
 * ``allreduce (mpi4py)``: N ranks, each computes its gradient on its own
   batch (the same batches as hpcps), ``Allreduce`` of the flat gradient,
   SGD step;
@@ -15,6 +15,8 @@ Measured in one invocation, median step time over the steps of each run:
 Ratios are step time against mpi4py allreduce (1.00: as fast; above: slower).
 
     python tools/bench_allreduce.py --workers 4 -- --hidden 1024
+    python tools/bench_allreduce.py --workers 4 --steps 20 -- --model resnet18 \
+        --dataset synthetic:3x32x32:10:2048 --batch-size 16
 """
 
 from __future__ import annotations
@@ -33,24 +35,33 @@ from benchlib import train
 
 
 def _inner(kind: str, steps: int, options: list[str]) -> None:
-    """Run under mpiexec -n N: data-parallel SGD with ``kind`` in {mpi, ddp}; rank 0 prints the median step."""
+    """Run under mpiexec -n N: data-parallel SGD with ``kind`` in {mpi, ddp}; rank 0 prints the median step.
+
+    The model, data and loss are those ``hpcps train`` would build from the same options (any
+    ``--model`` and ``--dataset``), and so are each rank's batches.
+    """
     import torch
-    import torch.nn.functional as F
     from mpi4py import MPI
 
+    from hpcps.batches import to_device
     from hpcps.config import make_config
-    from hpcps.data import batch_indices, load_dataset
     from hpcps.flat import FlatParameters
-    from hpcps.models import build_model
+    from hpcps.workload import data_shape, workload_from_config
 
     comm = MPI.COMM_WORLD
     flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
     cfg = make_config(flags)
     torch.set_num_threads(cfg.threads)
-    data = load_dataset(cfg.dataset, test_fraction=cfg.test_fraction)
-    model = build_model(cfg.model, data.in_shape, data.n_classes, seed=cfg.seed, hidden=cfg.hidden)
+    workload = workload_from_config(cfg)
+    if workload.prepare is not None and comm.rank == 0:
+        workload.prepare()
+    comm.Barrier()
+    source = workload.data()
+    in_shape, n_classes = data_shape(source)
+    model = workload.build_model(seed=cfg.seed, in_shape=in_shape, n_classes=n_classes, hidden=cfg.hidden)
     flat = FlatParameters(model)
-    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    batches = source.for_worker(comm.rank, comm.size, batch_size=cfg.batch_size, seed=cfg.seed,
+                                device=torch.device("cpu"), steps=steps)
     ddp = None
     if kind == "ddp":
         import torch.distributed as dist
@@ -58,18 +69,17 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
         os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None)))
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-    grads = torch.from_numpy(flat.grads)
+    grads = torch.from_numpy(flat.grads[:flat.n_params])
     times = []
     comm.Barrier()
     for step in range(steps):
-        idx = torch.from_numpy(batch_indices(len(y), batch_size=cfg.batch_size, n_workers=comm.size,
-                                             worker=comm.rank, step=step, seed=cfg.seed))
         t = time.perf_counter()
+        batch = to_device(batches.batch(step), flat.device)
         flat.zero_grad()
-        loss = F.cross_entropy((ddp or model)(x[idx]), y[idx])
+        loss = workload.loss(ddp or model, batch)
         loss.backward()
         if kind == "mpi":
-            comm.Allreduce(MPI.IN_PLACE, flat.grads, op=MPI.SUM)
+            comm.Allreduce(MPI.IN_PLACE, flat.grads[:flat.n_params], op=MPI.SUM)
             grads /= comm.size
         # (DDP averaged the gradients during backward already)
         with torch.no_grad():
@@ -107,18 +117,23 @@ def main() -> None:
     n = a.workers
     rows = {"allreduce (mpi4py)": (n, _run_inner("mpi", n, a.steps, a.options)),
             "DDP (gloo)": (n, _run_inner("ddp", n, a.steps, a.options))}
+    parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for s in (1, n):
+        for s in sorted({1, 2, n}):
             r = train(s + n, Path(tmp) / f"bsp{s}.h5",
                       ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *a.options])
             it = r["it"]
             rows[f"hpcps bsp S={s}"] = (s + n, float(np.median(it["t_end"] - it["t_start"])))
+            parts[f"hpcps bsp S={s}"] = {k: float(np.median(it[k])) for k in ("compute_s", "push_s", "wait_s",
+                                                                             "pull_s")}
     base = rows["allreduce (mpi4py)"][1]
     print(f"{n} workers, {a.steps} steps, options: {' '.join(a.options) or '(defaults)'}\n")
-    print("| method | ranks | median step ms | vs allreduce |")
-    print("|---|---|---|---|")
+    print("| method | ranks | median step ms | vs allreduce | median compute / push / wait / pull ms |")
+    print("|---|---|---|---|---|")
     for name, (ranks, t) in rows.items():
-        print(f"| {name} | {ranks} | {t * 1e3:.2f} | {t / base:.2f} |")
+        where = " / ".join(f"{v * 1e3:.1f}" for v in parts[name].values()) if name in parts else ""
+        print(f"| {name} | {ranks} | {t * 1e3:.2f} | {t / base:.2f} | {where} |")
+    print(f"\nhpcps bsp S=1 step time / mpi4py allreduce: {rows['hpcps bsp S=1'][1] / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ from the HDF5 files (h5py only). Scenarios: ``homogeneous`` (as given) and
 against BSP in the same scenario and invocation, because absolute times on a
 shared machine are noise.
 
+``--lr-per-update`` divides ``--lr`` by the updates a paradigm applies per
+step of every worker (1 for bsp and hsp, the group count for grouped, the
+worker count for the asynchronous ones), so every paradigm moves the model
+as far per training sample; ``--lr-staleness none inverse`` runs the
+paradigms that can see staleness both ways. The last line is the ratio of
+the fastest paradigm's time to target to BSP's, in the last scenario.
+
     python tools/bench_paradigms.py --paradigms bsp asp ssp dssp --seeds 0 1 2 \
         --scenarios homogeneous heterogeneous -- --compute-time 0.01 --eval-interval 0.05
 """
@@ -20,7 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from benchlib import fmt, parser, train, train_options
+from hpcps.config import AUTO_GROUPS
+from hpcps.policies import policy_class
 from hpcps.report import time_to, worker_rates
+
+#: paradigms whose workers can know a gradient's staleness (bsp's, hsp's rounds and grouped's groups never are)
+SEES_STALENESS = ("asp", "ssp", "dssp", "eager")
 
 
 def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float) -> dict:
@@ -40,22 +52,68 @@ def main() -> None:
     p.add_argument("--straggler", type=float, default=3.0, help="slowdown of the last worker when heterogeneous")
     p.add_argument("--target", type=float, default=0.9,
                    help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there)")
+    p.add_argument("--lr-per-update", action="store_true",
+                   help="divide --lr by the updates a paradigm applies per step of every worker")
+    p.add_argument("--lr-staleness", nargs="+", default=[None], metavar="SCHEDULE",
+                   help="--lr-staleness values to run the paradigms that see staleness with (default: as given)")
+    p.add_argument("--groups", default="2",
+                   help="grouped: group servers (extra ranks), or auto: 2 groups formed by measured speed")
     a = p.parse_args()
     extra = train_options(a)
+    rows = {}
     for scenario in a.scenarios:
-        options = extra + (["--slowdown", f"{a.np - 1}={a.straggler:g}"] if scenario == "heterogeneous" else [])
         rows = {}
         with tempfile.TemporaryDirectory() as tmp:
             for paradigm in a.paradigms:
-                rows[paradigm] = [run(a.np, paradigm, s, Path(tmp) / f"{paradigm}-{s}.h5", options, a.target)
-                                  for s in a.seeds]
-                print(f"  {scenario} {paradigm}: done", file=sys.stderr)
-        table(scenario, rows, a, options)
+                np_ = a.np + (n_groups(a) if paradigm == "grouped" else 0)  # the same workers, plus group servers
+                slow = ["--slowdown", f"{np_ - 1}={a.straggler:g}"] if scenario == "heterogeneous" else []
+                for schedule in a.lr_staleness if paradigm in SEES_STALENESS else [None]:
+                    name, own = variant(paradigm, schedule, a, extra)
+                    rows[name] = [run(np_, paradigm, s, Path(tmp) / f"{paradigm}-{schedule}-{s}.h5",
+                                      extra + slow + own, a.target) for s in a.seeds]
+                    print(f"  {scenario} {name}: done", file=sys.stderr)
+        table(scenario, rows, a, extra)
+    print(f"\n{verdict(rows, a.target)} ({a.scenarios[-1]})")
+
+
+def n_groups(a) -> int:
+    return AUTO_GROUPS if a.groups == "auto" else int(a.groups)
+
+
+def verdict(rows: dict, target: float) -> str:
+    """The last line: which paradigm reached the target first, as a ratio of BSP's time."""
+    times = {name: np.mean([r["ttt"] for r in rs]) for name, rs in rows.items()
+             if all(not np.isnan(r["ttt"]) for r in rs)}
+    if not times:
+        return f"no paradigm reached {target:.0%} in every run"
+    best = min(times, key=times.get)
+    bsp = next((t for name, t in times.items() if name.startswith("bsp")), float("nan"))
+    return f"fastest to {target:.0%}: {best}, time ratio to bsp {times[best] / bsp:.2f}"
+
+
+def variant(paradigm: str, schedule: str | None, a, extra: list[str]) -> tuple[str, list[str]]:
+    """The row's name and the options of this paradigm's runs (groups, learning rate, staleness schedule)."""
+    own, name = [], paradigm
+    workers = a.np - 1
+    if paradigm == "grouped":
+        own += ["--groups", str(a.groups)]
+    if a.lr_per_update:
+        lr = float(extra[extra.index("--lr") + 1]) if "--lr" in extra else 0.1
+        clients = n_groups(a) if paradigm == "grouped" else workers
+        lr /= policy_class(paradigm).updates_per_step(clients)
+        own += ["--lr", f"{lr:g}"]
+        name += f" (lr {lr:g})"
+    if schedule is not None:
+        own += ["--lr-staleness", schedule]
+        name += f", {schedule}"
+    return name, own
 
 
 def table(scenario: str, rows: dict, a, options: list[str]) -> None:
-    base = np.nanmean([r["ttt"] for r in rows["bsp"]]) if "bsp" in rows else float("nan")
-    print(f"\n{scenario}: {a.np} ranks, seeds {a.seeds}, options: {' '.join(options)}\n")
+    bsp = next((rs for name, rs in rows.items() if name.startswith("bsp")), None)
+    base = np.nanmean([r["ttt"] for r in bsp]) if bsp else float("nan")
+    slow = f", the last worker {a.straggler:g}x slower" if scenario == "heterogeneous" else ""
+    print(f"\n{scenario}: {a.np - 1} workers{slow}, seeds {a.seeds}, options: {' '.join(options)}\n")
     print("| paradigm | final accuracy | wall s | time to {:.0%} s | vs BSP | iterations/s per worker | "
           "mean wait ms | mean staleness |".format(a.target))
     print("|---|---|---|---|---|---|---|---|")

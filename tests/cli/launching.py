@@ -14,9 +14,11 @@ MPIEXEC = find_mpiexec()
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install '.[mpich]' or load your MPI)")
 
 
-def launch(n: int, *args: str, timeout: float, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """``mpiexec -n N ARGS`` in a clean environment; on timeout kill the whole job and fail."""
-    proc = subprocess.Popen([MPIEXEC, "-n", str(n), *args], env=clean_environ(PYTHONUNBUFFERED="1"), cwd=cwd, stdout=subprocess.PIPE,
+def launch(n: int, *args: str, timeout: float, cwd: str | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``mpiexec -n N ARGS`` in a clean environment (plus ``env``); on timeout kill the whole job and fail."""
+    proc = subprocess.Popen([MPIEXEC, "-n", str(n), *args], env=clean_environ(PYTHONUNBUFFERED="1", **(env or {})),
+                            cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

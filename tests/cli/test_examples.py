@@ -81,20 +81,6 @@ def test_the_cnn_plugin_trains_on_an_hdf5_file_with_momentum_weight_decay_and_wa
     assert "4.running_var" in state and "10.weight" in state  # BatchNorm statistics and the head
 
 
-def test_the_mnist1d_plugins_train_the_papers_cnn(tmp_path):
-    pytest.importorskip("mnist1d", reason="the MNIST-1D example needs the mnist1d package (pip install mnist1d)")
-    out = tmp_path / "m1d.h5"
-    plugin = EXAMPLES / "mnist1d_plugin.py"
-    proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "bsp", "--dataset", f"{plugin}:load",
-                  "--model", f"{plugin}:cnn1d", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05",
-                  "--steps", "150", "--out", str(out), timeout=240, cwd=str(tmp_path))
-    _ok(proc)
-    with h5py.File(out) as f:
-        assert f["summary"].attrs["gradients_applied"] == 4 * 150
-        assert f["summary"].attrs["final_accuracy"] > 0.3  # 10 classes; the paper's CNN reaches ~94% in longer runs
-    assert "(4000 train / 1000 test)" in proc.stderr
-
-
 def test_the_api_ends_every_rank_with_one_line_on_bad_input(tmp_path):
     proc = launch(3, sys.executable, "-c", "import hpcps, torch\n"
                   "hpcps.train(model=lambda: torch.nn.Linear(64, 10), data='digits', paradigm='ssq', steps=5)",

@@ -113,3 +113,18 @@ def test_a_failing_rank_ends_the_job_promptly_and_keeps_the_metrics(tmp_path, fa
     with h5py.File(out, "r", locking=False) as f:
         assert len(f["workers/iterations"]) > 0 and len(f["servers/updates"]) > 0
         assert f["workers/iterations"]["step"].max() < 400
+
+
+def test_mnist1d_is_generated_once_and_the_papers_cnn_trains_on_it(tmp_path):
+    pytest.importorskip("mnist1d", reason="--dataset mnist1d needs the mnist1d package (pip install mnist1d)")
+    cache, out = tmp_path / "cache", tmp_path / "m1d.h5"
+    proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "bsp", "--dataset", "mnist1d",
+                  "--model", "cnn1d", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05", "--steps", "150",
+                  "--out", str(out), timeout=240, env={"HPCPS_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in cache.iterdir()] == ["mnist1d-5000.npz"]  # one file, written once, no leftovers
+    with h5py.File(out) as f:
+        assert f["summary"].attrs["gradients_applied"] == 4 * 150
+        assert f["summary"].attrs["final_accuracy"] > 0.3  # 10 classes; ~0.9 after 1000 steps
+        assert f.attrs["dataset_kind"] == "builtin"
+    assert "mnist1d (4000 train / 1000 test)" in proc.stderr and "cnn1d (5210 parameters" in proc.stderr

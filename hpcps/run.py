@@ -478,6 +478,7 @@ class _Run:
         summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.target_accuracy)
         runfile.write_summary(summary)
+        self.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         saved = save_model(state, self._save_path(path))
         runfile.set_attrs(saved_model=saved or "")

@@ -64,6 +64,9 @@ def main() -> None:
         print(f"| {name} | {fmt(col['iter_ms'], 2)} | {ratio['iter_ms']:.2f} | {fmt(col['pull_wait_ms'], 2)} | "
               f"{fmt(col['grads'], 0)} | {fmt(col['ttt'], 2)} | {ratio['ttt']:.2f} | {fmt(col['acc'], 3)} | "
               f"{fmt(col['stale'], 2)} |")
+    if "eager" in results and base:
+        eager = np.nanmean([m["iter_ms"] for m in results["eager"]])
+        print(f"\neager median iteration / blocking asp: {eager / base['iter_ms']:.2f}")
 
 
 if __name__ == "__main__":

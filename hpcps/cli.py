@@ -52,16 +52,8 @@ def _paradigm_help() -> str:
     return "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(paradigms().items()))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hpcps", description="Parameter-server training of PyTorch models over MPI.")
-    parser.add_argument("--version", action="version", version=f"hpcps {hpcps.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    t = sub.add_parser("train", argument_default=argparse.SUPPRESS,
-                       help="train a model (launch under mpiexec/srun)",
-                       description="Train under one synchronization paradigm; launch with mpiexec -n N or srun. "
-                                   "Ranks 0..S-1 are server shards, the rest workers. Every option can also "
-                                   "be set in the --config TOML file; flags override it.")
+def add_train_options(t: argparse.ArgumentParser) -> None:
+    """Every ``hpcps train`` option, on ``t`` (the train sub-command, or ``jobs render``'s check of it)."""
     t.add_argument("--config", metavar="FILE", help="TOML file with any of the options below")
     g = t.add_argument_group("paradigm and topology")
     g.add_argument("--paradigm", help=f"synchronization paradigm (default dssp). {_paradigm_help()}")
@@ -144,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
                    help="log which ranks a server or worker has waited on for this long, and in what state (default 60)")
     g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",
-                   help="end the job when a worker the servers wait on has been silent this long (default: never)")
+                   help="end the job when a worker the servers wait on has been silent this long (default 600; "
+                        "0: never)")
     g = t.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", metavar="STEPS",
                    help="bsp: write a checkpoint every STEPS rounds (HDF5, written atomically)")
@@ -161,7 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the trained model's state_dict here at the end (default: the metrics file's "
                         "name with .pt)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
-                   help="progress bar on rank 0 when stderr is a terminal (default on)")
+                   help="progress on rank 0: a bar when stderr is a terminal, else a status line every "
+                        "--progress-every seconds (default on)")
+    g.add_argument("--progress-every", type=float, dest="progress_every", metavar="SECONDS",
+                   help="seconds between status lines when stderr is not a terminal (default 30)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpcps", description="Parameter-server training of PyTorch models over MPI.")
+    parser.add_argument("--version", action="version", version=f"hpcps {hpcps.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", argument_default=argparse.SUPPRESS,
+                       help="train a model (launch under mpiexec/srun)",
+                       description="Train under one synchronization paradigm; launch with mpiexec -n N or srun. "
+                                   "Ranks 0..S-1 are server shards, the rest workers. Every option can also "
+                                   "be set in the --config TOML file; flags override it.")
+    add_train_options(t)
     t.set_defaults(func=_train)
 
     r = sub.add_parser("report", help="plots and tables comparing runs (no MPI needed)",
@@ -295,6 +304,30 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CheckParser(_Parser):
+    """Parses ``hpcps train`` options for ``jobs render``: an error is a UserError, not an exit."""
+
+    def error(self, message: str):
+        raise UserError(f"after --: {message}")
+
+
+def check_train_options(train_args: list[str], ranks: int) -> None:
+    """UserError, naming the option, if ``hpcps train`` would refuse these options on ``ranks`` ranks."""
+    from hpcps.config import make_config
+    from hpcps.planning import plan
+
+    checker = _CheckParser(prog="hpcps train", argument_default=argparse.SUPPRESS)
+    add_train_options(checker)
+    args = train_args[1:] if train_args[:1] == ["--"] else train_args
+    flags = vars(checker.parse_args(args))
+    config = flags.pop("config", None)
+    cfg = make_config(flags, config_file=config)
+    try:
+        plan(cfg, ranks)
+    except UserError as exc:
+        raise UserError(f"{exc} [this job: --nodes x --ntasks-per-node = {ranks} ranks]") from None
+
+
 def _jobs_render(args: argparse.Namespace) -> int:
     import shlex
 
@@ -302,6 +335,8 @@ def _jobs_render(args: argparse.Namespace) -> int:
 
     spec = JobSpec(**{k: v for k, v in vars(args).items()
                       if k not in ("command", "jobs_command", "func", "command_line")})
+    if spec.script is None:  # a script's arguments are its own
+        check_train_options(spec.train_args, spec.nodes * spec.ntasks_per_node)
     sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))
     return 0
 

@@ -25,6 +25,7 @@ else:  # pragma: no cover
 DEFAULT_STEPS = 500
 DEFAULT_STALENESS = 2
 AUTO_GROUPS = 2  # --groups auto
+DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
 
 class TrainConfig(BaseModel):
@@ -74,9 +75,10 @@ class TrainConfig(BaseModel):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     threads: int = Field(1, ge=1)
     progress: bool = True
+    progress_every: float = Field(30.0, gt=0)
     nonfinite: Literal["skip", "abort"] = "skip"
     stall_warn: float = Field(60.0, gt=0)
-    stall_abort: float | None = Field(None, gt=0)
+    stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never
     checkpoint_every: int | None = Field(None, ge=1)
     checkpoint_dir: str = "checkpoints"
     resume: str | None = None
@@ -153,6 +155,11 @@ class TrainConfig(BaseModel):
     def faults(self) -> list[Fault]:
         """``--fault`` specs, parsed (validated above)."""
         return [parse_fault(spec) for spec in self.fault]
+
+    @property
+    def stall_limit(self) -> float | None:
+        """``--stall-abort`` in seconds, None for never (0)."""
+        return self.stall_abort or None
 
     @property
     def s_lo(self) -> int:

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 from mpi4py import MPI
-from tqdm import tqdm
 
 import hpcps
 from hpcps.agree import agree
@@ -50,6 +49,8 @@ from hpcps.flat import FlatParameters
 from hpcps.grouping import speed_groups
 from hpcps.groupserver import GroupServer
 from hpcps.layout import Layout, Role, shard_bounds
+from hpcps.planning import plan
+from hpcps.progress import Progress
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
@@ -93,33 +94,6 @@ class RunResult:
     state_dict: dict[str, torch.Tensor]
     metrics: dict[str, float]
     saved: str | None
-
-
-def plan(cfg: TrainConfig, world_size: int) -> Layout:
-    """Check the options that depend on the world size; return the rank layout."""
-    layout = Layout(world_size, cfg.servers, cfg.groups)
-    cls = policy_class(cfg.paradigm)
-    if cfg.groups and not cls.uses_groups:
-        raise UserError(f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers")
-    if cls.uses_groups and not cfg.groups:
-        raise UserError(f"--paradigm {cfg.paradigm} needs --groups G (1 or more group servers)")
-    layout.check_groups()
-    if (cfg.checkpoint_every or cfg.resume) and cfg.paradigm != "bsp":
-        option = "--checkpoint-every" if cfg.checkpoint_every else "--resume"
-        raise UserError(f"{option}: checkpoints are consistent only under bsp in this release "
-                        f"(got --paradigm {cfg.paradigm})")
-    workers = f"ranks {layout.first_worker}-{world_size - 1}"
-    for fault in cfg.faults:
-        if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
-            raise UserError(f"--fault {fault.kind}@{fault.rank}:{fault.step}: rank {fault.rank} is not a worker "
-                            f"(workers are {workers})")
-    for rank in cfg.slowdown:
-        if not 0 <= rank < world_size:
-            raise UserError(f"--slowdown {rank}=...: no rank {rank} in a world of {world_size} (workers are {workers})")
-        if layout.role(rank) is not Role.WORKER:
-            raise UserError(f"--slowdown {rank}=...: rank {rank} is a {layout.role(rank).value}, not a worker "
-                            f"(workers are {workers})")
-    return layout
 
 
 def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | None:
@@ -355,8 +329,8 @@ class _Run:
                                   pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
                                   clock=self.clock, interval=cfg.eval_interval, target=cfg.target_accuracy,
                                   on_target=window.set_stop)
-            bar = tqdm(total=len(workers) * self.steps, unit="grad", desc=cfg.paradigm, file=sys.stderr,
-                       disable=not (cfg.progress and sys.stderr.isatty()), dynamic_ncols=True)
+            bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
+                           accuracy=lambda: evaluator.accuracy)
             side_tasks = [recorder.drain, evaluator.tick]
         ShardServer(
             shard=topo.rank, rank=topo.rank,
@@ -365,7 +339,7 @@ class _Run:
             inbox=inbox, notifier=notifier, window=window, master=master,
             optimizer=optimizer, n_params=n_params, unit_lr=cfg.lr,
             abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
-            stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
+            stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
             on_published=self._checkpointer(window, optimizer) if cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
@@ -406,7 +380,7 @@ class _Run:
             master=np.zeros(n, np.float32), n_params=self.flat.n_params, unit_lr=cfg.lr,
             worker_ranks=members, recorder=recorder, clock=self.clock,
             progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
-            abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
+            abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
             backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
             central_window=central, agg=agg, weight=len(members) * self.layout.n_groups / self.layout.n_workers,
         ).run()
@@ -440,7 +414,7 @@ class _Run:
                      compute_time=_compute_time(cfg, topo.rank),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
-                     stall_warn=cfg.stall_warn, stall_abort=cfg.stall_abort,
+                     stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
                      backoff=self.backoff, **extra).run()
         pusher.free()
         notices.free()

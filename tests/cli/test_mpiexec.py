@@ -27,8 +27,9 @@ def hpcps(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProce
 
 def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     out = tmp_path / "bsp.h5"
-    proc = hpcps(5, "train", "--paradigm", "bsp", "--out", str(out))
+    proc = hpcps(5, "train", "--paradigm", "bsp", "--out", str(out), "--progress-every", "0.2")
     assert proc.returncode == 0, proc.stderr
+    assert "INFO: progress: " in proc.stderr and " gradients (" in proc.stderr  # stderr is a pipe: status lines
     with h5py.File(out) as f:
         s = f["summary"].attrs
         assert f.attrs["paradigm"] == "bsp" and f.attrs["n_workers"] == 4 and f.attrs["world_size"] == 5

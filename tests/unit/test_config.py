@@ -92,3 +92,9 @@ def test_optimizer_options_are_validated_naming_the_option():
     ]:
         with pytest.raises(UserError, match=re.escape(message)):
             make_config(flags)
+
+
+def test_stall_abort_is_on_by_default_and_zero_turns_it_off():
+    assert make_config({}).stall_limit == 600.0
+    assert make_config({"stall_abort": 0}).stall_limit is None
+    assert make_config({"stall_abort": 5}).stall_limit == 5.0

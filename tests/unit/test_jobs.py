@@ -67,10 +67,10 @@ def test_bad_job_options_are_named():
 
 
 def test_cli_render_passes_everything_after_the_double_dash(capsys):
-    assert main(["jobs", "render", "slurm", "--nodes", "3", "--", "--paradigm", "bsp", "--nodes-x"]) == 0
+    assert main(["jobs", "render", "slurm", "--nodes", "3", "--", "--paradigm", "bsp", "--lr-gamma", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert "#SBATCH --nodes=3" in out and "srun hpcps train --paradigm bsp --nodes-x --out" in out
-    assert "# Rendered by: hpcps jobs render slurm --nodes 3 -- --paradigm bsp --nodes-x" in out
+    assert "#SBATCH --nodes=3" in out and "srun hpcps train --paradigm bsp --lr-gamma 0.5 --out" in out
+    assert "# Rendered by: hpcps jobs render slurm --nodes 3 -- --paradigm bsp --lr-gamma 0.5" in out
 
 
 EXAMPLES = {
@@ -78,7 +78,7 @@ EXAMPLES = {
                                "--gpus-per-node", "4", "--time", "02:00:00", "--partition", "gpu",
                                "--account", "myproject", "--setup", "module load openmpi",
                                "--setup", "source \"$HOME/venvs/hpcps/bin/activate\"", "--mpi", "pmix", "--",
-                               "--paradigm", "dssp", "--servers", "1", "--steps", "2000"],
+                               "--paradigm", "dssp", "--steps", "2000"],
     "pbs.pbs": ["jobs", "render", "pbs", "--nodes", "2", "--ntasks-per-node", "4", "--", "--paradigm", "ssp"],
     "lsf.lsf": ["jobs", "render", "lsf", "--nodes", "2", "--ntasks-per-node", "4", "--", "--paradigm", "asp"],
     "mpiexec.sh": ["jobs", "render", "mpiexec", "--ntasks-per-node", "5", "--", "--paradigm", "bsp"],
@@ -110,3 +110,17 @@ def test_a_user_script_is_launched_in_place_of_hpcps_train(tmp_path, monkeypatch
     assert 'export HPCPS_RUN_DIR="$RUN_DIR"' in text and "hpcps train" not in text
     with pytest.raises(UserError, match="--script nope.py: no such file"):
         render(JobSpec("pbs", script="nope.py"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--", "--paradigm", "ssq"], "--paradigm: unknown paradigm 'ssq'"),
+    (["--nodes", "1", "--ntasks-per-node", "2", "--", "--servers", "2"],
+     "world of 2 rank(s) is too small for --servers 2 and --groups 0: at least 3 ranks are needed"),
+    (["--", "--lr", "abc"], "after --: argument --lr: invalid float value: 'abc'"),
+    (["--", "--nope", "1"], "after --: unrecognized arguments: --nope 1"),
+    (["--nodes", "2", "--ntasks-per-node", "2", "--", "--slowdown", "9=2"], "--slowdown 9=...: no rank 9 in a world of 4"),
+])
+def test_render_refuses_what_hpcps_train_would_refuse_with_one_line_and_no_script(capsys, argv, message):
+    assert main(["jobs", "render", "slurm", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("hpcps: error: ") and message in err, err

@@ -1,0 +1,40 @@
+"""The checks of a run's options against its world size, and its rank layout (pure: no MPI).
+
+Shared by ``hpcps train`` (every rank, at start-up) and ``hpcps jobs render``
+(before a batch script is written), so a job that would be refused at
+start-up is refused before it waits in a queue.
+"""
+
+from __future__ import annotations
+
+from hpcps.config import TrainConfig
+from hpcps.errors import UserError
+from hpcps.layout import Layout, Role
+from hpcps.policies import policy_class
+
+
+def plan(cfg: TrainConfig, world_size: int) -> Layout:
+    """Check the options that depend on the world size; return the rank layout."""
+    layout = Layout(world_size, cfg.servers, cfg.groups)
+    cls = policy_class(cfg.paradigm)
+    if cfg.groups and not cls.uses_groups:
+        raise UserError(f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers")
+    if cls.uses_groups and not cfg.groups:
+        raise UserError(f"--paradigm {cfg.paradigm} needs --groups G (1 or more group servers)")
+    layout.check_groups()
+    if (cfg.checkpoint_every or cfg.resume) and cfg.paradigm != "bsp":
+        option = "--checkpoint-every" if cfg.checkpoint_every else "--resume"
+        raise UserError(f"{option}: checkpoints are consistent only under bsp in this release "
+                        f"(got --paradigm {cfg.paradigm})")
+    workers = f"ranks {layout.first_worker}-{world_size - 1}"
+    for fault in cfg.faults:
+        if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
+            raise UserError(f"--fault {fault.kind}@{fault.rank}:{fault.step}: rank {fault.rank} is not a worker "
+                            f"(workers are {workers})")
+    for rank in cfg.slowdown:
+        if not 0 <= rank < world_size:
+            raise UserError(f"--slowdown {rank}=...: no rank {rank} in a world of {world_size} (workers are {workers})")
+        if layout.role(rank) is not Role.WORKER:
+            raise UserError(f"--slowdown {rank}=...: rank {rank} is a {layout.role(rank).value}, not a worker "
+                            f"(workers are {workers})")
+    return layout

@@ -50,6 +50,7 @@ class EagerPuller:
         n = len(window.shard_ranks)
         self._meta = [(np.full(n, -1, np.int64), False, 0.0), (np.full(n, -1, np.int64), False, 0.0)]
         self._ready = -1  # index of the staged snapshot, -1: none yet
+        self._generation = 0  # requests so far: a pull counts as fresh only for the request it began under
         self._latest = np.zeros(n, np.int64)  # newest versions seen by a peek or a pull
         self._lock = threading.Lock()
         self._wanted = threading.Event()  # the worker wants fresh parameters
@@ -86,6 +87,7 @@ class EagerPuller:
                     continue
                 self._refresh.reset()
                 target = 1 - self._ready if self._ready >= 0 else 0
+                generation = self._generation
                 t = time.perf_counter()
                 versions, stop = self.window.pull(self.staging[target], backoff)
                 took = time.perf_counter() - t
@@ -95,7 +97,8 @@ class EagerPuller:
                     self._meta[target] = (versions, stop, took)
                     self._ready = target
                     self.pulls += 1
-                self._arrived.set()
+                if generation == self._generation:  # else it began before the request: pull again
+                    self._arrived.set()
         except BaseException as exc:  # surfaced to the caller by take()
             self._error = exc
             self._arrived.set()
@@ -110,6 +113,7 @@ class EagerPuller:
     def request(self, expected: float = 0.0) -> None:
         """Fetch the newest parameters for a take expected in ``expected`` seconds; keep them fresh until then."""
         now = time.perf_counter()
+        self._generation += 1
         self._due = now + expected
         self._start_at = now + max(0.0, expected - 2.0 * self.pull_s - JIT_MARGIN)
         self._hurry.clear()
@@ -121,6 +125,10 @@ class EagerPuller:
         self._hurry.set()
 
     def ready(self) -> bool:
+        """A snapshot is staged; raises the helper thread's error if it died (a waiting worker then ends
+        with it, instead of waiting for a snapshot that never comes)."""
+        if self._error is not None:
+            raise self._error
         return self._arrived.is_set()
 
     def latest(self) -> np.ndarray:

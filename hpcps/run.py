@@ -109,6 +109,16 @@ def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | N
     return n
 
 
+def _check_threads(cfg: TrainConfig) -> None:
+    """Eager's helper thread pulls while the worker computes: MPI must allow calls from both threads."""
+    if policy_class(cfg.paradigm).eager_pull and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise UserError(f"--paradigm {cfg.paradigm} needs MPI_THREAD_MULTIPLE (a helper thread pulls while the worker "
+                        f"computes), but this MPI provides MPI_THREAD_{names.get(MPI.Query_thread(), '?')}: "
+                        f"enable it in your MPI (e.g. MPICH_MAX_THREAD_SAFETY=multiple on Cray) and keep mpi4py's "
+                        f"default thread level (MPI4PY_RC_THREAD_LEVEL=multiple)")
+
+
 def _data_facts(source: DataSource) -> dict[str, Any]:
     """What every rank needs to know of the data, which only some ranks load."""
     in_shape, n_classes = data_shape(source)
@@ -129,6 +139,7 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
+    agree(comm, lambda: _check_threads(cfg))
     if workload is None:
         workload = agree(comm, lambda: workload_from_config(cfg))
     if workload.prepare is not None:  # once, on rank 0, before anyone loads (agree: everyone waits)

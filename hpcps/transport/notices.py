@@ -17,17 +17,26 @@ from hpcps.transport.poll import Backoff, wait_until
 
 
 class Notifier:
-    """Server side: send notices to workers (by worker index)."""
+    """Server side: send notices to workers (by worker index).
 
-    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int]) -> None:
+    Sends in flight are kept (with their buffers) until they complete, and
+    forgotten at :meth:`progress`, which the server calls when it is idle,
+    and on a send once ``max_pending`` are kept, so a server that is never
+    idle does not keep every notice it ever sent.
+    """
+
+    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], max_pending: int = 256) -> None:
         self.comm = comm
         self.worker_ranks = list(worker_ranks)
+        self.max_pending = max_pending
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
 
     def send(self, worker: int, flags: int, clock: int = -1, version: int = -1, staleness: int = -1) -> None:
         buf = np.array([flags, clock, version, staleness], np.int64)
         req = self.comm.Isend(buf, dest=self.worker_ranks[worker], tag=wire.TAG_NOTICE)
         self._pending.append((req, buf))
+        if len(self._pending) >= self.max_pending:
+            self.progress()
 
     def progress(self) -> None:
         """Forget the notices whose sends completed."""

@@ -7,9 +7,12 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpitest import share
+from mpitest import share, train
+from hpcps.errors import UserError
 from hpcps.layout import shard_bounds
 from hpcps.server import apply_update
+from hpcps.transport import wire
+from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
 from hpcps.transport.window import ParamWindow
 
@@ -138,3 +141,26 @@ def test_a_freed_inbox_leaves_no_receive_behind(world):
     polite_barrier(world)
     assert world.bcast(got, root=0) == 42
 
+
+
+def test_a_server_that_is_never_idle_keeps_a_bounded_list_of_notices():
+    """Notices to oneself on COMM_SELF, the receives posted first (as a worker's are): the list of sends
+    in flight is pruned as it fills, without the server ever calling progress() itself."""
+    got = np.zeros((200, wire.NOTICE_LEN), np.int64)
+    receives = [MPI.COMM_SELF.Irecv(got[k], source=0, tag=wire.TAG_NOTICE) for k in range(200)]
+    notifier = Notifier(MPI.COMM_SELF, worker_ranks=[0], max_pending=16)
+    for k in range(200):
+        notifier.send(0, wire.RECEIPT, k, k, 0)
+        assert len(notifier._pending) <= 16
+    MPI.Request.Waitall(receives)
+    assert got[:, 1].tolist() == list(range(200))  # every notice arrived, in order
+    notifier.drain()
+
+
+def test_eager_without_thread_multiple_ends_every_rank_with_one_message(world, mpi_tmp_path, monkeypatch):
+    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    with pytest.raises(UserError, match="eager needs MPI_THREAD_MULTIPLE .* provides MPI_THREAD_SERIALIZED"):
+        train(mpi_tmp_path / "threads.h5", paradigm="eager", steps=2)
+    monkeypatch.undo()
+    result, _ = train(mpi_tmp_path / "threads-asp.h5", paradigm="asp", steps=2)  # the others are unaffected
+    assert (result is not None) == (world.rank == 0)

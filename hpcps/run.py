@@ -61,6 +61,7 @@ from hpcps.server import ShardServer
 from hpcps.topology import Topology, node_local_index
 from hpcps.transport import wire
 from hpcps.transport.mpilib import query_cuda_support
+from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
 from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
@@ -226,10 +227,11 @@ class _Run:
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
         self.shards = list(range(self.layout.n_servers))
         self.backoff = Backoff()
-        self.t0 = 0.0
+        self.run_clock = RunClock(time.perf_counter(), 0.0, 0.0)  # until the start: see run()
 
     def clock(self) -> float:
-        return time.perf_counter() - self.t0
+        """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""
+        return self.run_clock()
 
     def run(self) -> RunResult | None:
         comm, topo = self.topo.comm, self.topo
@@ -256,8 +258,8 @@ class _Run:
                      unknown if f["n_train"] is None else f["n_train"],
                      unknown if f["n_test"] is None else f["n_test"], self.steps)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
-        polite_barrier(comm, Backoff(cap=1e-4))  # the common start: ranks leave it within ~0.1 ms
-        self.t0 = time.perf_counter()
+        polite_barrier(comm, Backoff(cap=1e-4))  # everyone is set up: nobody waits long in the sync
+        self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         try:
             if topo.role is Role.SERVER:
                 self._serve(window, master, recorder)
@@ -284,7 +286,7 @@ class _Run:
         """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set."""
         read = getattr(self.source, "samples_read", -1) if self.source is not None else 0
         return (self.topo.rank, self.topo.role.value.encode(), socket.gethostname().encode()[:64],
-                peak_rss_bytes(), read)
+                peak_rss_bytes(), read, self.run_clock.offset, self.run_clock.uncertainty)
 
     def _save_path(self, path: str) -> str:
         """``--save``, or the metrics file's name with ``.pt``."""

@@ -1,6 +1,6 @@
 """HDF5 metrics schema, version 3 (pure numpy; no MPI, no h5py).
 
-Times are seconds since the run's common start (taken after a barrier).
+Times are seconds since the run's start on rank 0's clock (hpcps.transport.clocksync).
 Ranks are ranks of the run's communicator (``COMM_WORLD`` for the CLI).
 """
 
@@ -56,9 +56,11 @@ EVAL_METRIC = np.dtype([("t", "f8"), ("version", "i8"), ("name", "S32"), ("value
 
 #: ``/ranks``: one row per rank, written at the end of the run: its role (server, group, worker),
 #: host name, peak resident memory (``getrusage``), and the training or held-out samples it read
-#: from a streamed data set (-1 where the data are not counted: in memory, or not streamed).
+#: from a streamed data set (-1 where the data are not counted: in memory, or not streamed), and its
+#: clock's offset to rank 0's with the offset's uncertainty (both 0 on rank 0's node, whose ranks
+#: share its clock; see hpcps.transport.clocksync).
 RANK = np.dtype([("rank", "i4"), ("role", "S8"), ("host", "S64"), ("peak_rss_bytes", "i8"),
-                 ("samples_read", "i8")])
+                 ("samples_read", "i8"), ("clock_offset_s", "f8"), ("clock_uncertainty_s", "f8")])
 
 #: ``/groups/updates`` (grouped paradigm): the central shards' rows, one per group update
 #: applied (``worker`` is the group server's rank, ``worker_clock`` its round); the rows of

@@ -7,7 +7,7 @@ carries out what it returns:
 
 * ``on_push(worker, clock, version, now)``: worker ``worker`` (an index
   0..N-1) pushed its ``clock``-th gradient, computed on parameter
-  ``version``; ``now`` is seconds since the run's common start.
+  ``version``; ``now`` is seconds since the run's start (rank 0's clock).
 * ``on_leave(worker, now)``: the worker has finished and will push no more.
 
 Each returns a :class:`Decision`:

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import numpy as np
 
+TAG_CLOCK_PING = 31  # clock synchronisation at start-up (hpcps.transport.clocksync), on the PS communicator
+TAG_CLOCK_PONG = 32
 TAG_PUSH_HEADER = 11
 TAG_PUSH_DATA = 12
 TAG_NOTICE = 13

@@ -1,0 +1,75 @@
+"""One clock for every rank's timestamps (mpiexec -n 5): offsets, causality, bounds from times alone."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcps.transport.clocksync import shares_clock_with_rank0, sync_clock
+from mpitest import share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+WORKERS = [1, 2, 3, 4]
+
+
+def test_offsets_are_exact_on_rank0s_node_and_estimated_with_their_uncertainty_elsewhere(world):
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    assert shares_clock_with_rank0(world, node)  # one machine here
+    node.Free()
+    pretend_remote = world.rank % 2 == 1  # odd ranks take the ping-pong path, as if on another node
+    clock = sync_clock(world, not pretend_remote)
+    facts = world.gather((clock.offset, clock.uncertainty), root=0)
+    facts = share(world, facts)
+    for rank, (offset, uncertainty) in enumerate(facts):
+        if rank % 2:
+            # the clocks are in truth the same: the estimate must be within its stated uncertainty of 0
+            assert 0 < uncertainty < 0.05 and abs(offset) <= uncertainty, (rank, offset, uncertainty)
+        else:
+            assert (offset, uncertainty) == (0.0, 0.0)
+    t0s = share(world, world.gather(clock.t0, root=0))
+    assert len(set(t0s)) == 1 and clock() >= 0
+
+
+def _push_start(it: np.ndarray) -> dict[tuple[int, int], float]:
+    """When each gradient's push began: its iteration's start plus its compute (worker rank, its clock)."""
+    return {(int(r["rank"]), int(r["step"]) + 1): float(r["t_start"] + r["compute_s"]) for r in it}
+
+
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp"])
+def test_no_gradient_is_applied_before_its_push_began(world, mpi_tmp_path, paradigm):
+    _, t = train(mpi_tmp_path / f"causal-{paradigm}.h5", paradigm=paradigm, steps=60, slowdown=["4=3"])
+    facts = None
+    if world.rank == 0:
+        pushed = _push_start(t["workers/iterations"])
+        up = t["servers/updates"]
+        slack = float(t["ranks"]["clock_uncertainty_s"].max())
+        early = [(int(u["worker"]), int(u["worker_clock"]), float(pushed[int(u["worker"]), int(u["worker_clock"])]
+                                                                   - u["t"])) for u in up
+                 if u["t"] < pushed[int(u["worker"]), int(u["worker_clock"])] - slack]
+        facts = {"early": early[:5], "checked": len(up)}
+    facts = share(world, facts)
+    assert facts["checked"] == 4 * 60
+    assert facts["early"] == []  # (worker, clock, by how much) of gradients applied before their push began
+
+
+@pytest.mark.parametrize("paradigm,bound", [("ssp", 2), ("dssp", 6)])
+def test_the_clock_gap_bound_holds_from_the_recorded_timestamps_alone(world, mpi_tmp_path, paradigm, bound):
+    """At every iteration's start, the worker is at most the bound ahead of the slowest worker still
+    running, counting only gradients recorded as applied *before* that start (no server order used)."""
+    steps = 40
+    _, t = train(mpi_tmp_path / f"gap-{paradigm}.h5", paradigm=paradigm, staleness=2, staleness_max=6,
+                 steps=steps, slowdown=["4=3"])
+    facts = None
+    if world.rank == 0:
+        it, up = t["workers/iterations"], t["servers/updates"]
+        up = up[up["shard"] == 0]
+        gaps = []
+        for row in it:
+            applied = {w: int(((up["worker"] == w) & (up["t"] < row["t_start"])).sum()) for w in WORKERS}
+            running = [n for w, n in applied.items() if n < steps and w != row["rank"]] + [applied[int(row["rank"])]]
+            gaps.append(int(row["step"]) - min(running))
+        facts = {"max_gap": max(gaps), "rows": len(it)}
+    facts = share(world, facts)
+    assert facts["rows"] == 4 * steps
+    assert facts["max_gap"] <= bound
+    assert facts["max_gap"] >= 2  # the straggler made the bound bind: the check is not empty

@@ -69,7 +69,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class _Slices:
+class Slices:
     """Re-iterable batches of ``batch_size`` from ``take(lo, hi)`` over ``n`` items, in order."""
 
     def __init__(self, n: int, batch_size: int, take: Callable[[int, int], Any]) -> None:
@@ -96,11 +96,11 @@ class ArrayData:
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
                    device: torch.device, steps: int | None = None) -> BatchSource:
-        return _IndexedBatches(self.n_train, index, n_workers, batch_size, seed, _ArrayTake(self.data, device))
+        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed, _ArrayTake(self.data, device))
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
         x, y = torch.from_numpy(self.data.x_test), torch.from_numpy(self.data.y_test)
-        return _Slices(self.n_test, batch_size, lambda lo, hi: (x[lo:hi], y[lo:hi]))
+        return Slices(self.n_test, batch_size, lambda lo, hi: (x[lo:hi], y[lo:hi]))
 
 
 class _ArrayTake:
@@ -128,7 +128,7 @@ class TorchData:
                    device: torch.device, steps: int | None = None) -> BatchSource:
         def take(idx: np.ndarray) -> Any:
             return default_collate([self.train[int(i)] for i in idx])
-        return _IndexedBatches(self.n_train, index, n_workers, batch_size, seed, take)
+        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed, take)
 
     def test_batches(self, batch_size: int) -> Iterable[Any] | None:
         return held_out_batches(self.test, batch_size)
@@ -152,7 +152,7 @@ class FactoryData:
         return held_out_batches(self.test, batch_size)
 
 
-class _IndexedBatches:
+class IndexedBatches:
     """Batches from the sample schedule of :func:`hpcps.data.batch_indices`, taken by ``take(indices)``."""
 
     def __init__(self, n_train: int, index: int, n_workers: int, batch_size: int, seed: int,
@@ -201,17 +201,17 @@ class _FactoryBatches:
 
 def held_out_batches(test: Any, batch_size: int) -> Iterable[Any] | None:
     """Batches of a held-out Dataset, in order; an iterable of batches (a DataLoader) as it is; or None."""
-    if test is None or not _is_dataset(test):
+    if test is None or not is_dataset(test):
         return test
-    return _Slices(len(test), batch_size, lambda lo, hi: default_collate([test[i] for i in range(lo, hi)]))
+    return Slices(len(test), batch_size, lambda lo, hi: default_collate([test[i] for i in range(lo, hi)]))
 
 
 def _size(test: Any) -> int | None:
     """Samples in a held-out Dataset (None for batches or nothing: not known in advance)."""
-    return len(test) if test is not None and _is_dataset(test) else None
+    return len(test) if test is not None and is_dataset(test) else None
 
 
-def _is_dataset(obj: Any) -> bool:
+def is_dataset(obj: Any) -> bool:
     """A map-style dataset: indexable and sized (a torch Dataset, or anything shaped like one)."""
     return isinstance(obj, torch.utils.data.Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
                                                          and not isinstance(obj, (list, tuple)))

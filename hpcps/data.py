@@ -69,14 +69,21 @@ def _hdf5(path: str) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y.astype(np.int64)
 
 
+def split_indices(n: int, test_fraction: float, spec: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) indices of ``n`` samples: the one fixed split every data set uses (a
+    permutation seeded with :data:`SPLIT_SEED`, whatever ``--seed`` says); ``spec`` names it in errors."""
+    n_test = int(round(n * test_fraction))
+    if n - n_test < 1 or n_test < 1:
+        where = f"--dataset {spec}: " if spec is not None else ""
+        raise UserError(f"{where}{n} samples are too few to hold {test_fraction:.0%} out for testing")
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    return order[n_test:], order[:n_test]
+
+
 def load_dataset(spec: str, *, test_fraction: float = 0.2) -> Dataset:
     """Load ``spec`` and split it into training and held-out samples."""
     x, y = _digits() if spec == "digits" else _hdf5(spec)
-    n_test = int(round(len(x) * test_fraction))
-    if len(x) - n_test < 1 or n_test < 1:
-        raise UserError(f"--dataset {spec}: {len(x)} samples are too few to hold {test_fraction:.0%} out for testing")
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-    test, train = order[:n_test], order[n_test:]
+    train, test = split_indices(len(x), test_fraction, spec)
     return Dataset(spec, x[train], y[train], x[test], y[test], int(y.max()) + 1)
 
 

@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from hpcps.batches import ArrayData, BatchSource, _IndexedBatches, _Slices
-from hpcps.data import SPLIT_SEED, Dataset, load_dataset
+from hpcps.batches import ArrayData, BatchSource, IndexedBatches, Slices
+from hpcps.data import SPLIT_SEED, Dataset, load_dataset, split_indices
 from hpcps.errors import UserError
 
 MNIST1D_SAMPLES = 5000  # the package's (and the paper's) standard: 4000 training, 1000 held-out
@@ -77,15 +77,6 @@ def _count(text: str, spec: str, what: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise UserError(f"--dataset {spec}: {what} must be a positive whole number (got {text!r})")
     return int(text)
-
-
-def _fixed_split(n: int, test_fraction: float, spec: str) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) sample indices: the fixed permutation every built-in source uses."""
-    n_test = int(round(n * test_fraction))
-    if n - n_test < 1 or n_test < 1:
-        raise UserError(f"--dataset {spec}: {n} samples are too few to hold {test_fraction:.0%} out for testing")
-    order = np.random.default_rng(SPLIT_SEED).permutation(n)
-    return order[n_test:], order[:n_test]
 
 
 # -- MNIST-1D -------------------------------------------------------------------------------------
@@ -144,7 +135,7 @@ class SyntheticData:
     def __init__(self, shape: tuple[int, ...], classes: int, samples: int, *, test_fraction: float,
                  name: str) -> None:
         self.shape, self.classes, self.name = shape, classes, name
-        self.train_idx, self.test_idx = _fixed_split(samples, test_fraction, name)
+        self.train_idx, self.test_idx = split_indices(samples, test_fraction, name)
         self.n_train, self.n_test = len(self.train_idx), len(self.test_idx)
         self.in_shape, self.n_classes = shape, classes
         g = torch.Generator().manual_seed(SPLIT_SEED)
@@ -161,11 +152,11 @@ class SyntheticData:
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
                    device: torch.device, steps: int | None = None) -> BatchSource:
-        return _IndexedBatches(self.n_train, index, n_workers, batch_size, seed,
+        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed,
                                lambda idx: self.samples(self.train_idx[idx]))
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
-        return _Slices(self.n_test, batch_size, lambda lo, hi: self.samples(self.test_idx[lo:hi]))
+        return Slices(self.n_test, batch_size, lambda lo, hi: self.samples(self.test_idx[lo:hi]))
 
 
 # -- HDF5, streamed -------------------------------------------------------------------------------
@@ -200,7 +191,7 @@ class H5Data:
             raise UserError(f"--dataset {spec}: /{self.y_name} must be a 1-d array of non-negative integer labels")
         self.labels = y.astype(np.int64)
         self.n_classes = int(y.max()) + 1
-        self.train_idx, self.test_idx = _fixed_split(n_x, test_fraction, spec)
+        self.train_idx, self.test_idx = split_indices(n_x, test_fraction, spec)
         self.n_train, self.n_test = len(self.train_idx), len(self.test_idx)
         self._file = None
         self.samples_read = 0  # rows of x this rank has read (tests count them)
@@ -221,11 +212,11 @@ class H5Data:
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
                    device: torch.device, steps: int | None = None) -> BatchSource:
-        return _Prefetched(_IndexedBatches(self.n_train, index, n_workers, batch_size, seed,
+        return _Prefetched(IndexedBatches(self.n_train, index, n_workers, batch_size, seed,
                                            lambda idx: self.read(self.train_idx[idx])), steps)
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
-        return _Slices(self.n_test, batch_size, lambda lo, hi: self.read(self.test_idx[lo:hi]))
+        return Slices(self.n_test, batch_size, lambda lo, hi: self.read(self.test_idx[lo:hi]))
 
 
 def _names(names: str, spec: str) -> tuple[str, str]:
@@ -241,7 +232,7 @@ def _names(names: str, spec: str) -> tuple[str, str]:
 class _Prefetched:
     """Reads batch ``step + 1`` on a helper thread while the caller computes on batch ``step``."""
 
-    def __init__(self, source: _IndexedBatches, steps: int | None = None) -> None:
+    def __init__(self, source: IndexedBatches, steps: int | None = None) -> None:
         self.source, self.steps = source, steps  # no read past the last step
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcps-prefetch")
         self.ahead: tuple[int, Future] | None = None

@@ -293,13 +293,14 @@ class _Run:
         return self.cfg.save or os.path.splitext(path)[0] + ".pt"
 
     def _open(self, path: str) -> RunFile:
-        save_dir = os.path.dirname(os.path.abspath(self._save_path(path)))
+        save = self._save_path(path)
+        save_dir = os.path.dirname(os.path.abspath(save))
         try:  # refuse at the start, not after hours of training
             os.makedirs(save_dir, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"--save {self._save_path(path)}: cannot create its directory ({exc})") from None
+            raise UserError(f"--save {save}: cannot create its directory ({exc})") from None
         if not os.access(save_dir, os.W_OK):
-            raise UserError(f"--save {self._save_path(path)}: directory {save_dir} is not writable")
+            raise UserError(f"--save {save}: directory {save_dir} is not writable")
         try:
             return RunFile(path, {
                 "hpcps_version": hpcps.__version__,

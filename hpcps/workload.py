@@ -18,13 +18,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hpcps.batches import DataSource, FactoryData, TorchData, _is_dataset
+from hpcps.batches import DataSource, FactoryData, TorchData, is_dataset
 from hpcps.config import TrainConfig
-from hpcps.data import SPLIT_SEED
+from hpcps.data import split_indices
 from hpcps.datasets import builtin_dataset, is_builtin_name
 from hpcps.errors import UserError
 from hpcps.models import MODELS, torchvision_model
@@ -142,7 +141,7 @@ def data_source(train: Any, test: Any = None, *, test_fraction: float = 0.2, nam
     """
     if isinstance(train, tuple) and len(train) == 2 and test is None:
         train, test = train
-    if _is_dataset(train):
+    if is_dataset(train):
         if test is None:
             train, test = split(train, test_fraction)
         return TorchData(train, test, name=name)
@@ -154,12 +153,8 @@ def data_source(train: Any, test: Any = None, *, test_fraction: float = 0.2, nam
 
 def split(dataset: Any, test_fraction: float) -> tuple[torch.utils.data.Subset, torch.utils.data.Subset]:
     """Hold out ``test_fraction`` of ``dataset``, always the same samples (a permutation seeded once)."""
-    n = len(dataset)
-    n_test = int(round(n * test_fraction))
-    if n_test < 1 or n - n_test < 1:
-        raise UserError(f"{n} samples are too few to hold {test_fraction:.0%} out for testing")
-    order = np.random.default_rng(SPLIT_SEED).permutation(n).tolist()
-    return torch.utils.data.Subset(dataset, order[n_test:]), torch.utils.data.Subset(dataset, order[:n_test])
+    train, test = split_indices(len(dataset), test_fraction)
+    return torch.utils.data.Subset(dataset, train.tolist()), torch.utils.data.Subset(dataset, test.tolist())
 
 
 def data_shape(source: DataSource) -> tuple[tuple[int, ...] | None, int | None]:
@@ -218,14 +213,14 @@ def resolve_dataset(spec: str, test_fraction: float) -> tuple[Callable[[], DataS
 
     def load() -> DataSource:
         value = obj
-        if callable(obj) and not _is_dataset(obj):
+        if callable(obj) and not is_dataset(obj):
             try:
                 value = obj()
             except UserError:
                 raise
             except Exception as exc:
                 raise UserError(f"--dataset {spec}: calling it failed: {type(exc).__name__}: {exc}") from None
-        if not (_is_dataset(value) or (isinstance(value, tuple) and len(value) == 2)):
+        if not (is_dataset(value) or (isinstance(value, tuple) and len(value) == 2)):
             raise UserError(f"--dataset {spec}: expected a torch Dataset or a (train, test) pair of them, "
                             f"got a {type(value).__name__}")
         try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpcps.data import batch_indices, load_dataset
-from hpcps.datasets import H5Data, SyntheticData, builtin_dataset, cache_mnist1d, read_mnist1d
+from hpcps.datasets import SyntheticData, builtin_dataset, cache_mnist1d, read_mnist1d
 from hpcps.errors import UserError
 from hpcps.models import MODELS, torchvision_model
 

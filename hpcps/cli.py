@@ -75,7 +75,8 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
                    help="mlp or cnn (default mlp), or your model factory as pkg.mod:name or path/file.py:name "
                         "(called with in_shape, n_classes, hidden where it takes them)")
     g.add_argument("--hidden", type=int, metavar="UNITS",
-                   help="units in the model's hidden layer (default 128); large values make a big model")
+                   help="width of the model: units in the hidden layer of mlp and cnn (default 128), channels of "
+                        "cnn1d's convolutions (default 64); large values make a big model")
     g.add_argument("--dataset", metavar="NAME|FILE.h5|PLUGIN",
                    help="digits, an HDF5 file with /x and /y (default digits), or a plug-in pkg.mod:name or "
                         "file.py:name: a torch Dataset, a (train, test) pair, or a function returning either")

@@ -38,7 +38,7 @@ class TrainConfig(BaseModel):
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
     group_by: Literal["rank", "speed"] = "rank"
     model: str = "mlp"  # a built-in name, or a plug-in: pkg.mod:name, path/file.py:name
-    hidden: int = Field(128, ge=1)
+    hidden: int | None = Field(None, ge=1)  # None: the model's own default
     dataset: str = "digits"  # a built-in name, an HDF5 file, or a plug-in
     loss: str = "cross_entropy"  # a built-in name, or a plug-in
     steps: int | None = Field(None, ge=1)

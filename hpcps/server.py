@@ -117,6 +117,7 @@ class ShardServer:
     def run(self) -> None:
         self.window.publish(self.master, self.version)
         while self.inbox.open:
+            self.window.publish_held()  # a version deferred while a lapped reader held this shard
             events = self.inbox.poll()
             self._log_transfers()
             for task in self.side_tasks:
@@ -139,6 +140,8 @@ class ShardServer:
                 self.notifier.send(worker, flags, clock, version, staleness)
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
+        while not self.window.publish_held():  # the final version goes out whatever readers were doing
+            self.backoff.pause()
         self.notifier.drain(self.backoff)
 
     def _log_transfers(self) -> None:

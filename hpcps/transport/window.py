@@ -12,13 +12,40 @@ version they belong to. Two protocols guarantee that:
     nobody ever locks exclusively, so a pull needs nothing from the
     server's CPU: within a node it is a copy out of shared memory, across
     nodes an RDMA read. The shard writes publish *k* into slot ``k % 2``,
-    bracketed by a counter (``2k-1`` while writing, ``2k`` when done, each
-    step followed by ``MPI_Win_sync``). A reader reads the counter, copies
-    the slot of the newest complete publish *j*, and reads the counter
-    again: the copy is good unless publish ``j+2``, the next one to write
-    that slot, had begun (counter ``>= 2j+3``); otherwise it retries. Two
-    slots mean a reader is never turned away by the publish in progress,
-    only by one that laps it.
+    bracketed by a counter (``2k-1`` while writing, ``2k`` when done). A
+    reader reads the counter, copies the slot of the newest complete
+    publish *j* together with that slot's version, synchronizes
+    (``MPI_Win_sync``) and reads the counter again: the copy is good unless
+    publish ``j+2``, the next one to write that slot, had begun (counter
+    ``>= 2j+3``); otherwise it retries. Two slots mean a reader is never
+    turned away by the publish in progress, only by one that laps it.
+
+    What the MPI standard asks of this, and how it is met:
+
+    * every header word (counter, versions, stop flag, hold count) is
+      written and read only by accumulate operations on ``MPI_INT64_T``
+      (the shard applies ``Accumulate`` with ``REPLACE`` to its own window and
+      flushes; readers ``Get_accumulate`` with ``NO_OP``), which MPI makes
+      atomic per element against each other;
+    * every transfer's target type matches its origin type (``INT64_T``
+      headers, ``FLOAT`` parameters);
+    * the shard's stores to a slot are followed by ``Win_sync`` before the
+      counter says they are complete, and the reader calls ``Win_sync``
+      between its copy and its re-read, so the re-read is ordered after it;
+    * the version a pull returns is read with the copy it belongs to and
+      stands or falls with it: read after the first counter read (which
+      was written after the slot's version), and checked by the re-read;
+    * the only racing accesses left are a copy that may overlap the
+      shard's stores to the other or (once lapped) the same slot, and a
+      copy that raced is always thrown away.
+
+    Retries are bounded: a reader lapped :data:`MAX_LAPS` times in a row on
+    one shard raises that shard's *hold* count (``Accumulate`` ``SUM``).
+    A shard checks the count before each publish and, while it is
+    non-zero, keeps serving pushes but defers publishing (the newest
+    version goes out at its next loop, :meth:`ParamWindow.publish_held`),
+    so the held reader's next copy cannot be lapped; it then lowers the
+    count.
 
 ``locked`` (the fallback for the separate memory model)
     The shard copies its parameters in under an exclusive lock on itself;
@@ -26,8 +53,9 @@ version they belong to. Two protocols guarantee that:
     exclusive one is granted only when the target is inside MPI, so pulls
     then wait for the server's next poll.
 
-``HPCPS_WINDOW={auto,seqlock,locked}`` overrides the choice (all ranks must
-agree; ``auto`` is the default).
+``HPCPS_WINDOW={auto,seqlock,locked}`` overrides the choice. Every rank
+must say the same (it is checked: a mismatch ends every rank with one
+message); ``auto`` is the default.
 """
 
 from __future__ import annotations
@@ -38,17 +66,34 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from hpcps.errors import UserError
 from hpcps.transport import wire
 from hpcps.transport.poll import Backoff, wait_until
 
 PROTOCOLS = ("auto", "seqlock", "locked")
+MAX_LAPS = 8  # seqlock: a reader lapped this often in a row holds the shard's publishes for one copy
+_I64 = MPI.INT64_T
+_HEADER_WORDS = wire.WINDOW_HEADER_BYTES // 8
+_NOTHING = np.zeros(_HEADER_WORDS, np.int64)  # the ignored origin of NO_OP reads (read-only, shared by threads)
 
 
 def choose_protocol(comm: MPI.Comm, wanted: str | None = None) -> str:
-    """Collective over ``comm``: ``seqlock`` if every rank's MPI gives unified windows (or ``wanted`` says)."""
+    """Collective over ``comm``: the protocol every rank will use.
+
+    ``wanted`` (else ``$HPCPS_WINDOW``, else ``auto``) must be the same on
+    every rank: a mismatch raises :class:`UserError` on all of them, never
+    a window two ranks read differently. ``auto`` is ``seqlock`` if every
+    rank's MPI gives unified windows, else ``locked``.
+    """
     wanted = wanted or os.environ.get("HPCPS_WINDOW", "auto")
+    said = comm.allgather(wanted)
+    if len(set(said)) > 1:
+        ranks = {w: [r for r, x in enumerate(said) if x == w] for w in dict.fromkeys(said)}
+        raise UserError("HPCPS_WINDOW differs between ranks (" +
+                        "; ".join(f"{w!r} on ranks {_ranges(r)}" for w, r in ranks.items()) +
+                        "): export one value to the whole job")
     if wanted not in PROTOCOLS:
-        raise ValueError(f"HPCPS_WINDOW={wanted!r}: expected one of {', '.join(PROTOCOLS)}")
+        raise UserError(f"HPCPS_WINDOW={wanted!r}: expected one of {', '.join(PROTOCOLS)}")
     if wanted != "auto":
         return wanted
     probe = MPI.Win.Allocate(8, 1, comm=comm)
@@ -57,6 +102,10 @@ def choose_protocol(comm: MPI.Comm, wanted: str | None = None) -> str:
     finally:
         probe.Free()
     return "seqlock" if comm.allreduce(int(unified), op=MPI.MIN) else "locked"
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
 
 
 class ParamWindow:
@@ -83,12 +132,17 @@ class ParamWindow:
         self.header = None
         self.slots: list[np.ndarray] = []
         self._published = 0
+        self._held: tuple[np.ndarray, int] | None = None  # seqlock: a publish deferred while a reader holds us
+        self.deferred = 0  # publishes deferred for held readers (this shard)
+        self.holds = 0  # times this rank's pulls had to hold a shard
+        self._word = np.zeros(1, np.int64)
+        self._one = np.ones(1, np.int64)
         if local_len:
             mem = np.frombuffer(self.win.tomemory(), np.uint8)
             self.header = mem[: wire.WINDOW_HEADER_BYTES].view(np.int64)
             body = mem[wire.WINDOW_HEADER_BYTES:].view(np.float32)
             self.slots = [body[i * local_len:(i + 1) * local_len] for i in range(self.n_slots)]
-            self.header[:] = 0
+            self.header[:] = 0  # before anyone can reach the window: window creation is collective
             if self.protocol == "seqlock":
                 self.win.Sync()
 
@@ -114,25 +168,57 @@ class ParamWindow:
         self.free()
 
     # -- server side ----------------------------------------------------
-    def publish(self, params: np.ndarray, version: int) -> None:
-        """Expose ``params`` as ``version`` of this rank's shard, atomically for readers."""
-        win, h = self._live(), self.header
+    def _store(self, index: int, value: int) -> None:
+        """Seqlock: set our own header word atomically for readers (Accumulate REPLACE, flushed)."""
+        win = self._live()
+        self._word[0] = value
+        win.Accumulate([self._word, 1, _I64], self.rank, (8 * index, 1, _I64), MPI.REPLACE)
+        win.Flush(self.rank)
+
+    def _load(self, index: int) -> int:
+        """Seqlock: read our own header word atomically (Fetch_and_op NO_OP, flushed)."""
+        win = self._live()
+        win.Fetch_and_op([self._one, 1, _I64], [self._word, 1, _I64], self.rank, 8 * index, MPI.NO_OP)
+        win.Flush(self.rank)
+        return int(self._word[0])
+
+    def publish(self, params: np.ndarray, version: int) -> bool:
+        """Expose ``params`` as ``version`` of this rank's shard, atomically for readers.
+
+        Returns False when a lapped reader holds this shard (seqlock): the
+        publish is deferred, not lost, and goes out at the next
+        :meth:`publish_held` or :meth:`publish` once the reader is done.
+        ``params`` must then stay unchanged until one of those is called.
+        """
+        win = self._live()
         if self.protocol == "locked":
             win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
             np.copyto(self.slots[0], params)
-            h[wire.WIN_VERSION] = version
+            self.header[wire.WIN_VERSION] = version
             win.Unlock(self.rank)
-            return
+            return True
+        if self._load(wire.WIN_HOLD) > 0:
+            if self._held is None:
+                self.deferred += 1
+            self._held = (params, version)
+            return False
+        self._held = None
         k = self._published + 1
-        h[wire.WIN_SEQ] = 2 * k - 1
+        self._store(wire.WIN_SEQ, 2 * k - 1)
         win.Sync()
         np.copyto(self.slots[k % 2], params)
-        h[wire.WIN_SLOT_VERSION + k % 2] = version
-        win.Sync()
-        h[wire.WIN_SEQ] = 2 * k
-        h[wire.WIN_VERSION] = version
-        win.Sync()
+        win.Sync()  # the slot's stores are visible before its version and the counter say so
+        self._store(wire.WIN_SLOT_VERSION + k % 2, version)
+        self._store(wire.WIN_SEQ, 2 * k)
+        self._store(wire.WIN_VERSION, version)
         self._published = k
+        return True
+
+    def publish_held(self) -> bool:
+        """Publish a deferred version once no reader holds this shard; True if nothing is left deferred."""
+        if self._held is None:
+            return True
+        return self.publish(*self._held)
 
     def set_stop(self) -> None:
         """Raise this shard's stop flag; workers see it at their next pull."""
@@ -142,8 +228,7 @@ class ParamWindow:
             self.header[wire.WIN_STOP] = 1
             win.Unlock(self.rank)
         else:
-            self.header[wire.WIN_STOP] = 1
-            win.Sync()
+            self._store(wire.WIN_STOP, 1)
 
     # -- reader side ----------------------------------------------------
     def pull(self, out: np.ndarray, backoff: Backoff | None = None) -> tuple[np.ndarray, bool]:
@@ -161,49 +246,76 @@ class ParamWindow:
         """The newest published version of every shard (headers only: 64 bytes per shard)."""
         if self.protocol == "locked":
             return self._read_locked(None, backoff)[0]
-        heads = np.zeros((len(self.shard_ranks), 8), np.int64)
-        self._get_headers(heads, range(len(self.shard_ranks)), backoff)
+        heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
+        self._get_words(heads, range(len(self.shard_ranks)), 0, _HEADER_WORDS, backoff)
         return heads[:, wire.WIN_VERSION].copy()
 
-    def _get_headers(self, heads: np.ndarray, shards, backoff: Backoff | None) -> None:
+    def _get_words(self, out: np.ndarray, shards, first: int, count: int, backoff: Backoff | None) -> None:
+        """Atomic read (Get_accumulate NO_OP, INT64) of header words ``first..first+count`` of ``shards``."""
         win = self._live()
-        requests = [win.Rget(heads[s], self.shard_ranks[s], (0, wire.WINDOW_HEADER_BYTES, MPI.BYTE)) for s in shards]
+        requests = [win.Rget_accumulate([_NOTHING[:count], count, _I64], [out[s, first:first + count], count, _I64],
+                                        self.shard_ranks[s], (8 * first, count, _I64), MPI.NO_OP) for s in shards]
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
+
+    def _hold(self, s: int, delta: int) -> None:
+        win = self._live()
+        word = np.array([delta], np.int64)  # our own: two threads may pull at once
+        win.Accumulate([word, 1, _I64], self.shard_ranks[s], (8 * wire.WIN_HOLD, 1, _I64), MPI.SUM)
+        win.Flush(self.shard_ranks[s])
 
     def _read_seqlock(self, out: np.ndarray, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
         win = self._live()
         n = len(self.shard_ranks)
-        before, after = np.zeros((n, 8), np.int64), np.zeros((n, 8), np.int64)
+        before = np.zeros((n, _HEADER_WORDS), np.int64)
+        slot_version = np.zeros((n, 1), np.int64)
+        after = np.zeros((n, 1), np.int64)
         pending = list(range(n))
+        laps = [0] * n
+        held: list[int] = []
         retry = Backoff(first=1e-5, cap=backoff.cap if backoff else 1e-3)
-        while True:
-            self._get_headers(before, pending, backoff)
-            requests = []
-            for s in pending:
-                lo, hi = self.bounds[s]
-                j = int(before[s, wire.WIN_SEQ]) // 2  # the newest complete publish
-                offset = wire.WINDOW_HEADER_BYTES + 4 * (hi - lo) * (j % 2)
-                requests.append(win.Rget(out[lo:hi], self.shard_ranks[s], (offset, 4 * (hi - lo), MPI.BYTE)))
-            wait_until(lambda: MPI.Request.Testall(requests), backoff)
-            self._get_headers(after, pending, backoff)
-            pending = [s for s in pending
-                       if after[s, wire.WIN_SEQ] >= 2 * (before[s, wire.WIN_SEQ] // 2) + 3]  # lapped: read again
-            if not pending:
-                break
-            retry.pause()
-        slot = (before[:, wire.WIN_SEQ] // 2) % 2
-        versions = after[np.arange(n), wire.WIN_SLOT_VERSION + slot].copy()
-        return versions, bool(after[:, wire.WIN_STOP].any())
+        try:
+            while True:
+                self._get_words(before, pending, 0, _HEADER_WORDS, backoff)  # first read: counter, stop flag
+                requests = []
+                for s in pending:
+                    lo, hi = self.bounds[s]
+                    j = int(before[s, wire.WIN_SEQ]) // 2  # the newest complete publish
+                    offset = wire.WINDOW_HEADER_BYTES + 4 * (hi - lo) * (j % 2)
+                    requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], self.shard_ranks[s],
+                                             (offset, hi - lo, MPI.FLOAT)))
+                    requests.append(win.Rget_accumulate([_NOTHING[:1], 1, _I64], [slot_version[s], 1, _I64],
+                                                        self.shard_ranks[s],
+                                                        (8 * (wire.WIN_SLOT_VERSION + j % 2), 1, _I64), MPI.NO_OP))
+                wait_until(lambda: MPI.Request.Testall(requests), backoff)
+                win.Sync()  # the copy is ordered before the re-read
+                self._get_words(after, pending, wire.WIN_SEQ, 1, backoff)
+                lapped = [s for s in pending
+                          if after[s, 0] >= 2 * (before[s, wire.WIN_SEQ] // 2) + 3]  # publish j+2 began
+                for s in lapped:
+                    laps[s] += 1
+                    if laps[s] == MAX_LAPS:  # hold the shard's publishes for our next copy
+                        self._hold(s, +1)
+                        held.append(s)
+                        self.holds += 1
+                pending = lapped
+                if not pending:
+                    break
+                retry.pause()
+        finally:
+            for s in held:
+                self._hold(s, -1)
+        return slot_version[:, 0].copy(), bool(before[:, wire.WIN_STOP].any())
 
     def _read_locked(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
         win = self._live()
-        heads = np.zeros((len(self.shard_ranks), 8), np.int64)
+        heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
         requests = []
         for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, self.bounds)):
             win.Lock(rank, MPI.LOCK_SHARED)
-            requests.append(win.Rget(heads[s], rank, (0, wire.WINDOW_HEADER_BYTES, MPI.BYTE)))
+            requests.append(win.Rget([heads[s], _HEADER_WORDS, _I64], rank, (0, _HEADER_WORDS, _I64)))
             if out is not None:
-                requests.append(win.Rget(out[lo:hi], rank, (wire.WINDOW_HEADER_BYTES, 4 * (hi - lo), MPI.BYTE)))
+                requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], rank,
+                                         (wire.WINDOW_HEADER_BYTES, hi - lo, MPI.FLOAT)))
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
         for rank in self.shard_ranks:
             win.Unlock(rank)

@@ -34,7 +34,8 @@ RMA window (one per run over the PS communicator; server shards expose
 memory, every other rank exposes none)::
 
     bytes 0..63       int64[8]  version, stop flag, publish counter,
-                                version in slot 0, version in slot 1, 0...
+                                version in slot 0, version in slot 1,
+                                hold count, 0, 0
     bytes 64..        float32[shard length]   slot 0: published parameters
     then              float32[shard length]   slot 1 (seqlock protocol only)
 
@@ -73,6 +74,7 @@ WIN_VERSION = 0  # newest published version
 WIN_STOP = 1
 WIN_SEQ = 2  # seqlock: 2k-1 while publish k is written, 2k once it is complete
 WIN_SLOT_VERSION = 3  # seqlock: the version in slot 0 (index 3) and slot 1 (index 4)
+WIN_HOLD = 5  # seqlock: readers lapped too often, holding the shard's next publish
 
 
 def encode_header(buf: np.ndarray, kind: int, worker: int, clock: int, version: int, lr: float,

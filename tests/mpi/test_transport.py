@@ -14,14 +14,22 @@ from hpcps.server import apply_update
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
+from hpcps.transport import window as window_module
 from hpcps.transport.window import ParamWindow
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
 
-@pytest.mark.parametrize("protocol", ["seqlock", "locked"])
-def test_pulls_never_return_a_torn_snapshot(world, protocol):
-    """Shards 0 and 1 publish version v as a block of v's as fast as they can; 3 readers check every pull."""
+@pytest.mark.parametrize("protocol,max_laps", [("seqlock", None), ("seqlock", 1), ("locked", None)])
+def test_pulls_never_return_a_torn_snapshot(world, protocol, max_laps, monkeypatch):
+    """Shards 0 and 1 publish version v as a block of v's as fast as they can; 3 readers check every pull.
+
+    With ``max_laps=1`` every lapped reader holds the shard it was lapped
+    on: the shard defers publishes meanwhile, the held read succeeds, and
+    the deferred version still goes out.
+    """
+    if max_laps is not None:
+        monkeypatch.setattr(window_module, "MAX_LAPS", max_laps)
     n, shards, pulls = 1 << 18, [0, 1], 200
     bounds = shard_bounds(n, 2)
     is_server = world.rank in shards
@@ -40,6 +48,8 @@ def test_pulls_never_return_a_torn_snapshot(world, protocol):
             block.fill(v)
             window.publish(block, v)
         seen.add(v)
+        assert window.publish_held()  # no reader is left to hold us: the newest version is out
+        assert int(window.header[wire.WIN_VERSION]) == v and int(window.header[wire.WIN_HOLD]) == 0
     else:
         out = np.empty(n, np.float32)
         for _ in range(pulls):
@@ -48,11 +58,15 @@ def test_pulls_never_return_a_torn_snapshot(world, protocol):
                 bad += int(not np.all(out[a:b] == versions[s]))
                 seen.add(int(versions[s]))
         polite_barrier(world)
+    holds, deferred = world.reduce(window.holds, root=0), world.reduce(window.deferred, root=0)
     window.free()
-    facts = share(world, {"bad": world.reduce(bad, root=0),
-                          "distinct": world.reduce(len(seen), root=0)})
+    facts = share(world, {"bad": world.reduce(bad, root=0), "distinct": world.reduce(len(seen), root=0),
+                          "holds": holds, "deferred": deferred})
+    print(f"{protocol} max_laps={max_laps}: {facts}")
     assert facts["bad"] == 0
     assert facts["distinct"] > 10  # the readers really raced the publisher
+    if max_laps == 1:
+        assert facts["holds"] > 0 and facts["deferred"] > 0  # the bounded-retry path really ran
 
 
 def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40) -> float | None:
@@ -164,3 +178,14 @@ def test_eager_without_thread_multiple_ends_every_rank_with_one_message(world, m
     monkeypatch.undo()
     result, _ = train(mpi_tmp_path / "threads-asp.h5", paradigm="asp", steps=2)  # the others are unaffected
     assert (result is not None) == (world.rank == 0)
+
+
+def test_every_rank_must_name_the_same_window_protocol(world, monkeypatch):
+    """A rank that reads HPCPS_WINDOW differently would read a window laid out for another protocol."""
+    monkeypatch.setenv("HPCPS_WINDOW", "locked" if world.rank == 0 else "seqlock")
+    with pytest.raises(UserError, match=r"HPCPS_WINDOW differs between ranks \('locked' on ranks 0; "
+                                        r"'seqlock' on ranks 1,2,3,4\)"):
+        ParamWindow(world, shard_ranks=[0], bounds=[(0, 8)], local_len=8 if world.rank == 0 else 0)
+    monkeypatch.setenv("HPCPS_WINDOW", "seqlock")
+    with ParamWindow(world, shard_ranks=[0], bounds=[(0, 8)], local_len=8 if world.rank == 0 else 0) as window:
+        assert window.protocol == "seqlock"

@@ -12,7 +12,12 @@ Files of the checkpoint of version v (format 2)::
 Each file is written atomically: to ``<name>.tmp``, then renamed; a
 checkpoint is complete when all ``1 + n_servers`` files exist. Only BSP
 checkpoints are consistent in this release (every shard and every worker
-at one version). Nothing else is needed for an exact resume: the batch
+at one version), so only BSP writes them periodically (``--checkpoint-every``).
+Every paradigm writes one when a signal stops it (:mod:`hpcps.signals`):
+by then every pushed gradient has been applied, and the checkpoint holds
+each shard's version (``shard_versions``) and each worker's clock, where its
+resumed run starts; the resumed run continues, it does not replay. Nothing
+else is needed for an exact BSP resume: the batch
 schedule is a pure function of (seed, step), workers pull parameters and
 buffers after every round, and the optimizer state comes back. A BSP run
 resumed from its step-k checkpoint therefore ends with exactly the
@@ -49,6 +54,11 @@ class Checkpoint:
     config: dict
     n_servers: int
     format: int = FORMAT
+    shard_versions: np.ndarray | None = None  # a stopped run's shards may differ; None: all at ``version``
+
+    def shard_version(self, shard: int) -> int:
+        """The version shard ``shard`` resumes at."""
+        return int(self.shard_versions[shard]) if self.shard_versions is not None else self.version
 
 
 def checkpoint_path(directory: str, version: int) -> str:
@@ -56,7 +66,7 @@ def checkpoint_path(directory: str, version: int) -> str:
 
 
 def write_checkpoint(path: str, params: np.ndarray, *, version: int, worker_clocks, config: dict,
-                     n_servers: int) -> str:
+                     n_servers: int, shard_versions=None) -> str:
     """Write atomically (temporary file, then rename); return ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -66,6 +76,8 @@ def write_checkpoint(path: str, params: np.ndarray, *, version: int, worker_cloc
                         "version": version, "worker_clocks": np.asarray(worker_clocks, np.int64),
                         "n_params": len(params), "n_workers": len(worker_clocks), "n_servers": n_servers,
                         "config": json.dumps(config, sort_keys=True)})
+        if shard_versions is not None:
+            f.attrs["shard_versions"] = np.asarray(shard_versions, np.int64)
     os.replace(tmp, path)
     return path
 
@@ -97,7 +109,8 @@ def read_checkpoint(path: str, n_servers: int | None = None) -> Checkpoint:
     try:
         with h5py.File(path, "r", locking=False) as f:
             ckpt = Checkpoint(f["params"][()], int(f.attrs["version"]), np.asarray(f.attrs["worker_clocks"]),
-                              json.loads(f.attrs["config"]), int(f.attrs["n_servers"]), int(f.attrs["format"]))
+                              json.loads(f.attrs["config"]), int(f.attrs["n_servers"]), int(f.attrs["format"]),
+                              np.asarray(f.attrs["shard_versions"]) if "shard_versions" in f.attrs else None)
     except FileNotFoundError:
         raise UserError(f"--resume {path}: no such file") from None
     except (OSError, KeyError) as exc:

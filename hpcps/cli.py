@@ -142,8 +142,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", metavar="STEPS",
                    help="bsp: write a checkpoint every STEPS rounds (HDF5, written atomically)")
     g.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR",
-                   help="where checkpoints go, as step-NNNNNN.h5 (default checkpoints)")
-    g.add_argument("--resume", metavar="CKPT", help="bsp: continue the run from checkpoint CKPT, exactly")
+                   help="where checkpoints go, as step-NNNNNN.h5 (default: the run's own, $HPCPS_RUN_DIR/checkpoints "
+                        "in a batch job, else beside the metrics file: runs/NAME-checkpoints)")
+    g.add_argument("--resume", metavar="CKPT", help="continue the run from checkpoint CKPT (bsp's periodic "
+                   "ones: exactly; one written when a signal stopped a run: where each worker left off)")
     g = t.add_argument_group("output")
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",

@@ -80,7 +80,7 @@ class TrainConfig(BaseModel):
     stall_warn: float = Field(60.0, gt=0)
     stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never
     checkpoint_every: int | None = Field(None, ge=1)
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: str | None = None  # None: the run's own (hpcps.run.checkpoint_dir)
     resume: str | None = None
     fault: list[str] = Field(default_factory=list)
 

@@ -7,7 +7,9 @@ At iteration STEP, worker RANK, after its forward/backward pass:
 * ``raise``: raises an exception (the job must end on every rank, naming the rank);
 * ``exit``: leaves the process at once with status 3, as a crashed rank would;
 * ``hang``: stops making progress forever (sleeping), as a stuck rank would; the
-  stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job.
+  stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job;
+* ``usr1``: sends itself SIGUSR1, as a batch system does before the time limit
+  (the whole job stops cleanly and writes a checkpoint: hpcps.signals).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("nan", "raise", "exit", "hang")
-_SPEC = re.compile(r"^([a-z]+)@(\d+):(\d+)$")
+KINDS = ("nan", "raise", "exit", "hang", "usr1")
+_SPEC = re.compile(r"^([a-z][a-z0-9]*)@(\d+):(\d+)$")
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     if cls.uses_groups and not cfg.groups:
         raise UserError(f"--paradigm {cfg.paradigm} needs --groups G (1 or more group servers)")
     layout.check_groups()
-    if (cfg.checkpoint_every or cfg.resume) and cfg.paradigm != "bsp":
-        option = "--checkpoint-every" if cfg.checkpoint_every else "--resume"
-        raise UserError(f"{option}: checkpoints are consistent only under bsp in this release "
-                        f"(got --paradigm {cfg.paradigm})")
+    if cfg.checkpoint_every and cfg.paradigm != "bsp":
+        raise UserError(f"--checkpoint-every: periodic checkpoints are consistent only under bsp (got --paradigm "
+                        f"{cfg.paradigm}); every paradigm writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")
     workers = f"ranks {layout.first_worker}-{world_size - 1}"
     for fault in cfg.faults:
         if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:

@@ -58,6 +58,7 @@ from hpcps.metrics.schema import RANK, summarize
 from hpcps.optim import ShardOptimizer, make_schedule
 from hpcps.policies import make_policy, policy_class
 from hpcps.server import ShardServer
+from hpcps.signals import StopSignals, announce
 from hpcps.topology import Topology, node_local_index
 from hpcps.transport import wire
 from hpcps.transport.mpilib import query_cuda_support
@@ -164,8 +165,8 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
                                     seed=cfg.seed, device=flat.device, steps=steps)
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
-    with Topology(comm, layout) as topo:
-        return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices).run()
+    with Topology(comm, layout) as topo, StopSignals(announce(comm.rank)) as signals:
+        return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals).run()
 
 
 def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
@@ -217,11 +218,16 @@ class _Run:
 
     def __init__(self, cfg: TrainConfig, topo: Topology, workload: Workload, source: DataSource | None,
                  facts: dict[str, Any], batches, model: torch.nn.Module, flat: FlatParameters, steps: int,
-                 ckpt: Checkpoint | None, devices: list[str]) -> None:
+                 ckpt: Checkpoint | None, devices: list[str], signals: StopSignals) -> None:
         self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
         self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
         self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
         self.ckpt = ckpt
+        self.signals = signals
+        self.ckpt_dir = cfg.checkpoint_dir or ""  # set in run(), once the metrics file is named
+        self.final_version: int | None = None  # a shard: its version at the end
+        self.final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
+        self.optimizer: ShardOptimizer | None = None
         self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
@@ -236,6 +242,7 @@ class _Run:
     def run(self) -> RunResult | None:
         comm, topo = self.topo.comm, self.topo
         path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
+        self.ckpt_dir = checkpoint_dir(self.cfg, path)
         runfile = agree(comm, lambda: self._open(path) if comm.rank == 0 else None)
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
         lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
@@ -276,11 +283,37 @@ class _Run:
         wall_s = self.clock()
         recorder.close(self.backoff)
         polite_barrier(comm, self.backoff)
+        stopped_by = next((s for s in comm.allgather(self.signals.received) if s), None)
+        saved_ckpt = self._checkpoint_at_stop(comm) if stopped_by else None
         ranks = comm.gather(self._resources(), root=0)  # after the barrier: nobody waits long
         window.free()
         if group_window is not None:
             group_window.free()
-        return self._finish(runfile, wall_s, path, ranks) if comm.rank == 0 else None
+        return self._finish(runfile, wall_s, path, ranks, stopped_by, saved_ckpt) if comm.rank == 0 else None
+
+    def _checkpoint_at_stop(self, comm: MPI.Comm) -> str:
+        """Collective: the checkpoint of a run a signal stopped (every pushed gradient applied by now).
+
+        Each shard writes its optimizer state and rank 0 the final parameters
+        (which its final evaluation pulled), every shard's version and every
+        worker's clock: the gradients it pushed, where its resumed run starts.
+        Returns the path (on every rank).
+        """
+        shard_versions = [v for v in comm.allgather(self.final_version) if v is not None]
+        clocks = comm.gather((self.topo.rank, self.final_clock), root=0)
+        path = checkpoint_path(self.ckpt_dir, shard_versions[0])
+        if self.optimizer is not None:
+            write_optimizer_state(path, self.topo.rank, self.optimizer.state_dict())
+        if comm.rank == 0:
+            worker_clocks = np.zeros(self.layout.n_workers, np.int64)
+            for rank, clock in clocks:
+                if clock is not None and self.layout.role(rank) is Role.WORKER:
+                    worker_clocks[self.layout.worker_index(rank)] = clock
+            write_checkpoint(path, self.flat.params, version=shard_versions[0], worker_clocks=worker_clocks,
+                             config=self.cfg.as_json_dict(), n_servers=self.layout.n_servers,
+                             shard_versions=shard_versions)
+        polite_barrier(comm, self.backoff)  # every part is written before anyone says so
+        return path
 
     def _resources(self) -> tuple:
         """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set."""
@@ -334,8 +367,8 @@ class _Run:
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None)
         lo, _ = self.bounds[topo.rank]
         n_params = int(np.clip(self.flat.n_params - lo, 0, len(master)))  # the rest of the slice: buffers
-        optimizer = self._shard_optimizer(master[:n_params], len(workers))
-        side_tasks, bar, evaluator = [], None, None
+        optimizer = self.optimizer = self._shard_optimizer(master[:n_params], len(workers))
+        side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
             evaluator = Evaluator(model=self.model, flat=self.flat,
                                   batches=self.source.test_batches(cfg.eval_batch_size),
@@ -345,26 +378,43 @@ class _Run:
                                   on_target=window.set_stop)
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
-            side_tasks = [recorder.drain, evaluator.tick]
-        ShardServer(
+            side_tasks += [recorder.drain, evaluator.tick]
+        server = ShardServer(
             shard=topo.rank, rank=topo.rank,
             policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi),
             table="groups/updates" if grouped else "servers/updates",
             inbox=inbox, notifier=notifier, window=window, master=master,
             optimizer=optimizer, n_params=n_params, unit_lr=cfg.lr,
-            abort_on_nonfinite=cfg.nonfinite == "abort", version=self.ckpt.version if self.ckpt else 0,
+            abort_on_nonfinite=cfg.nonfinite == "abort",
+            version=self.ckpt.shard_version(topo.rank) if self.ckpt else 0,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
             on_published=self._checkpointer(window, optimizer) if cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
-        ).run()
+        )
+        server.run()
+        self.final_version = server.version
         inbox.free()
         polite_barrier(topo.role_comm, self.backoff)  # every shard has published its final version
         if evaluator is not None:
             evaluator.evaluate()  # also leaves the final global parameters and buffers in self.model
             self.final_metrics = evaluator.metrics
             bar.close()
+
+    def _spread_signal(self, window: ParamWindow, own: ParamWindow | None = None):
+        """A server's side task: a stop signal this rank received, or (a group server, ``own``) a stop one
+        of its workers asked for, raises the stop flag of every shard of ``window``, once."""
+        spread = False
+
+        def task() -> None:
+            nonlocal spread
+            if spread:
+                return
+            if self.signals.take() or (own is not None and own.stop_raised()):
+                window.request_stop()
+                spread = True
+        return task
 
     def _shard_optimizer(self, params: np.ndarray, n_clients: int) -> ShardOptimizer:
         """The optimizer of this shard's trainable slice, its schedule over the run's updates, resumed state."""
@@ -396,6 +446,7 @@ class _Run:
             progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
             backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
+            side_tasks=[self._spread_signal(central, own=window)],
             central_window=central, agg=agg, weight=len(members) * self.layout.n_groups / self.layout.n_workers,
         ).run()
         inbox.free()
@@ -421,7 +472,7 @@ class _Run:
         notices = NoticeBox(comm, shard_ranks=shards)
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         self.model.train()
-        worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches, loss=self.workload.loss,
+        self.final_clock = worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches, loss=self.workload.loss,
                      window=window, pusher=pusher, notices=notices, blocks=policy.worker_blocks, recorder=recorder,
                      clock=self.clock, steps=self.steps, lr=cfg.lr, seed=cfg.seed,
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness, clip_norm=cfg.clip_norm,
@@ -429,7 +480,7 @@ class _Run:
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-                     backoff=self.backoff, **extra).run()
+                     backoff=self.backoff, take_signal=self.signals.take, **extra).run()
         pusher.free()
         notices.free()
 
@@ -448,7 +499,7 @@ class _Run:
         def on_published(version: int) -> None:
             if version % cfg.checkpoint_every:
                 return
-            path = checkpoint_path(cfg.checkpoint_dir, version)
+            path = checkpoint_path(self.ckpt_dir, version)
             write_optimizer_state(path, rank, optimizer.state_dict())
             if rank != 0:
                 return
@@ -462,10 +513,12 @@ class _Run:
 
         return on_published
 
-    def _finish(self, runfile: RunFile, wall_s: float, path: str, ranks: list[tuple]) -> RunResult:
+    def _finish(self, runfile: RunFile, wall_s: float, path: str, ranks: list[tuple], stopped_by: str | None,
+                saved_ckpt: str | None) -> RunResult:
         runfile.append("ranks", np.array(ranks, dtype=RANK))
         summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.target_accuracy)
+        summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
         runfile.write_summary(summary)
         self.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -475,8 +528,21 @@ class _Run:
         log.info("done in %.1f s: final test accuracy %.4f, %d of %d gradients applied; metrics in %s%s",
                  summary["wall_s"], summary["final_accuracy"], summary["gradients_applied"],
                  summary["gradients_pushed"], runfile.path, f", model in {saved}" if saved else "")
+        if stopped_by:
+            log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
+                        stopped_by, saved_ckpt)
         return RunResult(runfile.path, summary, self.steps, self.flat.params.copy(), self.model.cpu(), state,
                          self.final_metrics, saved)
+
+
+def checkpoint_dir(cfg: TrainConfig, metrics_path: str) -> str:
+    """``--checkpoint-dir``, else the run's own: ``$HPCPS_RUN_DIR/checkpoints`` in a job of ``hpcps jobs
+    render``, else beside the metrics file (``runs/bsp-<time>-checkpoints``), never shared by two runs."""
+    if cfg.checkpoint_dir:
+        return cfg.checkpoint_dir
+    if os.environ.get("HPCPS_RUN_DIR"):
+        return os.path.join(os.environ["HPCPS_RUN_DIR"], "checkpoints")
+    return os.path.splitext(metrics_path)[0] + "-checkpoints"
 
 
 def peak_rss_bytes() -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import Callable
 
@@ -90,7 +91,8 @@ class Worker:
                  clock: Callable[[], float], steps: int, lr: float, seed: int, lr_staleness: str = "none",
                  clip_norm: float | None = None, compute_time: ComputeTime | None = None,
                  faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
-                 stall_abort: float | None = None, backoff: Backoff | None = None) -> None:
+                 stall_abort: float | None = None, backoff: Backoff | None = None,
+                 take_signal: Callable[[], str | None] | None = None) -> None:
         self.rank = rank
         self.model, self.flat, self.batches, self.loss = model, flat, batches, loss
         self.clip_norm = clip_norm
@@ -115,6 +117,7 @@ class Worker:
         self.start_step = start_step  # > 0 when resuming: gradients pushed (and granted) before
         self.clock_count = start_step
         self.grants[:] = start_step
+        self.take_signal = take_signal  # a stop signal this rank received (hpcps.signals), once
 
     # -- the loop ---------------------------------------------------------
     def run(self) -> int:
@@ -188,6 +191,8 @@ class Worker:
             self.flat.grads_t[:: max(1, self.flat.size // 7)] = float("nan")
         elif fault.kind == "raise":
             raise InjectedFault(f"injected fault at step {fault.step}")
+        elif fault.kind == "usr1":
+            os.kill(os.getpid(), signal.SIGUSR1)  # handled at the next poll, as a batch system's would be
         elif fault.kind == "hang":
             while True:  # stuck for good: only the stall detector ends this job
                 time.sleep(3600)
@@ -211,6 +216,8 @@ class Worker:
         return wait_until(ready, self.backoff, watch)
 
     def _read_notices(self) -> None:
+        if self.take_signal is not None and self.take_signal():
+            self.window.request_stop()  # every shard's stop flag: the whole job sees it at its next pull
         self.recorder.tick()
         n_shards = len(self.grants)
         for note in self.notices.poll():

@@ -230,7 +230,32 @@ class ParamWindow:
         else:
             self._store(wire.WIN_STOP, 1)
 
+    def stop_raised(self) -> bool:
+        """This shard's stop flag, as readers see it (raised by :meth:`set_stop` or any rank's
+        :meth:`request_stop`)."""
+        win = self._live()
+        if self.protocol == "seqlock":
+            return self._load(wire.WIN_STOP) != 0
+        win.Lock(self.rank, MPI.LOCK_SHARED)
+        raised = bool(self.header[wire.WIN_STOP])
+        win.Unlock(self.rank)
+        return raised
+
     # -- reader side ----------------------------------------------------
+    def request_stop(self) -> None:
+        """From any rank: raise every shard's stop flag (an atomic ``Accumulate`` into each header), so
+        every reader sees it at its next pull. Used to spread a signal one rank received."""
+        win = self._live()
+        one = np.ones(1, np.int64)
+        for rank in self.shard_ranks:
+            if self.protocol == "locked":
+                win.Lock(rank, MPI.LOCK_SHARED)
+            win.Accumulate([one, 1, _I64], rank, (8 * wire.WIN_STOP, 1, _I64), MPI.REPLACE)
+            if self.protocol == "locked":
+                win.Unlock(rank)
+            else:
+                win.Flush(rank)
+
     def pull(self, out: np.ndarray, backoff: Backoff | None = None) -> tuple[np.ndarray, bool]:
         """Read every shard into its block of ``out``.
 

@@ -132,7 +132,7 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default skip)")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
-                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit or hang (repeatable)")
+                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, hang or usr1 (repeatable)")
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
                    help="log which ranks a server or worker has waited on for this long, and in what state (default 60)")
     g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",
@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--script", metavar="FILE.py",
                    help="launch python FILE.py (your script calling hpcps.train) instead of hpcps train; the "
                         "arguments after -- go to it unchanged, and HPCPS_RUN_DIR names the job's run directory")
+    j.add_argument("--stop-before", type=int, default=120, dest="stop_before", metavar="SECONDS",
+                   help="Slurm, LSF: signal hpcps this long before the time limit, so it stops and writes a "
+                        "checkpoint (default 120; 0: never). PBS sends SIGTERM at the limit, handled alike")
     j.set_defaults(func=_jobs_render, train_args=[])  # the hpcps train options after --: see main()
     return parser
 
@@ -266,13 +269,8 @@ def _train(args: argparse.Namespace) -> int:
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
         return cfg, run_training(cfg, comm)
 
-    out, status = run_or_end(comm, train, quiet=(InjectedFault,))
-    if out is not None and out[1] is not None:
-        cfg, result = out
-        s = result.summary
-        print(f"hpcps: {cfg.paradigm}: final accuracy {s['final_accuracy']:.4f}, wall {s['wall_s']:.1f} s, "
-              f"{s['gradients_applied']}/{s['gradients_pushed']} gradients applied -> {result.path}", flush=True)
-    return status
+    _, status = run_or_end(comm, train, quiet=(InjectedFault,))
+    return status  # rank 0 has logged the run's one summary line
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -1,18 +1,32 @@
 """Server-side evaluation of the global parameters on the held-out set.
 
-Runs on rank 0 as a side task of its server loop: every ``interval``
-seconds it pulls the published parameters and buffers of every shard (the
-same one-sided pull a worker uses), evaluates them with the workload's
-evaluation function in ``model.eval()`` under ``torch.no_grad()``, batch by
-batch, records a ``/eval`` row (``loss`` and ``accuracy``; NaN where the
-evaluation gives none, and any other named metric in ``/eval_metrics``),
-and calls ``on_target`` the first time accuracy reaches the target.
+Rank 0 evaluates; its server loop calls :meth:`Evaluator.tick`. Every
+``interval`` seconds an evaluation pulls the published parameters and
+buffers of every shard (the same one-sided pull a worker uses), evaluates
+them with the workload's evaluation function in ``model.eval()`` under
+``torch.no_grad()``, batch by batch, and records a ``/eval`` row (``loss``
+and ``accuracy``; NaN where the evaluation gives none, and any other named
+metric in ``/eval_metrics``). The first time accuracy reaches the target it
+calls ``on_target``.
+
+With ``background=True`` (the run uses it where the window protocol is the
+seqlock and MPI gives ``THREAD_MULTIPLE``) the pull and the forward passes
+run in a helper thread, so shard 0 goes on serving pushes while a large
+model is evaluated: torch releases the GIL inside its kernels, and the
+seqlock pull needs no lock the server could contend for. The loop's
+``tick`` only starts an evaluation and, once one has finished, records it
+and acts on the target, so rows, logging and the stop flag stay on the
+loop's thread. Otherwise an evaluation runs inside ``tick``, and pushes to
+shard 0 wait for it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
+import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -22,13 +36,17 @@ from hpcps.flat import FlatParameters
 
 log = logging.getLogger("hpcps")
 
+#: the helper thread's nice value: where cores are short, the server's thread runs first
+NICE = 19
+
 
 class Evaluator:
     def __init__(self, *, model: torch.nn.Module, flat: FlatParameters, batches: Iterable[Any] | None,
                  evaluate: Callable[[torch.nn.Module, Iterable[Any]], Mapping[str, float]],
                  pull: Callable[[np.ndarray], tuple[np.ndarray, bool]], recorder,
                  clock: Callable[[], float], interval: float, target: float | None = None,
-                 on_target: Callable[[], object] | None = None, log_every: float = 5.0) -> None:
+                 on_target: Callable[[], object] | None = None, log_every: float = 5.0,
+                 background: bool = False) -> None:
         self.model, self.flat, self.batches, self.evaluate_fn = model, flat, batches, evaluate
         self.pull, self.recorder, self.clock = pull, recorder, clock
         self.interval, self.target, self.on_target = interval, target, on_target
@@ -37,26 +55,71 @@ class Evaluator:
         self.reached = False
         self.accuracy = float("nan")
         self.metrics: dict[str, float] = {}
+        self.background = background and batches is not None
+        self._thread: threading.Thread | None = None
+        self._result: tuple | BaseException | None = None  # the helper's last evaluation, or its error
 
     def tick(self) -> bool:
-        """Evaluate if ``interval`` has passed since the last evaluation."""
-        if self.batches is None or self.clock() - self.last < self.interval:
+        """Record a finished background evaluation; start one (or, in the foreground, run one) if
+        ``interval`` has passed since the last. True if an evaluation was recorded or started."""
+        if self.batches is None:
             return False
-        self.evaluate()
+        recorded = self._collect()
+        if self._thread is not None or self.clock() - self.last < self.interval:
+            return recorded
+        if not self.background:
+            self.evaluate()
+            return True
+        self.last = self.clock()
+        self._thread = threading.Thread(target=self._in_background, name="hpcps-evaluator", daemon=True)
+        self._thread.start()
         return True
 
     def evaluate(self) -> float:
-        """Pull, evaluate, record; return the accuracy (NaN without held-out data or an accuracy metric)."""
+        """Pull, evaluate and record now, in this thread (after any background evaluation has ended);
+        return the accuracy (NaN without held-out data or an accuracy metric)."""
+        self.close()
+        self._record(*self._measure())
+        return self.accuracy
+
+    def close(self) -> None:
+        """Wait for a background evaluation to end and record it."""
+        if self._thread is not None:
+            self._thread.join()
+            self._collect()
+
+    def _in_background(self) -> None:
+        try:
+            if hasattr(os, "setpriority") and sys.platform.startswith("linux"):  # a Linux thread's own nice
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            self._result = self._measure()
+        except BaseException as exc:  # raised again in the loop's thread, by _collect
+            self._result = exc
+
+    def _collect(self) -> bool:
+        if self._thread is None or self._thread.is_alive():
+            return False
+        self._thread, result, self._result = None, self._result, None
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"evaluation failed: {type(result).__name__}: {result}") from result
+        self._record(*result)
+        return True
+
+    def _measure(self) -> tuple[float, int, dict[str, float]]:
         t = self.clock()
         versions, _ = self.pull(self.flat.params)
         self.flat.upload()
         if self.batches is None:
-            return self.accuracy
+            return t, int(versions.min()), {}
         self.model.eval()
         with torch.no_grad():
             metrics = {k: float(v) for k, v in self.evaluate_fn(self.model, self.batches).items()}
+        return t, int(versions.min()), metrics
+
+    def _record(self, t: float, version: int, metrics: dict[str, float]) -> None:
+        if self.batches is None:
+            return
         loss, accuracy = metrics.get("loss", math.nan), metrics.get("accuracy", math.nan)
-        version = int(versions.min())
         self.recorder.add("eval", (t, version, loss, accuracy))
         for name, value in metrics.items():
             if name not in ("loss", "accuracy"):
@@ -70,4 +133,3 @@ class Evaluator:
             log.info("target accuracy %.3f reached at t=%.2fs (%.4f): stopping", self.target, t, accuracy)
             if self.on_target is not None:
                 self.on_target()
-        return accuracy

@@ -8,6 +8,13 @@ with the options given after ``--``, unchanged. Without an ``--out`` among
 them the metrics go to ``$RUN_DIR/metrics.h5``. With ``--script FILE.py``
 it launches ``python FILE.py`` (a script calling :func:`hpcps.train`) with
 those arguments instead; its metrics go to the run directory by default.
+
+Before the time limit (``--stop-before``, 120 s by default) the scheduler
+sends SIGUSR1 where it can (Slurm's ``--signal``, LSF's ``-wa``/``-wt``):
+hpcps stops, writes its metrics and a checkpoint in the run directory,
+and says how to resume. PBS has no such warning: at the walltime it sends
+SIGTERM, which hpcps handles the same way, and SIGKILL ``kill_delay``
+seconds later (10 by default; ask your site).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class JobSpec:
     mpi: str | None = None
     name: str = "hpcps"
     script: str | None = None
+    stop_before: int = 120  # seconds before the time limit to signal hpcps (Slurm, LSF); 0: never
     train_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -54,6 +62,8 @@ class JobSpec:
             raise UserError(f"--gpus-per-node must be 0 or more (got {self.gpus_per_node})")
         if not _TIME.match(self.time):
             raise UserError(f"--time {self.time!r}: expected HH:MM:SS, e.g. 02:30:00")
+        if self.stop_before < 0:
+            raise UserError(f"--stop-before must be 0 or more seconds (got {self.stop_before})")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise UserError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.script is not None and not os.path.isfile(self.script):
@@ -91,6 +101,6 @@ def render(spec: JobSpec, *, command: str = "hpcps jobs render") -> str:
     text = resources.files("hpcps").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
     return env.from_string(text).render(
         **{k: v for k, v in vars(spec).items() if k not in ("train_args", "script")},
-        launch=launch_line(spec), lsf_time=lsf_minutes(spec.time),
+        launch=launch_line(spec), lsf_time=lsf_minutes(spec.time), lsf_warning=-(-spec.stop_before // 60),
         script_name=SCHEDULERS[spec.scheduler], command=command,
     )

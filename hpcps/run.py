@@ -370,12 +370,17 @@ class _Run:
         optimizer = self.optimizer = self._shard_optimizer(master[:n_params], len(workers))
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
+            # evaluate in a helper thread where the pull may run beside the loop (seqlock, THREAD_MULTIPLE)
+            # (HPCPS_EVAL_BACKGROUND=0 forces the loop's thread: tools/bench_eval_latency.py compares both)
+            background = (window.protocol == "seqlock" and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+                          and os.environ.get("HPCPS_EVAL_BACKGROUND", "1") != "0")
             evaluator = Evaluator(model=self.model, flat=self.flat,
                                   batches=self.source.test_batches(cfg.eval_batch_size),
                                   evaluate=self.workload.evaluation(),
                                   pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
                                   clock=self.clock, interval=cfg.eval_interval, target=cfg.target_accuracy,
-                                  on_target=window.set_stop)
+                                  on_target=window.set_stop,
+                                  background=background)
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
             side_tasks += [recorder.drain, evaluator.tick]
@@ -472,15 +477,16 @@ class _Run:
         notices = NoticeBox(comm, shard_ranks=shards)
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         self.model.train()
-        self.final_clock = worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches, loss=self.workload.loss,
-                     window=window, pusher=pusher, notices=notices, blocks=policy.worker_blocks, recorder=recorder,
+        worker = worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches,
+                     loss=self.workload.loss, window=window, pusher=pusher, notices=notices, blocks=policy.worker_blocks, recorder=recorder,
                      clock=self.clock, steps=self.steps, lr=cfg.lr, seed=cfg.seed,
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness, clip_norm=cfg.clip_norm,
                      compute_time=_compute_time(cfg, topo.rank),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-                     backoff=self.backoff, take_signal=self.signals.take, **extra).run()
+                     backoff=self.backoff, take_signal=self.signals.take, **extra)
+        self.final_clock = worker.run()
         pusher.free()
         notices.free()
 

@@ -14,11 +14,12 @@ import numpy as np
 from hpcps.launcher import clean_environ, find_mpiexec
 
 
-def train(np_: int, out: Path, options: list[str], timeout: float = 900) -> dict:
-    """Run ``mpiexec -n NP hpcps train --out OUT OPTIONS``; return the run's tables and summary."""
+def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: dict[str, str] | None = None) -> dict:
+    """Run ``mpiexec -n NP hpcps train --out OUT OPTIONS`` (with ``env`` added to a clean environment);
+    return the run's tables and summary."""
     cmd = [find_mpiexec() or "mpiexec", "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress",
            *options]
-    subprocess.run(cmd, check=True, env=clean_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    subprocess.run(cmd, check=True, env=clean_environ(**(env or {})), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
     with h5py.File(out) as f:
         return {"it": f["workers/iterations"][()], "up": f["servers/updates"][()], "ev": f["eval"][()],
                 "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"])}

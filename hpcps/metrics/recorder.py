@@ -22,6 +22,7 @@ from hpcps.transport.poll import Backoff, wait_until
 
 TAG_ROWS = 21
 TAG_CLOSE = 22
+DRAIN_LIMIT = 8  # batches written per call of FileRecorder.drain: bounded work per server-loop iteration
 
 
 class _Buffer:
@@ -99,34 +100,43 @@ class FileRecorder(_Recorder):
         self.file = runfile
         self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)
         self.open_ranks = set(range(1, comm.size))
+        self.interval = interval
+        self._flushed = time.monotonic()
 
     def flush(self) -> None:
         for table, rows in self.buffer.take().items():
             self.file.append(table, rows)
         self.file.flush()
 
-    def drain(self) -> bool:
-        """Write every batch that has arrived; true if any did."""
+    def drain(self, limit: int | None = DRAIN_LIMIT) -> bool:
+        """Write at most ``limit`` batches that have arrived (None: all); true if any did.
+
+        Bounded, because the server loop calls it between pushes: a burst of
+        batches is written over several loop iterations, not in one stall.
+        The HDF5 file is flushed at most every ``interval`` seconds.
+        """
         status = MPI.Status()
-        got = False
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+        got = 0
+        while (limit is None or got < limit) and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG,
+                                                                  status=status):
             msg = self.comm.recv(source=status.Get_source(), tag=status.Get_tag())
             if status.Get_tag() == TAG_CLOSE:
                 self.open_ranks.discard(status.Get_source())
             else:
                 for table, rows in msg.items():
                     self.file.append(table, rows)
-            got = True
-        if got:
+            got += 1
+        if got and time.monotonic() - self._flushed >= self.interval:
             self.file.flush()
-        return got
+            self._flushed = time.monotonic()
+        return bool(got)
 
     def close(self, backoff: Backoff | None = None) -> None:
         """Wait until every other rank has closed, writing what they send."""
         self.flush()
 
         def all_closed() -> bool:
-            self.drain()
+            self.drain(limit=None)
             return not self.open_ranks
 
         wait_until(all_closed, backoff)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 
 from hpcps.launcher import clean_environ
@@ -63,3 +64,45 @@ def test_miswired_srun_fails_at_once_naming_the_fix(cluster, tmp_path):
     assert len(errors) == 1 and "srun started 3 tasks but MPI sees a world of 1" in errors[0]
     assert "--mpi=pmi2" in errors[0]
     assert not (tmp_path / "x.h5").exists()
+
+
+def _render_and_wait(tmp_path, name: str, options: list[str], train: list[str], timeout: float):
+    render = subprocess.run([sys.executable, "-m", "hpcps", "jobs", "render", "slurm", "--nodes", "1",
+                             "--ntasks-per-node", "5", "--name", name, *options, "--", *train],
+                            capture_output=True, text=True, check=True)
+    (tmp_path / f"{name}.sbatch").write_text(render.stdout)
+    job = subprocess.run(["sbatch", "--wait", f"{name}.sbatch"], cwd=tmp_path, env=_env(), capture_output=True,
+                         text=True, timeout=timeout)
+    logs = "\n".join(p.read_text() for p in tmp_path.glob(f"{name}-*.out"))
+    return job, logs
+
+
+def test_a_job_run_into_its_time_limit_checkpoints_on_the_signal_and_a_new_job_resumes_it(cluster, tmp_path):
+    """A 2-minute job that would train for hours: Slurm sends SIGUSR1 100 s before the limit (the
+    template's --signal; Slurm sends it up to a minute late, hence the margin), hpcps stops and checkpoints
+    into the job's run directory, the job ends cleanly inside its limit; a second job given --resume
+    completes the run."""
+    train = ["--paradigm", "dssp", "--compute-time", "0.01"]
+    first, logs = _render_and_wait(tmp_path, "first", ["--time", "00:02:00", "--stop-before", "100"],
+                                   [*train, "--steps", "100000", "--out", "first.h5"], timeout=300)
+    assert first.returncode == 0, first.stderr + logs  # ended by itself, not killed at the limit
+    assert "hpcps: SIGUSR1 received" in logs and "Traceback" not in logs, logs[-3000:]
+    with h5py.File(tmp_path / "first.h5") as f:
+        s = f["summary"].attrs
+        assert s["stopped_by"] == "SIGUSR1" and not s["interrupted"]
+        assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"] < 4 * 100000
+        ckpt = s["checkpoint"]
+        first_steps = np.bincount(f["workers/iterations"]["rank"], minlength=5)[1:]
+    job_id = first.stdout.split()[-1]
+    assert Path(ckpt).parent == tmp_path / "runs" / job_id / "checkpoints"  # the job's own directory
+    steps = int(first_steps.max()) + 30  # a short second job: every worker has some steps left
+    second, logs = _render_and_wait(tmp_path, "second", ["--time", "00:05:00"],
+                                    [*train, "--steps", str(steps), "--resume", ckpt, "--out", "second.h5"],
+                                    timeout=300)
+    assert second.returncode == 0, second.stderr + logs
+    with h5py.File(tmp_path / "second.h5") as f:
+        s = f["summary"].attrs
+        assert s["stopped_by"] == "" and f.attrs["resumed_from"] == ckpt
+        assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
+        second_steps = np.bincount(f["workers/iterations"]["rank"], minlength=5)[1:]
+    assert (first_steps + second_steps).tolist() == [steps] * 4  # every worker finished, nothing twice

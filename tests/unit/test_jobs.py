@@ -124,3 +124,22 @@ def test_render_refuses_what_hpcps_train_would_refuse_with_one_line_and_no_scrip
     assert main(["jobs", "render", "slurm", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("hpcps: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("scheduler,asks", [
+    ("slurm", ["#SBATCH --signal=USR1@120"]),  # every task of the job step gets SIGUSR1 120 s before the limit
+    ("lsf", ["#BSUB -wa USR1", "#BSUB -wt 2"]),  # LSF's warning time is in minutes: 120 s -> 2
+])
+def test_schedulers_with_a_warning_signal_ask_for_one_before_the_time_limit(scheduler, asks):
+    lines = render(_spec(scheduler)).splitlines()
+    assert all(a in lines for a in asks)
+    assert render(_spec(scheduler, stop_before=90)).count("USR1") >= 1
+    assert "-wt 2" in render(_spec(scheduler, stop_before=61)) or scheduler == "slurm"  # minutes round up
+    quiet = render(_spec(scheduler, stop_before=0))
+    assert "--signal" not in quiet and "-wa " not in quiet and "-wt " not in quiet
+
+
+def test_pbs_says_its_sigterm_is_the_warning_and_a_negative_stop_before_is_refused():
+    assert "sends SIGTERM" in render(_spec("pbs"))
+    with pytest.raises(UserError, match="--stop-before must be 0 or more"):
+        render(_spec("slurm", stop_before=-5))

@@ -148,3 +148,55 @@ def test_clip_norm_scales_the_gradient_as_clip_grad_norm_does():
     nn.utils.clip_grad_norm_(b.parameters(), 0.5)
     assert torch.allclose(a.weight.grad, b.weight.grad) and torch.allclose(a.bias.grad, b.bias.grad)
     assert float(flat.grads_t.norm()) == pytest.approx(0.5, rel=1e-4)
+
+
+def test_a_background_evaluation_leaves_the_loop_free_and_reports_back_on_the_loops_thread():
+    """While the helper thread's pull is held up, tick() returns at once (the loop serves on); once it
+    finishes, the next tick records the row and calls on_target, on the loop's thread."""
+    import threading
+
+    model = nn.Sequential(nn.Linear(64, 10))
+    flat = FlatParameters(model)
+    data = load_dataset("digits")
+    data = type(data)(data.name, data.x_train.reshape(-1, 64), data.y_train, data.x_test.reshape(-1, 64),
+                      data.y_test, data.n_classes)
+    release, pulling, targets, now = threading.Event(), threading.Event(), [], [1.0]
+
+    def pull(out):
+        pulling.set()
+        assert release.wait(10)
+        return np.array([7]), False
+
+    rows = _Rows()
+    ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
+                   evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, recorder=rows,
+                   clock=lambda: now[0], interval=0.1, target=0.4,
+                   on_target=lambda: targets.append(threading.current_thread().name), background=True)
+    assert ev.tick()  # started
+    assert pulling.wait(10)
+    for _ in range(100):  # the loop keeps going while the evaluation is held up
+        now[0] += 0.2
+        assert not ev.tick()
+    assert rows.rows == [] and targets == []
+    release.set()
+    ev._thread.join(10)
+    assert ev.tick()  # recorded now, and a new evaluation started (interval long passed)
+    ev.close()
+    assert rows.rows[0] == ("eval", (1.0, 7, 1.0, 0.5))
+    assert targets == [threading.current_thread().name]  # on_target ran on the loop's thread, once
+
+
+def test_a_failed_background_evaluation_is_raised_in_the_loop():
+    model = nn.Sequential(nn.Linear(4, 2))
+    flat = FlatParameters(model)
+
+    def pull(out):
+        raise OSError("window gone")
+
+    ev = Evaluator(model=model, flat=flat, batches=[(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))],
+                   evaluate=lambda m, b: {}, pull=pull, recorder=_Rows(), clock=lambda: 1.0, interval=0.1,
+                   background=True)
+    assert ev.tick()
+    ev._thread.join(10)
+    with pytest.raises(RuntimeError, match="evaluation failed: OSError: window gone"):
+        ev.tick()

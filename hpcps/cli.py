@@ -240,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--script", metavar="FILE.py",
                    help="launch python FILE.py (your script calling hpcps.train) instead of hpcps train; the "
                         "arguments after -- go to it unchanged, and HPCPS_RUN_DIR names the job's run directory")
-    j.add_argument("--stop-before", type=int, default=120, dest="stop_before", metavar="SECONDS",
+    j.add_argument("--stop-before", type=int, dest="stop_before", metavar="SECONDS",
                    help="Slurm, LSF: signal hpcps this long before the time limit, so it stops and writes a "
-                        "checkpoint (default 120; 0: never). PBS sends SIGTERM at the limit, handled alike")
+                        "checkpoint (default 120, less in jobs shorter than 3 minutes; 0: never). PBS sends "
+                        "SIGTERM at the limit, handled alike")
     j.set_defaults(func=_jobs_render, train_args=[])  # the hpcps train options after --: see main()
     return parser
 

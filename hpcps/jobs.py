@@ -29,6 +29,8 @@ import jinja2
 
 from hpcps.errors import UserError
 
+DEFAULT_STOP_BEFORE = 120
+SIGNAL_SLACK = 60  # the job's first minute is no time for a warning signal (Slurm's 30 s checks, start-up)
 SCHEDULERS = {"slurm": "job.sbatch", "pbs": "job.pbs", "lsf": "job.lsf", "mpiexec": "job.sh"}
 _TIME = re.compile(r"^(\d+):([0-5]\d):([0-5]\d)$")
 
@@ -49,7 +51,7 @@ class JobSpec:
     mpi: str | None = None
     name: str = "hpcps"
     script: str | None = None
-    stop_before: int = 120  # seconds before the time limit to signal hpcps (Slurm, LSF); 0: never
+    stop_before: int | None = None  # seconds before the time limit to signal hpcps (Slurm, LSF); 0: never
     train_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -62,12 +64,24 @@ class JobSpec:
             raise UserError(f"--gpus-per-node must be 0 or more (got {self.gpus_per_node})")
         if not _TIME.match(self.time):
             raise UserError(f"--time {self.time!r}: expected HH:MM:SS, e.g. 02:30:00")
+        limit = seconds(self.time)
+        if self.stop_before is None:  # 120 s, or less in a short job: see below
+            self.stop_before = max(0, min(DEFAULT_STOP_BEFORE, limit - SIGNAL_SLACK))
         if self.stop_before < 0:
             raise UserError(f"--stop-before must be 0 or more seconds (got {self.stop_before})")
+        if self.stop_before > limit - SIGNAL_SLACK:
+            raise UserError(f"--stop-before {self.stop_before}: with --time {self.time} the signal could come "
+                            f"before the job's tasks have started (Slurm checks every 30 s and may signal 30 s "
+                            f"early); use at most {max(0, limit - SIGNAL_SLACK)} or a longer --time")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise UserError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.script is not None and not os.path.isfile(self.script):
             raise UserError(f"--script {self.script}: no such file (the job runs it from the directory you submit in)")
+
+
+def seconds(hh_mm_ss: str) -> int:
+    h, m, s = (int(x) for x in _TIME.match(hh_mm_ss).groups())
+    return 3600 * h + 60 * m + s
 
 
 def lsf_minutes(hh_mm_ss: str) -> str:

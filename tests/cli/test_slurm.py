@@ -78,12 +78,16 @@ def _render_and_wait(tmp_path, name: str, options: list[str], train: list[str], 
 
 
 def test_a_job_run_into_its_time_limit_checkpoints_on_the_signal_and_a_new_job_resumes_it(cluster, tmp_path):
-    """A 2-minute job that would train for hours: Slurm sends SIGUSR1 100 s before the limit (the
-    template's --signal; Slurm sends it up to a minute late, hence the margin), hpcps stops and checkpoints
-    into the job's run directory, the job ends cleanly inside its limit; a second job given --resume
-    completes the run."""
+    """A 2-minute job that would train for hours: Slurm sends SIGUSR1 30 s before the limit (the
+    template's --signal), hpcps stops and checkpoints into the job's run directory, the job ends cleanly
+    inside its limit; a second job given --resume completes the run.
+
+    Slurm checks warning signals every 30 s and sends one up to 30 s early, once, to the job steps that
+    exist then: a margin near the whole time limit can fire before srun has started its tasks, and
+    nobody gets it (seen here with 45 s of a 1-minute limit). 30 s of 2 minutes fires after 60-90 s.
+    """
     train = ["--paradigm", "dssp", "--compute-time", "0.01"]
-    first, logs = _render_and_wait(tmp_path, "first", ["--time", "00:02:00", "--stop-before", "100"],
+    first, logs = _render_and_wait(tmp_path, "first", ["--time", "00:02:00", "--stop-before", "30"],
                                    [*train, "--steps", "100000", "--out", "first.h5"], timeout=300)
     assert first.returncode == 0, first.stderr + logs  # ended by itself, not killed at the limit
     assert "hpcps: SIGUSR1 received" in logs and "Traceback" not in logs, logs[-3000:]

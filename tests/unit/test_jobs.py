@@ -143,3 +143,10 @@ def test_pbs_says_its_sigterm_is_the_warning_and_a_negative_stop_before_is_refus
     assert "sends SIGTERM" in render(_spec("pbs"))
     with pytest.raises(UserError, match="--stop-before must be 0 or more"):
         render(_spec("slurm", stop_before=-5))
+
+
+def test_a_warning_that_could_come_before_the_tasks_start_is_refused_and_short_jobs_get_a_shorter_default():
+    with pytest.raises(UserError, match=r"--stop-before 100: with --time 00:02:00 .* use at most 60"):
+        render(JobSpec("slurm", time="00:02:00", stop_before=100))
+    assert "#SBATCH --signal=USR1@60" in render(JobSpec("slurm", time="00:02:00"))
+    assert "--signal" not in render(JobSpec("slurm", time="00:01:00"))  # no room for one: none asked

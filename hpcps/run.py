@@ -384,14 +384,16 @@ class _Run:
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
             side_tasks += [recorder.drain, evaluator.tick]
+        policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
+        start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
+        policy.resume_at(start_version)
         server = ShardServer(
-            shard=topo.rank, rank=topo.rank,
-            policy=make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi),
+            shard=topo.rank, rank=topo.rank, policy=policy,
             table="groups/updates" if grouped else "servers/updates",
             inbox=inbox, notifier=notifier, window=window, master=master,
             optimizer=optimizer, n_params=n_params, unit_lr=cfg.lr,
             abort_on_nonfinite=cfg.nonfinite == "abort",
-            version=self.ckpt.shard_version(topo.rank) if self.ckpt else 0,
+            version=start_version,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
             on_published=self._checkpointer(window, optimizer) if cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,

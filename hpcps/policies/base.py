@@ -79,6 +79,9 @@ class Policy(ABC):
         """
         return n_clients
 
+    def resume_at(self, version: int) -> None:
+        """The shard resumes at ``version`` (from a checkpoint); policies that count versions start there."""
+
     def threshold(self, worker: int) -> int:
         """Clock-gap bound in force for ``worker`` (recorded with each update; -1: none)."""
         return -1

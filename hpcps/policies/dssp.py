@@ -61,14 +61,14 @@ class DSSP(SSP):
     def threshold(self, worker: int) -> int:
         return self.bound[worker]
 
-    def may_go_on(self, worker: int, floor: int) -> bool:
-        return self.clocks[worker] - floor <= self.bound[worker]
+    def _tie_break(self, worker: int) -> float:
+        return self.last_push[worker] or 0.0
 
     def on_push(self, worker: int, clock: int, version: int, now: float):
         if self.last_push[worker] is not None:
             self.interval[worker] = now - self.last_push[worker]
         self.last_push[worker] = now
-        self.clocks[worker] = clock
+        self._set_clock(worker, clock)
         gap = clock - self.slowest_clock()
         if gap <= self.staleness:
             self.bound[worker] = self.staleness
@@ -78,12 +78,8 @@ class DSSP(SSP):
             self.decisions.append((now, worker, gap, r, self.bound[worker]))
         return super().on_push(worker, clock, version, now)
 
-    def _slowest(self) -> int:
-        """The active worker with the smallest clock (the one that pushed longest ago on ties)."""
-        return min(self.active, key=lambda w: (self.clocks[w], self.last_push[w] or 0.0))
-
     def _controller(self, fast: int, r_max: int) -> int:
-        slow = self._slowest()
+        slow = self.slowest()  # the smallest clock; on ties the one that pushed longest ago
         d_fast, d_slow, t_slow = self.interval[fast], self.interval[slow], self.last_push[slow]
         if r_max <= 0 or d_fast is None or d_slow is None or d_slow <= 0 or t_slow is None:
             return 0

@@ -16,7 +16,8 @@ worker released. Two things differ:
   version the extra was computed on.
 
 The policy counts versions itself (one per update it names), so it knows
-``s`` when it decides; runs of hsp start at version 0 (no resume).
+``s`` when it decides; a resumed run starts counting at its checkpoint's
+version (:meth:`resume_at`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class HSP(BSP):
     def __init__(self, n_workers: int, **options) -> None:
         super().__init__(n_workers)
         self.version = 0
+
+    def resume_at(self, version: int) -> None:
+        self.version = version
 
     def threshold(self, worker: int) -> int:
         return -1

@@ -10,9 +10,18 @@ when a gradient is applied and when a worker may go on:
   once; no worker ever waits for another.
 * ``ssp``: as asp, but a worker is released only while its clock is at most
   ``s`` ahead of the slowest active worker.
+
+
+Every event costs O(log N) at most, whatever the worker count: BSP counts
+the active workers of the open round instead of comparing sets, and SSP
+keeps the workers' clocks and its waiting workers in heaps (stale entries
+are skipped when they surface), instead of scanning all N per push
+(``tools/bench_policies.py`` measures it).
 """
 
 from __future__ import annotations
+
+import heapq
 
 from hpcps.policies.base import Decision, Policy
 from hpcps.policies.registry import register
@@ -26,6 +35,8 @@ class BSP(Policy):
     def __init__(self, n_workers: int, **options) -> None:
         super().__init__(n_workers)
         self.round: list[int] = []
+        self._in_round: set[int] = set()
+        self._active_in_round = 0  # the round closes when this reaches len(self.active)
 
     @classmethod
     def updates_per_step(cls, n_clients: int) -> int:
@@ -36,18 +47,22 @@ class BSP(Policy):
 
     def on_push(self, worker: int, clock: int, version: int, now: float) -> Decision:
         self.round.append(worker)
+        self._in_round.add(worker)
+        self._active_in_round += worker in self.active
         return self._close_round()
 
     def on_leave(self, worker: int, now: float) -> Decision:
+        if worker in self.active and worker in self._in_round:
+            self._active_in_round -= 1
         super().on_leave(worker, now)
         return self._close_round()
 
     def _close_round(self) -> Decision:
-        if not self.round or not self.active.issubset(self.round):
+        if not self.round or self._active_in_round < len(self.active):
             return Decision()
         # in worker order, not arrival order: the float sum is then the same in every run,
         # which makes BSP runs (and resumed runs) bit-for-bit reproducible
-        done, self.round = tuple(sorted(self.round)), []
+        done, self.round, self._in_round, self._active_in_round = tuple(sorted(self.round)), [], set(), 0
         return Decision(updates=(done,), grants=done)
 
 
@@ -62,17 +77,42 @@ class SSP(Policy):
         super().__init__(n_workers, staleness=staleness, staleness_max=staleness_max)
         self.clocks = [0] * n_workers
         self.waiting: set[int] = set()
+        self._by_clock = [(0, 0.0, w) for w in range(n_workers)]  # (clock, tie-break, worker), lazily cleaned
+        self._by_key: list[tuple[int, int]] = []  # waiting workers by clock - threshold, lazily cleaned
+        self._heaped = [0] * n_workers  # the clock of each worker's newest entry in _by_clock
 
     def threshold(self, worker: int) -> int:
         return self.staleness
 
+    def _tie_break(self, worker: int) -> float:
+        """Among workers at the slowest clock, the smallest of these is the slowest (DSSP: push time)."""
+        return 0.0
+
+    def slowest(self) -> int | None:
+        """The slowest active worker (None when all have left): O(log N) amortized."""
+        heap = self._by_clock
+        while heap:
+            clock, _, w = heap[0]
+            if w in self.active and self.clocks[w] == clock:
+                return w
+            heapq.heappop(heap)  # an older clock of its worker, or a worker that left
+        return None
+
     def slowest_clock(self) -> int | None:
         """Clock of the slowest active worker (None when all have left)."""
-        return min((self.clocks[w] for w in self.active), default=None)
+        w = self.slowest()
+        return None if w is None else self.clocks[w]
+
+    def _set_clock(self, worker: int, clock: int) -> None:
+        """``worker`` pushed gradient ``clock``: its clock, and its entry in the clock heap (once)."""
+        if self.clocks[worker] != clock or self._heaped[worker] != clock:
+            self.clocks[worker] = self._heaped[worker] = clock
+            heapq.heappush(self._by_clock, (clock, self._tie_break(worker), worker))
 
     def on_push(self, worker: int, clock: int, version: int, now: float) -> Decision:
-        self.clocks[worker] = clock
+        self._set_clock(worker, clock)
         self.waiting.add(worker)
+        heapq.heappush(self._by_key, (clock - self.threshold(worker), worker))
         return Decision(updates=((worker,),), grants=self._release())
 
     def on_leave(self, worker: int, now: float) -> Decision:
@@ -81,14 +121,20 @@ class SSP(Policy):
         return Decision(grants=self._release())
 
     def may_go_on(self, worker: int, floor: int) -> bool:
-        """Whether ``worker`` may start its next iteration, the slowest being at clock ``floor``."""
-        return self.clocks[worker] - floor <= self.staleness
+        """Whether ``worker`` may start its next iteration, the slowest being at clock ``floor``
+        (``clock - threshold <= floor``: the key the waiting heap is ordered by)."""
+        return self.clocks[worker] - self.threshold(worker) <= floor
 
     def _release(self) -> tuple[int, ...]:
+        """The waiting workers within their bound of the slowest, in worker order."""
         floor = self.slowest_clock()
-        ready = tuple(sorted(w for w in self.waiting if floor is None or self.may_go_on(w, floor)))
-        self.waiting.difference_update(ready)
-        return ready
+        ready, heap = [], self._by_key
+        while heap and (floor is None or heap[0][0] <= floor):
+            _, w = heapq.heappop(heap)
+            if w in self.waiting:  # else granted already, or left
+                self.waiting.discard(w)
+                ready.append(w)
+        return tuple(sorted(ready))
 
 
 @register

@@ -55,3 +55,4 @@ def test_a_signalled_run_checkpoints_and_its_resumed_run_loses_nothing(world, mp
     assert facts["second_starts"] == facts["clocks"]  # ... and each resumed there, not at 0
     assert facts["resumed_version"] == facts["ckpt_version"] > 0
     assert facts["accuracy"] > 0.5  # 10 classes; the resumed run goes on training the same model
+

@@ -12,6 +12,9 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
 * ``transfers.png``  which worker streamed its gradient into shard 0 when (only for runs with
                      serial transfers, hsp): the first TRANSFER_SHOWN transfers, one lane per worker
 * ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
+* ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
+  resident memory, samples read, clock offset to rank 0 and its uncertainty; also how a stopped
+  run ended (``stopped_by``) in ``summary.md``
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 
 from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
-from hpcps.metrics.schema import TRANSFER
+from hpcps.metrics.schema import RANK, TRANSFER
 
 #: transfers drawn in transfers.png (a whole run's are too many bars to read)
 TRANSFER_SHOWN = 120
@@ -45,6 +48,7 @@ class Run:
     evals: np.ndarray
     summary: dict
     transfers: np.ndarray = field(default_factory=lambda: np.zeros(0, TRANSFER))
+    ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, RANK))
 
     @property
     def label(self) -> str:
@@ -79,7 +83,8 @@ def load_run(path: str | os.PathLike) -> Run:
                        config=json.loads(f.attrs["config"]),
                        iterations=f["workers/iterations"][()], updates=f["servers/updates"][()],
                        evals=f["eval"][()], summary=dict(f["summary"].attrs),
-                       **({"transfers": f["servers/transfers"][()]} if "servers/transfers" in f else {}))
+                       **({"transfers": f["servers/transfers"][()]} if "servers/transfers" in f else {}),
+                       **({"ranks": f["ranks"][()]} if "ranks" in f else {}))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except (OSError, KeyError) as exc:
@@ -101,12 +106,23 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),
             "mean_staleness": round(float(applied["staleness"].mean()) if len(applied) else float("nan"), 2),
             "gradients_applied": int(r.summary.get("gradients_applied", len(applied))),
+            "stopped_by": str(r.summary.get("stopped_by", "")) or "-",
         })
     return rows
 
 
-def write_tables(rows: list[dict], out: Path) -> list[Path]:
-    md, cs = out / "summary.md", out / "summary.csv"
+def rank_rows(runs: list[Run]) -> list[dict]:
+    """One row per rank per run, from ``/ranks`` (runs written before it existed have none)."""
+    return [{"run": r.name, "rank": int(x["rank"]), "role": x["role"].decode(), "host": x["host"].decode(),
+             "peak_rss_mb": round(int(x["peak_rss_bytes"]) / 2 ** 20, 1),
+             "samples_read": int(x["samples_read"]),
+             "clock_offset_ms": round(float(x["clock_offset_s"]) * 1e3, 3),
+             "clock_uncertainty_ms": round(float(x["clock_uncertainty_s"]) * 1e3, 3)}
+            for r in runs for x in np.sort(r.ranks, order="rank")]
+
+
+def write_tables(rows: list[dict], out: Path, name: str = "summary") -> list[Path]:
+    md, cs = out / f"{name}.md", out / f"{name}.csv"
     keys = list(rows[0])
     with open(cs, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
@@ -260,6 +276,9 @@ def make_report(paths: list[str], out: str | os.PathLike, *, target: float = 0.9
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = write_tables(summary_rows(runs, target), out)
+    ranks = rank_rows(runs)
+    if ranks:
+        written += write_tables(ranks, out, "ranks")
     written += [plot_accuracy(runs, out, target), plot_throughput(runs, out), plot_breakdown(runs, out),
                 plot_staleness(runs, out)]
     optional = [plot_thresholds(runs, out), plot_transfers(runs, out)]

@@ -57,6 +57,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g = t.add_argument_group("paradigm and topology")
     g.add_argument("--paradigm", help=f"synchronization paradigm (default dssp). {_paradigm_help()}")
     g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
+    g.add_argument("--placement", metavar="{spread,rank}",
+                   help="where shards go: spread (default) puts shard s on node s mod M, renumbering the ranks "
+                        "so the shards are ranks 0..S-1; rank keeps the launcher's order (shards on the first "
+                        "ranks, in block placement all on the first node)")
     g.add_argument("--groups", metavar="G", help="group servers (default 0; for paradigms that use them), or auto: "
                    "2 groups formed by measured speed after a warm-up")
     g.add_argument("--group-by", dest="group_by", metavar="{rank,speed}",

@@ -37,6 +37,7 @@ class TrainConfig(BaseModel):
     servers: int = Field(1, ge=1)
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
     group_by: Literal["rank", "speed"] = "rank"
+    placement: Literal["spread", "rank"] = "spread"
     model: str = "mlp"  # a built-in name, or a plug-in: pkg.mod:name, path/file.py:name
     hidden: int | None = Field(None, ge=1)  # None: the model's own default
     dataset: str = "digits"  # a built-in name, an HDF5 file, or a plug-in

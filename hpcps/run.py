@@ -49,6 +49,7 @@ from hpcps.flat import FlatParameters
 from hpcps.grouping import speed_groups
 from hpcps.groupserver import GroupServer
 from hpcps.layout import Layout, Role, shard_bounds
+from hpcps.placement import place
 from hpcps.planning import plan
 from hpcps.progress import Progress
 from hpcps.log import setup_logging
@@ -137,7 +138,20 @@ def default_out(paradigm: str) -> str:
 
 def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> RunResult | None:
     """Collective: train ``workload`` (default: the one ``cfg`` names) as ``cfg`` says on ``comm``;
-    rank 0 returns the result, others None."""
+    rank 0 returns the result, others None.
+
+    The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.placement`): its
+    ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
+    """
+    agree(comm, lambda: plan(cfg, comm.size))  # bad options fail before any placement
+    run_comm, world_ranks = place(comm, cfg.servers, cfg.placement)
+    try:
+        return _train(cfg, run_comm, workload, world_ranks)
+    finally:
+        run_comm.Free()
+
+
+def _train(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int]) -> RunResult | None:
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
@@ -166,7 +180,8 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     with Topology(comm, layout) as topo, StopSignals(announce(comm.rank)) as signals:
-        return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals).run()
+        return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals,
+                    world_ranks).run()
 
 
 def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
@@ -218,12 +233,13 @@ class _Run:
 
     def __init__(self, cfg: TrainConfig, topo: Topology, workload: Workload, source: DataSource | None,
                  facts: dict[str, Any], batches, model: torch.nn.Module, flat: FlatParameters, steps: int,
-                 ckpt: Checkpoint | None, devices: list[str], signals: StopSignals) -> None:
+                 ckpt: Checkpoint | None, devices: list[str], signals: StopSignals, world_ranks: list[int]) -> None:
         self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
         self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
         self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
         self.ckpt = ckpt
         self.signals = signals
+        self.world_ranks = world_ranks  # the launcher's rank of each of the run's ranks (--placement)
         self.ckpt_dir = cfg.checkpoint_dir or ""  # set in run(), once the metrics file is named
         self.final_version: int | None = None  # a shard: its version at the end
         self.final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
@@ -350,6 +366,7 @@ class _Run:
                 "start_version": self.ckpt.version if self.ckpt else 0,
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "devices": json.dumps(self.devices),
+                "placement": json.dumps({"mode": self.cfg.placement, "world_rank_of": self.world_ranks}),
                 "dataset_kind": self.facts["kind"],
                 "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             })
@@ -480,7 +497,8 @@ class _Run:
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         self.model.train()
         worker = worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches,
-                     loss=self.workload.loss, window=window, pusher=pusher, notices=notices, blocks=policy.worker_blocks, recorder=recorder,
+                     loss=self.workload.loss, window=window, pusher=pusher, notices=notices,
+                     blocks=policy.worker_blocks, recorder=recorder,
                      clock=self.clock, steps=self.steps, lr=cfg.lr, seed=cfg.seed,
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness, clip_norm=cfg.clip_norm,
                      compute_time=_compute_time(cfg, topo.rank),

@@ -1,0 +1,28 @@
+"""Shards spread over (emulated) nodes: the world split into two fake nodes, a 2-shard run placed on both."""
+
+import json
+
+import pytest
+
+import hpcps.placement
+from mpitest import share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+
+@pytest.mark.timeout(120)
+def test_two_shards_on_two_nodes_go_one_per_node_and_the_run_is_whole(world, mpi_tmp_path, monkeypatch):
+    """World ranks 0-2 are "node A", 3-4 "node B": shard 1 must be world rank 3 (block placement would
+    put both shards on node A), and the run must train as any other (nothing lost, one version each)."""
+    fake = [0, 0, 0, 3, 3][:world.size] + [3] * (world.size - 5)
+    monkeypatch.setattr(hpcps.placement, "node_ids", lambda comm: fake)
+    result, t = train(mpi_tmp_path / "spread.h5", paradigm="asp", servers=2, steps=20)
+    facts = None
+    if world.rank == 0:
+        roles = {int(r["rank"]): r["role"].decode() for r in t["ranks"]}
+        facts = {"placement": json.loads(t["attrs"]["placement"]), "roles": roles,
+                 "pushed": int(t["summary"]["gradients_pushed"]), "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts["placement"] == {"mode": "spread", "world_rank_of": [0, 3, 1, 2, 4]}
+    assert [facts["roles"][r] for r in range(5)] == ["server", "server", "worker", "worker", "worker"]
+    assert facts["pushed"] == facts["applied"] == 3 * 20

@@ -76,6 +76,8 @@ log = logging.getLogger("hpcps")
 
 #: a tag nobody sends on: probing it only drives MPI progress
 _PROGRESS_TAG = 99
+#: gradients a shard of a paradigm that applies on arrival holds at once, whatever the worker count
+RECEIVE_POOL = 2
 
 
 @dataclass(frozen=True)
@@ -380,8 +382,10 @@ class _Run:
             else list(layout.worker_ranks())
         notifier = Notifier(topo.ps, worker_ranks=workers)
         serial = policy_class(cfg.paradigm).serial_transfers and not grouped
+        pooled = grouped or not policy_class(cfg.paradigm).holds_rounds  # gradients applied on arrival
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
-                          on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None)
+                          on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
+                          pool=RECEIVE_POOL if pooled else None)
         lo, _ = self.bounds[topo.rank]
         n_params = int(np.clip(self.flat.n_params - lo, 0, len(master)))  # the rest of the slice: buffers
         optimizer = self.optimizer = self._shard_optimizer(master[:n_params], len(workers))

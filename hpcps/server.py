@@ -90,7 +90,6 @@ class ShardServer:
         self.master_t = torch.from_numpy(master)
         self.optimizer, self.unit_lr = optimizer, unit_lr
         self.n_params = len(master) if n_params is None else n_params
-        self.grads_t = torch.from_numpy(inbox.grads)
         self.worker_ranks = list(worker_ranks)
         self.recorder = recorder
         self.clock = clock
@@ -173,7 +172,7 @@ class ShardServer:
             weight = decision.weights[k] if decision.weights else 1.0
             if finite:
                 coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
-                at = self._update([self.grads_t[p.worker] for p in finite], coeffs, weight * factor)
+                at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor)
             t = self.clock()
             for p in pushes:
                 applied = p in finite
@@ -228,9 +227,13 @@ class ShardServer:
         blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
         return f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: {blocked}"
 
+    def _gradient(self, worker: int) -> torch.Tensor:
+        """The held gradient of ``worker`` (a view of the inbox's buffer)."""
+        return torch.from_numpy(self.inbox.gradient(worker))
+
     def _finite(self, push: PushEvent) -> bool:
         """Whether a gradient may be applied; a non-finite one is dropped, or ends the run."""
-        if bool(torch.isfinite(self.grads_t[push.worker]).all()):
+        if bool(torch.isfinite(self._gradient(push.worker)).all()):
             return True
         if self.abort_on_nonfinite:
             raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "

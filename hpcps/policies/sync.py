@@ -31,6 +31,7 @@ from hpcps.policies.registry import register
 class BSP(Policy):
     name = "bsp"
     summary = "bulk synchronous: average all N gradients of a round, release everyone"
+    holds_rounds = True
 
     def __init__(self, n_workers: int, **options) -> None:
         super().__init__(n_workers)

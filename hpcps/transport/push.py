@@ -108,30 +108,46 @@ class LeaveEvent:
 
 
 class PushInbox:
-    """Server side: per-worker persistent receives of headers and gradients.
+    """Server side: per-worker persistent receives of headers, and receive buffers for gradients.
 
     Worker ``i`` (index into ``worker_ranks``) goes through the states
     header -> payload -> held. A held gradient stays in :meth:`gradient`
     until :meth:`release`, and only then is that worker's next header
     received, so a worker's later messages (including ``DONE``) are never
     read before its previous gradient is dealt with.
+
+    Gradient buffers: one per worker (``pool=None``: what a paradigm that
+    holds a whole round needs), or a pool of ``pool`` buffers shared by all
+    workers, for paradigms that apply each gradient on arrival: a worker
+    whose header came while every buffer is taken waits for one, and its
+    payload waits meanwhile where large messages wait in MPI, at the sender
+    (rendezvous). The shard then holds ``pool`` gradients whatever the
+    worker count.
     """
 
     def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
                  on_transfer: Callable[[int], object] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, pool: int | None = None) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload."""
         n = len(worker_ranks)
+        self.comm, self.worker_ranks = comm, list(worker_ranks)
+        self.pooled = pool is not None and pool < n
+        if self.pooled and on_transfer is not None:
+            raise ValueError("serial transfers need a buffer per worker")
         self.on_transfer, self.clock = on_transfer, clock
         self.ready: deque[int] = deque()  # serial: workers whose header came, in arrival order
         self.streaming: tuple[int, float] | None = None  # serial: (worker, since when)
         self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
         self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)
-        self.grads = np.zeros((n, shard_len), np.float32)
+        self.grads = np.zeros((pool if self.pooled else n, shard_len), np.float32)
         self.header_reqs = [comm.Recv_init(self.headers[i], source=r, tag=wire.TAG_PUSH_HEADER)
                             for i, r in enumerate(worker_ranks)]
-        self.data_reqs = [comm.Recv_init(self.grads[i], source=r, tag=wire.TAG_PUSH_DATA)
-                          for i, r in enumerate(worker_ranks)]
+        self.data_reqs = [] if self.pooled else [comm.Recv_init(self.grads[i], source=r, tag=wire.TAG_PUSH_DATA)
+                                                  for i, r in enumerate(worker_ranks)]
+        self.free_buffers: deque[int] = deque(range(len(self.grads)))  # pooled: buffers nobody holds
+        self.buffer_of: dict[int, int] = {}  # pooled: worker -> the buffer its gradient is in (or comes to)
+        self.awaiting_buffer: deque[int] = deque()  # pooled: workers whose header came, in arrival order
+        self.receiving: dict[int, MPI.Request] = {}  # pooled: worker -> its payload's receive
         MPI.Prequest.Startall(self.header_reqs)
         self.listening = set(range(n))  # workers whose header receive is posted
         self.open = n
@@ -145,11 +161,14 @@ class PushInbox:
             if h[0] != wire.KIND_PUSH:
                 self.open -= 1
                 events.append(LeaveEvent(i, int(h[2])))
+            elif self.pooled:
+                self.awaiting_buffer.append(i)
+                self._give_buffers()
             elif self.on_transfer is None:
                 self.data_reqs[i].Start()
             else:
                 self.ready.append(i)
-        for i in MPI.Request.Testsome(self.data_reqs) or ():
+        for i in self._payloads_done():
             h = self.headers[i]
             events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA)))
             if self.streaming is not None and self.streaming[0] == i:
@@ -162,11 +181,30 @@ class PushInbox:
             self.on_transfer(i)
         return events
 
+    def _payloads_done(self) -> list[int]:
+        if not self.pooled:
+            return MPI.Request.Testsome(self.data_reqs) or []
+        workers = list(self.receiving)
+        done = [workers[k] for k in MPI.Request.Testsome([self.receiving[w] for w in workers]) or ()]
+        for w in done:
+            del self.receiving[w]
+        return done
+
+    def _give_buffers(self) -> None:
+        """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free."""
+        while self.free_buffers and self.awaiting_buffer:
+            i, b = self.awaiting_buffer.popleft(), self.free_buffers.popleft()
+            self.buffer_of[i] = b
+            self.receiving[i] = self.comm.Irecv(self.grads[b], source=self.worker_ranks[i], tag=wire.TAG_PUSH_DATA)
+
     def gradient(self, worker: int) -> np.ndarray:
-        return self.grads[worker]
+        return self.grads[self.buffer_of[worker]] if self.pooled else self.grads[worker]
 
     def release(self, worker: int) -> None:
         """The held gradient of ``worker`` is used up; receive its next message."""
+        if self.pooled:
+            self.free_buffers.append(self.buffer_of.pop(worker))
+            self._give_buffers()
         self.header_reqs[worker].Start()
         self.listening.add(worker)
 
@@ -177,6 +215,10 @@ class PushInbox:
             self.header_reqs[i].Cancel()
             self.header_reqs[i].Wait()
         self.listening.clear()
+        for req in self.receiving.values():  # pooled: none once every worker has left
+            req.Cancel()
+            req.Wait()
+        self.receiving.clear()
         for req in self.header_reqs + self.data_reqs:
             req.Free()
         self.header_reqs = self.data_reqs = []

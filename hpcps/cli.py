@@ -304,7 +304,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"| {r.paradigm} | {r.workers} | {r.throughput:.1f} | {r.mean_wait_s * 1e3:.2f} | "
               f"{r.mean_staleness:.2f} |")
     if args.out:
-        for path in write_outputs(predictions, args.out):
+        settings = (f"{args.params:,} parameters, compute {args.compute_time * 1e3:g} ms, jitter {args.jitter}, "
+                    f"straggler {args.straggler:g}x, staleness {args.staleness}, {args.steps} steps")
+        for path in write_outputs(predictions, args.out, settings):
             print(path)
     return 0
 

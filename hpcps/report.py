@@ -161,16 +161,35 @@ def plot_accuracy(runs: list[Run], out: Path, target: float) -> Path:
     return _save(plt, fig, out / "accuracy.png")
 
 
+def slowdowns(config: dict) -> dict[int, float]:
+    """``--slowdown`` of a run's config: worker rank -> factor (JSON keys are strings)."""
+    return {int(rank): float(f) for rank, f in (config.get("slowdown") or {}).items()}
+
+
 def plot_throughput(runs: list[Run], out: Path) -> Path:
-    plt, fig, ax = _figure(figsize=(max(6, 1.5 * len(runs) + 4), 4.5))
-    width = 0.8 / max(1, len(runs))
+    """One group of bars per run, each bar labelled with its own worker's rank; a straggler
+    (``--slowdown``) is hatched and its factor written above it."""
+    n_bars = sum(len(r.worker_rates()) for r in runs)
+    plt, fig, ax = _figure(figsize=(max(6.0, 0.45 * n_bars + 2.5), 4.8))
+    x0, ticks, tick_labels = 0.0, [], []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, r in enumerate(runs):
-        rates = r.worker_rates()
-        x = np.arange(len(rates)) + k * width
-        ax.bar(x, list(rates.values()), width, label=r.label)
-    ranks = sorted(runs[0].worker_rates()) if runs else []
-    ax.set_xticks(np.arange(len(ranks)) + 0.4 - width / 2, [f"rank {w}" for w in ranks])
-    ax.set(ylabel="iterations per second", title="Iteration throughput per worker")
+        rates, slow = r.worker_rates(), slowdowns(r.config)
+        x = x0 + np.arange(len(rates))
+        bars = ax.bar(x, list(rates.values()), 0.8, color=colors[k % len(colors)], label=r.label)
+        for bar, rank in zip(bars, rates):
+            if rank in slow:
+                bar.set_hatch("//")
+                bar.set_edgecolor("black")
+                ax.annotate(f"{slow[rank]:g}x slower", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            xytext=(0, 2), textcoords="offset points", ha="center", fontsize="x-small")
+        ticks += list(x)
+        tick_labels += [str(w) for w in rates]
+        x0 += len(rates) + 1  # a gap between runs
+    ax.set_xticks(ticks, tick_labels, fontsize="small")
+    ax.set(xlabel="worker rank (one group per run)", ylabel="iterations per second",
+           title="Iteration throughput per worker")
+    ax.margins(y=0.12)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small")
     return _save(plt, fig, out / "throughput.png")
@@ -207,12 +226,16 @@ def plot_breakdown(runs: list[Run], out: Path) -> Path:
 
 
 def plot_staleness(runs: list[Run], out: Path) -> Path:
-    plt, fig, ax = _figure(figsize=(8, 4.5))
+    """Shared bins, one filled bar per run in each: no run's outline hides another's."""
     top = max((int(r.updates["staleness"].max()) for r in runs if len(r.updates)), default=0)
-    bins = np.arange(-0.5, top + 1.5)
-    for r in runs:
-        applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
-        ax.hist(applied["staleness"], bins=bins, histtype="step", linewidth=2, density=True, label=r.label)
+    values = np.arange(0, top + 1)
+    plt, fig, ax = _figure(figsize=(max(8.0, 0.5 * len(values) * max(1, len(runs)) ** 0.5 + 4), 4.5))
+    width = 0.8 / max(1, len(runs))
+    for k, r in enumerate(runs):
+        applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]["staleness"]
+        share = np.bincount(np.clip(applied, 0, top), minlength=len(values)) / max(1, len(applied))
+        ax.bar(values - 0.4 + width * (k + 0.5), share, width, label=r.label)
+    ax.set_xticks(values if len(values) <= 25 else values[:: int(np.ceil(len(values) / 25))])
     ax.set(xlabel="staleness (server versions between read and apply)", ylabel="share of applied gradients",
            title="Staleness of applied gradients")
     ax.grid(alpha=0.3)
@@ -233,12 +256,16 @@ def plot_thresholds(runs: list[Run], out: Path) -> Path | None:
         s_lo, s_hi = r.config.get("staleness"), r.config.get("staleness_max")
         s_lo = DEFAULT_STALENESS if s_lo is None else s_lo  # absent or null in the config: the default
         s_hi = s_lo + 4 if s_hi is None else s_hi
-        for bound, name in ((s_lo, "s_lo"), (s_hi, "s_hi")):
+        for bound, name in ((s_lo, "s_lo"), (s_hi, "s_hi")):  # labels outside the axes, clear of every line
             ax.axhline(bound, color="grey", linestyle=":")
-            ax.annotate(name, (0, bound), xytext=(2, 2), textcoords="offset points", color="grey")
+            ax.text(1.01, bound, f"{name} = {bound}", transform=ax.get_yaxis_transform(), va="center",
+                    ha="left", color="grey", fontsize="small", clip_on=False)
+        ax.set_ylim(min(s_lo, float(up["threshold"].min()) if len(up) else s_lo) - 0.5,
+                    max(s_hi, float(up["threshold"].max()) if len(up) else s_hi) + 0.5)
         ax.set(xlabel="wall time (s)", ylabel="clock-gap bound", title=f"DSSP bounds over time: {r.label}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", ncol=4)
+        ax.legend(fontsize="small", ncol=4, loc="upper left", bbox_to_anchor=(0, -0.22))
+    fig.subplots_adjust(right=0.88)
     return _save(plt, fig, out / "thresholds.png")
 
 

@@ -260,10 +260,13 @@ def sweep(paradigms: list[str], workers: list[int], *, straggler: float = 1.0, p
             for p, n in tqdm(cases, desc="simulate", unit="case", disable=not progress, file=sys.stderr)]
 
 
-def write_outputs(predictions: list[Prediction], out) -> list:
-    """``simulate.csv`` and ``simulated_throughput.png`` (iterations/s against workers, per paradigm)."""
+def write_outputs(predictions: list[Prediction], out, settings: str = "") -> list:
+    """``simulate.csv`` and ``simulated_throughput.png`` (iterations/s against workers, per paradigm:
+    a marker and line style each, so lines that coincide stay apart; ``settings`` in the title)."""
     import csv
     from pathlib import Path
+
+    from matplotlib.ticker import NullLocator, ScalarFormatter
 
     from hpcps.report import _figure, _save
 
@@ -275,12 +278,20 @@ def write_outputs(predictions: list[Prediction], out) -> list:
         for r in predictions:
             w.writerow([r.paradigm, r.workers, f"{r.throughput:.4g}", f"{r.mean_wait_s * 1e3:.4g}",
                         f"{r.mean_staleness:.4g}"])
-    plt, fig, ax = _figure(figsize=(7, 4.5))
-    for name in dict.fromkeys(r.paradigm for r in predictions):
+    plt, fig, ax = _figure(figsize=(7.5, 5))
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
+    for k, name in enumerate(dict.fromkeys(r.paradigm for r in predictions)):
         mine = [r for r in predictions if r.paradigm == name]
-        ax.plot([r.workers for r in mine], [r.throughput for r in mine], marker="o", label=name)
+        marker, line = styles[k % len(styles)]
+        ax.plot([r.workers for r in mine], [r.throughput for r in mine], marker=marker, linestyle=line,
+                markersize=7 - k % 3, markerfacecolor="none" if k % 2 else None, label=name)
+    counts = sorted({r.workers for r in predictions})
     ax.set(xscale="log", yscale="log", xlabel="workers", ylabel="iterations/s (all workers)",
-           title="predicted throughput (hpcps simulate)")
+           title="predicted throughput (hpcps simulate)" + (f"\n{settings}" if settings else ""))
+    ax.set_xticks(counts, [str(n) for n in counts])
+    ax.xaxis.set_minor_locator(NullLocator())  # the worker counts, and only they, on the x axis
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     return [out / "simulate.csv", _save(plt, fig, out / "simulated_throughput.png")]

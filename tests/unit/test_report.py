@@ -10,7 +10,7 @@ from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import EVAL, ITERATION, RANK, TRANSFER, UPDATE
-from hpcps.report import load_run, make_report, summary_rows
+from hpcps.report import Run, load_run, make_report, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -111,3 +111,85 @@ def test_offline_tools_never_import_mpi():
     code = ("import sys, hpcps.report, hpcps.cli, hpcps.metrics.runfile, hpcps.metrics.schema, hpcps.policies; "
             "sys.exit('mpi4py' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plots would save, kept open for inspection."""
+    import hpcps.report
+
+    kept = {}
+
+    def keep(plt, fig, path):
+        fig.canvas.draw()
+        kept[path.name] = fig
+        return path
+
+    monkeypatch.setattr(hpcps.report, "_save", keep)
+    yield kept
+    import matplotlib.pyplot as plt
+    for fig in kept.values():
+        plt.close(fig)
+
+
+def _run_with(name, ranks, *, slowdown=None, staleness=(0,)):
+    it = np.zeros(2 * len(ranks), ITERATION)
+    for k in range(len(it)):
+        it[k]["rank"], it[k]["step"], it[k]["t_end"] = ranks[k % len(ranks)], k // len(ranks), 0.1 * (k + 1)
+    up = np.zeros(len(staleness), UPDATE)
+    up["staleness"], up["applied"] = staleness, 1
+    return Run(name=name, paradigm=name, config={"slowdown": slowdown or {}}, iterations=it, updates=up,
+               evals=np.zeros(0, EVAL), summary={})
+
+
+def test_throughput_labels_each_runs_bars_with_its_own_ranks_and_marks_the_straggler(figures, tmp_path):
+    from hpcps.report import plot_throughput
+
+    runs = [_run_with("bsp", [1, 2, 3, 4]), _run_with("grouped", [3, 4, 5, 6], slowdown={"6": 3.0})]
+    plot_throughput(runs, tmp_path)
+    ax = figures["throughput.png"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "3", "4", "3", "4", "5", "6"]
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_x() > ax.patches[4].get_x()  # the grouped run's last bar
+    assert [t.get_text() for t in ax.texts] == ["3x slower"]
+
+
+def test_staleness_is_one_filled_bar_per_run_in_shared_bins(figures, tmp_path):
+    from hpcps.report import plot_staleness
+
+    plot_staleness([_run_with("asp", [1], staleness=(0, 2, 2, 3)), _run_with("ssp", [1], staleness=(1, 1))],
+                   tmp_path)
+    ax = figures["staleness.png"].axes[0]
+    bars = ax.patches
+    assert len(bars) == 2 * 4 and all(b.get_fill() for b in bars)  # staleness 0..3, two runs each
+    heights = [round(b.get_height(), 3) for b in bars]
+    assert heights == [0.25, 0.0, 0.5, 0.25, 0.0, 1.0, 0.0, 0.0]
+    assert len({round(b.get_x(), 6) for b in bars}) == 8  # side by side, nothing drawn over another
+
+
+def test_threshold_labels_sit_outside_the_axes_clear_of_the_lines(figures, runs, tmp_path):
+    from hpcps.report import plot_thresholds
+
+    plot_thresholds([load_run(p) for p in runs], tmp_path)
+    ax = figures["thresholds.png"].axes[0]
+    labels = [t for t in ax.texts if t.get_text().startswith(("s_lo", "s_hi"))]
+    assert [t.get_text() for t in labels] == ["s_lo = 2", "s_hi = 4"]
+    assert all(t.get_position()[0] > 1.0 for t in labels)  # axes coordinates: right of the plot area
+
+
+def test_simulator_lines_differ_in_marker_and_style_and_the_axis_names_the_worker_counts(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from unittest import mock
+
+    from hpcps.simulate import Prediction, write_outputs
+
+    preds = [Prediction(p, n, 100 * n, 1.0, 0.0, 0.0, {w: 100.0 for w in range(n)})
+             for p in ("bsp", "asp", "ssp", "eager") for n in (4, 16, 64)]
+    with mock.patch("hpcps.report._save", side_effect=lambda plt, fig, path: (fig.canvas.draw(), fig)[1]):
+        fig = write_outputs(preds, tmp_path, "9,610 parameters, straggler 3x")[1]
+    ax = fig.axes[0]
+    styles = {(line.get_marker(), line.get_linestyle()) for line in ax.get_lines()}
+    assert len(styles) == 4  # identical throughputs, yet every line distinguishable
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "16", "64"]
+    assert "straggler 3x" in ax.get_title()

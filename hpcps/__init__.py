@@ -4,7 +4,7 @@ One switch (``--paradigm``) selects the synchronization paradigm; the
 runtime (topology, transport, server and worker loops) is shared by all of
 them. :func:`hpcps.train` trains the user's own model, data, loss and
 optimizer (see :mod:`hpcps.api`); ``hpcps train`` is the command-line client
-of the same runtime. See README.md for the user's view.
+of the same runtime. See README.md and docs/ for the user's view.
 """
 
 __version__ = "0.1.0"

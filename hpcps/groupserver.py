@@ -68,6 +68,17 @@ class GroupServer(ShardServer):
         for g, c in zip(grads, coeffs):
             self.agg_t[:p].add_(g[:p], alpha=c)
             self.agg_t[p:].add_(g[p:], alpha=1.0 / len(grads))
+        return self._send_round(factor)
+
+    def _update_sum(self, acc: torch.Tensor, scale: float, factor: float, n: int) -> int:
+        p = self.n_params
+        torch.mul(acc[:p], scale, out=self.agg_t[:p])
+        torch.mul(acc[p:], 1.0 / n, out=self.agg_t[p:])
+        return self._send_round(factor)
+
+    def _send_round(self, factor: float) -> int:
+        """Push the group's combined gradient (``agg``) to the central shards; wait for their receipts and
+        pull; return the lowest central version it was applied to."""
         self.rounds += 1
         self.central_pusher.start(self.rounds, self.central_versions, self.unit_lr * self.weight * factor)
         applied_at: list[int] = []

@@ -58,6 +58,7 @@ from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
 from hpcps.optim import ShardOptimizer, make_schedule
 from hpcps.policies import make_policy, policy_class
+from hpcps.rounds import RoundSum
 from hpcps.server import ShardServer
 from hpcps.signals import StopSignals, announce
 from hpcps.topology import Topology, node_local_index
@@ -382,12 +383,19 @@ class _Run:
             else list(layout.worker_ranks())
         notifier = Notifier(topo.ps, worker_ranks=workers)
         serial = policy_class(cfg.paradigm).serial_transfers and not grouped
-        pooled = grouped or not policy_class(cfg.paradigm).holds_rounds  # gradients applied on arrival
-        inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
-                          on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
-                          pool=RECEIVE_POOL if pooled else None)
         lo, _ = self.bounds[topo.rank]
         n_params = int(np.clip(self.flat.n_params - lo, 0, len(master)))  # the rest of the slice: buffers
+        policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
+        start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
+        policy.resume_at(start_version)
+        # bsp sums each round as it arrives (hpcps.rounds); the others that hold rounds (hsp) keep a
+        # buffer per worker; those that apply on arrival share a small pool
+        rounds = RoundSum(len(master), n_params, len(workers), policy.active) \
+            if policy.name == "bsp" and not grouped else None
+        pooled = grouped or rounds is not None or not policy.holds_rounds
+        inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
+                          on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
+                          pool=RECEIVE_POOL if pooled else None, admit=rounds.admit if rounds else None)
         optimizer = self.optimizer = self._shard_optimizer(master[:n_params], len(workers))
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
@@ -405,9 +413,6 @@ class _Run:
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
             side_tasks += [recorder.drain, evaluator.tick]
-        policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
-        start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
-        policy.resume_at(start_version)
         server = ShardServer(
             shard=topo.rank, rank=topo.rank, policy=policy,
             table="groups/updates" if grouped else "servers/updates",
@@ -420,6 +425,7 @@ class _Run:
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
+            round_sum=rounds,
         )
         server.run()
         self.final_version = server.version
@@ -465,9 +471,11 @@ class _Run:
         central_pusher = Pusher(topo.ps, buffers=[agg], shard_ranks=self.shards, bounds=self.bounds,
                                 worker_rank=topo.rank)
         central_notices = NoticeBox(topo.ps, shard_ranks=self.shards)
-        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=n)
+        policy = make_policy(policy_class(cfg.paradigm).group_policy, len(members))
+        rounds = RoundSum(n, self.flat.n_params, len(members), policy.active)  # the group's rounds, summed
+        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=n, pool=RECEIVE_POOL, admit=rounds.admit)
         GroupServer(
-            shard=0, rank=topo.rank, policy=make_policy(policy_class(cfg.paradigm).group_policy, len(members)),
+            shard=0, rank=topo.rank, policy=policy, round_sum=rounds,
             inbox=inbox, notifier=Notifier(topo.group, worker_ranks=local), window=window,
             master=np.zeros(n, np.float32), n_params=self.flat.n_params, unit_lr=cfg.lr,
             worker_ranks=members, recorder=recorder, clock=self.clock,

@@ -35,6 +35,7 @@ import torch
 from hpcps.errors import RunAborted
 from hpcps.optim import APPLY_CHUNK, ShardOptimizer, update_terms
 from hpcps.policies import Decision, Policy
+from hpcps.rounds import RoundSum
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
@@ -79,7 +80,8 @@ class ShardServer:
                  abort_on_nonfinite: bool = False, version: int = 0,
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, round_sum: RoundSum | None = None) -> None:
+        """``round_sum``: sum each BSP round as it arrives (:mod:`hpcps.rounds`) instead of holding it."""
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -102,6 +104,7 @@ class ShardServer:
         self.on_published = on_published
         self.table = table
         self.pending: dict[int, PushEvent] = {}
+        self.round_sum = round_sum
         # stall detection: when each worker was last heard of, and who waits for a grant
         self.stall_warn, self.stall_abort = stall_warn, stall_abort
         self.heard = [0.0] * len(self.worker_ranks)
@@ -158,19 +161,43 @@ class ShardServer:
                 self.awaiting.add(event.worker)
             self.pending[event.worker] = event
             extra = {"extra": event.extra} if self.policy.extra_gradients else {}
-            self._carry_out(self.policy.on_push(event.worker, event.clock, event.version, now, **extra), notices)
+            decision = self.policy.on_push(event.worker, event.clock, event.version, now, **extra)
+            if self.round_sum is not None:
+                self.round_sum.arrived.add(event.worker)
+                self._sum_round()
+            self._carry_out(decision, notices)
         else:
             self.gone.add(event.worker)
-            self._carry_out(self.policy.on_leave(event.worker, now), notices)
+            decision = self.policy.on_leave(event.worker, now)
+            if self.round_sum is not None:  # whose turn it is may have moved past the leaver
+                self._sum_round()
+                self.inbox.offer()
+            self._carry_out(decision, notices)
             _note(notices, event.worker, wire.BYE)
+
+    def _sum_round(self) -> None:
+        """Add the round's gradients whose turn has come (worker order); free their buffers at once."""
+        def take(worker: int) -> tuple[torch.Tensor | None, float]:
+            push = self.pending[worker]
+            return (self._gradient(worker) if self._finite(push) else None), push.lr / self.unit_lr
+
+        for worker in self.round_sum.add_ready(take):
+            self.inbox.free_buffer(worker)
 
     def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
         for k, group in enumerate(decision.updates):
             pushes = [self.pending.pop(w) for w in group]
-            finite = [p for p in pushes if self._finite(p)]
+            if self.round_sum is not None:  # summed already, in worker order (hpcps.rounds)
+                finite = [p for p in pushes if self.round_sum.finite[p.worker]]
+            else:
+                finite = [p for p in pushes if self._finite(p)]
             at = self.version
             weight = decision.weights[k] if decision.weights else 1.0
-            if finite:
+            if finite and self.round_sum is not None:
+                _, factor = update_terms([p.lr / self.unit_lr for p in finite])
+                n = len(finite)
+                at = self._update_sum(self.round_sum.acc, 1.0 / (n * factor), weight * factor, n)
+            elif finite:
                 coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor)
             t = self.clock()
@@ -183,6 +210,8 @@ class ShardServer:
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
                 _note(notices, p.worker, flags, p.clock, at, staleness)
                 self.inbox.release(p.worker)
+            if self.round_sum is not None:
+                self.round_sum.close()
             if self.on_applied is not None:
                 self.on_applied(len(pushes))
         for w in decision.grants:
@@ -199,6 +228,16 @@ class ShardServer:
         if p < len(self.master):
             apply_update(self.master_t[p:], [g[p:] for g in grads], [-1.0 / len(grads)] * len(grads),
                          progress=self.progress)
+        self.version += 1
+        return self.version - 1
+
+    def _update_sum(self, acc: torch.Tensor, scale: float, factor: float, n: int) -> int:
+        """:meth:`_update` from a round's sum: the step from ``scale * acc`` (parameters), the buffers'
+        mean change ``acc / n``; return the version it was applied to."""
+        p = self.n_params
+        self.optimizer.step([acc[:p]], [scale], version=self.version, factor=factor, progress=self.progress)
+        if p < len(self.master):
+            apply_update(self.master_t[p:], [acc[p:]], [-1.0 / n], progress=self.progress)
         self.version += 1
         return self.version - 1
 

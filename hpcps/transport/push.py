@@ -122,15 +122,21 @@ class PushInbox:
     whose header came while every buffer is taken waits for one, and its
     payload waits meanwhile where large messages wait in MPI, at the sender
     (rendezvous). The shard then holds ``pool`` gradients whatever the
-    worker count.
+    worker count. ``admit(worker, free)`` narrows who may take a free buffer:
+    a BSP shard that sums its round in worker order (:mod:`hpcps.rounds`)
+    keeps the last free buffer for the worker whose turn it is, frees each
+    buffer as soon as its gradient is summed (:meth:`free_buffer`), and
+    receives the next headers only once the round is applied (:meth:`release`).
     """
 
     def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
                  on_transfer: Callable[[int], object] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, pool: int | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
+                 admit: Callable[[int, int], bool] | None = None) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload."""
         n = len(worker_ranks)
         self.comm, self.worker_ranks = comm, list(worker_ranks)
+        self.admit = admit  # pooled: admit(worker, free buffers) says whether it may take one now
         self.pooled = pool is not None and pool < n
         if self.pooled and on_transfer is not None:
             raise ValueError("serial transfers need a buffer per worker")
@@ -191,20 +197,35 @@ class PushInbox:
         return done
 
     def _give_buffers(self) -> None:
-        """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free."""
-        while self.free_buffers and self.awaiting_buffer:
-            i, b = self.awaiting_buffer.popleft(), self.free_buffers.popleft()
+        """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free
+        (and, with ``admit``, only those it admits)."""
+        for i in list(self.awaiting_buffer):
+            if not self.free_buffers:
+                break
+            if self.admit is not None and not self.admit(i, len(self.free_buffers)):
+                continue
+            self.awaiting_buffer.remove(i)
+            b = self.free_buffers.popleft()
             self.buffer_of[i] = b
             self.receiving[i] = self.comm.Irecv(self.grads[b], source=self.worker_ranks[i], tag=wire.TAG_PUSH_DATA)
 
     def gradient(self, worker: int) -> np.ndarray:
         return self.grads[self.buffer_of[worker]] if self.pooled else self.grads[worker]
 
-    def release(self, worker: int) -> None:
-        """The held gradient of ``worker`` is used up; receive its next message."""
+    def offer(self) -> None:
+        """Pooled: give free buffers to waiting workers (call when ``admit``'s answer may have changed)."""
         if self.pooled:
+            self._give_buffers()
+
+    def free_buffer(self, worker: int) -> None:
+        """Pooled: ``worker``'s gradient is used up (summed); its buffer goes to whoever waits for one."""
+        if self.pooled and worker in self.buffer_of:
             self.free_buffers.append(self.buffer_of.pop(worker))
             self._give_buffers()
+
+    def release(self, worker: int) -> None:
+        """The held gradient of ``worker`` is used up; receive its next message."""
+        self.free_buffer(worker)
         self.header_reqs[worker].Start()
         self.listening.add(worker)
 

@@ -38,3 +38,40 @@ def test_one_receive_buffer_for_four_workers_loses_nothing(world, mpi_tmp_path, 
     assert facts["versions"] == list(range(4 * steps))  # one update per gradient, none twice
     assert facts["per_worker"] == [steps] * 4
     assert facts["pooled"] == {True} and facts["buffers"] == {1} and facts["most_held"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_bsp_sums_its_rounds_in_a_pool_bit_for_bit_whatever_the_arrival_order(world, mpi_tmp_path, monkeypatch):
+    """BSP sums each round in worker order as it arrives (hpcps.rounds): with one buffer (payloads
+    strictly in worker order) and with two and worker 0 three times slower (payloads out of order,
+    later ones waiting), the shard never holds more than its pool, applies one update per round, and
+    ends with the same parameters bit for bit."""
+    held = []
+
+    class Spy(PushInbox):
+        def _give_buffers(self):
+            super()._give_buffers()
+            held.append((self.pooled, len(self.buffer_of), len(self.grads)))
+
+    monkeypatch.setattr(hpcps.run, "PushInbox", Spy)
+    steps, runs = 15, {}
+    for pool, slowdown in ((1, []), (2, ["1=3"])):
+        monkeypatch.setattr(hpcps.run, "RECEIVE_POOL", pool)
+        held.clear()
+        result, t = train(mpi_tmp_path / f"bsp-pool{pool}.h5", paradigm="bsp", steps=steps, seed=3,
+                          slowdown=slowdown, compute_time=0.01)
+        if world.rank == 0:
+            runs[pool] = {"params": result.params, "pushed": int(t["summary"]["gradients_pushed"]),
+                          "applied": int(t["summary"]["gradients_applied"]),
+                          "versions": sorted(set(t["servers/updates"]["version"].tolist())),
+                          "held": {(p, b) for p, _, b in held}, "most_held": max(n for _, n, _ in held)}
+    facts = None
+    if world.rank == 0:
+        facts = {"equal": bool((runs[1]["params"] == runs[2]["params"]).all()),
+                 **{f"{k}{pool}": r[k] for pool, r in runs.items() for k in r if k != "params"}}
+    facts = share(world, facts)
+    for pool in (1, 2):
+        assert facts[f"pushed{pool}"] == facts[f"applied{pool}"] == 4 * steps
+        assert facts[f"versions{pool}"] == list(range(steps))  # one update per round
+        assert facts[f"held{pool}"] == {(True, pool)} and facts[f"most_held{pool}"] <= pool
+    assert facts["equal"]

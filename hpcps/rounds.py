@@ -1,0 +1,69 @@
+"""A BSP round summed as its gradients arrive, in worker order, so a shard holds one sum, not N gradients.
+
+Under BSP a round's update is the weighted mean of every active worker's gradient. Holding
+them all until the round closes costs a shard N receive buffers. Instead :class:`RoundSum`
+adds each gradient into one accumulator as soon as every lower-numbered worker's gradient of
+the round is in, so the float sum runs in worker order whatever the arrival order, and runs
+(and resumed runs) stay reproducible bit for bit. A gradient that arrives out of order waits
+in its receive buffer; the shard's inbox (``PushInbox(pool=K, admit=RoundSum.admit)``) keeps
+one of its K buffers for the worker whose turn it is, so the round always moves, and the
+other workers' payloads wait at their senders. Memory: the sum and K buffers, for any N.
+
+What is summed: trainable parameters weighted by each push's learning-rate factor ``f``
+(``sum f_i g_i``; the shard scales the sum by ``1/(n F)``, F the mean factor, as
+:func:`hpcps.optim.update_terms` would per gradient), buffers (BatchNorm statistics) plainly
+(their mean change is the sum over n). Non-finite gradients are not added, and counted out.
+Pure bookkeeping on torch tensors: no MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class RoundSum:
+    """The open round's sum; ``active`` is the policy's live set of active workers (read, not owned)."""
+
+    def __init__(self, size: int, n_params: int, n_workers: int, active: set[int]) -> None:
+        self.acc = torch.zeros(size, dtype=torch.float32)
+        self.n_params, self.n_workers, self.active = n_params, n_workers, active
+        self.arrived: set[int] = set()
+        self.finite: dict[int, bool] = {}  # summed this round: whether the gradient was added
+        self._next = 0
+
+    def expected(self) -> int | None:
+        """The worker whose gradient is to be added next (None: the round has nobody left to add)."""
+        while self._next < self.n_workers and (self._next in self.finite or (
+                self._next not in self.active and self._next not in self.arrived)):
+            self._next += 1
+        return self._next if self._next < self.n_workers else None
+
+    def admit(self, worker: int, free_buffers: int) -> bool:
+        """Whether ``worker``'s payload may take a receive buffer now: always if it is the expected one,
+        else only while another buffer stays free for the expected one."""
+        return worker == self.expected() or free_buffers > 1
+
+    def add_ready(self, take: Callable[[int], tuple[torch.Tensor | None, float]]) -> list[int]:
+        """Add every arrived gradient whose turn has come; return those workers (their buffers are free).
+
+        ``take(worker)`` gives its gradient (None if non-finite: not added) and learning-rate factor.
+        """
+        done = []
+        while (w := self.expected()) is not None and w in self.arrived:
+            grad, factor = take(w)
+            if grad is not None:
+                p = self.n_params
+                self.acc[:p].add_(grad[:p], alpha=factor)
+                self.acc[p:].add_(grad[p:])
+            self.finite[w] = grad is not None
+            done.append(w)
+        return done
+
+    def close(self) -> None:
+        """The round was applied: start the next from zero."""
+        self.acc.zero_()
+        self.arrived.clear()
+        self.finite.clear()
+        self._next = 0

@@ -1,0 +1,76 @@
+"""RoundSum: a BSP round summed as it arrives, in worker order, whatever the arrival order."""
+
+from __future__ import annotations
+
+import torch
+
+from hpcps.rounds import RoundSum
+
+
+def _grads(n: int, size: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(size, generator=g) * 10 ** k for k in range(n)]  # magnitudes apart: order shows
+
+
+def _in_order(grads, factors, n_params):
+    acc = torch.zeros_like(grads[0])
+    for g, f in zip(grads, factors):
+        acc[:n_params].add_(g[:n_params], alpha=f)
+        acc[n_params:].add_(g[n_params:])
+    return acc
+
+
+def test_sum_is_in_worker_order_whatever_the_arrival_order():
+    n, size, p = 4, 33, 30
+    grads, factors = _grads(n, size), [1.0, 0.5, 2.0, 1.0]
+    r = RoundSum(size, p, n, active=set(range(n)))
+    taken: list[int] = []
+
+    def take(w):
+        taken.append(w)
+        return grads[w], factors[w]
+
+    for w in (3, 1, 2):  # worker 0 last: nothing can be added before it
+        r.arrived.add(w)
+        assert r.add_ready(take) == []
+    r.arrived.add(0)
+    assert r.add_ready(take) == [0, 1, 2, 3]
+    assert taken == [0, 1, 2, 3]
+    assert torch.equal(r.acc, _in_order(grads, factors, p))  # bit for bit, not approximately
+
+
+def test_admit_keeps_a_buffer_for_the_expected_worker():
+    r = RoundSum(4, 4, 3, active={0, 1, 2})
+    assert r.expected() == 0
+    assert r.admit(0, free_buffers=1)
+    assert not r.admit(2, free_buffers=1)  # the last buffer is worker 0's
+    assert r.admit(2, free_buffers=2)
+
+
+def test_workers_that_left_are_skipped_and_nonfinite_gradients_not_added():
+    grads = _grads(4, 5)
+    r = RoundSum(5, 5, 4, active={0, 2, 3})  # worker 1 left and sent nothing this round
+    r.arrived.update({0, 2, 3})
+    done = r.add_ready(lambda w: (None, 1.0) if w == 2 else (grads[w], 1.0))
+    assert done == [0, 2, 3]
+    assert r.finite == {0: True, 2: False, 3: True}
+    assert torch.equal(r.acc, _in_order([grads[0], grads[3]], [1.0, 1.0], 5))
+    assert r.expected() is None
+
+
+def test_a_leaver_that_already_pushed_is_still_added():
+    grads = _grads(2, 3)
+    r = RoundSum(3, 3, 2, active={0, 1})
+    r.arrived.add(1)
+    r.active.discard(1)  # it pushed, then said goodbye before worker 0's gradient came
+    r.arrived.add(0)
+    assert r.add_ready(lambda w: (grads[w], 1.0)) == [0, 1]
+
+
+def test_close_starts_the_next_round_from_zero():
+    grads = _grads(2, 3)
+    r = RoundSum(3, 3, 2, active={0, 1})
+    r.arrived.update({0, 1})
+    r.add_ready(lambda w: (grads[w], 1.0))
+    r.close()
+    assert torch.count_nonzero(r.acc) == 0 and r.expected() == 0 and not r.arrived and not r.finite

@@ -13,7 +13,7 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
                      serial transfers, hsp): the first TRANSFER_SHOWN transfers, one lane per worker
 * ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
 * ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
-  resident memory, samples read, clock offset to rank 0 and its uncertainty; also how a stopped
+  resident memory, samples read, clock offset to rank 0 and its uncertainty, device; also how a stopped
   run ended (``stopped_by``) in ``summary.md``
 """
 
@@ -117,7 +117,8 @@ def rank_rows(runs: list[Run]) -> list[dict]:
              "peak_rss_mb": round(int(x["peak_rss_bytes"]) / 2 ** 20, 1),
              "samples_read": int(x["samples_read"]),
              "clock_offset_ms": round(float(x["clock_offset_s"]) * 1e3, 3),
-             "clock_uncertainty_ms": round(float(x["clock_uncertainty_s"]) * 1e3, 3)}
+             "clock_uncertainty_ms": round(float(x["clock_uncertainty_s"]) * 1e3, 3),
+             "device": x["device"].decode() if "device" in x.dtype.names else "-"}
             for r in runs for x in np.sort(r.ranks, order="rank")]
 
 

@@ -5,8 +5,8 @@ them all until the round closes costs a shard N receive buffers. Instead :class:
 adds each gradient into one accumulator as soon as every lower-numbered worker's gradient of
 the round is in, so the float sum runs in worker order whatever the arrival order, and runs
 (and resumed runs) stay reproducible bit for bit. A gradient that arrives out of order waits
-in its receive buffer; the shard's inbox (``PushInbox(pool=K, admit=RoundSum.admit)``) keeps
-one of its K buffers for the worker whose turn it is, so the round always moves, and the
+in its receive buffer; the shard's inbox (``PushInbox(pool=K, reserve=RoundSum.expected)``) keeps
+the last of its K buffers for the worker whose turn it is, so the round always moves, and the
 other workers' payloads wait at their senders. Memory: the sum and K buffers, for any N.
 
 What is summed: trainable parameters weighted by each push's learning-rate factor ``f``
@@ -39,11 +39,6 @@ class RoundSum:
                 self._next not in self.active and self._next not in self.arrived)):
             self._next += 1
         return self._next if self._next < self.n_workers else None
-
-    def admit(self, worker: int, free_buffers: int) -> bool:
-        """Whether ``worker``'s payload may take a receive buffer now: always if it is the expected one,
-        else only while another buffer stays free for the expected one."""
-        return worker == self.expected() or free_buffers > 1
 
     def add_ready(self, take: Callable[[int], tuple[torch.Tensor | None, float]]) -> list[int]:
         """Add every arrived gradient whose turn has come; return those workers (their buffers are free).

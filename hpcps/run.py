@@ -335,10 +335,12 @@ class _Run:
         return path
 
     def _resources(self) -> tuple:
-        """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set."""
+        """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set,
+        clock offset, device."""
         read = getattr(self.source, "samples_read", -1) if self.source is not None else 0
         return (self.topo.rank, self.topo.role.value.encode(), socket.gethostname().encode()[:64],
-                peak_rss_bytes(), read, self.run_clock.offset, self.run_clock.uncertainty)
+                peak_rss_bytes(), read, self.run_clock.offset, self.run_clock.uncertainty,
+                str(self.flat.device).encode()[:16])
 
     def _save_path(self, path: str) -> str:
         """``--save``, or the metrics file's name with ``.pt``."""
@@ -395,7 +397,7 @@ class _Run:
         pooled = grouped or rounds is not None or not policy.holds_rounds
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
-                          pool=RECEIVE_POOL if pooled else None, admit=rounds.admit if rounds else None)
+                          pool=RECEIVE_POOL if pooled else None, reserve=rounds.expected if rounds else None)
         optimizer = self.optimizer = self._shard_optimizer(master[:n_params], len(workers))
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
@@ -473,7 +475,8 @@ class _Run:
         central_notices = NoticeBox(topo.ps, shard_ranks=self.shards)
         policy = make_policy(policy_class(cfg.paradigm).group_policy, len(members))
         rounds = RoundSum(n, self.flat.n_params, len(members), policy.active)  # the group's rounds, summed
-        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=n, pool=RECEIVE_POOL, admit=rounds.admit)
+        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=n, pool=RECEIVE_POOL,
+                          reserve=rounds.expected)
         GroupServer(
             shard=0, rank=topo.rank, policy=policy, round_sum=rounds,
             inbox=inbox, notifier=Notifier(topo.group, worker_ranks=local), window=window,

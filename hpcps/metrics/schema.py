@@ -58,9 +58,11 @@ EVAL_METRIC = np.dtype([("t", "f8"), ("version", "i8"), ("name", "S32"), ("value
 #: host name, peak resident memory (``getrusage``), and the training or held-out samples it read
 #: from a streamed data set (-1 where the data are not counted: in memory, or not streamed), and its
 #: clock's offset to rank 0's with the offset's uncertainty (both 0 on rank 0's node, whose ranks
-#: share its clock; see hpcps.transport.clocksync).
+#: share its clock; see hpcps.transport.clocksync), and the device its tensors live on (``cpu``,
+#: ``cuda:0``; server ranks are always ``cpu``).
 RANK = np.dtype([("rank", "i4"), ("role", "S8"), ("host", "S64"), ("peak_rss_bytes", "i8"),
-                 ("samples_read", "i8"), ("clock_offset_s", "f8"), ("clock_uncertainty_s", "f8")])
+                 ("samples_read", "i8"), ("clock_offset_s", "f8"), ("clock_uncertainty_s", "f8"),
+                 ("device", "S16")])
 
 #: ``/groups/updates`` (grouped paradigm): the central shards' rows, one per group update
 #: applied (``worker`` is the group server's rank, ``worker_clock`` its round); the rows of

@@ -1,4 +1,4 @@
-"""Pushes: worker-side persistent sends, server-side per-worker receives.
+"""Pushes: worker-side persistent sends, server-side receives.
 
 A worker pushes from one of a ring of send *slots*: by default a single slot
 that is its flat gradient buffer itself (no copy), or several buffers it
@@ -108,13 +108,19 @@ class LeaveEvent:
 
 
 class PushInbox:
-    """Server side: per-worker persistent receives of headers, and receive buffers for gradients.
+    """Server side: the workers' push headers, and receive buffers for their gradients.
 
     Worker ``i`` (index into ``worker_ranks``) goes through the states
     header -> payload -> held. A held gradient stays in :meth:`gradient`
     until :meth:`release`, and only then is that worker's next header
-    received, so a worker's later messages (including ``DONE``) are never
-    read before its previous gradient is dealt with.
+    taken up, so a worker's later messages (including ``DONE``) are never
+    acted on before its previous gradient is dealt with.
+
+    Headers arrive through one persistent wildcard receive (any source,
+    the header tag): a header whose worker still has a message in hand
+    waits in that worker's backlog (MPI keeps one sender's messages in
+    order), so a poll costs one test plus one per payload in flight,
+    whatever the worker count.
 
     Gradient buffers: one per worker (``pool=None``: what a paradigm that
     holds a whole round needs), or a pool of ``pool`` buffers shared by all
@@ -122,21 +128,23 @@ class PushInbox:
     whose header came while every buffer is taken waits for one, and its
     payload waits meanwhile where large messages wait in MPI, at the sender
     (rendezvous). The shard then holds ``pool`` gradients whatever the
-    worker count. ``admit(worker, free)`` narrows who may take a free buffer:
-    a BSP shard that sums its round in worker order (:mod:`hpcps.rounds`)
-    keeps the last free buffer for the worker whose turn it is, frees each
-    buffer as soon as its gradient is summed (:meth:`free_buffer`), and
-    receives the next headers only once the round is applied (:meth:`release`).
+    worker count. ``reserve()``, if given, names the worker the last free
+    buffer is kept for: a BSP shard that sums its round in worker order
+    (:mod:`hpcps.rounds`) keeps it for the worker whose turn it is, frees
+    each buffer as soon as its gradient is summed (:meth:`free_buffer`),
+    and takes up the next headers only once the round is applied
+    (:meth:`release`).
     """
 
     def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
                  on_transfer: Callable[[int], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
-                 admit: Callable[[int, int], bool] | None = None) -> None:
+                 reserve: Callable[[], int | None] | None = None) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload."""
         n = len(worker_ranks)
         self.comm, self.worker_ranks = comm, list(worker_ranks)
-        self.admit = admit  # pooled: admit(worker, free buffers) says whether it may take one now
+        self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}
+        self.reserve = reserve
         self.pooled = pool is not None and pool < n
         if self.pooled and on_transfer is not None:
             raise ValueError("serial transfers need a buffer per worker")
@@ -144,52 +152,79 @@ class PushInbox:
         self.ready: deque[int] = deque()  # serial: workers whose header came, in arrival order
         self.streaming: tuple[int, float] | None = None  # serial: (worker, since when)
         self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
-        self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)
+        self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)  # each worker's header in hand
         self.grads = np.zeros((pool if self.pooled else n, shard_len), np.float32)
-        self.header_reqs = [comm.Recv_init(self.headers[i], source=r, tag=wire.TAG_PUSH_HEADER)
-                            for i, r in enumerate(worker_ranks)]
+        self.incoming = np.zeros(wire.HEADER_LEN, np.int64)
+        self.header_req: MPI.Prequest | None = comm.Recv_init(self.incoming, source=MPI.ANY_SOURCE,
+                                                              tag=wire.TAG_PUSH_HEADER)
+        self.status = MPI.Status()
+        self.backlog: dict[int, deque[np.ndarray]] = {}  # headers that came while their worker had one in hand
+        self.early: list[LeaveEvent] = []  # leaves taken up from a backlog by release(), for the next poll
         self.data_reqs = [] if self.pooled else [comm.Recv_init(self.grads[i], source=r, tag=wire.TAG_PUSH_DATA)
                                                   for i, r in enumerate(worker_ranks)]
         self.free_buffers: deque[int] = deque(range(len(self.grads)))  # pooled: buffers nobody holds
         self.buffer_of: dict[int, int] = {}  # pooled: worker -> the buffer its gradient is in (or comes to)
-        self.awaiting_buffer: deque[int] = deque()  # pooled: workers whose header came, in arrival order
-        self.receiving: dict[int, MPI.Request] = {}  # pooled: worker -> its payload's receive
-        MPI.Prequest.Startall(self.header_reqs)
-        self.listening = set(range(n))  # workers whose header receive is posted
-        self.open = n
+        self.awaiting_buffer: dict[int, None] = {}  # pooled: workers whose header came, in arrival order
+        self.receiving: dict[int, MPI.Request] = {}  # worker -> its payload's receive, while in flight
+        self.header_req.Start()
+        self.listening = set(range(n))  # workers whose next header is taken up as it comes
+        self.open = n  # workers whose leave poll() has not returned yet
 
     def poll(self) -> list[PushEvent | LeaveEvent]:
         """Advance every worker's state; return the pushes and leaves that completed."""
-        events: list[PushEvent | LeaveEvent] = []
-        for i in MPI.Request.Testsome(self.header_reqs) or ():
-            self.listening.discard(i)
-            h = self.headers[i]
-            if h[0] != wire.KIND_PUSH:
-                self.open -= 1
-                events.append(LeaveEvent(i, int(h[2])))
-            elif self.pooled:
-                self.awaiting_buffer.append(i)
-                self._give_buffers()
-            elif self.on_transfer is None:
-                self.data_reqs[i].Start()
+        events: list[PushEvent | LeaveEvent] = self.early
+        self.early = []
+        while self.header_req.Test(self.status):
+            source = self.status.Get_source()
+            header = self.incoming.copy()
+            self.header_req.Start()
+            i = self.index_of.get(source)
+            if i is None:
+                raise RuntimeError(f"push header from rank {source}, which is not a worker of this server")
+            if i in self.listening:
+                self._take_up(i, header, events)
             else:
-                self.ready.append(i)
+                self.backlog.setdefault(i, deque()).append(header)
         for i in self._payloads_done():
             h = self.headers[i]
             events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA)))
             if self.streaming is not None and self.streaming[0] == i:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None
+        self.open -= sum(isinstance(e, LeaveEvent) for e in events)  # counted when returned, not taken up
         if self.on_transfer is not None and self.streaming is None and self.ready:
             i = self.ready.popleft()  # one at a time, in the order the workers became ready
-            self.data_reqs[i].Start()
+            self._receive(i)
             self.streaming = (i, self.clock())
             self.on_transfer(i)
         return events
 
+    def _take_up(self, i: int, header: np.ndarray, events: list) -> None:
+        """Worker ``i``'s next header: a leave, or a push whose payload is to be received."""
+        self.listening.discard(i)
+        self.headers[i] = header
+        if header[0] != wire.KIND_PUSH:
+            events.append(LeaveEvent(i, int(header[2])))
+        elif self.pooled:
+            self.awaiting_buffer[i] = None
+            self._give_buffers()
+        elif self.on_transfer is None:
+            self._receive(i)
+        else:
+            self.ready.append(i)
+
+    def _receive(self, i: int) -> None:
+        """Start worker ``i``'s payload receive (pooled: into a buffer just given to it)."""
+        if self.pooled:
+            self.receiving[i] = self.comm.Irecv(self.grads[self.buffer_of[i]], source=self.worker_ranks[i],
+                                                tag=wire.TAG_PUSH_DATA)
+        else:
+            self.data_reqs[i].Start()
+            self.receiving[i] = self.data_reqs[i]
+
     def _payloads_done(self) -> list[int]:
-        if not self.pooled:
-            return MPI.Request.Testsome(self.data_reqs) or []
+        if not self.receiving:
+            return []
         workers = list(self.receiving)
         done = [workers[k] for k in MPI.Request.Testsome([self.receiving[w] for w in workers]) or ()]
         for w in done:
@@ -197,23 +232,24 @@ class PushInbox:
         return done
 
     def _give_buffers(self) -> None:
-        """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free
-        (and, with ``admit``, only those it admits)."""
-        for i in list(self.awaiting_buffer):
-            if not self.free_buffers:
-                break
-            if self.admit is not None and not self.admit(i, len(self.free_buffers)):
-                continue
-            self.awaiting_buffer.remove(i)
-            b = self.free_buffers.popleft()
-            self.buffer_of[i] = b
-            self.receiving[i] = self.comm.Irecv(self.grads[b], source=self.worker_ranks[i], tag=wire.TAG_PUSH_DATA)
+        """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free;
+        with ``reserve``, the last free buffer only for the worker it names."""
+        while self.free_buffers and self.awaiting_buffer:
+            if self.reserve is not None and len(self.free_buffers) == 1:
+                i = self.reserve()
+                if i is None or i not in self.awaiting_buffer:
+                    return
+            else:
+                i = next(iter(self.awaiting_buffer))
+            del self.awaiting_buffer[i]
+            self.buffer_of[i] = self.free_buffers.popleft()
+            self._receive(i)
 
     def gradient(self, worker: int) -> np.ndarray:
         return self.grads[self.buffer_of[worker]] if self.pooled else self.grads[worker]
 
     def offer(self) -> None:
-        """Pooled: give free buffers to waiting workers (call when ``admit``'s answer may have changed)."""
+        """Pooled: give free buffers to waiting workers (call when ``reserve``'s answer may have changed)."""
         if self.pooled:
             self._give_buffers()
 
@@ -224,22 +260,26 @@ class PushInbox:
             self._give_buffers()
 
     def release(self, worker: int) -> None:
-        """The held gradient of ``worker`` is used up; receive its next message."""
+        """The held gradient of ``worker`` is used up; take up its next message."""
         self.free_buffer(worker)
-        self.header_reqs[worker].Start()
         self.listening.add(worker)
+        queued = self.backlog.get(worker)
+        if queued:
+            self._take_up(worker, queued.popleft(), self.early)
 
     def free(self) -> None:
-        """Release the receives. A header receive still posted (a worker that never said DONE) is
-        cancelled first: freed while posted, it would stay posted and swallow a later message."""
-        for i in sorted(self.listening):
-            self.header_reqs[i].Cancel()
-            self.header_reqs[i].Wait()
+        """Release the receives. The header receive, still posted, is cancelled first: freed while
+        posted, it would stay posted and swallow a later message."""
+        if self.header_req is not None:
+            self.header_req.Cancel()
+            self.header_req.Wait()
+            self.header_req.Free()
+            self.header_req = None
         self.listening.clear()
-        for req in self.receiving.values():  # pooled: none once every worker has left
+        for req in self.receiving.values():  # none once every worker has left
             req.Cancel()
             req.Wait()
         self.receiving.clear()
-        for req in self.header_reqs + self.data_reqs:
+        for req in self.data_reqs:
             req.Free()
-        self.header_reqs = self.data_reqs = []
+        self.data_reqs = []

@@ -157,6 +157,54 @@ def test_a_freed_inbox_leaves_no_receive_behind(world):
 
 
 
+@pytest.mark.timeout(60)
+def test_a_workers_later_messages_wait_until_its_held_gradient_is_released(world):
+    """Two pushes and DONE, all sent before the server looks: the inbox takes them into its one
+    wildcard header receive as they come, yet hands out the second push only after the first is
+    released, and the leave only after the second (a backlog per worker, in the worker's order)."""
+    from hpcps.transport.push import LeaveEvent, PushInbox, Pusher
+
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    seen = None
+    if pair != MPI.COMM_NULL:
+        if pair.rank == 0:
+            inbox = PushInbox(pair, worker_ranks=[1], shard_len=8)
+            polite_barrier(pair)  # everything has been sent
+
+            def next_events(polls=50):
+                got = []
+                for _ in range(polls):
+                    got += inbox.poll()
+                    if got:
+                        return got
+                    time.sleep(0.002)
+                return got
+
+            seen = []
+            for _ in range(2):
+                events = next_events()
+                seen.append([(type(e).__name__, e.clock, float(inbox.gradient(0)[0])) for e in events])
+                seen.append(len(next_events(polls=20)))  # nothing more while the gradient is held
+                inbox.release(0)
+            events = next_events()
+            seen.append([(type(e).__name__, e.clock) for e in events if isinstance(e, LeaveEvent)])
+            seen.append(inbox.open)
+            inbox.free()
+        else:
+            grads = [np.full(8, 1.0, np.float32), np.full(8, 2.0, np.float32)]
+            pusher = Pusher(pair, buffers=grads, shard_ranks=[0], bounds=[(0, 8)], worker_rank=1)
+            pusher.start(1, np.zeros(1, np.int64), 0.1, slot=0)
+            pusher.start(2, np.zeros(1, np.int64), 0.1, slot=1)
+            pusher.start_done(2)
+            polite_barrier(pair)
+            wait_until(pusher.test_done)
+            pusher.free()
+        pair.Free()
+    polite_barrier(world)
+    seen = world.bcast(seen, root=0)
+    assert seen == [[("PushEvent", 1, 1.0)], 0, [("PushEvent", 2, 2.0)], 0, [("LeaveEvent", 2)], 0]
+
+
 def test_a_server_that_is_never_idle_keeps_a_bounded_list_of_notices():
     """Notices to oneself on COMM_SELF, the receives posted first (as a worker's are): the list of sends
     in flight is pruned as it fills, without the server ever calling progress() itself."""

@@ -53,8 +53,9 @@ def test_hdf5_is_streamed_each_rank_reading_only_its_share(world, mpi_tmp_path):
         ranks = t["ranks"]
         facts = {"read": {int(r["rank"]): int(r["samples_read"]) for r in ranks},
                  "roles": [r["role"].decode() for r in ranks], "evals": len(t["eval"]),
-                 "kind": t["attrs"]["dataset_kind"], "rss": bool((ranks["peak_rss_bytes"] > 0).all())}
+                 "kind": t["attrs"]["dataset_kind"], "rss": bool((ranks["peak_rss_bytes"] > 0).all()),
+                 "devices": [r["device"].decode() for r in ranks]}
     facts = share(world, facts)
     assert facts["roles"] == ["server", "server", "worker", "worker", "worker"] and facts["kind"] == "hdf5"
     assert facts["read"] == {0: 100 * facts["evals"], 1: 0, 2: steps * batch, 3: steps * batch, 4: steps * batch}
-    assert facts["rss"]
+    assert facts["rss"] and facts["devices"] == ["cpu"] * 5

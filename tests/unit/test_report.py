@@ -35,9 +35,9 @@ def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness, t
             rf.append("servers/transfers", np.array([(0, 0, 1 + k % 2, k * 1e-3, (k + 1) * 1e-3)
                                                      for k in range(transfers)], TRANSFER))
         if ranks:
-            rf.append("ranks", np.array([(0, b"server", b"node-a", 300 * 2 ** 20, 0, 0.0, 0.0),
-                                         (2, b"worker", b"node-b", 200 * 2 ** 20, 640, 1.5e-3, 2e-5),
-                                         (1, b"worker", b"node-a", 100 * 2 ** 20, 640, 0.0, 0.0)], RANK))
+            rf.append("ranks", np.array([(0, b"server", b"node-a", 300 * 2 ** 20, 0, 0.0, 0.0, b"cpu"),
+                                         (2, b"worker", b"node-b", 200 * 2 ** 20, 640, 1.5e-3, 2e-5, b"cuda:1"),
+                                         (1, b"worker", b"node-a", 100 * 2 ** 20, 640, 0.0, 0.0, b"cuda:0")], RANK))
         rf.write_summary({"wall_s": 1.0, "final_accuracy": accuracies[-1], "gradients_applied": 20,
                           "stopped_by": "SIGUSR1" if ranks else ""})
     return path
@@ -86,6 +86,7 @@ def test_report_writes_every_plot_and_both_tables(runs, tmp_path):
         ("a-bsp", "0", "server", "node-a", "300.0"), ("a-bsp", "1", "worker", "node-a", "100.0"),
         ("a-bsp", "2", "worker", "node-b", "200.0")]
     assert ranks[2]["clock_offset_ms"] == "1.5" and ranks[2]["samples_read"] == "640"
+    assert [r["device"] for r in ranks] == ["cpu", "cuda:0", "cuda:1"]
 
 
 def test_no_thresholds_or_transfers_plot_without_a_dssp_or_hsp_run(runs, tmp_path):

@@ -39,12 +39,14 @@ def test_sum_is_in_worker_order_whatever_the_arrival_order():
     assert torch.equal(r.acc, _in_order(grads, factors, p))  # bit for bit, not approximately
 
 
-def test_admit_keeps_a_buffer_for_the_expected_worker():
+def test_the_expected_worker_is_the_lowest_active_one_not_yet_added():
     r = RoundSum(4, 4, 3, active={0, 1, 2})
     assert r.expected() == 0
-    assert r.admit(0, free_buffers=1)
-    assert not r.admit(2, free_buffers=1)  # the last buffer is worker 0's
-    assert r.admit(2, free_buffers=2)
+    r.active.discard(0)  # left before pushing this round
+    assert r.expected() == 1
+    r.arrived.add(1)
+    r.add_ready(lambda w: (torch.ones(4), 1.0))
+    assert r.expected() == 2
 
 
 def test_workers_that_left_are_skipped_and_nonfinite_gradients_not_added():

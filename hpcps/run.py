@@ -272,8 +272,13 @@ class _Run:
             group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
                                        local_len=n if topo.role is Role.GROUP else 0)
         master = self.flat.params[lo:hi].copy()
+        optimizer = None
         if topo.role is Role.SERVER:
             window.publish(master, 0)
+            # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
+            # and every worker's first push waited for it
+            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)],
+                                                               len(self._clients()))
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
             group_window.publish(self.flat.params, 0)
         if comm.rank == 0:
@@ -288,7 +293,7 @@ class _Run:
         self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         try:
             if topo.role is Role.SERVER:
-                self._serve(window, master, recorder)
+                self._serve(window, master, optimizer, recorder)
             elif topo.role is Role.GROUP:
                 self._group_serve(window, group_window, recorder)
             else:
@@ -378,15 +383,24 @@ class _Run:
         except OSError as exc:
             raise UserError(f"--out {path}: cannot create the metrics file ({exc})") from None
 
-    def _serve(self, window: ParamWindow, master, recorder) -> None:
+    def _clients(self) -> list[int]:
+        """The ranks that push to a central shard: the workers, or (grouped) the group servers."""
+        layout = self.layout
+        if layout.n_groups > 0:
+            return [layout.group_server_rank(g) for g in range(layout.n_groups)]
+        return list(layout.worker_ranks())
+
+    def _n_params(self, lo: int, hi: int) -> int:
+        """Trainable values in the shard slice [lo, hi); the rest of it is buffers (BatchNorm statistics)."""
+        return int(np.clip(self.flat.n_params - lo, 0, hi - lo))
+
+    def _serve(self, window: ParamWindow, master, optimizer: ShardOptimizer, recorder) -> None:
         topo, layout, cfg = self.topo, self.layout, self.cfg
         grouped = layout.n_groups > 0  # then the central shards' clients are the group servers
-        workers = [layout.group_server_rank(g) for g in range(layout.n_groups)] if grouped \
-            else list(layout.worker_ranks())
+        workers = self._clients()
         notifier = Notifier(topo.ps, worker_ranks=workers)
         serial = policy_class(cfg.paradigm).serial_transfers and not grouped
-        lo, _ = self.bounds[topo.rank]
-        n_params = int(np.clip(self.flat.n_params - lo, 0, len(master)))  # the rest of the slice: buffers
+        n_params = self._n_params(*self.bounds[topo.rank])
         policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
         start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
         policy.resume_at(start_version)
@@ -398,7 +412,6 @@ class _Run:
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                           pool=RECEIVE_POOL if pooled else None, reserve=rounds.expected if rounds else None)
-        optimizer = self.optimizer = self._shard_optimizer(master[:n_params], len(workers))
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (seqlock, THREAD_MULTIPLE)

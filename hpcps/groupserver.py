@@ -62,23 +62,16 @@ class GroupServer(ShardServer):
             self.stopped = True
             self.window.set_stop()
 
-    def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float) -> int:
-        p = self.n_params
-        self.agg_t.zero_()
-        for g, c in zip(grads, coeffs):
-            self.agg_t[:p].add_(g[:p], alpha=c)
-            self.agg_t[p:].add_(g[p:], alpha=1.0 / len(grads))
-        return self._send_round(factor)
-
-    def _update_sum(self, acc: torch.Tensor, scale: float, factor: float, n: int) -> int:
-        p = self.n_params
-        torch.mul(acc[:p], scale, out=self.agg_t[:p])
-        torch.mul(acc[p:], 1.0 / n, out=self.agg_t[p:])
-        return self._send_round(factor)
-
-    def _send_round(self, factor: float) -> int:
+    def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float,
+                means: list[float] | None = None) -> int:
         """Push the group's combined gradient (``agg``) to the central shards; wait for their receipts and
         pull; return the lowest central version it was applied to."""
+        p = self.n_params
+        means = means or [1.0 / len(grads)] * len(grads)
+        self.agg_t.zero_()
+        for g, c, m in zip(grads, coeffs, means):
+            self.agg_t[:p].add_(g[:p], alpha=c)
+            self.agg_t[p:].add_(g[p:], alpha=m)
         self.rounds += 1
         self.central_pusher.start(self.rounds, self.central_versions, self.unit_lr * self.weight * factor)
         applied_at: list[int] = []

@@ -196,7 +196,7 @@ class ShardServer:
             if finite and self.round_sum is not None:
                 _, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 n = len(finite)
-                at = self._update_sum(self.round_sum.acc, 1.0 / (n * factor), weight * factor, n)
+                at = self._update([self.round_sum.acc], [1.0 / (n * factor)], weight * factor, means=[1.0 / n])
             elif finite:
                 coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor)
@@ -219,25 +219,17 @@ class ShardServer:
             _note(notices, w, wire.GRANT)
 
 
-    def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float) -> int:
+    def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float,
+                means: list[float] | None = None) -> int:
         """Apply one update: an optimizer step from ``sum(c * g)`` with the learning rate times
-        ``factor``, and the mean buffer change; return the version it was applied to."""
+        ``factor``, and the buffers' mean change ``sum(m * g)`` (``means``: ``1/len(grads)`` each
+        by default; a round's sum passes ``[1/n]``); return the version it was applied to."""
         p = self.n_params
+        means = means or [1.0 / len(grads)] * len(grads)
         self.optimizer.step([g[:p] for g in grads], coeffs, version=self.version, factor=factor,
                             progress=self.progress)
         if p < len(self.master):
-            apply_update(self.master_t[p:], [g[p:] for g in grads], [-1.0 / len(grads)] * len(grads),
-                         progress=self.progress)
-        self.version += 1
-        return self.version - 1
-
-    def _update_sum(self, acc: torch.Tensor, scale: float, factor: float, n: int) -> int:
-        """:meth:`_update` from a round's sum: the step from ``scale * acc`` (parameters), the buffers'
-        mean change ``acc / n``; return the version it was applied to."""
-        p = self.n_params
-        self.optimizer.step([acc[:p]], [scale], version=self.version, factor=factor, progress=self.progress)
-        if p < len(self.master):
-            apply_update(self.master_t[p:], [acc[p:]], [-1.0 / n], progress=self.progress)
+            apply_update(self.master_t[p:], [g[p:] for g in grads], [-m for m in means], progress=self.progress)
         self.version += 1
         return self.version - 1
 

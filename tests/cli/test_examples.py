@@ -59,11 +59,15 @@ def test_the_regression_example_loss_falls(tmp_path):
                   timeout=240, cwd=str(tmp_path))
     _ok(proc)
     with h5py.File(out) as f:
-        loss = f["eval"]["loss"]
+        loss = f["eval"]["loss"][-1]
         names = set(f["eval_metrics"]["name"].tolist())
         pushed = f["summary"].attrs["gradients_pushed"]
     assert pushed == 4 * 200 and names == {b"mae"}
-    assert loss[-1] < 0.5 * loss[0], loss  # float targets, an MSE loss: it learns
+    example = _module("regression")
+    x = torch.linspace(-2, 2, 200).unsqueeze(1)
+    predicting_zero = float(example.target(x).pow(2).mean())  # 0.52: the error of a net that learnt nothing
+    # float targets, an MSE loss: it learns (0.04-0.08 here over 5 runs, ASP's staleness about 8)
+    assert loss < 0.3 * predicting_zero, loss
 
 
 def test_the_cnn_plugin_trains_on_an_hdf5_file_with_momentum_weight_decay_and_warmup(tmp_path):

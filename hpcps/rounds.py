@@ -14,6 +14,11 @@ What is summed: trainable parameters weighted by each push's learning-rate facto
 :func:`hpcps.optim.update_terms` would per gradient), buffers (BatchNorm statistics) plainly
 (their mean change is the sum over n). Non-finite gradients are not added, and counted out.
 Pure bookkeeping on torch tensors: no MPI.
+
+``ordered=False`` adds each gradient the moment it arrives (hsp): hsp's shard takes its round's
+gradients one at a time, in the order the workers became ready, so that its link never waits
+for a straggler while others are ready; a worker-order sum would have it wait with its buffers
+full, and hsp runs are not bit-for-bit reproducible anyway (its extra gradients land by timing).
 """
 
 from __future__ import annotations
@@ -24,17 +29,27 @@ import torch
 
 
 class RoundSum:
-    """The open round's sum; ``active`` is the policy's live set of active workers (read, not owned)."""
+    """The open round's sum; ``active`` is the policy's live set of active workers (read, not owned).
 
-    def __init__(self, size: int, n_params: int, n_workers: int, active: set[int]) -> None:
+    ``ordered``: add in worker order (bsp, reproducible) or in arrival order (hsp).
+    """
+
+    def __init__(self, size: int, n_params: int, n_workers: int, active: set[int], *, ordered: bool = True) -> None:
         self.acc = torch.zeros(size, dtype=torch.float32)
-        self.n_params, self.n_workers, self.active = n_params, n_workers, active
-        self.arrived: set[int] = set()
+        self.n_params, self.n_workers, self.active, self.ordered = n_params, n_workers, active, ordered
+        self.arrived: dict[int, None] = {}  # the round's gradients in hand, in arrival order
         self.finite: dict[int, bool] = {}  # summed this round: whether the gradient was added
         self._next = 0
 
+    def arrive(self, worker: int) -> None:
+        """``worker``'s gradient of this round is in hand."""
+        self.arrived[worker] = None
+
     def expected(self) -> int | None:
-        """The worker whose gradient is to be added next (None: the round has nobody left to add)."""
+        """The worker whose gradient is to be added next (None: the round has nobody left to add;
+        always None when not ``ordered``, as any gradient in hand may then be added)."""
+        if not self.ordered:
+            return None
         while self._next < self.n_workers and (self._next in self.finite or (
                 self._next not in self.active and self._next not in self.arrived)):
             self._next += 1
@@ -45,16 +60,24 @@ class RoundSum:
 
         ``take(worker)`` gives its gradient (None if non-finite: not added) and learning-rate factor.
         """
-        done = []
-        while (w := self.expected()) is not None and w in self.arrived:
-            grad, factor = take(w)
-            if grad is not None:
-                p = self.n_params
-                self.acc[:p].add_(grad[:p], alpha=factor)
-                self.acc[p:].add_(grad[p:])
-            self.finite[w] = grad is not None
-            done.append(w)
+        if self.ordered:
+            done = []
+            while (w := self.expected()) is not None and w in self.arrived:
+                self._add(w, take)
+                done.append(w)
+            return done
+        done = [w for w in self.arrived if w not in self.finite]
+        for w in done:
+            self._add(w, take)
         return done
+
+    def _add(self, w: int, take: Callable[[int], tuple[torch.Tensor | None, float]]) -> None:
+        grad, factor = take(w)
+        if grad is not None:
+            p = self.n_params
+            self.acc[:p].add_(grad[:p], alpha=factor)
+            self.acc[p:].add_(grad[p:])
+        self.finite[w] = grad is not None
 
     def close(self) -> None:
         """The round was applied: start the next from zero."""

@@ -77,7 +77,7 @@ log = logging.getLogger("hpcps")
 
 #: a tag nobody sends on: probing it only drives MPI progress
 _PROGRESS_TAG = 99
-#: gradients a shard of a paradigm that applies on arrival holds at once, whatever the worker count
+#: receive buffers of a shard (and of a group server): the gradients it holds at once, whatever the worker count
 RECEIVE_POOL = 2
 
 
@@ -404,14 +404,14 @@ class _Run:
         policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
         start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
         policy.resume_at(start_version)
-        # bsp sums each round as it arrives (hpcps.rounds); the others that hold rounds (hsp) keep a
-        # buffer per worker; those that apply on arrival share a small pool
-        rounds = RoundSum(len(master), n_params, len(workers), policy.active) \
-            if policy.name == "bsp" and not grouped else None
-        pooled = grouped or rounds is not None or not policy.holds_rounds
+        # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.rounds): bsp in worker
+        # order (reproducible), hsp in the order its serial transfers come; every shard receives into
+        # a pool of RECEIVE_POOL buffers, whatever the worker count
+        rounds = RoundSum(len(master), n_params, len(workers), policy.active, ordered=not serial) \
+            if policy.holds_rounds and not grouped else None
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
-                          pool=RECEIVE_POOL if pooled else None, reserve=rounds.expected if rounds else None)
+                          pool=RECEIVE_POOL, reserve=rounds.expected if rounds else None)
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (seqlock, THREAD_MULTIPLE)

@@ -81,7 +81,7 @@ class ShardServer:
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
                  backoff: Backoff | None = None, round_sum: RoundSum | None = None) -> None:
-        """``round_sum``: sum each BSP round as it arrives (:mod:`hpcps.rounds`) instead of holding it."""
+        """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.rounds`) instead of holding it."""
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -162,8 +162,8 @@ class ShardServer:
             self.pending[event.worker] = event
             extra = {"extra": event.extra} if self.policy.extra_gradients else {}
             decision = self.policy.on_push(event.worker, event.clock, event.version, now, **extra)
-            if self.round_sum is not None:
-                self.round_sum.arrived.add(event.worker)
+            if self.round_sum is not None and not event.extra:  # an extra (hsp) is applied alone, at once
+                self.round_sum.arrive(event.worker)
                 self._sum_round()
             self._carry_out(decision, notices)
         else:
@@ -187,13 +187,14 @@ class ShardServer:
     def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
         for k, group in enumerate(decision.updates):
             pushes = [self.pending.pop(w) for w in group]
-            if self.round_sum is not None:  # summed already, in worker order (hpcps.rounds)
+            summed = self.round_sum is not None and not pushes[0].extra  # a round's, summed already
+            if summed:
                 finite = [p for p in pushes if self.round_sum.finite[p.worker]]
             else:
                 finite = [p for p in pushes if self._finite(p)]
             at = self.version
             weight = decision.weights[k] if decision.weights else 1.0
-            if finite and self.round_sum is not None:
+            if finite and summed:
                 _, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 n = len(finite)
                 at = self._update([self.round_sum.acc], [1.0 / (n * factor)], weight * factor, means=[1.0 / n])
@@ -210,7 +211,7 @@ class ShardServer:
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
                 _note(notices, p.worker, flags, p.clock, at, staleness)
                 self.inbox.release(p.worker)
-            if self.round_sum is not None:
+            if summed:
                 self.round_sum.close()
             if self.on_applied is not None:
                 self.on_applied(len(pushes))

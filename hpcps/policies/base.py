@@ -59,8 +59,8 @@ class Policy(ABC):
     serial_transfers: ClassVar[bool] = False
     #: whether workers compute extra gradients while they wait for their grant (hsp; on_push gets ``extra``)
     extra_gradients: ClassVar[bool] = False
-    #: whether gradients wait for others (a round) before they are applied; if not, every gradient is
-    #: applied on arrival and a shard needs only a small pool of receive buffers (hpcps.transport.push)
+    #: whether gradients wait for others (a round) before they are applied; a shard then sums each
+    #: round as it arrives (hpcps.rounds) instead of holding its gradients
     holds_rounds: ClassVar[bool] = False
     #: ``--lr-staleness`` when the user gives none
     default_lr_staleness: ClassVar[str] = "none"

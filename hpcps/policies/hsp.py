@@ -29,7 +29,9 @@ from hpcps.policies.sync import BSP
 
 @register
 class HSP(BSP):
-    """BSP's rounds (in worker order, so reproducible), plus extras applied alone and scaled."""
+    """BSP's rounds, plus extras applied alone and scaled. The shard sums a round in the order
+    its transfers come, not in worker order (see :mod:`hpcps.rounds`): hsp runs are not
+    reproducible bit for bit."""
 
     name = "hsp"
     summary = "rounds collected one worker at a time (no incast); waiting workers add scaled extra gradients"

@@ -133,7 +133,8 @@ class PushInbox:
     (:mod:`hpcps.rounds`) keeps it for the worker whose turn it is, frees
     each buffer as soon as its gradient is summed (:meth:`free_buffer`),
     and takes up the next headers only once the round is applied
-    (:meth:`release`).
+    (:meth:`release`). Serial transfers (hsp) take a buffer the same way,
+    one worker at a time, in the order their headers came.
     """
 
     def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
@@ -146,10 +147,8 @@ class PushInbox:
         self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.reserve = reserve
         self.pooled = pool is not None and pool < n
-        if self.pooled and on_transfer is not None:
-            raise ValueError("serial transfers need a buffer per worker")
         self.on_transfer, self.clock = on_transfer, clock
-        self.ready: deque[int] = deque()  # serial: workers whose header came, in arrival order
+        self.ready: deque[int] = deque()  # serial, a buffer per worker: workers whose header came, in arrival order
         self.streaming: tuple[int, float] | None = None  # serial: (worker, since when)
         self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
         self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)  # each worker's header in hand
@@ -192,11 +191,11 @@ class PushInbox:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None
         self.open -= sum(isinstance(e, LeaveEvent) for e in events)  # counted when returned, not taken up
-        if self.on_transfer is not None and self.streaming is None and self.ready:
-            i = self.ready.popleft()  # one at a time, in the order the workers became ready
-            self._receive(i)
-            self.streaming = (i, self.clock())
-            self.on_transfer(i)
+        if self.on_transfer is not None and self.streaming is None:  # serial: the next one, if any
+            if self.pooled:
+                self._give_buffers()
+            elif self.ready:
+                self._receive(self.ready.popleft())
         return events
 
     def _take_up(self, i: int, header: np.ndarray, events: list) -> None:
@@ -214,13 +213,17 @@ class PushInbox:
             self.ready.append(i)
 
     def _receive(self, i: int) -> None:
-        """Start worker ``i``'s payload receive (pooled: into a buffer just given to it)."""
+        """Start worker ``i``'s payload receive (pooled: into a buffer just given to it); serial: tell it
+        to send, and note the transfer as the one streaming."""
         if self.pooled:
             self.receiving[i] = self.comm.Irecv(self.grads[self.buffer_of[i]], source=self.worker_ranks[i],
                                                 tag=wire.TAG_PUSH_DATA)
         else:
             self.data_reqs[i].Start()
             self.receiving[i] = self.data_reqs[i]
+        if self.on_transfer is not None:  # the receive is posted before the worker is told to send
+            self.streaming = (i, self.clock())
+            self.on_transfer(i)
 
     def _payloads_done(self) -> list[int]:
         if not self.receiving:
@@ -233,8 +236,8 @@ class PushInbox:
 
     def _give_buffers(self) -> None:
         """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free;
-        with ``reserve``, the last free buffer only for the worker it names."""
-        while self.free_buffers and self.awaiting_buffer:
+        with ``reserve``, the last free buffer only for the worker it names; serial: one at a time."""
+        while self.free_buffers and self.awaiting_buffer and (self.on_transfer is None or self.streaming is None):
             if self.reserve is not None and len(self.free_buffers) == 1:
                 i = self.reserve()
                 if i is None or i not in self.awaiting_buffer:

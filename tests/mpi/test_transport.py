@@ -237,3 +237,54 @@ def test_every_rank_must_name_the_same_window_protocol(world, monkeypatch):
     monkeypatch.setenv("HPCPS_WINDOW", "seqlock")
     with ParamWindow(world, shard_ranks=[0], bounds=[(0, 8)], local_len=8 if world.rank == 0 else 0) as window:
         assert window.protocol == "seqlock"
+
+
+@pytest.mark.timeout(60)
+def test_serial_transfers_into_a_pool_of_two_come_one_at_a_time_in_header_order(world):
+    """hsp's inbox with 2 buffers for 4 workers: headers taken in the order 4, 2, 3, 1; each payload is
+    asked for only when the one before it is in, in that order, and lands whole in one of the 2 buffers."""
+    from hpcps.transport.push import LeaveEvent, PushInbox, Pusher
+
+    order, size, go, turn = [4, 2, 3, 1], 1000, 78, 77
+    seen = None
+    if world.rank == 0:
+        inbox = PushInbox(world, worker_ranks=[1, 2, 3, 4], shard_len=size, pool=2,
+                          on_transfer=lambda i: world.send(None, dest=i + 1, tag=turn))
+        got, in_flight, left = [], [], []
+
+        def poll() -> None:
+            for e in inbox.poll():
+                if isinstance(e, LeaveEvent):
+                    left.append(e.worker + 1)
+                    continue
+                got.append((e.worker + 1, bool((inbox.gradient(e.worker) == e.worker + 1).all())))
+                inbox.release(e.worker)
+            in_flight.append(len(inbox.receiving))
+
+        for rank in order:  # one header at a time, so that the order they came in is known
+            world.send(None, dest=rank, tag=go)
+            wait_until(lambda: poll() or inbox.index_of[rank] not in inbox.listening or (rank, True) in got)
+        while inbox.open:
+            poll()
+            time.sleep(0.001)
+        spans = sorted((b, e) for _, b, e in inbox.transfers)
+        seen = {"got": got, "streamed": [w + 1 for w, _, _ in inbox.transfers], "most_in_flight": max(in_flight),
+                "overlap": any(b2 < e1 for (_, e1), (b2, _) in zip(spans, spans[1:])),
+                "buffers": len(inbox.grads), "left": sorted(left)}
+        inbox.free()
+    else:
+        grad = np.full(size, float(world.rank), np.float32)
+        pusher = Pusher(world, buffers=[grad], shard_ranks=[0], bounds=[(0, size)], worker_rank=world.rank,
+                        serial=True)
+        world.recv(source=0, tag=go)
+        pusher.start(1, np.zeros(1, np.int64), 0.1)
+        world.recv(source=0, tag=turn)
+        pusher.transfer(0)
+        pusher.start_done(1)
+        wait_until(pusher.test_done)
+        pusher.free()
+    polite_barrier(world)
+    seen = world.bcast(seen, root=0)
+    assert seen["got"] == [(rank, True) for rank in order]
+    assert seen["streamed"] == order and not seen["overlap"] and seen["most_in_flight"] <= 1
+    assert seen["buffers"] == 2 and seen["left"] == [1, 2, 3, 4]

@@ -1,4 +1,4 @@
-"""RoundSum: a BSP round summed as it arrives, in worker order, whatever the arrival order."""
+"""RoundSum: a BSP round summed as it arrives, in worker order, whatever the arrival order (hsp: in arrival order)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def test_sum_is_in_worker_order_whatever_the_arrival_order():
         return grads[w], factors[w]
 
     for w in (3, 1, 2):  # worker 0 last: nothing can be added before it
-        r.arrived.add(w)
+        r.arrive(w)
         assert r.add_ready(take) == []
-    r.arrived.add(0)
+    r.arrive(0)
     assert r.add_ready(take) == [0, 1, 2, 3]
     assert taken == [0, 1, 2, 3]
     assert torch.equal(r.acc, _in_order(grads, factors, p))  # bit for bit, not approximately
@@ -44,7 +44,7 @@ def test_the_expected_worker_is_the_lowest_active_one_not_yet_added():
     assert r.expected() == 0
     r.active.discard(0)  # left before pushing this round
     assert r.expected() == 1
-    r.arrived.add(1)
+    r.arrive(1)
     r.add_ready(lambda w: (torch.ones(4), 1.0))
     assert r.expected() == 2
 
@@ -52,7 +52,8 @@ def test_the_expected_worker_is_the_lowest_active_one_not_yet_added():
 def test_workers_that_left_are_skipped_and_nonfinite_gradients_not_added():
     grads = _grads(4, 5)
     r = RoundSum(5, 5, 4, active={0, 2, 3})  # worker 1 left and sent nothing this round
-    r.arrived.update({0, 2, 3})
+    for w in (0, 2, 3):
+        r.arrive(w)
     done = r.add_ready(lambda w: (None, 1.0) if w == 2 else (grads[w], 1.0))
     assert done == [0, 2, 3]
     assert r.finite == {0: True, 2: False, 3: True}
@@ -63,16 +64,30 @@ def test_workers_that_left_are_skipped_and_nonfinite_gradients_not_added():
 def test_a_leaver_that_already_pushed_is_still_added():
     grads = _grads(2, 3)
     r = RoundSum(3, 3, 2, active={0, 1})
-    r.arrived.add(1)
+    r.arrive(1)
     r.active.discard(1)  # it pushed, then said goodbye before worker 0's gradient came
-    r.arrived.add(0)
+    r.arrive(0)
     assert r.add_ready(lambda w: (grads[w], 1.0)) == [0, 1]
 
 
 def test_close_starts_the_next_round_from_zero():
     grads = _grads(2, 3)
     r = RoundSum(3, 3, 2, active={0, 1})
-    r.arrived.update({0, 1})
+    r.arrive(0)
+    r.arrive(1)
     r.add_ready(lambda w: (grads[w], 1.0))
     r.close()
     assert torch.count_nonzero(r.acc) == 0 and r.expected() == 0 and not r.arrived and not r.finite
+
+
+def test_unordered_adds_each_gradient_as_it_arrives_and_reserves_for_nobody():
+    n, size, p = 3, 7, 5
+    grads, factors = _grads(n, size, seed=1), [1.0, 3.0, 0.5]
+    r = RoundSum(size, p, n, active=set(range(n)), ordered=False)
+    for w in (2, 0, 1):  # arrival order
+        r.arrive(w)
+        assert r.expected() is None  # no buffer is kept back for anybody
+        assert r.add_ready(lambda k: (grads[k], factors[k])) == [w]  # at once, not when its turn comes
+    order = [2, 0, 1]
+    assert torch.equal(r.acc, _in_order([grads[w] for w in order], [factors[w] for w in order], p))
+    assert r.finite == {0: True, 1: True, 2: True}

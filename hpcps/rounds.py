@@ -46,10 +46,8 @@ class RoundSum:
         self.arrived[worker] = None
 
     def expected(self) -> int | None:
-        """The worker whose gradient is to be added next (None: the round has nobody left to add;
-        always None when not ``ordered``, as any gradient in hand may then be added)."""
-        if not self.ordered:
-            return None
+        """``ordered``: the worker whose gradient is to be added next (None: the round has nobody
+        left to add)."""
         while self._next < self.n_workers and (self._next in self.finite or (
                 self._next not in self.active and self._next not in self.arrived)):
             self._next += 1

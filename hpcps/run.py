@@ -411,7 +411,7 @@ class _Run:
             if policy.holds_rounds and not grouped else None
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
-                          pool=RECEIVE_POOL, reserve=rounds.expected if rounds else None)
+                          pool=RECEIVE_POOL, reserve=rounds.expected if rounds and rounds.ordered else None)
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (seqlock, THREAD_MULTIPLE)

@@ -112,6 +112,7 @@ class ShardServer:
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
         self.silent: list[tuple[float, int]] = []
+        self.held_up: list[int] = []  # workers whose push waits for this shard's buffer or turn
         self.next_check = 0.0
         self.stall = StallWatch(warn=stall_warn, abort=stall_abort, describe=self._describe_stall, log=log,
                                 error=RunAborted)
@@ -237,16 +238,20 @@ class ShardServer:
     def _check_stall(self) -> None:
         """Name the workers that owe this shard a message and have been silent too long.
 
-        A worker waiting for its grant is silent by design; the suspects are
-        the others. The longest silence goes to the stall watch, which warns
-        every ``stall_warn`` seconds and ends the run past ``stall_abort``
-        (checked twice a second).
+        A worker waiting for its grant is silent by design, and so is one whose
+        push waits for this shard to take its payload (a receive buffer, or its
+        turn to stream); the suspects are the others. The longest silence goes
+        to the stall watch, which warns every ``stall_warn`` seconds and ends
+        the run past ``stall_abort`` (checked twice a second). Were the shard
+        itself stuck, its workers' own watches end the run (at twice the limit).
         """
         now = self.clock()
         if now < self.next_check:
             return
         self.next_check = now + 0.5
-        owing = [w for w in range(len(self.worker_ranks)) if w not in self.gone and w not in self.awaiting]
+        self.held_up = self.inbox.waiting_for_shard()
+        excused = self.gone | self.awaiting | set(self.held_up)
+        owing = [w for w in range(len(self.worker_ranks)) if w not in excused]
         self.silent = sorted((now - self.heard[w], w) for w in owing if now - self.heard[w] >= self.stall_warn)
         if self.silent:
             self.stall(self.silent[-1][0])
@@ -257,7 +262,10 @@ class ShardServer:
         names = ", ".join(f"{self.worker_ranks[w]} (silent {t:.0f} s, last gradient {self.clocks[w]})"
                           for t, w in reversed(self.silent))
         blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
-        return f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: {blocked}"
+        held_up = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.held_up))
+        held_up = f"; pushes waiting for this shard to receive them: {held_up}" if held_up else ""
+        return (f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: "
+                f"{blocked}{held_up}")
 
     def _gradient(self, worker: int) -> torch.Tensor:
         """The held gradient of ``worker`` (a view of the inbox's buffer)."""

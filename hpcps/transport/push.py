@@ -248,6 +248,11 @@ class PushInbox:
             self.buffer_of[i] = self.free_buffers.popleft()
             self._receive(i)
 
+    def waiting_for_shard(self) -> list[int]:
+        """Workers whose header is in and whose payload waits for this shard (a free buffer, or its
+        serial turn): they have sent what they can, and owe the shard nothing."""
+        return [*self.awaiting_buffer, *self.ready]
+
     def gradient(self, worker: int) -> np.ndarray:
         return self.grads[self.buffer_of[worker]] if self.pooled else self.grads[worker]
 

@@ -93,7 +93,7 @@ def measure(comm, nbytes: int, reps: int, device: str = "cpu", transfer: str | N
     bounds = [(0, n)]
     flat = None if server else _worker_vectors(n, device, transfer)
 
-    # hpcps push: persistent header + payload sends, a per-worker persistent receive on the shard
+    # hpcps push: persistent header + payload sends; the shard receives into its buffer as the header comes
     pusher = None if server else Pusher(comm, buffers=[flat.push_grads], shard_ranks=[0], bounds=bounds,
                                         worker_rank=1)
     inbox = PushInbox(comm, worker_ranks=[1], shard_len=n) if server else None

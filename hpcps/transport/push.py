@@ -122,13 +122,12 @@ class PushInbox:
     order), so a poll costs one test plus one per payload in flight,
     whatever the worker count.
 
-    Gradient buffers: one per worker (``pool=None``: what a paradigm that
-    holds a whole round needs), or a pool of ``pool`` buffers shared by all
-    workers, for paradigms that apply each gradient on arrival: a worker
-    whose header came while every buffer is taken waits for one, and its
-    payload waits meanwhile where large messages wait in MPI, at the sender
-    (rendezvous). The shard then holds ``pool`` gradients whatever the
-    worker count. ``reserve()``, if given, names the worker the last free
+    Gradient buffers: a pool of ``pool`` buffers shared by all workers (one
+    per worker with ``pool=None``, or where the pool is at least the worker
+    count): a worker whose header came while every buffer is taken waits
+    for one, and its payload waits meanwhile where large messages wait in
+    MPI, at the sender (rendezvous). The shard then holds ``pool``
+    gradients whatever the worker count. ``reserve()``, if given, names the worker the last free
     buffer is kept for: a BSP shard that sums its round in worker order
     (:mod:`hpcps.rounds`) keeps it for the worker whose turn it is, frees
     each buffer as soon as its gradient is summed (:meth:`free_buffer`),
@@ -146,28 +145,29 @@ class PushInbox:
         self.comm, self.worker_ranks = comm, list(worker_ranks)
         self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.reserve = reserve
-        self.pooled = pool is not None and pool < n
         self.on_transfer, self.clock = on_transfer, clock
-        self.ready: deque[int] = deque()  # serial, a buffer per worker: workers whose header came, in arrival order
         self.streaming: tuple[int, float] | None = None  # serial: (worker, since when)
         self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
         self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)  # each worker's header in hand
-        self.grads = np.zeros((pool if self.pooled else n, shard_len), np.float32)
+        self.grads = np.zeros((n if pool is None else min(pool, n), shard_len), np.float32)
         self.incoming = np.zeros(wire.HEADER_LEN, np.int64)
         self.header_req: MPI.Prequest | None = comm.Recv_init(self.incoming, source=MPI.ANY_SOURCE,
                                                               tag=wire.TAG_PUSH_HEADER)
         self.status = MPI.Status()
         self.backlog: dict[int, deque[np.ndarray]] = {}  # headers that came while their worker had one in hand
         self.early: list[LeaveEvent] = []  # leaves taken up from a backlog by release(), for the next poll
-        self.data_reqs = [] if self.pooled else [comm.Recv_init(self.grads[i], source=r, tag=wire.TAG_PUSH_DATA)
-                                                  for i, r in enumerate(worker_ranks)]
-        self.free_buffers: deque[int] = deque(range(len(self.grads)))  # pooled: buffers nobody holds
-        self.buffer_of: dict[int, int] = {}  # pooled: worker -> the buffer its gradient is in (or comes to)
-        self.awaiting_buffer: dict[int, None] = {}  # pooled: workers whose header came, in arrival order
+        self.free_buffers: deque[int] = deque(range(len(self.grads)))  # buffers nobody holds
+        self.buffer_of: dict[int, int] = {}  # worker -> the buffer its gradient is in (or comes to)
+        self.awaiting_buffer: dict[int, None] = {}  # workers whose header came, in arrival order
         self.receiving: dict[int, MPI.Request] = {}  # worker -> its payload's receive, while in flight
         self.header_req.Start()
         self.listening = set(range(n))  # workers whose next header is taken up as it comes
         self.open = n  # workers whose leave poll() has not returned yet
+
+    @property
+    def pooled(self) -> bool:
+        """Whether workers share fewer buffers than there are workers (and may wait for one)."""
+        return len(self.grads) < len(self.worker_ranks)
 
     def poll(self) -> list[PushEvent | LeaveEvent]:
         """Advance every worker's state; return the pushes and leaves that completed."""
@@ -191,11 +191,8 @@ class PushInbox:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None
         self.open -= sum(isinstance(e, LeaveEvent) for e in events)  # counted when returned, not taken up
-        if self.on_transfer is not None and self.streaming is None:  # serial: the next one, if any
-            if self.pooled:
-                self._give_buffers()
-            elif self.ready:
-                self._receive(self.ready.popleft())
+        if self.on_transfer is not None:  # serial: the next one, if the last is in
+            self._give_buffers()
         return events
 
     def _take_up(self, i: int, header: np.ndarray, events: list) -> None:
@@ -204,23 +201,15 @@ class PushInbox:
         self.headers[i] = header
         if header[0] != wire.KIND_PUSH:
             events.append(LeaveEvent(i, int(header[2])))
-        elif self.pooled:
+        else:
             self.awaiting_buffer[i] = None
             self._give_buffers()
-        elif self.on_transfer is None:
-            self._receive(i)
-        else:
-            self.ready.append(i)
 
     def _receive(self, i: int) -> None:
-        """Start worker ``i``'s payload receive (pooled: into a buffer just given to it); serial: tell it
-        to send, and note the transfer as the one streaming."""
-        if self.pooled:
-            self.receiving[i] = self.comm.Irecv(self.grads[self.buffer_of[i]], source=self.worker_ranks[i],
-                                                tag=wire.TAG_PUSH_DATA)
-        else:
-            self.data_reqs[i].Start()
-            self.receiving[i] = self.data_reqs[i]
+        """Start worker ``i``'s payload receive into the buffer just given to it; serial: tell it to
+        send, and note the transfer as the one streaming."""
+        self.receiving[i] = self.comm.Irecv(self.grads[self.buffer_of[i]], source=self.worker_ranks[i],
+                                            tag=wire.TAG_PUSH_DATA)
         if self.on_transfer is not None:  # the receive is posted before the worker is told to send
             self.streaming = (i, self.clock())
             self.on_transfer(i)
@@ -235,7 +224,7 @@ class PushInbox:
         return done
 
     def _give_buffers(self) -> None:
-        """Pooled: start the payload receive of waiting workers, in arrival order, while buffers are free;
+        """Start the payload receive of waiting workers, in arrival order, while buffers are free;
         with ``reserve``, the last free buffer only for the worker it names; serial: one at a time."""
         while self.free_buffers and self.awaiting_buffer and (self.on_transfer is None or self.streaming is None):
             if self.reserve is not None and len(self.free_buffers) == 1:
@@ -251,19 +240,18 @@ class PushInbox:
     def waiting_for_shard(self) -> list[int]:
         """Workers whose header is in and whose payload waits for this shard (a free buffer, or its
         serial turn): they have sent what they can, and owe the shard nothing."""
-        return [*self.awaiting_buffer, *self.ready]
+        return list(self.awaiting_buffer)
 
     def gradient(self, worker: int) -> np.ndarray:
-        return self.grads[self.buffer_of[worker]] if self.pooled else self.grads[worker]
+        return self.grads[self.buffer_of[worker]]
 
     def offer(self) -> None:
-        """Pooled: give free buffers to waiting workers (call when ``reserve``'s answer may have changed)."""
-        if self.pooled:
-            self._give_buffers()
+        """Give free buffers to waiting workers (call when ``reserve``'s answer may have changed)."""
+        self._give_buffers()
 
     def free_buffer(self, worker: int) -> None:
-        """Pooled: ``worker``'s gradient is used up (summed); its buffer goes to whoever waits for one."""
-        if self.pooled and worker in self.buffer_of:
+        """``worker``'s gradient is used up (summed); its buffer goes to whoever waits for one."""
+        if worker in self.buffer_of:
             self.free_buffers.append(self.buffer_of.pop(worker))
             self._give_buffers()
 
@@ -288,6 +276,3 @@ class PushInbox:
             req.Cancel()
             req.Wait()
         self.receiving.clear()
-        for req in self.data_reqs:
-            req.Free()
-        self.data_reqs = []

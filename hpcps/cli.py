@@ -1,4 +1,5 @@
-"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun), ``hpcps report`` and ``hpcps jobs render``.
+"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun), ``hpcps report``, ``hpcps simulate``,
+``hpcps jobs render`` and ``hpcps emulate`` (a cluster in a box).
 
 Options are parsed before MPI starts; every flag can also come from a TOML
 file (``--config``), and flags given on the command line win. Bad input
@@ -125,6 +126,9 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default none)")
     g.add_argument("--jitter-cv", type=float, dest="jitter_cv", metavar="CV",
                    help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")
+    g.add_argument("--straggler-episodes", dest="straggler_episodes", metavar="FACTOR:SECONDS",
+                   help="stragglers that come and go: one worker at a time is FACTOR times slower, the next one "
+                        "every SECONDS of the run, round-robin (needs --compute-time; default off)")
     g.add_argument("--device", metavar="{auto,cpu,cuda}",
                    help="where workers train: auto (default) takes cuda:<i> when GPUs are visible, i being the "
                         "worker's index among the node's workers; cuda insists on a GPU; servers use the CPU")
@@ -249,6 +253,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint (default 120, less in jobs shorter than 3 minutes; 0: never). PBS sends "
                         "SIGTERM at the limit, handled alike")
     j.set_defaults(func=_jobs_render, train_args=[])  # the hpcps train options after --: see main()
+
+    e = sub.add_parser("emulate", help="run a job on an emulated cluster: nodes joined by rate-limited links "
+                                       "(Linux, root)",
+                       usage="hpcps emulate --nodes M [options] -- COMMAND [ARGS ...]",
+                       description="Build a cluster in a box (one network namespace per node, each joined to a "
+                                   "switch by a link shaped with tbf), run COMMAND on its ranks under mpiexec over "
+                                   "TCP, and remove the box, whatever happens. Example: hpcps emulate --nodes 5 "
+                                   "--link 1gbit --link 0=4gbit -- hpcps train --paradigm asp --compute-time 0.05")
+    e.add_argument("--nodes", type=int, metavar="M", help="emulated nodes")
+    e.add_argument("--link", action="append", default=[], metavar="[NODE=]RATE",
+                   help="link rate, each direction: RATE for every node, NODE=RATE or FIRST-LAST=RATE for some "
+                        "(a network straggler); units bit, kbit, mbit, gbit (default 1gbit; repeatable, later wins)")
+    e.add_argument("--buffer", default="512kb", metavar="SIZE",
+                   help="the switch's queue per port, in bytes (kb, mb, kib, mib): a small one makes incast drop "
+                        "packets (default 512kb)")
+    e.add_argument("--ranks-per-node", type=int, default=1, dest="ranks_per_node", metavar="R",
+                   help="MPI ranks on each node (default 1); ranks fill the nodes in order")
+    e.add_argument("--ranks", action="append", default=[], metavar="NODE=COUNT",
+                   help="ranks on some nodes, e.g. 0=2 or 1-4=1 (repeatable)")
+    e.add_argument("--cleanup", action="store_true",
+                   help="remove every box left behind by an hpcps emulate that is gone, and exit")
+    e.add_argument("--dry-run", action="store_true", dest="dry_run",
+                   help="print the commands that would build the box and start the job, and exit")
+    e.set_defaults(func=_emulate, command_args=[])  # the job's command after --: see main()
     return parser
 
 
@@ -348,15 +376,38 @@ def _jobs_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emulate(args: argparse.Namespace) -> int:
+    from hpcps.box import launch, net
+    from hpcps.box.spec import make_cluster
+
+    if net.needs_user_namespace() and not args.dry_run:
+        return launch.in_user_namespace(args.command_line)
+    if args.cleanup:
+        return launch.cleanup()
+    if args.nodes is None:
+        raise UserError("hpcps emulate: give --nodes M (or --cleanup)")
+    if not args.command_args:
+        raise UserError("hpcps emulate: give the job's command after --, e.g. -- hpcps train --paradigm asp")
+    try:
+        cluster = make_cluster(args.nodes, args.link, buffer=args.buffer, ranks_per_node=args.ranks_per_node,
+                               ranks=args.ranks, prefix=f"hpcps{os.getpid()}-")
+    except ValueError as exc:
+        raise UserError(f"hpcps emulate: {exc}") from None
+    if args.dry_run:
+        return launch.dry_run(cluster, args.command_args)
+    return launch.emulate(cluster, args.command_args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     original, passthrough = list(argv), None
-    if argv[:2] == ["jobs", "render"] and "--" in argv:  # everything after -- belongs to hpcps train
+    # everything after -- belongs to hpcps train (jobs render) or is the job's command (emulate)
+    if (argv[:2] == ["jobs", "render"] or argv[:1] == ["emulate"]) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
     if passthrough is not None:
-        args.train_args = passthrough
+        setattr(args, "command_args" if argv[0] == "emulate" else "train_args", passthrough)
     args.command_line = original
     try:
         return args.func(args)

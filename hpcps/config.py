@@ -65,6 +65,7 @@ class TrainConfig(BaseModel):
     compute_time: float | None = Field(None, gt=0)
     jitter: Literal["none", "uniform", "exponential", "lognormal"] = "none"
     jitter_cv: float = Field(0.1, ge=0)
+    straggler_episodes: tuple[float, float] | None = None  # (FACTOR, SECONDS)
     seed: int = 0
     out: str | None = None
     target_accuracy: float | None = Field(None, gt=0, le=1)
@@ -120,6 +121,21 @@ class TrainConfig(BaseModel):
             return dict(parse_slowdown(item) for item in value)
         return value
 
+    @field_validator("straggler_episodes", mode="before")
+    @classmethod
+    def _parse_episodes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            factor, sep, seconds = value.partition(":")
+            try:
+                if not sep:
+                    raise ValueError
+                value = (float(factor), float(seconds))
+            except ValueError:
+                raise ValueError(f"{value!r}: expected FACTOR:SECONDS, e.g. 3:2") from None
+        if value is not None and not (value[0] >= 1.0 and value[1] > 0):
+            raise ValueError(f"{value!r}: FACTOR must be >= 1 and SECONDS > 0")
+        return value
+
     @field_validator("slowdown")
     @classmethod
     def _check_factors(cls, value: dict[int, float]) -> dict[int, float]:
@@ -143,6 +159,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--staleness-max {self.staleness_max} must be >= --staleness {self.s_lo}")
         if self.jitter != "none" and self.compute_time is None:
             raise ValueError("--jitter needs --compute-time (it varies the emulated compute time)")
+        if self.straggler_episodes is not None and self.compute_time is None:
+            raise ValueError("--straggler-episodes needs --compute-time (it slows the emulated compute)")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum <= 0):
             raise ValueError("--nesterov needs --optimizer sgd and a --momentum above 0")
         if self.momentum and self.optimizer != "sgd":

@@ -12,6 +12,12 @@ Two modes, both per worker:
   ``--jitter`` distribution. Sleeping ranks leave the CPU to the others, so
   dozens of emulated workers behave like a real cluster on a small machine.
   If the real pass takes longer than the sample, no sleep is added.
+
+Stragglers that come and go (``--straggler-episodes FACTOR:SECONDS``): one
+worker at a time is FACTOR times slower (on top of its ``--slowdown``), and
+the role moves to the next worker, round-robin, every SECONDS of the run's
+clock, which every rank shares. Over a run every worker is as slow as the
+others; at any moment one of them holds the rest up.
 """
 
 from __future__ import annotations
@@ -32,6 +38,18 @@ class ComputeTime:
     factor: float = 1.0
     jitter: str = "none"
     cv: float = 0.1
+    episodes: tuple[float, float] | None = None  # (FACTOR, SECONDS) of --straggler-episodes
+    worker: int = 0  # this worker's index among ...
+    n_workers: int = 1  # ... the workers the straggler role rotates over
+
+    def factor_at(self, now: float | None) -> float:
+        """How many times slower this worker is at ``now`` (seconds on the run's clock; None: outside the
+        run, e.g. the speed warm-up, where episodes do not apply)."""
+        if self.episodes is None or now is None:
+            return self.factor
+        extra, seconds = self.episodes
+        straggler = int(now // seconds) % self.n_workers
+        return self.factor * (extra if straggler == self.worker else 1.0)
 
     def jitter_sample(self, rng: np.random.Generator) -> float:
         """A multiplier with mean 1 (and the requested coefficient of variation)."""
@@ -45,8 +63,9 @@ class ComputeTime:
         sigma = math.sqrt(math.log1p(self.cv ** 2))
         return float(rng.lognormal(-sigma ** 2 / 2.0, sigma))
 
-    def sleep_after(self, real_s: float, rng: np.random.Generator) -> float:
-        """Seconds to sleep after a real pass of ``real_s`` seconds."""
+    def sleep_after(self, real_s: float, rng: np.random.Generator, now: float | None = None) -> float:
+        """Seconds to sleep after a real pass of ``real_s`` seconds that began at ``now`` (run clock)."""
+        factor = self.factor_at(now)
         if self.mean is None:
-            return (self.factor - 1.0) * real_s
-        return max(0.0, self.mean * self.factor * self.jitter_sample(rng) - real_s)
+            return (factor - 1.0) * real_s
+        return max(0.0, self.mean * factor * self.jitter_sample(rng) - real_s)

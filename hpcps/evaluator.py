@@ -10,10 +10,10 @@ metric in ``/eval_metrics``). The first time accuracy reaches the target it
 calls ``on_target``.
 
 With ``background=True`` (the run uses it where the window protocol is the
-seqlock and MPI gives ``THREAD_MULTIPLE``) the pull and the forward passes
+pinned and MPI gives ``THREAD_MULTIPLE``) the pull and the forward passes
 run in a helper thread, so shard 0 goes on serving pushes while a large
 model is evaluated: torch releases the GIL inside its kernels, and the
-seqlock pull needs no lock the server could contend for. The loop's
+pinned pull needs no lock the server could contend for. The loop's
 ``tick`` only starts an evaluation and, once one has finished, records it
 and acts on the target, so rows, logging and the stop flag stay on the
 loop's thread. Otherwise an evaluation runs inside ``tick``, and pushes to

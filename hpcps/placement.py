@@ -4,7 +4,8 @@ A run's roles follow its communicator's rank order (:class:`hpcps.layout.Layout`
 ranks 0..S-1). With block placement, as ``mpiexec`` and ``srun`` number ranks, all S shards would
 then sit on the first node and share its network link. ``--placement spread`` (the default)
 renumbers the ranks first: shard s goes to node ``s mod M`` (of M nodes, in the order of their
-first rank), as the ``s // M``-th rank there; every other rank keeps its world order. On one node
+first rank; a node is a host and network namespace, so the emulated nodes of
+:mod:`hpcps.box` count), as the ``s // M``-th rank there; every other rank keeps its world order. On one node
 this is the world order itself. ``--placement rank`` keeps the world order (tests, or a site
 whose launcher already places ranks).
 
@@ -15,6 +16,8 @@ by the caller).
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Sequence
 
 from mpi4py import MPI
@@ -48,14 +51,25 @@ def placement_order(nodes: Sequence[int], n_shards: int) -> list[int]:
     return shards + [r for r in range(len(nodes)) if r not in chosen]
 
 
-def node_ids(comm: MPI.Comm) -> list[int]:
-    """Collective: every rank's node, as the lowest rank (of ``comm``) sharing its memory."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+def node_key() -> str:
+    """What names this process's node: its host and its network namespace.
+
+    Ranks of one real node share both. Ranks of different emulated nodes of a box
+    (:mod:`hpcps.box`) share the host but not the network namespace, and MPI's shared-memory
+    split cannot tell them apart (``MPIR_CVAR_NOLOCAL`` makes it see a node per rank).
+    """
     try:
-        leader = node.allreduce(comm.rank, op=MPI.MIN)
-    finally:
-        node.Free()
-    return comm.allgather(leader)
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # not Linux: the host alone names the node
+        netns = 0
+    return f"{socket.gethostname()}:{netns}"
+
+
+def node_ids(comm: MPI.Comm) -> list[int]:
+    """Collective: every rank's node, as the lowest rank (of ``comm``) with the same :func:`node_key`."""
+    keys = comm.allgather(node_key())
+    first: dict[str, int] = {}
+    return [first.setdefault(key, rank) for rank, key in enumerate(keys)]
 
 
 def place(comm: MPI.Comm, n_shards: int, mode: str) -> tuple[MPI.Comm, list[int]]:

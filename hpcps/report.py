@@ -14,7 +14,9 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
 * ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
 * ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
   resident memory, samples read, clock offset to rank 0 and its uncertainty, device; also how a stopped
-  run ended (``stopped_by``) in ``summary.md``
+  run ended (``stopped_by``) and, for a run in a cluster in a box (``hpcps emulate``), the
+  emulated cluster (``cluster``: nodes, link rates, ranks per node, switch buffer) in ``summary.md``;
+  a rank's ``host`` there is ``HOST/nK``, its emulated node
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcps.box.spec import describe_record
 from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
 from hpcps.metrics.schema import RANK, TRANSFER
@@ -49,6 +52,7 @@ class Run:
     summary: dict
     transfers: np.ndarray = field(default_factory=lambda: np.zeros(0, TRANSFER))
     ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, RANK))
+    cluster: dict = field(default_factory=dict)  # the emulated cluster (hpcps emulate), {} or emulated=False
 
     @property
     def label(self) -> str:
@@ -84,7 +88,8 @@ def load_run(path: str | os.PathLike) -> Run:
                        iterations=f["workers/iterations"][()], updates=f["servers/updates"][()],
                        evals=f["eval"][()], summary=dict(f["summary"].attrs),
                        **({"transfers": f["servers/transfers"][()]} if "servers/transfers" in f else {}),
-                       **({"ranks": f["ranks"][()]} if "ranks" in f else {}))
+                       **({"ranks": f["ranks"][()]} if "ranks" in f else {}),
+                       cluster=json.loads(f.attrs.get("cluster", "{}")))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except (OSError, KeyError) as exc:
@@ -107,6 +112,7 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             "mean_staleness": round(float(applied["staleness"].mean()) if len(applied) else float("nan"), 2),
             "gradients_applied": int(r.summary.get("gradients_applied", len(applied))),
             "stopped_by": str(r.summary.get("stopped_by", "")) or "-",
+            "cluster": describe_record(r.cluster) if r.cluster.get("emulated") else "-",
         })
     return rows
 

@@ -37,6 +37,7 @@ from mpi4py import MPI
 import hpcps
 from hpcps.agree import agree
 from hpcps.batches import DataSource
+from hpcps.box import cluster_record, node_label
 from hpcps.checkpoint import (Checkpoint, check_compatible, checkpoint_path, read_checkpoint, read_optimizer_state,
                               write_checkpoint, write_optimizer_state)
 from hpcps.config import TrainConfig, steps_for
@@ -199,9 +200,11 @@ def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan
     return plan
 
 
-def _compute_time(cfg: TrainConfig, rank: int) -> ComputeTime:
-    """The emulated compute time of worker ``rank`` (``--compute-time``, its ``--slowdown``, ``--jitter``)."""
-    return ComputeTime(cfg.compute_time, cfg.slowdown.get(rank, 1.0), cfg.jitter, cfg.jitter_cv)
+def _compute_time(cfg: TrainConfig, rank: int, layout: Layout) -> ComputeTime:
+    """The emulated compute time of worker ``rank`` (``--compute-time``, its ``--slowdown``, ``--jitter``,
+    ``--straggler-episodes``)."""
+    return ComputeTime(cfg.compute_time, cfg.slowdown.get(rank, 1.0), cfg.jitter, cfg.jitter_cv,
+                       episodes=cfg.straggler_episodes, worker=layout.worker_index(rank), n_workers=layout.n_workers)
 
 
 def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: torch.nn.Module,
@@ -210,7 +213,7 @@ def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: tor
     mine = None
     if layout.role(comm.rank) is Role.WORKER:
         mine = measure_pass_time(model, flat, batches, workload.loss, rank=comm.rank, seed=cfg.seed,
-                                 compute_time=_compute_time(cfg, comm.rank))
+                                 compute_time=_compute_time(cfg, comm.rank, layout))
     times = gather_pass_times(comm, mine)
     members = speed_groups(times, layout.n_groups)
     if comm.rank == 0:
@@ -343,7 +346,7 @@ class _Run:
         """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set,
         clock offset, device."""
         read = getattr(self.source, "samples_read", -1) if self.source is not None else 0
-        return (self.topo.rank, self.topo.role.value.encode(), socket.gethostname().encode()[:64],
+        return (self.topo.rank, self.topo.role.value.encode(), node_label(socket.gethostname()).encode()[:64],
                 peak_rss_bytes(), read, self.run_clock.offset, self.run_clock.uncertainty,
                 str(self.flat.device).encode()[:16])
 
@@ -377,6 +380,7 @@ class _Run:
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "devices": json.dumps(self.devices),
                 "placement": json.dumps({"mode": self.cfg.placement, "world_rank_of": self.world_ranks}),
+                "cluster": json.dumps(cluster_record() or {"emulated": False}),
                 "dataset_kind": self.facts["kind"],
                 "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             })
@@ -414,9 +418,9 @@ class _Run:
                           pool=RECEIVE_POOL, reserve=rounds.expected if rounds and rounds.ordered else None)
         side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
         if topo.rank == 0:
-            # evaluate in a helper thread where the pull may run beside the loop (seqlock, THREAD_MULTIPLE)
+            # evaluate in a helper thread where the pull may run beside the loop (pinned window, THREAD_MULTIPLE)
             # (HPCPS_EVAL_BACKGROUND=0 forces the loop's thread: tools/bench_eval_latency.py compares both)
-            background = (window.protocol == "seqlock" and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+            background = (window.protocol == "pinned" and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                           and os.environ.get("HPCPS_EVAL_BACKGROUND", "1") != "0")
             evaluator = Evaluator(model=self.model, flat=self.flat,
                                   batches=self.source.test_batches(cfg.eval_batch_size),
@@ -529,7 +533,7 @@ class _Run:
                      blocks=policy.worker_blocks, recorder=recorder,
                      clock=self.clock, steps=self.steps, lr=cfg.lr, seed=cfg.seed,
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness, clip_norm=cfg.clip_norm,
-                     compute_time=_compute_time(cfg, topo.rank),
+                     compute_time=_compute_time(cfg, topo.rank, self.layout),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,

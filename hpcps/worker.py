@@ -8,11 +8,15 @@ One iteration of :class:`Worker` ``w`` at ``step`` k::
     push      start the persistent sends of header + gradient to every shard, with
               the learning rate scaled by the staleness the worker knows of
     wait      if the paradigm blocks: until every shard granted clock k+1
-    pull      RMA Get of every shard's parameters (overlaps the push in flight)
+    pull      RMA Get of every shard's parameters (overlaps the push in flight; a
+              worker that never blocks begins the pull before the push, so that over
+              TCP its requests do not queue behind the gradient)
     settle    the push must have left before backward writes the buffer again
 
-:class:`EagerWorker` (paradigm ``eager``) decouples both: when it starts
-computing it asks a helper thread for the newest parameters, which the
+:class:`EagerWorker` (paradigm ``eager``) decouples both: as it starts a
+computation (once it has taken its parameters, before it pushes the last
+gradient, so that on a TCP link the pull's requests do not queue behind
+that gradient) it asks a helper thread for the newest parameters, which the
 thread pulls behind the computation and keeps refreshing whenever a shard
 publishes a newer version; the worker pushes from a copy of its gradients,
 so it never waits for a push before computing again, and swaps the freshest
@@ -56,24 +60,25 @@ from hpcps.transport.notices import NoticeBox
 from hpcps.errors import RunAborted
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.transport.push import Pusher
-from hpcps.transport.window import ParamWindow
+from hpcps.transport.window import ParamWindow, Pull
 
 log = logging.getLogger("hpcps")
 
 
 def emulated_pass(model: torch.nn.Module, flat: FlatParameters, loss_fn: Callable, batch,
                   compute_time: ComputeTime, rng: np.random.Generator,
-                  clip_norm: float | None = None) -> tuple[float, float]:
+                  clip_norm: float | None = None, now: float | None = None) -> tuple[float, float]:
     """``loss_fn(model, batch)`` and its backward into the flat gradient buffer (buffers' change
     included, see :meth:`FlatParameters.end_pass`), topped up by the emulated compute time
-    (hpcps.emulation); return the loss and the seconds it all took."""
+    (hpcps.emulation; ``now``: the run's clock, for stragglers that come and go); return the loss
+    and the seconds it all took."""
     t = time.perf_counter()
     flat.begin_pass()
     loss = loss_fn(model, batch)
     loss.backward()
     flat.end_pass(clip_norm)
     flat.synchronize()  # a GPU's queued work belongs to this pass's time
-    pause = compute_time.sleep_after(time.perf_counter() - t, rng)
+    pause = compute_time.sleep_after(time.perf_counter() - t, rng, now)
     if pause > 0.0:
         time.sleep(pause)
     return float(loss.detach()), time.perf_counter() - t
@@ -130,20 +135,30 @@ class Worker:
             row["loss"], row["compute_s"] = self._compute(step)
             t = time.perf_counter()
             self.flat.stage_grads()
+            # a worker that never waits for a grant begins its pull before its push: over a network the
+            # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
+            early, begun = (None, 0.0) if self.blocks else self._timed(self.window.begin_pull, self.flat.params,
+                                                                       self.backoff)
             self._push(versions, row)
-            row["push_s"] = time.perf_counter() - t
+            row["push_s"] = time.perf_counter() - t - begun
             row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
                              if self.blocks else 0.0)
             t = time.perf_counter()
-            versions, stop = self._pull()
-            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
+            versions, stop = self._pull(early)
+            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
             row["push_s"] += self._wait(self.pusher.test, "its push to leave")
             self._finish_row(row)
         self._leave()
         return self.clock_count
 
-    def _pull(self) -> tuple[np.ndarray, bool]:
-        versions, stop = self.window.pull(self.flat.params, self.backoff)
+    @staticmethod
+    def _timed(fn, *args):
+        t = time.perf_counter()
+        return fn(*args), time.perf_counter() - t
+
+    def _pull(self, begun: Pull | None = None) -> tuple[np.ndarray, bool]:
+        """Finish the pull ``begun`` (or pull now) into the model's parameters."""
+        versions, stop = (begun or self.window.begin_pull(self.flat.params, self.backoff)).wait()
         self.flat.upload()
         self._seen(versions)
         return versions, stop
@@ -180,7 +195,7 @@ class Worker:
         t = time.perf_counter()
         batch = to_device(self.batches.batch(step), self.flat.device)
         loss, _ = emulated_pass(self.model, self.flat, self.loss, batch, self.compute_time, self.rng,
-                                self.clip_norm)
+                                self.clip_norm, now=self.clock())
         if step in self.faults:
             self._inject(self.faults[step])
         return loss, time.perf_counter() - t
@@ -294,18 +309,23 @@ class EagerWorker(_SlottedWorker):
                 self.puller.hurry()
                 held += self._wait(self._fresh_enough, "fresh parameters")
                 versions, stop, _ = self._take()
+                self.puller.request(expected)  # the take used up the request for this computation
             if stop:
                 break
             row = self._start_row(step, versions)  # nothing between the check and here raises self.known
-            self.puller.request(expected)  # the newest parameters, fetched just in time behind this computation
             row["loss"], row["compute_s"] = self._compute(step)
             expected = row["compute_s"] if step == self.start_step else 0.7 * expected + 0.3 * row["compute_s"]
-            self._push_copy(step, versions, row)
             self.puller.hurry()
             row["pull_wait_s"] = held + self._wait(self._fresh_enough, "fresh parameters")
             t = time.perf_counter()
-            versions, stop, row["pull_s"] = self._take()
+            computed_on, (versions, stop, row["pull_s"]) = versions, self._take()
             row["pull_wait_s"] += time.perf_counter() - t  # swapping the snapshot in is the worker's own time
+            if step + 1 < self.steps and not stop:
+                # the newest parameters for the next computation, fetched just in time behind it; the
+                # pull's requests leave before this push, which would otherwise hold them up on a TCP link
+                self.puller.request(expected)
+                row["pull_wait_s"] += self._wait(self.puller.begun, "its pull to begin")
+            self._push_copy(step, computed_on, row)
             self._finish_row(row)
         self._leave()
         return self.clock_count

@@ -50,7 +50,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.variants:
             results[name] = [measure(train(a.np, Path(tmp) / f"{name}-{s}.h5",
-                                           [*VARIANTS[name], "--seed", str(s), *extra]), a.target, a.np - 1)
+                                           [*VARIANTS[name], "--seed", str(s), *extra], emulate=a.emulate),
+                                     a.target, a.np - 1)
                              for s in a.seeds]
             print(f"  {name}: done", file=sys.stderr)
     base = {k: np.nanmean([m[k] for m in results["asp"]]) for k in ("iter_ms", "ttt")} if "asp" in results else {}

@@ -5,7 +5,7 @@ Three runs of the same ASP job, in one invocation:
 
 * ``none``: evaluation only at the end (``--eval-interval 1e9``);
 * ``background``: evaluation back to back (``--eval-interval 0.01``), in rank 0's helper thread
-  (the default where the window protocol is the seqlock and MPI gives THREAD_MULTIPLE);
+  (the default where the window protocol is pinned and MPI gives THREAD_MULTIPLE);
 * ``in-loop``: the same, but inside shard 0's loop (``HPCPS_EVAL_BACKGROUND=0``), as before.
 
 A gradient's push latency is the time from the end of its computation (its push starts then) to its

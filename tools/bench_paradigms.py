@@ -35,8 +35,9 @@ from hpcps.report import time_to, worker_rates
 SEES_STALENESS = ("asp", "ssp", "dssp", "eager")
 
 
-def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float) -> dict:
-    r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra])
+def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float,
+        emulate: str | None = None) -> dict:
+    r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra], emulate=emulate)
     it, s = r["it"], r["summary"]
     per_worker = list(worker_rates(it).values())
     return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]), "ttt": time_to(r["ev"], target),

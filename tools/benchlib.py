@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,21 +15,38 @@ import numpy as np
 from hpcps.launcher import clean_environ, find_mpiexec
 
 
-def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: dict[str, str] | None = None) -> dict:
-    """Run ``mpiexec -n NP hpcps train --out OUT OPTIONS`` (with ``env`` added to a clean environment);
-    return the run's tables and summary."""
-    cmd = [find_mpiexec() or "mpiexec", "-n", str(np_), sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress",
-           *options]
-    subprocess.run(cmd, check=True, env=clean_environ(**(env or {})), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+def launch_argv(np_: int, argv: list[str], emulate: str | None = None) -> list[str]:
+    """``mpiexec -n NP ARGV``, or, with ``emulate`` (``hpcps emulate`` options as one string, e.g.
+    ``"--nodes 5 --link 1gbit"``), ARGV on the ranks of a cluster in a box."""
+    if emulate:
+        return [sys.executable, "-m", "hpcps", "emulate", *shlex.split(emulate), "--", *argv]
+    return [find_mpiexec() or "mpiexec", "-n", str(np_), *argv]
+
+
+def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: dict[str, str] | None = None,
+          emulate: str | None = None) -> dict:
+    """Run ``hpcps train --out OUT OPTIONS`` on ``np_`` ranks (with ``env`` added to a clean environment),
+    under mpiexec or in a box (``emulate``); return the run's tables and summary."""
+    cmd = launch_argv(np_, [sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress", *options],
+                      emulate)
+    subprocess.run(cmd, check=True, env=clean_environ(**(env or {})), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                   timeout=timeout)
     with h5py.File(out) as f:
+        if int(f.attrs["world_size"]) != np_:
+            raise SystemExit(f"the job ran on {int(f.attrs['world_size'])} ranks, not --np {np_}: "
+                             "make --emulate's nodes and ranks match")
         return {"it": f["workers/iterations"][()], "up": f["servers/updates"][()], "ev": f["eval"][()],
-                "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"])}
+                "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"]),
+                "cluster": str(f.attrs.get("cluster", "{}"))}
 
 
 def parser(doc: str, *, seeds: list[int]) -> argparse.ArgumentParser:
     """The options every benchmark shares: ``--seeds`` and the hpcps train options after ``--``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", nargs="+", type=int, default=seeds)
+    p.add_argument("--emulate", metavar="OPTIONS",
+                   help="run every job in a cluster in a box: hpcps emulate's options as one string, e.g. "
+                        "'--nodes 5 --link 1gbit --link 0=4gbit' (needs root; the ranks must match --np)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
     return p
 

@@ -60,6 +60,7 @@ class EagerPuller:
         self.pulls = 0
         self._refresh = Backoff(first=1e-4, cap=refresh_cap)
         self._hurry = threading.Event()  # the worker is waiting: pull (again) now, whatever the schedule
+        self._begun = threading.Event()  # the pull for the current request has begun (or is scheduled later)
         self._start_at = self._due = 0.0  # perf_counter times: first pull of this request; expected take
         self.pull_s = 0.0  # running average of a pull's duration
         self._thread = threading.Thread(target=self._run, name="hpcps-eager-pull", daemon=True)
@@ -75,6 +76,7 @@ class EagerPuller:
                 if not self._arrived.is_set():
                     delay = self._start_at - time.perf_counter()
                     if delay > 0:
+                        self._begun.set()  # not now: the worker's push goes first
                         self._hurry.wait(delay)  # close() hurries too; the check below then ends the loop
                 elif self._hurry.is_set() or time.perf_counter() + self.pull_s < self._due:
                     if not self._newer_published(backoff):
@@ -89,7 +91,10 @@ class EagerPuller:
                 target = 1 - self._ready if self._ready >= 0 else 0
                 generation = self._generation
                 t = time.perf_counter()
-                versions, stop = self.window.pull(self.staging[target], backoff)
+                pull = self.window.begin_pull(self.staging[target], backoff)
+                if generation == self._generation:
+                    self._begun.set()  # its requests are on the wire: the worker's push may follow them
+                versions, stop = pull.wait()
                 took = time.perf_counter() - t
                 self.pull_s = took if self.pulls == 0 else 0.7 * self.pull_s + 0.3 * took
                 with self._lock:
@@ -102,6 +107,7 @@ class EagerPuller:
         except BaseException as exc:  # surfaced to the caller by take()
             self._error = exc
             self._arrived.set()
+            self._begun.set()
 
     def _newer_published(self, backoff: Backoff) -> bool:
         staged = self._meta[self._ready][0]
@@ -118,7 +124,16 @@ class EagerPuller:
         self._start_at = now + max(0.0, expected - 2.0 * self.pull_s - JIT_MARGIN)
         self._hurry.clear()
         self._arrived.clear()
+        self._begun.clear()
         self._wanted.set()
+
+    def begun(self) -> bool:
+        """The pull for the last :meth:`request` has put its requests on the wire, or is scheduled for
+        later (just in time). A push started after this does not hold the pull up on a TCP link, where
+        a rank's messages to one peer leave in order."""
+        if self._error is not None:
+            raise self._error
+        return self._begun.is_set()
 
     def hurry(self) -> None:
         """The worker is waiting: start the pull now if it has not started, refresh whenever newer is published."""

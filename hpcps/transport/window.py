@@ -6,46 +6,45 @@ shard *publishes* its master parameters into it; a worker *pulls* with
 backoff. A pull returns each shard's parameters together with the one
 version they belong to. Two protocols guarantee that:
 
-``seqlock`` (used where the MPI library gives the unified memory model,
+``pinned`` (used where the MPI library gives the unified memory model,
 ``MPI_WIN_UNIFIED``, as MPICH and Open MPI do)
     Every rank holds a shared ``Lock_all`` for the window's lifetime and
     nobody ever locks exclusively, so a pull needs nothing from the
     server's CPU: within a node it is a copy out of shared memory, across
-    nodes an RDMA read. The shard writes publish *k* into slot ``k % 2``,
-    bracketed by a counter (``2k-1`` while writing, ``2k`` when done). A
-    reader reads the counter, copies the slot of the newest complete
-    publish *j* together with that slot's version, synchronizes
-    (``MPI_Win_sync``) and reads the counter again: the copy is good unless
-    publish ``j+2``, the next one to write that slot, had begun (counter
-    ``>= 2j+3``); otherwise it retries. Two slots mean a reader is never
-    turned away by the publish in progress, only by one that laps it.
+    nodes an RDMA read. The shard keeps :data:`SLOTS` copies of its
+    parameters. A reader reads which slot holds the newest publish, *pins*
+    that slot (an atomic increment of the slot's reader count), copies it
+    with the version it holds, and unpins it. The shard writes a publish
+    only into a slot that is neither the newest nor pinned: it *claims*
+    the slot by swapping its reader count from 0 to a large negative value
+    (compare-and-swap), writes it, says it is the newest, and releases the
+    claim. A reader whose increment finds the slot claimed (a negative
+    count: the shard took it for a newer publish between the reader's read
+    of the newest slot and its pin) takes its increment back and starts
+    over. So a pinned copy is never overwritten, and a pull never copies
+    twice, however slow its link: a two-slot seqlock, which this replaced,
+    let a 40 ms read over a 1 Gbit/s link be lapped by two publishes and
+    read everything again.
+
+    The shard claims the non-newest free slot it published longest ago.
+    Where every such slot is pinned (readers slower than
+    ``SLOTS - 1`` publishes), the shard keeps serving pushes and defers the
+    publish (the newest version goes out at its next loop,
+    :meth:`ParamWindow.publish_held`).
 
     What the MPI standard asks of this, and how it is met:
 
-    * every header word (counter, versions, stop flag, hold count) is
-      written and read only by accumulate operations on ``MPI_INT64_T``
-      (the shard applies ``Accumulate`` with ``REPLACE`` to its own window and
-      flushes; readers ``Get_accumulate`` with ``NO_OP``), which MPI makes
-      atomic per element against each other;
+    * every header word (newest slot, versions, stop flag, reader counts)
+      is written and read only by accumulate operations on ``MPI_INT64_T``
+      (``Accumulate`` with ``REPLACE`` or ``SUM``, ``Fetch_and_op``,
+      ``Compare_and_swap``, and ``Get_accumulate`` with ``NO_OP`` to read),
+      which MPI makes atomic per element against each other;
     * every transfer's target type matches its origin type (``INT64_T``
       headers, ``FLOAT`` parameters);
-    * the shard's stores to a slot are followed by ``Win_sync`` before the
-      counter says they are complete, and the reader calls ``Win_sync``
-      between its copy and its re-read, so the re-read is ordered after it;
-    * the version a pull returns is read with the copy it belongs to and
-      stands or falls with it: read after the first counter read (which
-      was written after the slot's version), and checked by the re-read;
-    * the only racing accesses left are a copy that may overlap the
-      shard's stores to the other or (once lapped) the same slot, and a
-      copy that raced is always thrown away.
-
-    Retries are bounded: a reader lapped :data:`MAX_LAPS` times in a row on
-    one shard raises that shard's *hold* count (``Accumulate`` ``SUM``).
-    A shard checks the count before each publish and, while it is
-    non-zero, keeps serving pushes but defers publishing (the newest
-    version goes out at its next loop, :meth:`ParamWindow.publish_held`),
-    so the held reader's next copy cannot be lapped; it then lowers the
-    count.
+    * the shard's stores to a slot are followed by ``Win_sync`` before its
+      version and the newest-slot word say they are complete, and a reader
+      reads the slot's version only once its pin is in place (``Flush``
+      after the increment), so no store to the slot can overlap its copy.
 
 ``locked`` (the fallback for the separate memory model)
     The shard copies its parameters in under an exclusive lock on itself;
@@ -53,7 +52,7 @@ version they belong to. Two protocols guarantee that:
     exclusive one is granted only when the target is inside MPI, so pulls
     then wait for the server's next poll.
 
-``HPCPS_WINDOW={auto,seqlock,locked}`` overrides the choice. Every rank
+``HPCPS_WINDOW={auto,pinned,locked}`` overrides the choice. Every rank
 must say the same (it is checked: a mismatch ends every rank with one
 message); ``auto`` is the default.
 """
@@ -70,8 +69,9 @@ from hpcps.errors import UserError
 from hpcps.transport import wire
 from hpcps.transport.poll import Backoff, wait_until
 
-PROTOCOLS = ("auto", "seqlock", "locked")
-MAX_LAPS = 8  # seqlock: a reader lapped this often in a row holds the shard's publishes for one copy
+PROTOCOLS = ("auto", "pinned", "locked")
+SLOTS = 3  # pinned: copies of the parameters a shard keeps (wire.WIN_MAX_SLOTS at most)
+CLAIMED = -(1 << 40)  # pinned: a slot's reader count while the shard writes it
 _I64 = MPI.INT64_T
 _HEADER_WORDS = wire.WINDOW_HEADER_BYTES // 8
 _NOTHING = np.zeros(_HEADER_WORDS, np.int64)  # the ignored origin of NO_OP reads (read-only, shared by threads)
@@ -82,7 +82,7 @@ def choose_protocol(comm: MPI.Comm, wanted: str | None = None) -> str:
 
     ``wanted`` (else ``$HPCPS_WINDOW``, else ``auto``) must be the same on
     every rank: a mismatch raises :class:`UserError` on all of them, never
-    a window two ranks read differently. ``auto`` is ``seqlock`` if every
+    a window two ranks read differently. ``auto`` is ``pinned`` if every
     rank's MPI gives unified windows, else ``locked``.
     """
     wanted = wanted or os.environ.get("HPCPS_WINDOW", "auto")
@@ -101,7 +101,7 @@ def choose_protocol(comm: MPI.Comm, wanted: str | None = None) -> str:
         unified = probe.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED
     finally:
         probe.Free()
-    return "seqlock" if comm.allreduce(int(unified), op=MPI.MIN) else "locked"
+    return "pinned" if comm.allreduce(int(unified), op=MPI.MIN) else "locked"
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -114,27 +114,29 @@ class ParamWindow:
     ``shard_ranks[s]`` is the rank (in ``comm``) of shard ``s``, whose
     parameters are the block ``bounds[s]`` of the flat vector. The calling
     rank exposes ``local_len`` float32 values (0 unless it is a shard).
-    ``protocol`` is ``auto``, ``seqlock`` or ``locked`` (module docstring);
+    ``protocol`` is ``auto``, ``pinned`` or ``locked`` (module docstring);
     None reads ``HPCPS_WINDOW``.
     """
 
     def __init__(self, comm: MPI.Comm, *, shard_ranks: Sequence[int],
                  bounds: Sequence[tuple[int, int]], local_len: int = 0, protocol: str | None = None) -> None:
         self.protocol = choose_protocol(comm, protocol)
-        self.n_slots = 2 if self.protocol == "seqlock" else 1
+        self.n_slots = SLOTS if self.protocol == "pinned" else 1
         size = wire.WINDOW_HEADER_BYTES + 4 * local_len * self.n_slots if local_len else 0
         self.win: MPI.Win | None = MPI.Win.Allocate(size, 1, comm=comm)
-        if self.protocol == "seqlock":
+        if self.protocol == "pinned":
             self.win.Lock_all(MPI.MODE_NOCHECK)  # shared, for the window's lifetime; nobody locks exclusively
         self.rank = comm.rank
         self.shard_ranks = list(shard_ranks)
         self.bounds = list(bounds)
         self.header = None
         self.slots: list[np.ndarray] = []
+        self._newest = 0  # pinned: the slot of our newest publish
+        self._age = [0] * self.n_slots  # pinned: publish count when each slot was last written
         self._published = 0
-        self._held: tuple[np.ndarray, int] | None = None  # seqlock: a publish deferred while a reader holds us
-        self.deferred = 0  # publishes deferred for held readers (this shard)
-        self.holds = 0  # times this rank's pulls had to hold a shard
+        self._held: tuple[np.ndarray, int] | None = None  # a publish deferred while every free slot is pinned
+        self.deferred = 0  # publishes deferred for pinned slots (this shard)
+        self.retries = 0  # times this rank's pulls found the newest slot claimed and started over
         self._word = np.zeros(1, np.int64)
         self._one = np.ones(1, np.int64)
         if local_len:
@@ -143,10 +145,11 @@ class ParamWindow:
             body = mem[wire.WINDOW_HEADER_BYTES:].view(np.float32)
             self.slots = [body[i * local_len:(i + 1) * local_len] for i in range(self.n_slots)]
             self.header[:] = 0  # before anyone can reach the window: window creation is collective
-            if self.protocol == "seqlock":
+            if self.protocol == "pinned":
                 self.win.Sync()
 
     # -- lifetime -------------------------------------------------------
+
     def _live(self) -> MPI.Win:
         if self.win is None:
             raise RuntimeError("parameter window used after free()")
@@ -156,7 +159,7 @@ class ParamWindow:
         """Collective: release the window (idempotent)."""
         if self.win is not None:
             self.header, self.slots = None, []
-            if self.protocol == "seqlock":
+            if self.protocol == "pinned":
                 self.win.Unlock_all()
             self.win.Free()
             self.win = None
@@ -168,26 +171,29 @@ class ParamWindow:
         self.free()
 
     # -- server side ----------------------------------------------------
-    def _store(self, index: int, value: int) -> None:
-        """Seqlock: set our own header word atomically for readers (Accumulate REPLACE, flushed)."""
+
+    def _store(self, index: int, value: int, op=MPI.REPLACE) -> None:
+        """Pinned: update our own header word atomically for readers (Accumulate, flushed)."""
         win = self._live()
         self._word[0] = value
-        win.Accumulate([self._word, 1, _I64], self.rank, (8 * index, 1, _I64), MPI.REPLACE)
+        win.Accumulate([self._word, 1, _I64], self.rank, (8 * index, 1, _I64), op)
         win.Flush(self.rank)
 
-    def _load(self, index: int) -> int:
-        """Seqlock: read our own header word atomically (Fetch_and_op NO_OP, flushed)."""
+    def _claim(self, slot: int) -> bool:
+        """Pinned: take ``slot`` for writing if no reader has it pinned (Compare_and_swap 0 -> CLAIMED)."""
         win = self._live()
-        win.Fetch_and_op([self._one, 1, _I64], [self._word, 1, _I64], self.rank, 8 * index, MPI.NO_OP)
+        new, expected, found = (np.array([v], np.int64) for v in (CLAIMED, 0, -1))
+        win.Compare_and_swap([new, 1, _I64], [expected, 1, _I64], [found, 1, _I64], self.rank,
+                             8 * (wire.WIN_PINS + slot))
         win.Flush(self.rank)
-        return int(self._word[0])
+        return int(found[0]) == 0
 
     def publish(self, params: np.ndarray, version: int) -> bool:
         """Expose ``params`` as ``version`` of this rank's shard, atomically for readers.
 
-        Returns False when a lapped reader holds this shard (seqlock): the
-        publish is deferred, not lost, and goes out at the next
-        :meth:`publish_held` or :meth:`publish` once the reader is done.
+        Returns False when readers have every slot it could write pinned
+        (``pinned``): the publish is deferred, not lost, and goes out at the
+        next :meth:`publish_held` or :meth:`publish` once a slot is free.
         ``params`` must then stay unchanged until one of those is called.
         """
         win = self._live()
@@ -197,25 +203,28 @@ class ParamWindow:
             self.header[wire.WIN_VERSION] = version
             win.Unlock(self.rank)
             return True
-        if self._load(wire.WIN_HOLD) > 0:
+        others = sorted((s for s in range(self.n_slots) if s != self._newest or not self._published),
+                        key=lambda s: self._age[s])
+        slot = next((s for s in others if self._claim(s)), None)
+        if slot is None:
             if self._held is None:
                 self.deferred += 1
             self._held = (params, version)
             return False
         self._held = None
-        k = self._published + 1
-        self._store(wire.WIN_SEQ, 2 * k - 1)
         win.Sync()
-        np.copyto(self.slots[k % 2], params)
-        win.Sync()  # the slot's stores are visible before its version and the counter say so
-        self._store(wire.WIN_SLOT_VERSION + k % 2, version)
-        self._store(wire.WIN_SEQ, 2 * k)
+        np.copyto(self.slots[slot], params)
+        win.Sync()  # the slot's stores are visible before its version and the newest-slot word say so
+        self._store(wire.WIN_SLOT_VERSION + slot, version)
+        self._store(wire.WIN_NEWEST, slot)
         self._store(wire.WIN_VERSION, version)
-        self._published = k
+        self._store(wire.WIN_PINS + slot, -CLAIMED, MPI.SUM)  # release: readers may pin it now
+        self._published += 1
+        self._newest, self._age[slot] = slot, self._published
         return True
 
     def publish_held(self) -> bool:
-        """Publish a deferred version once no reader holds this shard; True if nothing is left deferred."""
+        """Publish a deferred version once a slot is free; True if nothing is left deferred."""
         if self._held is None:
             return True
         return self.publish(*self._held)
@@ -234,14 +243,17 @@ class ParamWindow:
         """This shard's stop flag, as readers see it (raised by :meth:`set_stop` or any rank's
         :meth:`request_stop`)."""
         win = self._live()
-        if self.protocol == "seqlock":
-            return self._load(wire.WIN_STOP) != 0
+        if self.protocol == "pinned":
+            win.Fetch_and_op([self._one, 1, _I64], [self._word, 1, _I64], self.rank, 8 * wire.WIN_STOP, MPI.NO_OP)
+            win.Flush(self.rank)
+            return int(self._word[0]) != 0
         win.Lock(self.rank, MPI.LOCK_SHARED)
         raised = bool(self.header[wire.WIN_STOP])
         win.Unlock(self.rank)
         return raised
 
     # -- reader side ----------------------------------------------------
+
     def request_stop(self) -> None:
         """From any rank: raise every shard's stop flag (an atomic ``Accumulate`` into each header), so
         every reader sees it at its next pull. Used to spread a signal one rank received."""
@@ -261,11 +273,21 @@ class ParamWindow:
 
         Returns the shard versions (int64 array, one per shard) and whether
         any shard raised its stop flag. Waits politely. Safe to call from
-        two threads at once under the seqlock protocol only.
+        two threads at once under the pinned protocol only.
+        """
+        return self.begin_pull(out, backoff).wait()
+
+    def begin_pull(self, out: np.ndarray, backoff: Backoff | None = None) -> "Pull":
+        """Start a pull: put every request it sends on the wire, return a :class:`Pull` to wait on.
+
+        Over a network (TCP), a rank's messages to a shard leave in order: a small request sent
+        after a large push waits until the whole push has gone (40 ms for 4.9 MB at 1 Gbit/s).
+        A worker that pulls while its push is in flight therefore begins the pull first, then
+        starts the push, and the two move at once, one each way on the full-duplex link.
         """
         if self.protocol == "locked":
-            return self._read_locked(out, backoff)
-        return self._read_seqlock(out, backoff)
+            return Pull(self, out, None, self._read_locked(out, backoff), backoff)
+        return self._begin_pinned(out, backoff)
 
     def peek(self, backoff: Backoff | None = None) -> np.ndarray:
         """The newest published version of every shard (headers only: 64 bytes per shard)."""
@@ -282,54 +304,44 @@ class ParamWindow:
                                         self.shard_ranks[s], (8 * first, count, _I64), MPI.NO_OP) for s in shards]
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
 
-    def _hold(self, s: int, delta: int) -> None:
+    def _pin(self, shards, slots: np.ndarray, found: np.ndarray, delta: int, backoff: Backoff | None) -> None:
+        """Add ``delta`` to the reader count of slot ``slots[s]`` of each shard, atomically (``Rget_accumulate``
+        with ``SUM``); ``found[s]``: the count before. Returns once every addition is done at its shard."""
         win = self._live()
-        word = np.array([delta], np.int64)  # our own: two threads may pull at once
-        win.Accumulate([word, 1, _I64], self.shard_ranks[s], (8 * wire.WIN_HOLD, 1, _I64), MPI.SUM)
-        win.Flush(self.shard_ranks[s])
+        add = np.full(1, delta, np.int64)  # our own: two threads may pull at once
+        requests = [win.Rget_accumulate([add, 1, _I64], [found[s:s + 1], 1, _I64], self.shard_ranks[s],
+                                        (8 * (wire.WIN_PINS + int(slots[s])), 1, _I64), MPI.SUM) for s in shards]
+        wait_until(lambda: MPI.Request.Testall(requests), backoff)
 
-    def _read_seqlock(self, out: np.ndarray, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
+    def _begin_pinned(self, out: np.ndarray, backoff: Backoff | None) -> "Pull":
+        """Pin each shard's newest slot (a slot claimed meanwhile means: read the newest again), then
+        start the copies of the pinned slots with their versions."""
         win = self._live()
         n = len(self.shard_ranks)
-        before = np.zeros((n, _HEADER_WORDS), np.int64)
-        slot_version = np.zeros((n, 1), np.int64)
-        after = np.zeros((n, 1), np.int64)
+        heads = np.zeros((n, _HEADER_WORDS), np.int64)
+        slots = np.zeros(n, np.int64)
+        found = np.zeros(n, np.int64)
         pending = list(range(n))
-        laps = [0] * n
-        held: list[int] = []
         retry = Backoff(first=1e-5, cap=backoff.cap if backoff else 1e-3)
-        try:
-            while True:
-                self._get_words(before, pending, 0, _HEADER_WORDS, backoff)  # first read: counter, stop flag
-                requests = []
-                for s in pending:
-                    lo, hi = self.bounds[s]
-                    j = int(before[s, wire.WIN_SEQ]) // 2  # the newest complete publish
-                    offset = wire.WINDOW_HEADER_BYTES + 4 * (hi - lo) * (j % 2)
-                    requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], self.shard_ranks[s],
-                                             (offset, hi - lo, MPI.FLOAT)))
-                    requests.append(win.Rget_accumulate([_NOTHING[:1], 1, _I64], [slot_version[s], 1, _I64],
-                                                        self.shard_ranks[s],
-                                                        (8 * (wire.WIN_SLOT_VERSION + j % 2), 1, _I64), MPI.NO_OP))
-                wait_until(lambda: MPI.Request.Testall(requests), backoff)
-                win.Sync()  # the copy is ordered before the re-read
-                self._get_words(after, pending, wire.WIN_SEQ, 1, backoff)
-                lapped = [s for s in pending
-                          if after[s, 0] >= 2 * (before[s, wire.WIN_SEQ] // 2) + 3]  # publish j+2 began
-                for s in lapped:
-                    laps[s] += 1
-                    if laps[s] == MAX_LAPS:  # hold the shard's publishes for our next copy
-                        self._hold(s, +1)
-                        held.append(s)
-                        self.holds += 1
-                pending = lapped
-                if not pending:
-                    break
+        while pending:
+            self._get_words(heads, pending, 0, wire.WIN_NEWEST + 1, backoff)  # version, stop flag, newest slot
+            slots[pending] = heads[pending, wire.WIN_NEWEST]
+            self._pin(pending, slots, found, +1, backoff)
+            claimed = [s for s in pending if found[s] < 0]
+            if claimed:
+                self._pin(claimed, slots, found.copy(), -1, backoff)
+                self.retries += len(claimed)
                 retry.pause()
-        finally:
-            for s in held:
-                self._hold(s, -1)
-        return slot_version[:, 0].copy(), bool(before[:, wire.WIN_STOP].any())
+            pending = claimed
+        versions = np.zeros((n, 1), np.int64)
+        requests = []
+        for s, (lo, hi) in enumerate(self.bounds):
+            offset = wire.WINDOW_HEADER_BYTES + 4 * (hi - lo) * int(slots[s])
+            requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], self.shard_ranks[s],
+                                     (offset, hi - lo, MPI.FLOAT)))
+            requests.append(win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s], 1, _I64], self.shard_ranks[s],
+                                                (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP))
+        return Pull(self, out, requests, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots)
 
     def _read_locked(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
         win = self._live()
@@ -345,3 +357,32 @@ class ParamWindow:
         for rank in self.shard_ranks:
             win.Unlock(rank)
         return heads[:, wire.WIN_VERSION].copy(), bool(heads[:, wire.WIN_STOP].any())
+
+
+class Pull:
+    """A pull in flight (:meth:`ParamWindow.begin_pull`): it owns ``out``, and pins one slot of every
+    shard, until :meth:`wait` returns."""
+
+    __slots__ = ("window", "out", "requests", "result", "backoff", "slots")
+
+    def __init__(self, window: ParamWindow, out: np.ndarray, requests, result, backoff: Backoff | None,
+                 slots: np.ndarray | None = None) -> None:
+        self.window, self.out, self.requests, self.result = window, out, requests, result
+        self.backoff, self.slots = backoff, slots
+
+    def test(self) -> bool:
+        """Whether the copies have arrived (drives MPI progress)."""
+        return not self.requests or MPI.Request.Testall(self.requests)
+
+    def wait(self) -> tuple[np.ndarray, bool]:
+        """Wait politely for the copies, unpin, and return (shard versions, any stop flag raised)."""
+        if self.requests is not None:
+            try:
+                wait_until(self.test, self.backoff)
+            finally:
+                shards = list(range(len(self.slots)))
+                self.window._pin(shards, self.slots, np.zeros(len(shards), np.int64), -1, self.backoff)
+            self.requests = None
+            versions, stop = self.result
+            self.result = (versions[:, 0].copy(), stop)
+        return self.result

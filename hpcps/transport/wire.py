@@ -33,16 +33,17 @@ transfers: send the payload of your oldest waiting push now).
 RMA window (one per run over the PS communicator; server shards expose
 memory, every other rank exposes none)::
 
-    bytes 0..63       int64[8]  version, stop flag, publish counter,
-                                version in slot 0, version in slot 1,
-                                hold count, 0, 0
-    bytes 64..        float32[shard length]   slot 0: published parameters
-    then              float32[shard length]   slot 1 (seqlock protocol only)
+    bytes 0..127      int64[16] version, stop flag, newest slot, 0,
+                                version in slot 0..3 (words 4-7),
+                                reader count of slot 0..3 (words 8-11), 0 x 4
+    bytes 128..       float32[shard length]   slot 0: published parameters
+    then              float32[shard length]   slots 1, 2 (pinned protocol only)
 
 Two protocols keep a pull from ever mixing two versions
-(:mod:`hpcps.transport.window` has the details): ``seqlock`` (the default
+(:mod:`hpcps.transport.window` has the details): ``pinned`` (the default
 where the MPI library gives the unified memory model) never locks
-exclusively, so a pull needs nothing from the server's CPU; ``locked`` (the
+exclusively, so a pull needs nothing from the server's CPU; readers pin the
+slot they copy and the shard writes only unpinned slots; ``locked`` (the
 fallback) publishes under an exclusive lock and reads under shared locks.
 """
 
@@ -69,12 +70,13 @@ TRANSFER = 16
 
 EXTRA = 1  # push flags (header field 5)
 
-WINDOW_HEADER_BYTES = 64
+WINDOW_HEADER_BYTES = 128
+WIN_MAX_SLOTS = 4
 WIN_VERSION = 0  # newest published version
 WIN_STOP = 1
-WIN_SEQ = 2  # seqlock: 2k-1 while publish k is written, 2k once it is complete
-WIN_SLOT_VERSION = 3  # seqlock: the version in slot 0 (index 3) and slot 1 (index 4)
-WIN_HOLD = 5  # seqlock: readers lapped too often, holding the shard's next publish
+WIN_NEWEST = 2  # pinned: the slot that holds the newest complete publish
+WIN_SLOT_VERSION = 4  # pinned: the version in slot k is word 4 + k
+WIN_PINS = 8  # pinned: readers copying slot k (word 8 + k); hpcps.transport.window.CLAIMED while the shard writes it
 
 
 def encode_header(buf: np.ndarray, kind: int, worker: int, clock: int, version: int, lr: float,

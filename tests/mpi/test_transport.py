@@ -14,22 +14,18 @@ from hpcps.server import apply_update
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
-from hpcps.transport import window as window_module
 from hpcps.transport.window import ParamWindow
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
 
-@pytest.mark.parametrize("protocol,max_laps", [("seqlock", None), ("seqlock", 1), ("locked", None)])
-def test_pulls_never_return_a_torn_snapshot(world, protocol, max_laps, monkeypatch):
+@pytest.mark.parametrize("protocol", ["pinned", "locked"])
+def test_pulls_never_return_a_torn_snapshot(world, protocol):
     """Shards 0 and 1 publish version v as a block of v's as fast as they can; 3 readers check every pull.
 
-    With ``max_laps=1`` every lapped reader holds the shard it was lapped
-    on: the shard defers publishes meanwhile, the held read succeeds, and
-    the deferred version still goes out.
+    Publishing this fast, readers often find the newest slot claimed for a newer publish between
+    their read of it and their pin, and start over (``retries``): that path runs too.
     """
-    if max_laps is not None:
-        monkeypatch.setattr(window_module, "MAX_LAPS", max_laps)
     n, shards, pulls = 1 << 18, [0, 1], 200
     bounds = shard_bounds(n, 2)
     is_server = world.rank in shards
@@ -48,8 +44,10 @@ def test_pulls_never_return_a_torn_snapshot(world, protocol, max_laps, monkeypat
             block.fill(v)
             window.publish(block, v)
         seen.add(v)
-        assert window.publish_held()  # no reader is left to hold us: the newest version is out
-        assert int(window.header[wire.WIN_VERSION]) == v and int(window.header[wire.WIN_HOLD]) == 0
+        assert window.publish_held()  # no reader is left to pin a slot: the newest version is out
+        assert int(window.header[wire.WIN_VERSION]) == v
+        if protocol == "pinned":
+            assert list(window.header[wire.WIN_PINS:wire.WIN_PINS + window.n_slots]) == [0] * window.n_slots
     else:
         out = np.empty(n, np.float32)
         for _ in range(pulls):
@@ -58,15 +56,66 @@ def test_pulls_never_return_a_torn_snapshot(world, protocol, max_laps, monkeypat
                 bad += int(not np.all(out[a:b] == versions[s]))
                 seen.add(int(versions[s]))
         polite_barrier(world)
-    holds, deferred = world.reduce(window.holds, root=0), world.reduce(window.deferred, root=0)
-    window.free()
     facts = share(world, {"bad": world.reduce(bad, root=0), "distinct": world.reduce(len(seen), root=0),
-                          "holds": holds, "deferred": deferred})
-    print(f"{protocol} max_laps={max_laps}: {facts}")
+                          "deferred": world.reduce(window.deferred, root=0),
+                          "retries": world.reduce(window.retries, root=0)})
+    window.free()
+    print(f"{protocol}: {facts}")
     assert facts["bad"] == 0
     assert facts["distinct"] > 10  # the readers really raced the publisher
-    if max_laps == 1:
-        assert facts["holds"] > 0 and facts["deferred"] > 0  # the bounded-retry path really ran
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_never_writes_a_pinned_slot_and_defers_until_one_is_free(world):
+    """Pinned protocol, one shard (rank 0), one reader (rank 1). The reader pins every slot but the newest
+    by hand: the shard's publishes are deferred, not written, and the reader's pinned copies stay intact;
+    once it unpins, the deferred publish goes out into a free slot."""
+    from hpcps.transport.window import SLOTS
+
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    if pair == MPI.COMM_NULL:
+        polite_barrier(world)
+        return
+    n = 1024
+    window = ParamWindow(pair, shard_ranks=[0], bounds=[(0, n)], local_len=n if pair.rank == 0 else 0,
+                         protocol="pinned")
+    facts = {}
+    if pair.rank == 0:
+        block = np.zeros(n, np.float32)
+        for v in range(SLOTS):  # versions 0..SLOTS-1 fill every slot once
+            block.fill(v)
+            assert window.publish(block, v)
+        newest = int(window.header[wire.WIN_NEWEST])
+        pair.send(newest, dest=1)
+        pair.recv(source=1)  # the reader has pinned every other slot
+        block.fill(99)
+        facts["deferred_publish"] = window.publish(block, 99)
+        facts["newest_unchanged"] = int(window.header[wire.WIN_NEWEST]) == newest
+        facts["pinned_intact"] = [float(window.slots[k][0]) for k in range(SLOTS) if k != newest]
+        pair.send(None, dest=1)
+        pair.recv(source=1)  # unpinned
+        facts["held_out"] = window.publish_held()
+        facts["newest_now"] = int(window.header[wire.WIN_VERSION])
+        facts["deferred"] = window.deferred
+    else:
+        newest = pair.recv(source=0)
+        others = [k for k in range(SLOTS) if k != newest]
+        slots = np.array(others, np.int64)
+        found = np.zeros(len(others), np.int64)
+        for i in range(len(others)):  # one "shard" per pinned slot: the same shard, pinned twice
+            window._pin([0], slots[i:i + 1], found[i:i + 1], +1, None)
+        pair.send(None, dest=0)
+        pair.recv(source=0)
+        for i in range(len(others)):
+            window._pin([0], slots[i:i + 1], found[i:i + 1], -1, None)
+        pair.send(None, dest=0)
+    facts = pair.bcast(facts, root=0)
+    window.free()
+    pair.Free()
+    polite_barrier(world)
+    assert facts["deferred_publish"] is False and facts["newest_unchanged"]
+    assert 99.0 not in facts["pinned_intact"]
+    assert facts["held_out"] is True and facts["newest_now"] == 99 and facts["deferred"] == 1
 
 
 def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40) -> float | None:
@@ -99,24 +148,24 @@ def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, 
 
 
 def test_pulls_stay_fast_while_the_server_applies_updates(world):
-    """Seqlock pulls need nothing from the server's CPU; locked ones need it inside MPI, hence the chunked apply.
+    """Pinned pulls need nothing from the server's CPU; locked ones need it inside MPI, hence the chunked apply.
 
     Under ``locked``, one monolithic apply (no MPI call inside) holds pulls
     up and the chunked apply with progress pokes does not; under
-    ``seqlock`` even the monolithic apply does not hold pulls up.
+    ``pinned`` even the monolithic apply does not hold pulls up.
     """
     pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
     results = None
     if pair != MPI.COMM_NULL:
         results = {(protocol, monolithic): _pull_latency(pair, protocol, monolithic)
-                   for protocol in ("locked", "seqlock") for monolithic in (False, True)}
+                   for protocol in ("locked", "pinned") for monolithic in (False, True)}
         pair.Free()
     polite_barrier(world)  # idle ranks must not spin in a blocking collective meanwhile
     t = world.bcast(results, root=1)
     print("median pull while busy (ms): " + ", ".join(
         f"{p} {'monolithic' if m else 'chunked'} {v * 1e3:.3f}" for (p, m), v in t.items()))
     assert t["locked", False] * 3 < t["locked", True]
-    assert t["seqlock", True] * 3 < t["locked", True]
+    assert t["pinned", True] * 3 < t["locked", True]
 
 
 def test_a_freed_inbox_leaves_no_receive_behind(world):
@@ -230,13 +279,13 @@ def test_eager_without_thread_multiple_ends_every_rank_with_one_message(world, m
 
 def test_every_rank_must_name_the_same_window_protocol(world, monkeypatch):
     """A rank that reads HPCPS_WINDOW differently would read a window laid out for another protocol."""
-    monkeypatch.setenv("HPCPS_WINDOW", "locked" if world.rank == 0 else "seqlock")
+    monkeypatch.setenv("HPCPS_WINDOW", "locked" if world.rank == 0 else "pinned")
     with pytest.raises(UserError, match=r"HPCPS_WINDOW differs between ranks \('locked' on ranks 0; "
-                                        r"'seqlock' on ranks 1,2,3,4\)"):
+                                        r"'pinned' on ranks 1,2,3,4\)"):
         ParamWindow(world, shard_ranks=[0], bounds=[(0, 8)], local_len=8 if world.rank == 0 else 0)
-    monkeypatch.setenv("HPCPS_WINDOW", "seqlock")
+    monkeypatch.setenv("HPCPS_WINDOW", "pinned")
     with ParamWindow(world, shard_ranks=[0], bounds=[(0, 8)], local_len=8 if world.rank == 0 else 0) as window:
-        assert window.protocol == "seqlock"
+        assert window.protocol == "pinned"
 
 
 @pytest.mark.timeout(60)

@@ -1,7 +1,8 @@
 """The README, the docs and the example configs stay true to the code.
 
 Every command in a code block of the README or ``docs/`` is checked against the parser that
-would read it (``hpcps train``, ``jobs render``, ``report``, ``simulate``, and each
+would read it (``hpcps train``, ``jobs render``, ``report``, ``simulate``, ``emulate`` and the job after
+its ``--``, and each
 ``tools/`` benchmark's ``--help``), so a renamed option fails here; the Python recipes of the
 metrics page run against a small metrics file; the example script is shown verbatim and run by
 ``tests/cli/test_examples.py``.
@@ -92,13 +93,18 @@ def _commands(text: str):
             continue
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             line = line.strip().removeprefix("$ ")
-            if re.search(r"\bhpcps (train|jobs render|report|simulate)\b|\bpython tools/\w+\.py", line):
+            if re.search(r"\bhpcps (train|jobs render|report|simulate|emulate)\b|\bpython tools/\w+\.py", line):
                 yield line
 
 
 def _check(line: str) -> list[str]:
     """The options of ``line`` that its command does not have."""
     words = shlex.split(line.split(" | ")[0].split(" > ")[0].split(" && ")[-1])
+    if "emulate" in words and words[words.index("emulate") - 1] == "hpcps":  # hpcps emulate ... -- JOB
+        at = words.index("emulate")
+        cut = words.index("--") if "--" in words else len(words)
+        own = [f for f in words[at + 1:cut] if f.startswith("--") and f.split("=")[0] not in _flags("emulate")]
+        return own + (_check(shlex.join(words[cut + 1:])) if cut < len(words) else [])
     if "tools/" in line:
         at = next(i for i, w in enumerate(words) if w.startswith("tools/"))
         command, rest = words[at], words[at + 1:]
@@ -129,6 +135,8 @@ def test_a_renamed_option_would_be_caught():
     assert _check("mpiexec -n 5 hpcps train --paradigm bsp --stepz 10") == ["--stepz"]
     assert _check("hpcps jobs render slurm --nodez 2 -- --paradigm dssp --stepz 3") == ["--nodez", "--stepz"]
     assert _check("python tools/bench_policies.py --workerz 4") == ["--workerz"]
+    assert _check("hpcps emulate --nodez 2 --link 1gbit -- hpcps train --stepz 3") == ["--nodez", "--stepz"]
+    assert _check("hpcps emulate --nodes 2 -- python tools/bench_transport.py --sizez 16") == ["--sizez"]
 
 
 def test_the_metrics_recipes_run(tmp_path, monkeypatch, capsys):

@@ -9,8 +9,21 @@ from hpcps.transport.eager import EagerPuller
 from hpcps.transport.poll import wait_until
 
 
+class _Done:
+    """A begun pull whose result is already known (the fakes' ParamWindow.Pull)."""
+
+    def __init__(self, result, finish=None):
+        self.result, self.finish = result, finish
+
+    def wait(self):
+        return self.finish() if self.finish else self.result
+
+
 class _BrokenWindow:
     shard_ranks = [0]
+
+    def begin_pull(self, out, backoff=None):
+        return _Done(self.pull(out, backoff))
 
     def pull(self, out, backoff=None):
         raise OSError("the window went away")
@@ -24,6 +37,9 @@ class _Window:
 
     def __init__(self):
         self.version = 3
+
+    def begin_pull(self, out, backoff=None):
+        return _Done(self.pull(out, backoff))
 
     def pull(self, out, backoff=None):
         out[:] = self.version
@@ -64,13 +80,17 @@ class _GatedWindow:
         self.version = 1
         self.started, self.gate = threading.Event(), threading.Event()
 
-    def pull(self, out, backoff=None):
-        version = self.version
+    def begin_pull(self, out, backoff=None):
+        version = self.version  # read with the requests, as ParamWindow pins the newest slot
         self.started.set()
-        assert self.gate.wait(10), "the test never released the pull"
-        self.gate.clear()
-        out[:] = version
-        return np.array([version]), False
+
+        def finish():
+            assert self.gate.wait(10), "the test never released the pull"
+            self.gate.clear()
+            out[:] = version
+            return np.array([version]), False
+
+        return _Done(None, finish)
 
     def peek(self, backoff=None):
         return np.array([self.version])
@@ -95,4 +115,22 @@ def test_a_pull_begun_before_a_request_does_not_count_as_fresh_for_it():
         assert versions.tolist() == [2]
     finally:
         window.gate.set()
+        puller.close()
+
+
+def test_begun_says_the_pull_is_on_the_wire_before_it_completes():
+    """The eager worker starts its push only once the helper's pull has begun (its requests would
+    otherwise queue behind the gradient on a TCP link): begun() must come before the pull completes."""
+    window = _GatedWindow()
+    puller = EagerPuller(window, 4)
+    try:
+        puller.request()
+        wait_until(puller.begun)
+        assert window.started.is_set() and not puller.ready()  # begun, not yet arrived
+        window.gate.set()
+        wait_until(puller.ready)
+        puller.request(expected=60.0)  # just in time, a minute from now: begun at once, pulled later
+        wait_until(puller.begun)
+        assert not puller.ready()
+    finally:
         puller.close()

@@ -47,3 +47,31 @@ def test_stall_watch_warns_every_interval_and_raises_past_the_limit():
     with pytest.raises(RuntimeError, match=r"stall: rank 3 waiting for its grant for 5 s \(--stall-abort 5\)"):
         watch(5.0)
     StallWatch(warn=1.0, abort=None, describe=str, log=log, error=RuntimeError)(1e9)  # never aborts
+
+
+def test_straggler_episodes_rotate_one_slow_worker_round_robin_on_the_run_clock():
+    """--straggler-episodes 3:2 with 4 workers: worker k is 3x slower in [2k, 2k+2) mod 8 seconds, on top
+    of its own --slowdown; outside the run (now=None: the speed warm-up) episodes do not apply."""
+    import numpy as np
+
+    from hpcps.emulation import ComputeTime
+
+    rng = np.random.default_rng(0)
+    times = [ComputeTime(0.01, 2.0 if k == 1 else 1.0, episodes=(3.0, 2.0), worker=k, n_workers=4) for k in range(4)]
+    for now, slow in ((0.0, 0), (1.9, 0), (2.0, 1), (5.5, 2), (7.99, 3), (8.0, 0), (19.0, 1)):
+        factors = [t.factor_at(now) for t in times]
+        expected = [(3.0 if k == slow else 1.0) * (2.0 if k == 1 else 1.0) for k in range(4)]
+        assert factors == expected, (now, factors)
+    assert times[0].sleep_after(0.0, rng, now=0.5) == pytest.approx(0.03)
+    assert times[0].sleep_after(0.0, rng, now=None) == pytest.approx(0.01)
+
+
+def test_straggler_episodes_are_validated_and_need_compute_time():
+    from hpcps.config import make_config
+    from hpcps.errors import UserError
+
+    assert make_config({"straggler_episodes": "3:2", "compute_time": 0.01}).straggler_episodes == (3.0, 2.0)
+    with pytest.raises(UserError, match="FACTOR:SECONDS"):
+        make_config({"straggler_episodes": "3", "compute_time": 0.01})
+    with pytest.raises(UserError, match="needs --compute-time"):
+        make_config({"straggler_episodes": "3:2"})

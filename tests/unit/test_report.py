@@ -15,7 +15,8 @@ from hpcps.report import Run, load_run, make_report, summary_rows
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness, transfers=0, ranks=False):
+def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness, transfers=0, ranks=False,
+              cluster=None):
     """Two workers (ranks 1, 2), 10 iterations each of ``iteration_ms``; one eval every 0.1 s."""
     it = np.zeros(20, ITERATION)
     for k in range(20):
@@ -27,7 +28,9 @@ def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness, t
         up[k] = (0, 0, k * 0.01, 1 + k % 2, k // 2 + 1, k, staleness, 2 + (k > 10), 1, 0)
     ev = np.array([(0.1 * (i + 1), i, 1.0 - a, a) for i, a in enumerate(accuracies)], EVAL)
     config = {"staleness": 2, "staleness_max": 4}
-    with RunFile(path, {"paradigm": paradigm, "config": json.dumps(config)}) as rf:
+    attrs = {"paradigm": paradigm, "config": json.dumps(config),
+             **({"cluster": json.dumps(cluster)} if cluster is not None else {})}
+    with RunFile(path, attrs) as rf:
         rf.append("workers/iterations", it)
         rf.append("servers/updates", up)
         rf.append("eval", ev)
@@ -49,7 +52,9 @@ def runs(tmp_path):
         _fake_run(tmp_path / "a-bsp.h5", "bsp", accuracies=[0.5, 0.8, 0.91, 0.95], iteration_ms=50, wait_ms=4,
                   staleness=0, ranks=True),
         _fake_run(tmp_path / "b-dssp.h5", "dssp", accuracies=[0.7, 0.92, 0.93], iteration_ms=20, wait_ms=1,
-                  staleness=3),
+                  staleness=3, cluster={"emulated": True, "nodes": 3, "link_bps": [4e9, 1e9, 1e9],
+                                        "ranks_per_node": [1, 1, 1], "node_of_rank": [0, 1, 2],
+                                        "buffer_bytes": 64000}),
         _fake_run(tmp_path / "c-hsp.h5", "hsp", accuracies=[0.6, 0.85, 0.9], iteration_ms=30, wait_ms=2,
                   staleness=1, transfers=20),
     ]
@@ -64,6 +69,9 @@ def test_table_numbers_follow_from_the_files(runs):
     assert (bsp["mean_wait_ms"], dssp["mean_wait_ms"]) == (pytest.approx(4.0), pytest.approx(1.0))
     assert (bsp["mean_staleness"], dssp["mean_staleness"]) == (0.0, 3.0)
     assert np.isnan(summary_rows([load_run(runs[0])], target=0.99)[0]["time_to_0.99_s"])
+    assert bsp["cluster"] == "-"  # a real cluster: nothing emulated
+    assert dssp["cluster"] == ("3 nodes (node 0 at 4 Gbit/s, nodes 1-2 at 1 Gbit/s), 3 ranks (1/1/1 per node), "
+                               "switch buffer 64,000 bytes per port")
 
 
 def test_report_writes_every_plot_and_both_tables(runs, tmp_path):

@@ -1,0 +1,104 @@
+"""``hpcps emulate``: build a box, run one MPI job in it, take the box down whatever happens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from hpcps.box import net
+from hpcps.box.spec import Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands
+from hpcps.errors import UserError
+from hpcps.launcher import clean_environ, find_mpiexec
+
+#: signals passed on to the job (mpiexec hands them to every rank); hpcps train stops cleanly on each
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+def describe(cluster: Cluster) -> str:
+    """One line: nodes grouped by rate, ranks, the switch's buffer, the namespaces' names."""
+    return f"{describe_record(cluster.record())}; namespaces {cluster.prefix}*"
+
+
+def cleanup(log=print) -> int:
+    """``--cleanup``: remove every stale box, name the live ones left alone."""
+    net.check_host()
+    removed = net.cleanup_stale()
+    log(f"hpcps emulate: removed {len(removed)} namespace(s) of stale boxes" +
+        (f": {' '.join(removed)}" if removed else ""))
+    live = [p for p in net.live_prefixes() if p != f"hpcps{os.getpid()}-"]
+    if live:
+        log(f"hpcps emulate: left alone, their owners still run: {' '.join(p + '*' for p in live)}")
+    return 0
+
+
+def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
+    """Print what would be run, build nothing."""
+    for argv in setup_commands(cluster):
+        log(" ".join(argv))
+    for key, value in mpi_environment(cluster).items():
+        log(f"export {key}='{value}'")
+    log(" ".join(mpmd_argv(cluster, find_mpiexec() or "mpiexec", command)))
+    return 0
+
+
+def in_user_namespace(argv: list[str]) -> int:
+    """Not root: run ``hpcps ARGV`` again as root of a user namespace of its own (see
+    :func:`hpcps.box.net.user_namespace_argv`); its exit status."""
+    net.check_host()
+    cmd = net.user_namespace_argv([sys.executable, "-m", "hpcps", *argv])
+    proc = subprocess.Popen(cmd, env={**os.environ, net.USERNS_VAR: "1"}, preexec_fn=os.setpgrp)
+    return _wait_forwarding(proc)
+
+
+def emulate(cluster: Cluster, command: list[str], log=None) -> int:
+    """Build ``cluster``, run ``command`` on its ranks under mpiexec, remove the box; the job's exit status."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    net.check_host()
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise UserError("hpcps emulate needs MPICH's mpiexec (pip install mpich) beside Python or on PATH")
+    stale = net.cleanup_stale()
+    if stale:
+        log(f"hpcps emulate: removed a stale box left behind: {' '.join(stale)}")
+    reaper = net.Reaper(cluster.prefix)  # from here on the box goes, however this process ends
+    try:
+        net.build(cluster)
+        log(f"hpcps emulate: {describe(cluster)}")
+        env = clean_environ(**mpi_environment(cluster))
+        return _run_job(mpmd_argv(cluster, mpiexec, command), env)
+    finally:
+        net.remove(cluster.prefix)
+        reaper.close()
+
+
+def _run_job(argv: list[str], env: dict[str, str]) -> int:
+    """Run mpiexec in a process group of its own, passing each signal this process gets on to it once.
+
+    A Ctrl-C at a terminal reaches only this process; mpiexec then gets one SIGINT (not one from the
+    terminal and one from here), and hands it to the ranks, which stop cleanly.
+    """
+    return _wait_forwarding(subprocess.Popen(argv, env=env, preexec_fn=os.setpgrp))
+
+
+def _wait_forwarding(proc: subprocess.Popen) -> int:
+    """Wait for ``proc``, passing on every signal in :data:`FORWARDED` this process gets; kill it if we end."""
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled by forward()
+                continue
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

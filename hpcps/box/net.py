@@ -1,0 +1,197 @@
+"""Build, find and remove boxes: the mechanism behind :mod:`hpcps.box.spec`.
+
+Every name a box creates starts with ``hpcps<pid>-``, the pid of the
+``hpcps emulate`` that owns it, and everything lives inside the box's own
+network namespaces (links, the bridge, the qdiscs, the addresses): deleting
+the namespaces removes all of it, and the host's network is never touched.
+A box whose owner is gone is *stale*: the next ``hpcps emulate`` removes it
+before it starts, and so does ``hpcps emulate --cleanup``. While a box
+runs, a reaper process (``python -m hpcps.box.reaper``, in a session of its
+own) holds a pipe from its owner; if the owner dies, even by SIGKILL, the
+pipe closes and the reaper kills whatever still runs in the namespaces and
+deletes them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from hpcps.box.spec import Cluster, box_pid, setup_commands
+from hpcps.errors import UserError
+
+
+class BoxError(UserError):
+    """The box cannot be built here (platform, privileges, a missing tool or qdisc)."""
+
+
+#: set in the user namespace ``hpcps emulate`` re-runs itself in when it is not root
+USERNS_VAR = "HPCPS_BOX_USERNS"
+#: the shell line that gives the user namespace its own /run (``ip netns`` keeps its names in /run/netns)
+_PRIVATE_RUN = 'mount -t tmpfs hpcps-box /run && exec "$@"'
+
+
+def check_host() -> None:
+    """BoxError, saying what is missing, unless this machine can build a box (as root or in a user namespace)."""
+    if not sys.platform.startswith("linux"):
+        raise BoxError(f"hpcps emulate needs Linux network namespaces; this is {sys.platform}")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise BoxError(f"hpcps emulate needs {' and '.join(missing)} from iproute2 on PATH "
+                       "(Debian: apt-get install iproute2)")
+
+
+def needs_user_namespace() -> bool:
+    """Not root, and not yet inside the user namespace hpcps emulate makes for itself."""
+    return os.geteuid() != 0 and os.environ.get(USERNS_VAR) != "1"
+
+
+def user_namespace_argv(argv: list[str]) -> list[str]:
+    """``argv`` run as root of a new user namespace with its own network and mount namespaces and /run.
+
+    Unprivileged users may create these where the kernel allows (``user.max_user_namespaces``, and no
+    distribution policy against it). Everything the box makes then lives inside that namespace and
+    goes with its last process, whatever ends it. Raises BoxError, naming what failed, if it cannot.
+    """
+    unshare = shutil.which("unshare")
+    prefix = [unshare or "unshare", "--user", "--map-root-user", "--net", "--mount", "--propagation", "private",
+              "sh", "-c", _PRIVATE_RUN, "sh"]
+    said = "no unshare (util-linux) on PATH" if unshare is None else None
+    if said is None:
+        done = _run(prefix + ["ip", "netns", "add", "hpcps0-probe"])
+        said = None if done.returncode == 0 else " ".join((done.stderr or done.stdout).split())
+    if said is not None:
+        raise BoxError("hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces, "
+                       f"or unprivileged user namespaces, which failed here: {said}")
+    return prefix + argv
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+
+def _explain(argv: list[str], stderr: str) -> str:
+    """One line: what failed, and what is missing, from the tool's own words."""
+    said = " ".join(stderr.split())
+    cmd = " ".join(argv[:6])
+    if "Operation not permitted" in said or "Permission denied" in said:
+        return (f"hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
+                f"`{cmd}` said: {said}")
+    if argv[0] == "tc" and ("Unknown qdisc" in said or "qdisc kind is unknown" in said or "No such file" in said):
+        return f"this kernel has no tbf qdisc (module sch_tbf), which shapes the links; `{cmd}` said: {said}"
+    if "veth" in argv and ("Unknown device type" in said or "not supported" in said.lower()):
+        return f"this kernel has no veth links (module veth); `{cmd}` said: {said}"
+    return f"building the box failed: `{' '.join(argv)}` said: {said}"
+
+
+def build(cluster: Cluster) -> None:
+    """Create the box; on any failure remove what was made and raise BoxError with one line."""
+    try:
+        for argv in setup_commands(cluster):
+            done = _run(argv)
+            if done.returncode != 0:
+                raise BoxError(_explain(argv, done.stderr or done.stdout))
+    except BaseException:
+        remove(cluster.prefix)
+        raise
+
+
+def namespaces() -> list[str]:
+    """Every network namespace name on this host (``ip netns list``), without its ``(id: N)``."""
+    done = _run(["ip", "netns", "list"])
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def pids(prefix: str) -> list[int]:
+    """Processes running in the namespaces named ``prefix*`` (the ranks of a box's job)."""
+    found: list[int] = []
+    for ns in namespaces():
+        if ns.startswith(prefix):
+            found += [int(w) for w in _run(["ip", "netns", "pids", ns]).stdout.split() if w.isdigit()]
+    return found
+
+
+def remove(prefix: str) -> list[str]:
+    """Kill what runs in, and delete, every namespace named ``prefix*``; return their names.
+
+    Nodes go first and the switch last; deleting a namespace destroys its links and qdiscs.
+    """
+    mine = sorted((ns for ns in namespaces() if ns.startswith(prefix)), key=lambda ns: ns.endswith("-sw"))
+    for pid in pids(prefix):  # the ranks of a job whose launcher died
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for ns in mine:
+        _run(["ip", "netns", "delete", ns])
+    return mine
+
+
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"hpcps" in f.read()
+    except OSError:
+        return False
+
+
+def stale_prefixes() -> list[str]:
+    """Prefixes of boxes whose owning process is gone."""
+    pids = sorted({box_pid(ns) for ns in namespaces()} - {None})
+    return [f"hpcps{pid}-" for pid in pids if pid != os.getpid() and not _owner_alive(pid)]
+
+
+def live_prefixes() -> list[str]:
+    """Prefixes of boxes whose owner still runs (another ``hpcps emulate``, or this one)."""
+    pids = sorted({box_pid(ns) for ns in namespaces()} - {None})
+    return [f"hpcps{pid}-" for pid in pids if pid == os.getpid() or _owner_alive(pid)]
+
+
+def cleanup_stale() -> list[str]:
+    """Remove every stale box; return the namespaces removed."""
+    removed: list[str] = []
+    for prefix in stale_prefixes():
+        removed += remove(prefix)
+    return removed
+
+
+class Reaper:
+    """A process that removes the box when its owner dies, however it dies.
+
+    The owner keeps the write end of a pipe; the reaper (a new session, so a Ctrl-C or a
+    killed process group does not take it along) reads until end of file, which comes when
+    the owner closes it (:meth:`close`, after its own teardown) or when the kernel closes it
+    for a dead owner.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpcps.box.reaper", prefix], stdin=subprocess.PIPE,
+                                     start_new_session=True, close_fds=True)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def wait_gone(prefix: str, timeout: float = 10.0) -> bool:
+    """Poll until no namespace named ``prefix*`` is left; return whether none is."""
+    deadline = time.monotonic() + timeout
+    while any(ns.startswith(prefix) for ns in namespaces()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

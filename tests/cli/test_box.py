@@ -1,0 +1,256 @@
+"""The cluster in a box for real: namespaces, shaped links, MPI over TCP, certain teardown (``hpcps emulate``).
+
+These need root, iproute2 and the tbf qdisc; elsewhere they skip, saying which is missing. CI runs as
+root, so it runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcps.box import net
+from hpcps.box.spec import make_cluster
+from hpcps.launcher import clean_environ
+from launching import needs_mpiexec
+
+STEPS = 12
+WORKERS = [1, 2, 3, 4]
+
+
+def _box_missing() -> str | None:
+    """Why no box can be built here, or None: build a one-node box and take it down."""
+    try:
+        net.check_host()
+        if os.geteuid() != 0:
+            return "hpcps emulate needs root (network namespaces, tc)"
+        probe = make_cluster(1, ["1gbit"], buffer="64kb", prefix=f"hpcps{os.getpid()}-")
+        net.build(probe)
+        net.remove(probe.prefix)
+    except Exception as exc:  # BoxError says what is missing
+        return str(exc)
+    return None
+
+
+MISSING = _box_missing()
+pytestmark = [needs_mpiexec, pytest.mark.skipif(MISSING is not None, reason=f"no box here: {MISSING}")]
+
+
+def emulate(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``hpcps emulate ARGS`` bounded by ``timeout``; on timeout the whole process group is killed."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcps", "emulate", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=clean_environ(PYTHONUNBUFFERED="1", **(env or {})))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hpcps emulate {' '.join(args)} did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _ours() -> list[str]:
+    return [ns for ns in net.namespaces() if re.match(r"hpcps\d+-", ns)]
+
+
+@pytest.fixture(autouse=True)
+def no_box_left_behind():
+    """Every test must leave no namespace of ours behind (and cannot leak one into the next)."""
+    before = set(_ours())
+    yield
+    left = [ns for ns in _ours() if ns not in before]
+    for ns in left:
+        subprocess.run(["ip", "netns", "delete", ns], check=False)
+    assert not left, f"namespaces left behind: {left}"
+
+
+def _max_clock_gap(it: np.ndarray, up: np.ndarray, steps: int) -> int:
+    """Largest lead, at any iteration's start, of a worker over the slowest still running, counting only
+    gradients recorded as applied before that start (as tests/mpi/test_clock.py does)."""
+    up = up[up["shard"] == 0]
+    gaps = []
+    for row in it:
+        applied = {w: int(((up["worker"] == w) & (up["t"] < row["t_start"])).sum()) for w in WORKERS}
+        running = [n for w, n in applied.items() if n < steps and w != row["rank"]] + [applied[int(row["rank"])]]
+        gaps.append(int(row["step"]) - min(running))
+    return max(gaps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("paradigm", ["bsp", "asp", "ssp", "dssp", "eager", "hsp", "grouped"])
+def test_every_paradigm_runs_on_five_emulated_nodes_and_loses_nothing(tmp_path, paradigm):
+    """5 nodes on 1 Gbit/s links, one rank each: pushed = applied + dropped, every worker ran every step,
+    the ssp/dssp clock bounds hold from the timestamps, and the estimated clock offsets (the nodes share
+    this host's clock, so the truth is 0) lie within their stated uncertainty."""
+    out = tmp_path / f"{paradigm}.h5"
+    extra = ["--groups", "2"] if paradigm == "grouped" else []
+    proc = emulate("--nodes", "5", "--link", "1gbit", "--", sys.executable, "-m", "hpcps", "train",
+                   "--paradigm", paradigm, "--steps", str(STEPS), "--compute-time", "0.02", "--hidden", "1024",
+                   "--staleness", "1", "--staleness-max", "3", "--slowdown", "4=2", "--eval-interval", "1",
+                   "--progress-every", "600", "--out", str(out), *extra, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "hpcps emulate: 5 nodes (nodes 0-4 at 1 Gbit/s)" in proc.stderr
+    with h5py.File(out) as f:
+        s = dict(f["summary"].attrs)
+        it, up, ranks = f["workers/iterations"][()], f["servers/updates"][()], f["ranks"][()]
+        cluster = json.loads(f.attrs["cluster"])
+        workers = int(f.attrs["n_workers"])
+    assert workers == (2 if paradigm == "grouped" else 4)  # grouped: 2 of the 4 ranks are group servers
+    assert s["gradients_pushed"] == s["gradients_applied"] + s["gradients_dropped"] == len(it)
+    assert len(it) == workers * STEPS
+    assert cluster["emulated"] and cluster["nodes"] == 5 and cluster["link_bps"] == [10 ** 9] * 5
+    hosts = sorted(h.decode().rsplit("/", 1)[-1] for h in ranks["host"])
+    assert hosts == ["n0", "n1", "n2", "n3", "n4"]
+    far = ranks[ranks["rank"] != 0]
+    assert np.all(np.abs(far["clock_offset_s"]) <= far["clock_uncertainty_s"] + 1e-4), far
+    if paradigm in ("ssp", "dssp"):
+        bound = 1 if paradigm == "ssp" else 3
+        assert _max_clock_gap(it, up, STEPS) <= bound
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_never_beats_its_links_rate(tmp_path):
+    """Two nodes at 100 Mbit/s: 4 MiB sent, and 4 MiB read by RMA, each take at least the link's time (less
+    one token bucket, which may go at once), and not more than twice it (the link is shaped, not broken)."""
+    script = tmp_path / "transfer.py"
+    script.write_text(
+        "import time, numpy as np\n"
+        "from mpi4py import MPI\n"
+        "c = MPI.COMM_WORLD; n = 4 << 20; b = np.ones(n, np.uint8)\n"
+        "w = MPI.Win.Create(b if c.rank == 0 else None, comm=c); w.Lock_all()\n"
+        "c.Barrier()\n"
+        "for kind in ('send', 'get', 'send', 'get'):\n"
+        "    c.Barrier(); t = time.perf_counter()\n"
+        "    if kind == 'send':\n"
+        "        c.Send(b, 0) if c.rank == 1 else c.Recv(b, 1)\n"
+        "    elif c.rank == 1:\n"
+        "        w.Get(b, 0); w.Flush(0)\n"
+        "    if c.rank == 1: print(kind, time.perf_counter() - t, flush=True)\n"
+        "c.Barrier(); w.Unlock_all(); w.Free()\n")
+    proc = emulate("--nodes", "2", "--link", "100mbit", "--", sys.executable, str(script), timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    times = [(kind, float(t)) for kind, t in re.findall(r"^(send|get) ([0-9.e-]+)$", proc.stdout, re.M)]
+    assert len(times) == 4, proc.stdout
+    from hpcps.box.spec import burst_bytes
+    floor = ((4 << 20) - burst_bytes(10 ** 8)) * 8 / 1e8
+    for kind, t in times:
+        assert floor <= t <= 2 * (4 << 20) * 8 / 1e8, (kind, t, floor)
+
+
+@pytest.mark.timeout(180)
+def test_shards_spread_one_per_emulated_node(tmp_path):
+    """3 nodes x 2 ranks, 3 shards: block placement would put shards 0 and 1 on node 0; spread puts one
+    on every node (the nodes are told apart by their network namespaces, not by shared memory)."""
+    out = tmp_path / "spread.h5"
+    proc = emulate("--nodes", "3", "--ranks-per-node", "2", "--", sys.executable, "-m", "hpcps", "train",
+                   "--paradigm", "asp", "--servers", "3", "--steps", "5", "--compute-time", "0.01",
+                   "--progress-every", "600", "--out", str(out), timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with h5py.File(out) as f:
+        placement = json.loads(f.attrs["placement"])
+        ranks = f["ranks"][()]
+        cluster = json.loads(f.attrs["cluster"])
+    assert cluster["node_of_rank"] == [0, 0, 1, 1, 2, 2]
+    assert [cluster["node_of_rank"][w] for w in placement["world_rank_of"][:3]] == [0, 1, 2]
+    node = {int(r["rank"]): r["host"].decode().rsplit("/", 1)[-1] for r in ranks}
+    assert [node[r] for r in range(3)] == ["n0", "n1", "n2"]
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_launcher_leaves_no_namespace_link_or_bridge_behind(tmp_path):
+    """SIGKILL to hpcps emulate while its job runs: the reaper kills the ranks and deletes the box
+    (namespaces, and with them the veth links, the bridge and the qdiscs)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcps", "emulate", "--nodes", "3", "--", sys.executable, "-c",
+                             "import time; from mpi4py import MPI; time.sleep(300)"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_environ())
+    prefix = f"hpcps{proc.pid}-"
+    mine = lambda: [ns for ns in net.namespaces() if ns.startswith(prefix)]  # noqa: E731
+    try:
+        assert _wait_for(lambda: len(mine()) == 4, 30), "the box never came up"
+        assert _wait_for(lambda: net.pids(prefix), 30), "the ranks never started"
+        links_before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        proc.kill()
+        proc.wait()
+        assert _wait_for(lambda: not mine(), 30), f"left behind: {mine()}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        net.remove(prefix)
+    links_after = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert links_after.count("\n") == links_before.count("\n")  # the host's own links: untouched
+    assert "hpcps0" not in links_after and " br0" not in links_after
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_box_is_removed_by_cleanup_and_a_live_one_is_left_alone():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # an hpcps emulate"])
+    stale, live = f"hpcps{dead.pid}-n0", f"hpcps{owner.pid}-n9"  # the owner is alive and names hpcps
+    for ns in (stale, live):
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        proc = emulate("--cleanup", timeout=30)
+        assert proc.returncode == 0
+        assert stale in proc.stdout and stale not in net.namespaces()
+        assert live in net.namespaces() and f"hpcps{owner.pid}-*" in proc.stdout
+    finally:
+        owner.kill()
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, check=False)
+
+
+def _as_user(*argv: str, path: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``argv`` as uid 1000 (a user namespace mapping this root to it: not root, and no capabilities)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare (util-linux) to become another user with")
+    env = clean_environ(PYTHONUNBUFFERED="1", **({"PATH": path} if path else {}))
+    return subprocess.run([shutil.which("unshare"), "--user", "--map-user=1000", "--map-group=1000", "--", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(150)
+def test_a_user_who_is_not_root_gets_a_box_in_a_user_namespace_of_its_own(tmp_path):
+    """Not root: hpcps emulate re-runs itself as root of a new user namespace, where the box's namespaces
+    live and die with it; the job runs over its links and the host sees none of it."""
+    before = net.namespaces()
+    proc = _as_user(sys.executable, "-m", "hpcps", "emulate", "--nodes", "2", "--link", "100mbit", "--",
+                    sys.executable, "-c", "from mpi4py import MPI; import os; c = MPI.COMM_WORLD; "
+                    "print(f\"sum {c.allreduce(1)} {os.environ['HPCPS_NODE']}\")")  # one write per line
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(re.findall(r"^sum 2 (\d)$", proc.stdout, re.M)) == ["0", "1"]
+    assert "2 nodes (nodes 0-1 at 100 Mbit/s)" in proc.stderr
+    assert net.namespaces() == before
+
+
+@pytest.mark.timeout(60)
+def test_without_root_or_user_namespaces_one_line_says_what_is_missing():
+    """Not root, and no unshare to make a user namespace with: one line, exit status 2."""
+    path = os.pathsep.join(sorted({os.path.dirname(p) for p in (shutil.which("ip"), shutil.which("tc"), sys.executable)}))
+    proc = _as_user(sys.executable, "-m", "hpcps", "emulate", "--nodes", "2", "--", "true", path=path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("hpcps: error: hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+    assert "no unshare (util-linux) on PATH" in lines[0]

@@ -1,0 +1,104 @@
+"""The cluster in a box, described (hpcps.box.spec): parsing, the commands that build it, the launch line."""
+
+import json
+
+import pytest
+
+from hpcps.box import cluster_record, node_label
+from hpcps.box.spec import (NODE_IFACE, Cluster, Node, box_pid, burst_bytes, make_cluster, mpi_environment,
+                            mpmd_argv, parse_rate, parse_size, setup_commands)
+
+
+@pytest.mark.parametrize("text,bps", [("1gbit", 10 ** 9), ("250mbit", 250 * 10 ** 6), ("100kbit", 10 ** 5),
+                                      ("2.5Gbit", 25 * 10 ** 8), ("8000", 8000)])
+def test_rates_are_bits_per_second_with_si_prefixes(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text,nbytes", [("64kb", 64000), ("64kib", 65536), ("1mib", 1 << 20), ("1500", 1500)])
+def test_sizes_are_bytes(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("bad", ["fast", "1gbps", "-1gbit", "0mbit", ""])
+def test_a_bad_rate_names_what_is_expected(bad):
+    with pytest.raises(ValueError, match="link rate such as 1gbit"):
+        parse_rate(bad)
+
+
+def test_links_apply_to_every_node_then_to_named_nodes_and_ranges():
+    c = make_cluster(5, ["1gbit", "0=4gbit", "3-4=250mbit"], buffer="64kb")
+    assert [n.rate_bps for n in c.nodes] == [4 * 10 ** 9, 10 ** 9, 10 ** 9, 250 * 10 ** 6, 250 * 10 ** 6]
+    assert c.buffer_bytes == 64000 and c.n_ranks == 5
+
+
+def test_ranks_per_node_and_overrides_give_the_rank_to_node_map():
+    c = make_cluster(3, [], buffer="1mb", ranks_per_node=2, ranks=["0=1", "2=3"])
+    assert [n.ranks for n in c.nodes] == [1, 2, 3]
+    assert c.node_of_rank() == [0, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(nodes=0, links=[]), "--nodes must be 1 to 250"),
+    (dict(nodes=2, links=["5=1gbit"]), r"--link '5=1gbit': nodes are 0 to 1"),
+    (dict(nodes=2, links=["a=1gbit"]), "expected NODE=VALUE"),
+    (dict(nodes=2, links=["1=fast"]), "--link: 'fast' is not a link rate"),
+    (dict(nodes=2, links=[], ranks=["0"]), "--ranks '0': expected NODE=COUNT"),
+    (dict(nodes=2, links=[], ranks_per_node=0), "runs no rank"),
+])
+def test_bad_cluster_words_name_the_option(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_cluster(buffer="64kb", **kwargs)
+
+
+def test_every_name_carries_the_prefix_and_nothing_touches_the_host_namespace():
+    c = make_cluster(3, ["1gbit"], buffer="64kb", prefix="hpcps4242-")
+    cmds = setup_commands(c)
+    namespaces = {"hpcps4242-sw", "hpcps4242-n0", "hpcps4242-n1", "hpcps4242-n2"}
+    for argv in cmds:
+        if argv[:3] == ["ip", "netns", "add"]:
+            assert argv[3] in namespaces
+        else:  # every other command runs inside one of the box's namespaces (ip -n NS / tc -n NS)
+            assert argv[1] == "-n" and argv[2] in namespaces, argv
+    assert c.namespaces()[-1] == "hpcps4242-sw"  # removed last
+    assert box_pid("hpcps4242-n1") == 4242 and box_pid("other-ns") is None
+
+
+def test_both_directions_of_each_link_are_shaped_and_the_switch_queue_is_the_buffer():
+    c = make_cluster(2, ["1gbit", "1=250mbit"], buffer="64kb", prefix="hpcps7-")
+    tbf = [argv for argv in setup_commands(c) if argv[0] == "tc"]
+    assert len(tbf) == 4
+    by_dev = {(argv[2], argv[argv.index("dev") + 1]): argv for argv in tbf}
+    node1_up, node1_down = by_dev["hpcps7-n1", NODE_IFACE], by_dev["hpcps7-sw", "p1"]
+    for argv in (node1_up, node1_down):
+        assert argv[argv.index("rate") + 1] == "250000000bit"
+        assert int(argv[argv.index("burst") + 1]) == burst_bytes(250 * 10 ** 6)
+    assert int(node1_down[node1_down.index("limit") + 1]) == max(64000, burst_bytes(250 * 10 ** 6))
+
+
+def test_the_bucket_holds_a_gso_packet_and_a_millisecond():
+    assert burst_bytes(10 ** 9) == 125000 and burst_bytes(10 ** 8) == 64 * 1024 + 4096
+
+
+def test_the_launch_line_starts_each_nodes_ranks_in_its_namespace():
+    c = make_cluster(3, [], buffer="64kb", ranks=["1=2", "2=0"], prefix="hpcps9-")
+    argv = mpmd_argv(c, "mpiexec", ["hpcps", "train", "--steps", "5"])
+    segments = " ".join(argv[1:]).split(" : ")
+    assert segments == ["-n 1 ip netns exec hpcps9-n0 env HPCPS_NODE=0 hpcps train --steps 5",
+                        "-n 2 ip netns exec hpcps9-n1 env HPCPS_NODE=1 hpcps train --steps 5"]
+
+
+def test_ranks_learn_the_cluster_and_their_node_from_the_environment():
+    c = make_cluster(2, ["0=4gbit"], buffer="64kb")
+    env = mpi_environment(c)
+    assert env["FI_TCP_IFACE"] == NODE_IFACE and env["MPIR_CVAR_NOLOCAL"] == "1"
+    record = cluster_record(env)
+    assert record == json.loads(json.dumps(c.record()))
+    assert record["link_bps"] == [4 * 10 ** 9, 10 ** 9] and record["node_of_rank"] == [0, 1]
+    assert node_label("vm", {"HPCPS_NODE": "1"}) == "vm/n1" and node_label("vm", {}) == "vm"
+    assert cluster_record({}) is None
+
+
+def test_a_prefix_must_be_ours():
+    with pytest.raises(ValueError, match="hpcps<digits>-"):
+        Cluster((Node(10 ** 9),), 1000, prefix="eth")

@@ -23,11 +23,32 @@ others; at any moment one of them holds the rest up.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 JITTERS = ("none", "uniform", "exponential", "lognormal")
+POKE_EVERY = 1e-3  # seconds between pokes of an emulated computation (see emulated_sleep)
+
+
+def emulated_sleep(seconds: float, poke: Callable[[], object] | None = None) -> None:
+    """Sleep ``seconds`` as an accelerator computes, calling ``poke()`` every :data:`POKE_EVERY` seconds.
+
+    A GPU worker's CPU thread is free while the device computes, and frameworks use it to move
+    their messages. Over TCP an MPI send moves only while its rank calls into MPI: a push begun
+    before the computation would otherwise wait for its end (16 MiB over 1 Gbit/s behind a
+    300 ms sleep: 420 ms instead of 134). ``poke`` is the worker's: test its sends, read its notices.
+    """
+    if poke is None:
+        if seconds > 0:
+            time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while (left := end - time.perf_counter()) > 0:
+        time.sleep(min(left, POKE_EVERY))
+        poke()
 
 
 @dataclass(frozen=True)

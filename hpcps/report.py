@@ -78,6 +78,20 @@ def worker_rates(iterations: np.ndarray) -> dict[int, float]:
             for r in np.unique(it["rank"])}
 
 
+def max_clock_gap(iterations: np.ndarray, updates: np.ndarray, steps: int) -> int:
+    """The largest lead, at any iteration's start, of a worker over the slowest worker still running,
+    from the timestamps alone: a worker's clock is its gradients recorded as applied (shard 0) before
+    that start. ssp's bound (``--staleness s``) and dssp's (``--staleness-max``) must hold for it."""
+    up = updates[updates["shard"] == 0]
+    workers = [int(w) for w in np.unique(iterations["rank"])]
+    gaps = [0]
+    for row in iterations:
+        applied = {w: int(((up["worker"] == w) & (up["t"] < row["t_start"])).sum()) for w in workers}
+        running = [n for w, n in applied.items() if n < steps and w != row["rank"]] + [applied[int(row["rank"])]]
+        gaps.append(int(row["step"]) - min(running))
+    return max(gaps)
+
+
 def load_run(path: str | os.PathLike) -> Run:
     path = Path(path)
     try:

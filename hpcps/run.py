@@ -44,7 +44,7 @@ from hpcps.config import TrainConfig, steps_for
 from hpcps.data import batches_per_epoch
 from hpcps.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.emulation import ComputeTime
-from hpcps.errors import UserError
+from hpcps.errors import RunAborted, UserError
 from hpcps.evaluator import Evaluator
 from hpcps.flat import FlatParameters
 from hpcps.grouping import speed_groups
@@ -67,7 +67,7 @@ from hpcps.transport import wire
 from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
 from hpcps.transport.notices import NoticeBox, Notifier
-from hpcps.transport.poll import Backoff, polite_barrier
+from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
 from hpcps.warmup import gather_pass_times, measure_pass_time
@@ -292,7 +292,10 @@ class _Run:
                      unknown if f["n_train"] is None else f["n_train"],
                      unknown if f["n_test"] is None else f["n_test"], self.steps)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
-        polite_barrier(comm, Backoff(cap=1e-4))  # everyone is set up: nobody waits long in the sync
+        # everyone is set up: nobody waits long in the sync; a start that never completes ends the job
+        polite_barrier(comm, Backoff(cap=1e-4), StallWatch(
+            warn=self.cfg.stall_warn, abort=self.cfg.stall_limit, log=log, error=RunAborted,
+            describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
         self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         try:
             if topo.role is Role.SERVER:

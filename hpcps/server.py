@@ -113,6 +113,7 @@ class ShardServer:
         self.gone: set[int] = set()
         self.silent: list[tuple[float, int]] = []
         self.held_up: list[int] = []  # workers whose push waits for this shard's buffer or turn
+        self.streaming: list[int] = []  # workers whose push is coming in (a slow link: not silent)
         self.next_check = 0.0
         self.stall = StallWatch(warn=stall_warn, abort=stall_abort, describe=self._describe_stall, log=log,
                                 error=RunAborted)
@@ -240,7 +241,8 @@ class ShardServer:
 
         A worker waiting for its grant is silent by design, and so is one whose
         push waits for this shard to take its payload (a receive buffer, or its
-        turn to stream); the suspects are the others. The longest silence goes
+        turn to stream), or whose payload is streaming in (over a slow link one
+        gradient may take longer than the limits); the suspects are the others. The longest silence goes
         to the stall watch, which warns every ``stall_warn`` seconds and ends
         the run past ``stall_abort`` (checked twice a second). Were the shard
         itself stuck, its workers' own watches end the run (at twice the limit).
@@ -250,7 +252,8 @@ class ShardServer:
             return
         self.next_check = now + 0.5
         self.held_up = self.inbox.waiting_for_shard()
-        excused = self.gone | self.awaiting | set(self.held_up)
+        self.streaming = self.inbox.payloads_coming()
+        excused = self.gone | self.awaiting | set(self.held_up) | set(self.streaming)
         owing = [w for w in range(len(self.worker_ranks)) if w not in excused]
         self.silent = sorted((now - self.heard[w], w) for w in owing if now - self.heard[w] >= self.stall_warn)
         if self.silent:
@@ -264,8 +267,10 @@ class ShardServer:
         blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
         held_up = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.held_up))
         held_up = f"; pushes waiting for this shard to receive them: {held_up}" if held_up else ""
+        streaming = ", ".join(str(self.worker_ranks[w]) for w in self.streaming)
+        streaming = f"; pushes streaming in: {streaming}" if streaming else ""
         return (f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: "
-                f"{blocked}{held_up}")
+                f"{blocked}{held_up}{streaming}")
 
     def _gradient(self, worker: int) -> torch.Tensor:
         """The held gradient of ``worker`` (a view of the inbox's buffer)."""

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from hpcps.batches import BatchSource, to_device
-from hpcps.emulation import ComputeTime
+from hpcps.emulation import ComputeTime, emulated_sleep
 from hpcps.faults import Fault, InjectedFault
 from hpcps.flat import FlatParameters
 from hpcps.lr import scaled_lr
@@ -67,20 +67,20 @@ log = logging.getLogger("hpcps")
 
 def emulated_pass(model: torch.nn.Module, flat: FlatParameters, loss_fn: Callable, batch,
                   compute_time: ComputeTime, rng: np.random.Generator,
-                  clip_norm: float | None = None, now: float | None = None) -> tuple[float, float]:
+                  clip_norm: float | None = None, now: float | None = None,
+                  poke: Callable[[], object] | None = None) -> tuple[float, float]:
     """``loss_fn(model, batch)`` and its backward into the flat gradient buffer (buffers' change
     included, see :meth:`FlatParameters.end_pass`), topped up by the emulated compute time
-    (hpcps.emulation; ``now``: the run's clock, for stragglers that come and go); return the loss
-    and the seconds it all took."""
+    (hpcps.emulation; ``now``: the run's clock, for stragglers that come and go; ``poke``: called
+    through the emulated part, so messages in flight keep moving); return the loss and the
+    seconds it all took."""
     t = time.perf_counter()
     flat.begin_pass()
     loss = loss_fn(model, batch)
     loss.backward()
     flat.end_pass(clip_norm)
     flat.synchronize()  # a GPU's queued work belongs to this pass's time
-    pause = compute_time.sleep_after(time.perf_counter() - t, rng, now)
-    if pause > 0.0:
-        time.sleep(pause)
+    emulated_sleep(compute_time.sleep_after(time.perf_counter() - t, rng, now), poke)
     return float(loss.detach()), time.perf_counter() - t
 
 
@@ -195,10 +195,16 @@ class Worker:
         t = time.perf_counter()
         batch = to_device(self.batches.batch(step), self.flat.device)
         loss, _ = emulated_pass(self.model, self.flat, self.loss, batch, self.compute_time, self.rng,
-                                self.clip_norm, now=self.clock())
+                                self.clip_norm, now=self.clock(), poke=self._poke)
         if step in self.faults:
             self._inject(self.faults[step])
         return loss, time.perf_counter() - t
+
+    def _poke(self) -> None:
+        """While the emulated accelerator computes: keep pushes moving and take notices (hsp's TRANSFER
+        turns, grants, receipts) as a worker's free CPU thread would."""
+        self._read_notices()
+        self.pusher.test()
 
     def _inject(self, fault: Fault) -> None:
         """``--fault``: poison the gradient, raise, or die (see hpcps.faults)."""

@@ -55,9 +55,12 @@ def wait_until(test: Callable[[], bool], backoff: Backoff | None = None,
             watchdog(time.perf_counter() - start)
 
 
-def polite_barrier(comm, backoff: Backoff | None = None) -> float:
-    """A barrier on ``comm`` that polls ``Ibarrier`` instead of spinning; returns seconds waited."""
-    return wait_until(comm.Ibarrier().Test, backoff)
+def polite_barrier(comm, backoff: Backoff | None = None,
+                   watchdog: Callable[[float], object] | None = None) -> float:
+    """A barrier on ``comm`` that polls ``Ibarrier`` instead of spinning; returns seconds waited.
+    ``watchdog`` as for :func:`wait_until` (a :class:`StallWatch`, so a barrier that never completes
+    ends the job instead of holding it forever)."""
+    return wait_until(comm.Ibarrier().Test, backoff, watchdog)
 
 
 class StallWatch:

@@ -237,6 +237,11 @@ class PushInbox:
             self.buffer_of[i] = self.free_buffers.popleft()
             self._receive(i)
 
+    def payloads_coming(self) -> list[int]:
+        """Workers whose payload is coming in now (its receive posted, not complete): over a slow link
+        one gradient can take longer than the stall limits, and the worker is not silent meanwhile."""
+        return sorted(self.receiving)
+
     def waiting_for_shard(self) -> list[int]:
         """Workers whose header is in and whose payload waits for this shard (a free buffer, or its
         serial turn): they have sent what they can, and owe the shard nothing."""

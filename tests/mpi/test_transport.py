@@ -337,3 +337,45 @@ def test_serial_transfers_into_a_pool_of_two_come_one_at_a_time_in_header_order(
     assert seen["got"] == [(rank, True) for rank in order]
     assert seen["streamed"] == order and not seen["overlap"] and seen["most_in_flight"] <= 1
     assert seen["buffers"] == 2 and seen["left"] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(60)
+def test_a_payload_coming_in_is_named_so_and_not_owed(world):
+    """The stall detector excuses a worker whose payload is streaming in (over a slow link one gradient can
+    take longer than --stall-warn): once the shard has posted the payload's receive and until it completes,
+    the inbox names that worker in payloads_coming(), not in waiting_for_shard()."""
+    from hpcps.transport.push import Pusher, PushInbox
+
+    pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    if pair == MPI.COMM_NULL:
+        polite_barrier(world)
+        return
+    size, turn = 1000, 77
+    facts = {}
+    if pair.rank == 0:
+        asked = []
+        inbox = PushInbox(pair, worker_ranks=[1], shard_len=size, pool=2, on_transfer=asked.append)
+        wait_until(lambda: inbox.poll() or bool(asked))  # the header is in, the payload's receive posted
+        facts["during"] = (inbox.payloads_coming(), inbox.waiting_for_shard())
+        pair.send(None, dest=1, tag=turn)  # now the worker sends the payload
+        events = []
+        wait_until(lambda: bool(events.extend(inbox.poll()) or events))
+        facts["after"] = (inbox.payloads_coming(), inbox.waiting_for_shard())
+        inbox.release(0)
+        pair.send(None, dest=1, tag=turn)
+        wait_until(lambda: bool(inbox.poll()) or not inbox.open)
+        inbox.free()
+    else:
+        grad = np.ones(size, np.float32)
+        pusher = Pusher(pair, buffers=[grad], shard_ranks=[0], bounds=[(0, size)], worker_rank=1, serial=True)
+        pusher.start(1, np.zeros(1, np.int64), 0.1)
+        pair.recv(source=0, tag=turn)
+        pusher.transfer(0)
+        pair.recv(source=0, tag=turn)
+        pusher.start_done(1)
+        wait_until(pusher.test_done)
+        pusher.free()
+    facts = pair.bcast(facts, root=0)
+    pair.Free()
+    polite_barrier(world)
+    assert facts["during"] == ([0], []) and facts["after"] == ([], [])

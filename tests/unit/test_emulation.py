@@ -75,3 +75,19 @@ def test_straggler_episodes_are_validated_and_need_compute_time():
         make_config({"straggler_episodes": "3", "compute_time": 0.01})
     with pytest.raises(UserError, match="needs --compute-time"):
         make_config({"straggler_episodes": "3:2"})
+
+
+def test_an_emulated_computation_pokes_every_millisecond_and_lasts_as_long():
+    """emulated_sleep(0.05, poke): at most one poke per POKE_EVERY (sleep overshoots, never undershoots),
+    at least one, and no shorter than asked; without poke, one plain sleep."""
+    import time
+
+    from hpcps.emulation import POKE_EVERY, emulated_sleep
+
+    pokes = []
+    t = time.perf_counter()
+    emulated_sleep(0.05, lambda: pokes.append(time.perf_counter()))
+    assert time.perf_counter() - t >= 0.05
+    assert 1 <= len(pokes) <= round(0.05 / POKE_EVERY)
+    emulated_sleep(0.0, lambda: pokes.append(None))  # nothing to emulate: no poke
+    assert None not in pokes

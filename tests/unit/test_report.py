@@ -202,3 +202,20 @@ def test_simulator_lines_differ_in_marker_and_style_and_the_axis_names_the_worke
     assert len(styles) == 4  # identical throughputs, yet every line distinguishable
     assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "16", "64"]
     assert "straggler 3x" in ax.get_title()
+
+
+def test_the_clock_gap_comes_from_the_timestamps_alone():
+    """Worker 1 starts step 3 at t=1.0, when worker 2 has 1 gradient applied: a lead of 2. Worker 2's own
+    starts see worker 1 ahead, never behind; a worker that finished all its steps no longer holds others."""
+    from hpcps.metrics.schema import ITERATION, UPDATE
+    from hpcps.report import max_clock_gap
+
+    it = np.zeros(5, ITERATION)
+    it["rank"], it["step"] = [1, 1, 1, 1, 2], [0, 1, 2, 3, 1]
+    it["t_start"] = [0.0, 0.3, 0.6, 1.0, 0.5]
+    up = np.zeros(4, UPDATE)
+    up["worker"], up["t"] = [1, 1, 2, 1], [0.2, 0.5, 0.4, 0.9]
+    assert max_clock_gap(it, up, steps=10) == 2
+    # with 1 step each, worker 2 is done once its gradient is in (t=0.4): only before that does it hold
+    # worker 1 back (step 1 at t=0.3: a lead of 1)
+    assert max_clock_gap(it, up, steps=1) == 1

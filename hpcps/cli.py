@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped: group servers, over contiguous blocks of workers (default 2)")
     m.add_argument("--latency", type=float, default=50e-6, help="seconds per transfer (default 50e-6)")
     m.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s of a transfer (default 10e9)")
+    m.add_argument("--link", action="append", default=[], metavar="[NODE=]RATE",
+                   help="per-node links, as hpcps emulate takes them (node 0: the server, node k: worker k-1; "
+                        "e.g. --link 1gbit --link 0=4gbit): transfers then share the server's link; replaces "
+                        "--bandwidth (repeatable)")
     m.add_argument("--server-s", dest="server_s", type=float, default=20e-6,
                    help="server seconds per push handled (default 20e-6)")
     m.add_argument("--apply-rate", dest="apply_rate", type=float, default=5e9,
@@ -319,7 +323,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     try:
         predictions = sweep(args.paradigm, args.workers, straggler=args.straggler, steps=args.steps,
-                            progress=sys.stderr.isatty(),
+                            progress=sys.stderr.isatty(), links=args.link or None,
                             nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
                             jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed, groups=args.groups,
                             machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,

@@ -8,7 +8,10 @@ What is modelled (every time in seconds):
 * a worker's **compute** per iteration: ``compute_time`` times its slowdown,
   varied by the jitter distribution exactly as :class:`hpcps.emulation.ComputeTime`
   draws it;
-* a **transfer** of ``nbytes`` (a push, or a pull): ``latency + nbytes / bandwidth``;
+* a **transfer** of ``nbytes`` (a push, or a pull): ``latency + nbytes / bandwidth``; or, with
+  per-node :class:`Links` (the cluster ``hpcps emulate`` builds, or yours), a flow on the
+  server's link in its direction, shared max-min fairly with the transfers in flight there and
+  capped by the worker's own link, then ``latency``;
 * the **server**: one queue, served in arrival order; handling a push costs
   ``server_s`` (header, bookkeeping) and applying an update ``update_s +
   nbytes / apply_rate`` per gradient in it (``update_s``: what the server
@@ -16,9 +19,9 @@ What is modelled (every time in seconds):
 
 One iteration of worker w: pull (transfer), compute, push (transfer); the
 push joins the server's queue when it has arrived. A worker of a blocking
-paradigm then waits for its grant; otherwise it pulls as soon as its push
-has started (the two overlap), and eager's pull costs nothing (it hides
-behind the computation). Versions,
+paradigm then waits for its grant; otherwise it begins its next pull as it
+begins its push (the two go opposite ways), and eager's pull costs nothing
+(it hides behind the computation). Versions,
 staleness and waits are counted as the runtime records them.
 
 Grouped (``groups`` G): each group server runs BSP over its block of
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcps.emulation import ComputeTime
+from hpcps.fairshare import FairLink
 from hpcps.layout import shard_bounds
 from hpcps.policies import make_policy
 
@@ -80,13 +84,38 @@ class Prediction:
         return float(sum(self.per_worker_rate.values())) if self.per_worker_rate else math.nan
 
 
+@dataclass(frozen=True)
+class Links:
+    """Per-node link rates in bytes/s, each direction: the server's, and each worker's (index 0..N-1).
+
+    Built from the words ``hpcps emulate`` takes (:meth:`from_words`): node 0 is the server, node
+    k the worker of index k-1, one rank per node.
+    """
+
+    server: float
+    workers: tuple[float, ...]
+
+    @classmethod
+    def from_words(cls, words: list[str], n_workers: int) -> "Links":
+        """``["1gbit", "0=4gbit", "4=250mbit"]`` for a job of ``n_workers`` workers (raises ValueError)."""
+        from hpcps.box.spec import make_cluster
+
+        cluster = make_cluster(n_workers + 1, list(words), buffer="1mb")
+        rates = [node.rate_bps / 8 for node in cluster.nodes]
+        return cls(rates[0], tuple(rates[1:]))
+
+
 def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_time: float,
              slowdown: dict[int, float] | None = None, jitter: str = "none", jitter_cv: float = 0.1,
              machine: Machine = Machine(), staleness: int = 2, staleness_max: int | None = None,
-             seed: int = 0, groups: int = 2) -> Prediction:
+             seed: int = 0, groups: int = 2, links: Links | None = None) -> Prediction:
     """Run ``steps`` iterations of ``n_workers`` workers (indices 0..N-1) under ``paradigm``.
 
     ``groups``: group servers, for the paradigms that have them (ignored by the others).
+    ``links``: per-node link rates (a cluster in a box, or a real one); every transfer is then a flow
+    on the server's link, shared max-min fairly with the others in its direction
+    (:class:`hpcps.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
+    ``machine.transfer(nbytes)`` whatever else moves.
     """
     policy = make_policy(paradigm, n_workers, staleness=staleness, staleness_max=staleness_max)
     if policy.extra_gradients:
@@ -95,54 +124,90 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     clocks = [ComputeTime(compute_time, slowdown.get(w, 1.0), jitter, jitter_cv) for w in range(n_workers)]
     rngs = [np.random.default_rng([seed, w, 7]) for w in range(n_workers)]
     if policy.uses_groups:
+        if links is not None:
+            raise ValueError("simulate: grouped is not modelled with per-node links (its group servers' "
+                             "links are not described); leave --link out")
         return _simulate_grouped(paradigm, n_workers, groups, steps=steps, nbytes=nbytes, clocks=clocks, rngs=rngs,
                                  machine=machine)
-    transfer = machine.transfer(nbytes)
-    pull = 0.0 if policy.eager_pull else transfer  # eager's pull hides behind the computation
+    if links is not None and len(links.workers) != n_workers:
+        raise ValueError(f"simulate: links for {len(links.workers)} workers, not {n_workers}")
+    # one link per direction of the server's: pulls go up, pushes come down
+    up, down = (FairLink(links.server), FairLink(links.server)) if links else (FairLink(), FairLink())
+    cap = list(links.workers) if links else [machine.bandwidth] * n_workers
     apply_s = machine.update_s + nbytes / machine.apply_rate
 
-    events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, worker)
+    events: list[tuple] = []  # (time, tie-break, kind, worker or link, link generation)
     tick = itertools.count()
 
-    def at(t: float, kind: str, w: int) -> None:
-        heapq.heappush(events, (t, next(tick), kind, w))
+    def at(t: float, kind: str, who, generation: int = 0) -> None:
+        heapq.heappush(events, (t, next(tick), kind, who, generation))
+
+    def transfer(link: FairLink, t: float, key: tuple) -> None:
+        link.add(t, key, nbytes, cap[key[1]])
+        done = link.next_done()
+        at(done[0], "link", link, link.generation)
 
     version = 0
     computed_on = [0] * n_workers  # version each worker's current gradient is computed on
+    pushed_on = [0] * n_workers  # version of the gradient each worker's push in flight was computed on
     pending: dict[int, int] = {}  # worker -> version its pending gradient was computed on
-    clock = [0] * n_workers
+    clock, started = [0] * n_workers, [0] * n_workers  # pushes arrived, pushes begun
     blocked_since: dict[int, float] = {}
     waits, stale, finished = [], [], [0.0] * n_workers
     server_free = 0.0
     gone: set[int] = set()
 
     def start_iteration(w: int, t: float) -> None:
-        if clock[w] >= steps:
+        if started[w] >= steps:
             finished[w] = t
             gone.add(w)
             at(t, "leave", w)
             return
         computed_on[w] = version  # the pull reads the version published when it starts
-        busy = clocks[w].sleep_after(0.0, rngs[w])
-        at(t + pull + busy + transfer, "arrive", w)
+        if policy.eager_pull:  # eager's pull hides behind the computation
+            at(t + clocks[w].sleep_after(0.0, rngs[w]), "computed", w)
+        else:
+            transfer(up, t, ("pull", w))
+
+    def computed(w: int, t: float) -> None:
+        started[w] += 1
+        pushed_on[w] = computed_on[w]
+        if not policy.worker_blocks:  # its next pull begins with the push (and goes the other way)
+            start_iteration(w, t)
+        transfer(down, t, ("push", w))
 
     for w in range(n_workers):
         start_iteration(w, 0.0)
 
     while events:
-        t, _, kind, w = heapq.heappop(events)
+        t, _, kind, who, generation = heapq.heappop(events)
+        if kind == "link":
+            if generation != who.generation:
+                continue  # the transfers on that link changed since: a newer event stands
+            _, (what, w) = who.next_done()
+            who.finish(t, (what, w))
+            done = who.next_done()
+            if done is not None:
+                at(done[0], "link", who, who.generation)
+            if what == "pull":
+                at(t + machine.latency + clocks[w].sleep_after(0.0, rngs[w]), "computed", w)
+            else:
+                at(t + machine.latency, "arrive", w)
+            continue
+        if kind == "computed":
+            computed(who, t)
+            continue
+        w = who
         begin = max(t, server_free)
         if kind == "leave":
             decision = policy.on_leave(w, begin)
             cost = machine.server_s
         else:
             clock[w] += 1
-            pending[w] = computed_on[w]
+            pending[w] = pushed_on[w]
             if policy.worker_blocks:
                 blocked_since[w] = t
-            else:
-                start_iteration(w, t - transfer)  # it pulled as soon as the push had started
-            decision = policy.on_push(w, clock[w], computed_on[w], begin)
+            decision = policy.on_push(w, clock[w], pushed_on[w], begin)
             cost = machine.server_s
         for group in decision.updates:
             cost += apply_s * len(group)
@@ -251,12 +316,14 @@ def _simulate_grouped(paradigm: str, n_workers: int, groups: int, *, steps: int,
 
 
 def sweep(paradigms: list[str], workers: list[int], *, straggler: float = 1.0, progress: bool = False,
-          **options) -> list[Prediction]:
-    """Every paradigm at every worker count; with ``straggler`` > 1 the last worker is that much slower."""
+          links: list[str] | None = None, **options) -> list[Prediction]:
+    """Every paradigm at every worker count; with ``straggler`` > 1 the last worker is that much slower;
+    ``links``: ``hpcps emulate``'s ``--link`` words (node 0 the server, node k worker k-1)."""
     from tqdm import tqdm
 
     cases = [(p, n) for p in paradigms for n in workers]
-    return [simulate(p, n, slowdown={n - 1: straggler} if straggler > 1 else None, **options)
+    return [simulate(p, n, slowdown={n - 1: straggler} if straggler > 1 else None,
+                     links=Links.from_words(links, n) if links else None, **options)
             for p, n in tqdm(cases, desc="simulate", unit="case", disable=not progress, file=sys.stderr)]
 
 

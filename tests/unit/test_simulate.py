@@ -3,7 +3,7 @@
 import pytest
 
 from hpcps.cli import main
-from hpcps.simulate import Machine, simulate, sweep
+from hpcps.simulate import Links, Machine, simulate, sweep
 
 C, L = 0.01, 0.001  # compute and transfer seconds
 FREE = Machine(latency=L, bandwidth=1e30, server_s=0.0, apply_rate=1e30)  # transfers cost L, the server nothing
@@ -84,3 +84,54 @@ def test_cli_simulate_table_plot_and_bad_paradigm(tmp_path, capsys):
     assert "| asp | 16 |" in out and (tmp_path / "simulated_throughput.png").stat().st_size > 10_000
     assert main(["simulate", "--paradigm", "hsp", "--workers", "4"]) == 2
     assert "not modelled" in capsys.readouterr().err
+
+
+# -- per-node links: transfers are flows on the server's link, capped by each worker's ---------------------
+
+B, R = 10 ** 6, 10 ** 8  # bytes of a transfer; a worker link's bytes/s (a transfer alone: 10 ms)
+LINKED = Machine(latency=0.0, server_s=0.0, apply_rate=1e30)
+
+
+def test_asp_over_links_overlaps_its_pull_with_its_push():
+    """Pull B/R, compute C; the push and the next pull go opposite ways at once: a period of C + B/R."""
+    links = Links(server=R, workers=(R,))
+    r = simulate("asp", 1, steps=30, nbytes=B, compute_time=C, machine=LINKED, links=links)
+    assert r.per_worker_rate[0] == pytest.approx(1 / (C + B / R))
+
+
+@pytest.mark.parametrize("server_factor", [1, 4])
+def test_bsp_pulls_and_pushes_share_the_servers_link(server_factor):
+    """4 workers at R, the server at F x R: the 4 pulls share its up-link (4B/(F R) when F < 4), the
+    pushes its down-link alike; a round is C + 2 x 4B / min(F R, 4R)."""
+    links = Links(server=server_factor * R, workers=(R,) * 4)
+    r = simulate("bsp", 4, steps=20, nbytes=B, compute_time=C, machine=LINKED, links=links)
+    transfer = 4 * B / min(server_factor * R, 4 * R)
+    assert r.per_worker_rate[0] == pytest.approx(1 / (C + 2 * transfer))
+
+
+def test_a_slow_link_makes_a_network_straggler_and_its_share_goes_to_the_others():
+    """Worker 3's link at R/4, the server at 4R: bsp's round waits for its 4B/R pull and push; the fast
+    workers' transfers are not slowed by it (max-min: its unused share goes to them)."""
+    links = Links(server=4 * R, workers=(R, R, R, R / 4))
+    r = simulate("bsp", 4, steps=20, nbytes=B, compute_time=C, machine=LINKED, links=links)
+    assert r.per_worker_rate[0] == pytest.approx(1 / (C + 2 * 4 * B / R))
+
+
+def test_links_come_from_the_words_hpcps_emulate_takes():
+    links = Links.from_words(["1gbit", "0=4gbit", "2=250mbit"], 3)
+    assert links.server == 5e8 and links.workers == (1.25e8, 3.125e7, 1.25e8)
+    with pytest.raises(ValueError, match="nodes are 0 to 3"):
+        Links.from_words(["7=1gbit"], 3)
+
+
+def test_fair_link_splits_its_capacity_and_gives_what_a_capped_transfer_leaves_to_the_others():
+    from hpcps.fairshare import FairLink
+
+    link = FairLink(100.0)
+    link.add(0.0, "a", 100.0, 100.0)
+    link.add(0.0, "b", 100.0, 30.0)
+    assert link.rates() == {"a": 70.0, "b": 30.0}
+    t, key = link.next_done()
+    assert key == "a" and t == pytest.approx(100 / 70)
+    link.finish(t, "a")
+    assert link.rates() == {"b": 30.0} and link.next_done()[0] == pytest.approx(100 / 30)

@@ -14,9 +14,17 @@ Measured in one invocation, median step time over the steps of each run:
 
 Ratios are step time against mpi4py allreduce (1.00: as fast; above: slower).
 
+With ``--link RATE`` every run goes into a cluster in a box (``hpcps emulate``, root or a user
+namespace) whose links run at RATE: allreduce on N nodes of one rank; hpcps bsp *colocated*, a
+shard beside the worker on each of the N nodes (S=N, as BytePS places them); and hpcps bsp with
+*dedicated* server nodes, S=1 and S=2 extra nodes holding only a shard. DDP over gloo is left out
+there (gloo's rendezvous address would be each node's own loopback). Both sides emulate
+``--compute-time`` the same way (a sleep after the real pass).
+
     python tools/bench_allreduce.py --workers 4 -- --hidden 1024
     python tools/bench_allreduce.py --workers 4 --steps 20 -- --model resnet18 \
         --dataset synthetic:3x32x32:10:2048 --batch-size 16
+    python tools/bench_allreduce.py --workers 4 --steps 60 --link 1gbit -- --hidden 16384 --compute-time 0.05
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import train
+from benchlib import fmt, train
 
 
 def _inner(kind: str, steps: int, options: list[str]) -> None:
@@ -45,6 +53,7 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
 
     from hpcps.batches import to_device
     from hpcps.config import make_config
+    from hpcps.emulation import ComputeTime
     from hpcps.flat import FlatParameters
     from hpcps.workload import data_shape, workload_from_config
 
@@ -70,6 +79,8 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     grads = torch.from_numpy(flat.grads[:flat.n_params])
+    emulated = ComputeTime(cfg.compute_time, cfg.slowdown.get(comm.rank + 1, 1.0), cfg.jitter, cfg.jitter_cv)
+    rng = np.random.default_rng([cfg.seed, comm.rank + 1, 7])
     times = []
     comm.Barrier()
     for step in range(steps):
@@ -78,6 +89,9 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
         flat.zero_grad()
         loss = workload.loss(ddp or model, batch)
         loss.backward()
+        pause = emulated.sleep_after(time.perf_counter() - t, rng)  # as an hpcps worker emulates its compute
+        if pause > 0:
+            time.sleep(pause)
         if kind == "mpi":
             comm.Allreduce(MPI.IN_PLACE, flat.grads[:flat.n_params], op=MPI.SUM)
             grads /= comm.size
@@ -94,10 +108,18 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def _run_inner(kind: str, n: int, steps: int, options: list[str]) -> float:
-    from hpcps.launcher import clean_environ, find_mpiexec
-    cmd = [find_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__), "--inner", kind,
-           "--steps", str(steps), "--", *options]
+def _box(nodes: int, a, ranks_per_node: int = 1) -> str | None:
+    """``hpcps emulate`` options for ``nodes`` nodes at ``--link``, or None without ``--link``."""
+    if a.link is None:
+        return None
+    return f"--nodes {nodes} --ranks-per-node {ranks_per_node} --link {a.link} --buffer {a.buffer}"
+
+
+def _run_inner(kind: str, n: int, steps: int, options: list[str], emulate: str | None = None) -> float:
+    from benchlib import launch_argv
+    from hpcps.launcher import clean_environ
+    cmd = launch_argv(n, [sys.executable, os.path.abspath(__file__), "--inner", kind, "--steps", str(steps), "--",
+                          *options], emulate)
     proc = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"{kind} run failed:\n{proc.stderr[-2000:]}")
@@ -108,32 +130,44 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4, help="N workers / data-parallel ranks (default 4)")
     p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every method per seed (default 0)")
     p.add_argument("--inner", choices=["mpi", "ddp"], help=argparse.SUPPRESS)
+    p.add_argument("--link", metavar="RATE", help="run everything in a cluster in a box with links of RATE "
+                                                  "(e.g. 1gbit): colocated and dedicated server nodes")
+    p.add_argument("--buffer", default="512kb", help="with --link: the switch's queue per port (default 512kb)")
     p.add_argument("options", nargs="*", help="after --: hpcps train options shared by every run (model, batch)")
     a = p.parse_args()
     if a.inner:
         _inner(a.inner, a.steps, a.options)
         return
     n = a.workers
-    rows = {"allreduce (mpi4py)": (n, _run_inner("mpi", n, a.steps, a.options)),
-            "DDP (gloo)": (n, _run_inner("ddp", n, a.steps, a.options))}
+    seeded = [[*a.options, "--seed", str(seed)] for seed in a.seeds]
+    rows = {"allreduce (mpi4py)": (n, [_run_inner("mpi", n, a.steps, o, _box(n, a)) for o in seeded])}
+    if a.link is None:
+        rows["DDP (gloo)"] = (n, [_run_inner("ddp", n, a.steps, o) for o in seeded])
+    # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
+    runs = ([(f"hpcps bsp S={s}", s, None) for s in sorted({1, 2, n})] if a.link is None else
+            [(f"hpcps bsp colocated S={n}", n, _box(n, a, ranks_per_node=2))] +
+            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a)) for s in (1, 2)])
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for s in sorted({1, 2, n}):
-            r = train(s + n, Path(tmp) / f"bsp{s}.h5",
-                      ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *a.options])
-            it = r["it"]
-            rows[f"hpcps bsp S={s}"] = (s + n, float(np.median(it["t_end"] - it["t_start"])))
-            parts[f"hpcps bsp S={s}"] = {k: float(np.median(it[k])) for k in ("compute_s", "push_s", "wait_s",
-                                                                             "pull_s")}
-    base = rows["allreduce (mpi4py)"][1]
-    print(f"{n} workers, {a.steps} steps, options: {' '.join(a.options) or '(defaults)'}\n")
+        for name, s, box in runs:
+            its = [train(s + n, Path(tmp) / f"bsp{s}.h5",
+                         ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *o], emulate=box)["it"]
+                   for o in seeded]
+            rows[name] = (s + n, [float(np.median(it["t_end"] - it["t_start"])) for it in its])
+            parts[name] = {k: float(np.mean([np.median(it[k]) for it in its]))
+                           for k in ("compute_s", "push_s", "wait_s", "pull_s")}
+    base = float(np.mean(rows["allreduce (mpi4py)"][1]))
+    where = f", in a box with {a.link} links (switch buffer {a.buffer})" if a.link else ""
+    print(f"{n} workers, {a.steps} steps{where}, seeds {a.seeds}, options: {' '.join(a.options) or '(defaults)'}\n")
     print("| method | ranks | median step ms | vs allreduce | median compute / push / wait / pull ms |")
     print("|---|---|---|---|---|")
-    for name, (ranks, t) in rows.items():
+    for name, (ranks, ts) in rows.items():
         where = " / ".join(f"{v * 1e3:.1f}" for v in parts[name].values()) if name in parts else ""
-        print(f"| {name} | {ranks} | {t * 1e3:.2f} | {t / base:.2f} | {where} |")
-    print(f"\nhpcps bsp S=1 step time / mpi4py allreduce: {rows['hpcps bsp S=1'][1] / base:.2f}")
+        print(f"| {name} | {ranks} | {fmt([t * 1e3 for t in ts], 2)} | {np.mean(ts) / base:.2f} | {where} |")
+    best = min((name for name in rows if name.startswith("hpcps")), key=lambda name: np.mean(rows[name][1]))
+    print(f"\nbest hpcps bsp ({best}) step time / mpi4py allreduce: {np.mean(rows[best][1]) / base:.2f}")
 
 
 if __name__ == "__main__":

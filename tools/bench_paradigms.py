@@ -3,7 +3,8 @@
 
 Each run is a real ``mpiexec -n NP hpcps train`` job; results are read back
 from the HDF5 files (h5py only). Scenarios: ``homogeneous`` (as given) and
-``heterogeneous`` (the last worker ``--straggler`` times slower). Ratios are
+``heterogeneous`` (the last worker ``--straggler`` times slower) and, in a box, ``slow-link`` (the
+last worker's link at ``--slow-link``: a network straggler). Ratios are
 against BSP in the same scenario and invocation, because absolute times on a
 shared machine are noise.
 
@@ -13,6 +14,8 @@ worker count for the asynchronous ones), so every paradigm moves the model
 as far per training sample; ``--lr-staleness none inverse`` runs the
 paradigms that can see staleness both ways. The last line is the ratio of
 the fastest paradigm's time to target to BSP's, in the last scenario.
+``--ssp-staleness 0 1 2 3 4`` runs ssp at each fixed threshold; ``--emulate`` runs every job in a
+cluster in a box (``{np}``: the job's ranks, ``{last}``: its last rank, the straggler's).
 
     python tools/bench_paradigms.py --paradigms bsp asp ssp dssp --seeds 0 1 2 \
         --scenarios homogeneous heterogeneous -- --compute-time 0.01 --eval-interval 0.05
@@ -20,6 +23,7 @@ the fastest paradigm's time to target to BSP's, in the last scenario.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +53,11 @@ def main() -> None:
     p = parser(__doc__, seeds=[0, 1, 2])
     p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp"])
     p.add_argument("--np", type=int, default=5, help="MPI ranks (default 5: 1 server + 4 workers)")
-    p.add_argument("--scenarios", nargs="+", default=["heterogeneous"], choices=["homogeneous", "heterogeneous"])
+    p.add_argument("--scenarios", nargs="+", default=["heterogeneous"],
+                   choices=["homogeneous", "heterogeneous", "slow-link"])
+    p.add_argument("--slow-link", dest="slow_link", default="250mbit", metavar="RATE",
+                   help="slow-link scenario (with --emulate): the last worker's node's link runs at RATE "
+                        "(a network straggler; default 250mbit)")
     p.add_argument("--straggler", type=float, default=3.0, help="slowdown of the last worker when heterogeneous")
     p.add_argument("--target", type=float, default=0.9,
                    help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there)")
@@ -57,21 +65,34 @@ def main() -> None:
                    help="divide --lr by the updates a paradigm applies per step of every worker")
     p.add_argument("--lr-staleness", nargs="+", default=[None], metavar="SCHEDULE",
                    help="--lr-staleness values to run the paradigms that see staleness with (default: as given)")
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep every run's metrics file in DIR/SCENARIO/ (for hpcps report, e.g. at another "
+                        "--target); default: a temporary directory")
+    p.add_argument("--ssp-staleness", nargs="+", type=int, default=[], metavar="S", dest="ssp_staleness",
+                   help="run ssp once per threshold S (e.g. 0 1 2 3 4: every fixed threshold DSSP's range covers)")
     p.add_argument("--groups", default="2",
                    help="grouped: group servers (extra ranks), or auto: 2 groups formed by measured speed")
     a = p.parse_args()
+    if "slow-link" in a.scenarios and not a.emulate:
+        p.error("the slow-link scenario needs --emulate (a cluster in a box)")
     extra = train_options(a)
     rows = {}
     for scenario in a.scenarios:
         rows = {}
-        with tempfile.TemporaryDirectory() as tmp:
+        with (contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory()) as tmp:
+            Path(tmp, scenario).mkdir(parents=True, exist_ok=True)
             for paradigm in a.paradigms:
                 np_ = a.np + (n_groups(a) if paradigm == "grouped" else 0)  # the same workers, plus group servers
                 slow = ["--slowdown", f"{np_ - 1}={a.straggler:g}"] if scenario == "heterogeneous" else []
-                for schedule in a.lr_staleness if paradigm in SEES_STALENESS else [None]:
+                box = a.emulate + f" --link {{last}}={a.slow_link}" if scenario == "slow-link" else a.emulate
+                thresholds = a.ssp_staleness if paradigm == "ssp" and a.ssp_staleness else [None]
+                for schedule, bound in ((x, b) for x in (a.lr_staleness if paradigm in SEES_STALENESS else [None])
+                                        for b in thresholds):
                     name, own = variant(paradigm, schedule, a, extra)
-                    rows[name] = [run(np_, paradigm, s, Path(tmp) / f"{paradigm}-{schedule}-{s}.h5",
-                                      extra + slow + own, a.target) for s in a.seeds]
+                    if bound is not None:
+                        name, own = f"{name}, s={bound}", own + ["--staleness", str(bound)]
+                    rows[name] = [run(np_, paradigm, s, Path(tmp, scenario, f"{paradigm}-{schedule}-{bound}-{s}.h5"),
+                                      extra + slow + own, a.target, box) for s in a.seeds]
                     print(f"  {scenario} {name}: done", file=sys.stderr)
         table(scenario, rows, a, extra)
     print(f"\n{verdict(rows, a.target)} ({a.scenarios[-1]})")
@@ -113,7 +134,9 @@ def variant(paradigm: str, schedule: str | None, a, extra: list[str]) -> tuple[s
 def table(scenario: str, rows: dict, a, options: list[str]) -> None:
     bsp = next((rs for name, rs in rows.items() if name.startswith("bsp")), None)
     base = np.nanmean([r["ttt"] for r in bsp]) if bsp else float("nan")
-    slow = f", the last worker {a.straggler:g}x slower" if scenario == "heterogeneous" else ""
+    slow = {"heterogeneous": f", the last worker {a.straggler:g}x slower",
+            "slow-link": f", the last worker's link at {a.slow_link}"}.get(scenario, "")
+    slow += f", in a box: {a.emulate}" if a.emulate else ""
     print(f"\n{scenario}: {a.np - 1} workers{slow}, seeds {a.seeds}, options: {' '.join(options)}\n")
     print("| paradigm | final accuracy | wall s | time to {:.0%} s | vs BSP | iterations/s per worker | "
           "mean wait ms | mean staleness |".format(a.target))

@@ -26,6 +26,9 @@ push+pull ratio at 16 MiB and above (1.00: as fast as raw MPI).
     python tools/bench_transport.py                 # starts mpiexec -n 2 itself
     python tools/bench_transport.py --device cuda   # worker on cuda:0, staged unless --transfer direct
     mpiexec -n 2 python tools/bench_transport.py    # or under your own launcher
+    hpcps emulate --nodes 2 --link 1gbit -- python tools/bench_transport.py   # over a shaped TCP link
+
+In a box (``hpcps emulate``) it also prints how close push and pull come to the link's rate.
 """
 
 from __future__ import annotations
@@ -172,6 +175,8 @@ def main() -> int:
                         "direct needs a CUDA-aware MPI on a GPU)")
     a = p.parse_args()
     from mpi4py import MPI
+
+    from hpcps.box import cluster_record
     comm = MPI.COMM_WORLD
     if comm.size == 1:
         return _relaunch(sys.argv[1:])
@@ -198,6 +203,12 @@ def main() -> int:
             gbs = lambda s: mib * MIB / s / 1e9  # noqa: E731
             print(f"| {mib} | {gbs(r['push']):.2f} | {gbs(r['push_raw']):.2f} | {r['push_raw'] / r['push']:.2f} "
                   f"| {gbs(r['pull']):.2f} | {gbs(r['pull_raw']):.2f} | {r['pull_raw'] / r['pull']:.2f} | {both:.2f} |")
+        cluster = cluster_record()
+        if cluster and worst is not None:  # in a box: how close each moves to the links' rate
+            rate = min(cluster["link_bps"][cluster["node_of_rank"][r]] for r in (0, 1)) / 8
+            mib, r, _ = next(row for row in rows if row[0] >= 16)
+            print(f"\nat {mib} MiB, of the link's rate ({rate / 1e9:.3f} GB/s): push "
+                  f"{mib * MIB / r['push'] / rate:.2f}, pull {mib * MIB / r['pull'] / rate:.2f}")
         if worst is not None:
             print(f"\nratio vs raw: {worst:.2f}")
     return 0

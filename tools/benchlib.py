@@ -18,8 +18,9 @@ from hpcps.launcher import clean_environ, find_mpiexec
 def launch_argv(np_: int, argv: list[str], emulate: str | None = None) -> list[str]:
     """``mpiexec -n NP ARGV``, or, with ``emulate`` (``hpcps emulate`` options as one string, e.g.
     ``"--nodes 5 --link 1gbit"``), ARGV on the ranks of a cluster in a box."""
-    if emulate:
-        return [sys.executable, "-m", "hpcps", "emulate", *shlex.split(emulate), "--", *argv]
+    if emulate:  # {np} and {last} stand for the job's rank count and its last rank (e.g. --link {last}=250mbit)
+        words = shlex.split(emulate.format(np=np_, last=np_ - 1))
+        return [sys.executable, "-m", "hpcps", "emulate", *words, "--", *argv]
     return [find_mpiexec() or "mpiexec", "-n", str(np_), *argv]
 
 
@@ -46,7 +47,8 @@ def parser(doc: str, *, seeds: list[int]) -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=seeds)
     p.add_argument("--emulate", metavar="OPTIONS",
                    help="run every job in a cluster in a box: hpcps emulate's options as one string, e.g. "
-                        "'--nodes 5 --link 1gbit --link 0=4gbit' (needs root; the ranks must match --np)")
+                        "'--nodes {np} --link 1gbit --link 0=4gbit', where {np} is the job's rank count and {last} "
+                        "its last rank (root or a user namespace; the ranks must match the job's)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more hpcps train options")
     return p
 

@@ -19,6 +19,16 @@ iterations per second summed over workers, each over its own active time
 the last line is ``worst error: X%``.
 
     python tools/validate_simulator.py --workers 4 8 16 --paradigms bsp asp ssp grouped
+
+With ``--link RATE`` (and ``--server-link RATE``) the validated runs go into a cluster in a box
+(``hpcps emulate``, one rank per node, the server on node 0) and the model gets the same links
+(:class:`hpcps.simulate.Links`): every transfer of the model's ``4 x parameters`` bytes is a flow on
+the server's link. The server's costs are still calibrated on this machine without a box (they
+are CPU, not network), the per-iteration overhead with 1 worker in the box, less its transfer.
+Grouped is not modelled with links.
+
+    python tools/validate_simulator.py --workers 4 8 16 --paradigms bsp asp ssp --link 200mbit \
+        --server-link 1gbit --hidden 2048 --compute-time 0.05
 """
 
 from __future__ import annotations
@@ -31,7 +41,15 @@ import numpy as np
 
 from benchlib import train
 from hpcps.report import worker_rates
-from hpcps.simulate import Machine, simulate
+from hpcps.simulate import Links, Machine, simulate
+
+
+def _parameters(hidden: int | None) -> int:
+    """Parameters of the MLP hpcps train builds on digits (64 inputs, 10 classes) with ``hidden`` units."""
+    from hpcps.models import mlp
+
+    model = mlp((64,), 10, **({"hidden": hidden} if hidden else {}))
+    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -42,12 +60,22 @@ def main() -> None:
     p.add_argument("--compute-time", dest="compute_time", type=float, default=0.02)
     p.add_argument("--straggler", type=float, default=2.0, help="the last worker is this much slower (default 2)")
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--hidden", type=int, help="the MLP's width (default: hpcps train's)")
+    p.add_argument("--link", metavar="RATE", help="run the validated jobs in a box with workers' links of RATE")
+    p.add_argument("--server-link", dest="server_link", metavar="RATE", help="with --link: the server's (default: RATE)")
     a = p.parse_args()
-    common = ["--compute-time", str(a.compute_time), "--steps", str(a.steps), "--eval-interval", "1"]
+    common = ["--compute-time", str(a.compute_time), "--steps", str(a.steps), "--eval-interval", "1",
+              *(["--hidden", str(a.hidden)] if a.hidden else [])]
+    words = [a.link, f"0={a.server_link or a.link}"] if a.link else None
+    box = f"--nodes {{np}} --link {a.link} --link 0={a.server_link or a.link}" if a.link else None
+    nbytes = 4 * _parameters(a.hidden) if a.link else 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cal = train(2, Path(tmp) / "calibrate.h5", ["--paradigm", "asp", *common])["it"]
+        cal = train(2, Path(tmp) / "calibrate.h5", ["--paradigm", "asp", *common], emulate=box)["it"]
         overhead = float(np.median(cal["t_end"] - cal["t_start"] - cal["compute_s"]))
+        if words:  # the 1-worker iteration in the box also moves the model once each way, overlapped
+            overhead = max(0.0, overhead - nbytes / min(Links.from_words(words, 1).workers[0],
+                                                        Links.from_words(words, 1).server))
         sizes, rounds = [1, 2, 3, 5, 6], []
         for n in sizes:
             slow = ["--slowdown", f"{n}={a.straggler:g}"] if a.straggler > 1 else []
@@ -64,11 +92,15 @@ def main() -> None:
                 slow = ["--slowdown", f"{last}={a.straggler:g}"] if a.straggler > 1 else []
                 grouped = ["--groups", str(groups)] if groups else []
                 it = train(n + 1 + groups, Path(tmp) / f"{paradigm}-{n}.h5",
-                           ["--paradigm", paradigm, *grouped, *common, *slow])["it"]
+                           ["--paradigm", paradigm, *grouped, *common, *slow], emulate=box)["it"]
                 measured = sum(worker_rates(it).values())
-                predicted = simulate(paradigm, n, steps=a.steps, nbytes=0, compute_time=a.compute_time,
-                                     slowdown={n - 1: a.straggler}, machine=machine, groups=a.groups).throughput
+                predicted = simulate(paradigm, n, steps=a.steps, nbytes=nbytes, compute_time=a.compute_time,
+                                     slowdown={n - 1: a.straggler}, machine=machine, groups=a.groups,
+                                     links=Links.from_words(words, n) if words else None).throughput
                 rows.append((paradigm, n, measured, predicted, predicted / measured - 1))
+    if a.link:
+        print(f"in a box: workers' links {a.link}, the server's {a.server_link or a.link}, "
+              f"{nbytes / 1e6:.2f} MB per transfer")
     print(f"compute {a.compute_time * 1e3:g} ms, last worker {a.straggler:g}x slower, {a.steps} steps; "
           f"calibrated: transfer {overhead * 1e3:.2f} ms (1 worker, asp); server {server_s * 1e3:.3f} ms per push "
           f"and {update_s * 1e3:.3f} ms per gradient of a closing update (1-6 workers, bsp: rounds of "

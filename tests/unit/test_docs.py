@@ -105,6 +105,14 @@ def _check(line: str) -> list[str]:
         cut = words.index("--") if "--" in words else len(words)
         own = [f for f in words[at + 1:cut] if f.startswith("--") and f.split("=")[0] not in _flags("emulate")]
         return own + (_check(shlex.join(words[cut + 1:])) if cut < len(words) else [])
+    boxed = []  # a benchmark's --emulate "OPTIONS" holds hpcps emulate's own options
+    while "--emulate" in words[:-1]:
+        at = words.index("--emulate")
+        boxed += [f for f in shlex.split(words[at + 1]) if f.startswith("--") and f not in _flags("emulate")]
+        words = words[:at] + words[at + 2:]
+        line = shlex.join(words)
+    if boxed:
+        return boxed + _check(line)
     if "tools/" in line:
         at = next(i for i, w in enumerate(words) if w.startswith("tools/"))
         command, rest = words[at], words[at + 1:]
@@ -137,6 +145,8 @@ def test_a_renamed_option_would_be_caught():
     assert _check("python tools/bench_policies.py --workerz 4") == ["--workerz"]
     assert _check("hpcps emulate --nodez 2 --link 1gbit -- hpcps train --stepz 3") == ["--nodez", "--stepz"]
     assert _check("hpcps emulate --nodes 2 -- python tools/bench_transport.py --sizez 16") == ["--sizez"]
+    assert _check('python tools/bench_eager.py --emulate "--nodez {np}" -- --stepz 3') == ["--nodez", "--stepz"]
+    assert _check('python tools/bench_eager.py --emulate "--nodes {np} --link 1gbit" -- --steps 3') == []
 
 
 def test_the_metrics_recipes_run(tmp_path, monkeypatch, capsys):

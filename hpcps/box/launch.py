@@ -27,7 +27,7 @@ def cleanup(log=print) -> int:
     removed = net.cleanup_stale()
     log(f"hpcps emulate: removed {len(removed)} namespace(s) of stale boxes" +
         (f": {' '.join(removed)}" if removed else ""))
-    live = [p for p in net.live_prefixes() if p != f"hpcps{os.getpid()}-"]
+    live = [p for p, alive in net.boxes().items() if alive and p != f"hpcps{os.getpid()}-"]
     if live:
         log(f"hpcps emulate: left alone, their owners still run: {' '.join(p + '*' for p in live)}")
     return 0

@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 from hpcps.box.spec import Cluster, box_pid, setup_commands
 from hpcps.errors import UserError
@@ -29,6 +28,8 @@ class BoxError(UserError):
     """The box cannot be built here (platform, privileges, a missing tool or qdisc)."""
 
 
+#: the start of the line that says this host will not make network namespaces for us
+NEEDS_ROOT = "hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces"
 #: set in the user namespace ``hpcps emulate`` re-runs itself in when it is not root
 USERNS_VAR = "HPCPS_BOX_USERNS"
 #: the shell line that gives the user namespace its own /run (``ip netns`` keeps its names in /run/netns)
@@ -65,8 +66,7 @@ def user_namespace_argv(argv: list[str]) -> list[str]:
         done = _run(prefix + ["ip", "netns", "add", "hpcps0-probe"])
         said = None if done.returncode == 0 else " ".join((done.stderr or done.stdout).split())
     if said is not None:
-        raise BoxError("hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces, "
-                       f"or unprivileged user namespaces, which failed here: {said}")
+        raise BoxError(f"{NEEDS_ROOT}, or unprivileged user namespaces, which failed here: {said}")
     return prefix + argv
 
 
@@ -79,8 +79,7 @@ def _explain(argv: list[str], stderr: str) -> str:
     said = " ".join(stderr.split())
     cmd = " ".join(argv[:6])
     if "Operation not permitted" in said or "Permission denied" in said:
-        return (f"hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
-                f"`{cmd}` said: {said}")
+        return f"{NEEDS_ROOT}; `{cmd}` said: {said}"
     if argv[0] == "tc" and ("Unknown qdisc" in said or "qdisc kind is unknown" in said or "No such file" in said):
         return f"this kernel has no tbf qdisc (module sch_tbf), which shapes the links; `{cmd}` said: {said}"
     if "veth" in argv and ("Unknown device type" in said or "not supported" in said.lower()):
@@ -145,23 +144,18 @@ def _owner_alive(pid: int) -> bool:
         return False
 
 
-def stale_prefixes() -> list[str]:
-    """Prefixes of boxes whose owning process is gone."""
-    pids = sorted({box_pid(ns) for ns in namespaces()} - {None})
-    return [f"hpcps{pid}-" for pid in pids if pid != os.getpid() and not _owner_alive(pid)]
-
-
-def live_prefixes() -> list[str]:
-    """Prefixes of boxes whose owner still runs (another ``hpcps emulate``, or this one)."""
-    pids = sorted({box_pid(ns) for ns in namespaces()} - {None})
-    return [f"hpcps{pid}-" for pid in pids if pid == os.getpid() or _owner_alive(pid)]
+def boxes() -> dict[str, bool]:
+    """Every box on this host, by prefix, and whether its owner still runs (this process counts)."""
+    owners = sorted({box_pid(ns) for ns in namespaces()} - {None})
+    return {f"hpcps{pid}-": pid == os.getpid() or _owner_alive(pid) for pid in owners}
 
 
 def cleanup_stale() -> list[str]:
     """Remove every stale box; return the namespaces removed."""
     removed: list[str] = []
-    for prefix in stale_prefixes():
-        removed += remove(prefix)
+    for prefix, alive in boxes().items():
+        if not alive:
+            removed += remove(prefix)
     return removed
 
 
@@ -185,13 +179,3 @@ class Reaper:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def wait_gone(prefix: str, timeout: float = 10.0) -> bool:
-    """Poll until no namespace named ``prefix*`` is left; return whether none is."""
-    deadline = time.monotonic() + timeout
-    while any(ns.startswith(prefix) for ns in namespaces()):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: name of every node's interface inside its namespace (MPICH's ``FI_TCP_IFACE``)
 NODE_IFACE = "hpcps0"
@@ -99,7 +99,6 @@ class Cluster:
     nodes: tuple[Node, ...]
     buffer_bytes: int
     prefix: str = "hpcps0-"
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.nodes) <= MAX_NODES:
@@ -113,10 +112,6 @@ class Cluster:
 
     def namespace(self, k: int) -> str:
         return f"{self.prefix}n{k}"
-
-    def namespaces(self) -> list[str]:
-        """Every namespace of the box, the switch last (deleting it last removes the bridge last)."""
-        return [self.namespace(k) for k in range(len(self.nodes))] + [self.switch]
 
     @staticmethod
     def address(k: int) -> str:
@@ -136,7 +131,7 @@ class Cluster:
                 "link_bps": [n.rate_bps for n in self.nodes],
                 "ranks_per_node": [n.ranks for n in self.nodes],
                 "node_of_rank": self.node_of_rank(),
-                "buffer_bytes": self.buffer_bytes, **self.extra}
+                "buffer_bytes": self.buffer_bytes}
 
 
 def make_cluster(nodes: int, links: list[str], *, buffer: str, ranks_per_node: int = 1,

@@ -43,8 +43,9 @@ version they belong to. Two protocols guarantee that:
       headers, ``FLOAT`` parameters);
     * the shard's stores to a slot are followed by ``Win_sync`` before its
       version and the newest-slot word say they are complete, and a reader
-      reads the slot's version only once its pin is in place (``Flush``
-      after the increment), so no store to the slot can overlap its copy.
+      reads the slot's version only once its pin is in place (the
+      increment's request has completed, its old count fetched), so no
+      store to the slot can overlap its copy.
 
 ``locked`` (the fallback for the separate memory model)
     The shard copies its parameters in under an exclusive lock on itself;

@@ -3,20 +3,21 @@
 One switch (``--paradigm``) selects the synchronization paradigm; the
 runtime (topology, transport, server and worker loops) is shared by all of
 them. :func:`hpcps.train` trains the user's own model, data, loss and
-optimizer (see :mod:`hpcps.api`); ``hpcps train`` is the command-line client
+optimizer (see :mod:`hpcps.api`), and :func:`hpcps.init` lets the user keep
+their own training loop (the step API, :mod:`hpcps.session`); ``hpcps train`` is the command-line client
 of the same runtime. See README.md and docs/ for the user's view.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["train", "__version__"]
+__all__ = ["train", "init", "decay_groups", "__version__"]
 
 
 def __getattr__(name: str):
-    """``hpcps.train`` imports the runtime (torch, mpi4py) on first use only, so offline tools
-    (``hpcps report``, ``hpcps simulate``) never import MPI."""
-    if name == "train":
-        from hpcps.api import train
+    """``hpcps.train`` and ``hpcps.init`` import the runtime (torch, mpi4py) on first use only, so
+    offline tools (``hpcps report``, ``hpcps simulate``) never import MPI."""
+    if name in ("train", "init", "decay_groups", "Session", "RunResult"):
+        from hpcps import api
 
-        return train
+        return getattr(api, name)
     raise AttributeError(f"module 'hpcps' has no attribute {name!r}")

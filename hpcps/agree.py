@@ -74,9 +74,15 @@ def run_or_end(comm: MPI.Comm, step: Callable[[], T], *, quiet: tuple[type[BaseE
             print_error(str(exc))
         return None, exc.exit_code
     except Exception as exc:
-        print_error(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank")
-        if not isinstance(exc, (RunAborted, *quiet)):
-            log.exception("rank %d failed", comm.rank)
-        time.sleep(0.5)  # let the launcher forward that line before MPI_Abort tears the job down
-        comm.Abort(1)
+        end_job(comm, exc, quiet=quiet)
         return None, 1  # MPI_Abort may return on a rank the launcher is already tearing down
+
+
+def end_job(comm: MPI.Comm, exc: BaseException, *, quiet: tuple[type[BaseException], ...] = ()) -> None:
+    """One line naming this rank and ``exc`` (the traceback in the log, unless the error's message says
+    it all), then ``MPI_Abort``: every rank ends, none is left waiting for this one."""
+    print_error(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank")
+    if not isinstance(exc, (RunAborted, *quiet)):
+        log.error("rank %d failed", comm.rank, exc_info=exc)
+    time.sleep(0.5)  # let the launcher forward that line before MPI_Abort tears the job down
+    comm.Abort(1)

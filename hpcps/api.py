@@ -9,6 +9,10 @@ A script calls :func:`train` on every rank and is launched like
     if result is not None:  # rank 0
         print(result.summary["final_accuracy"], result.saved)
 
+A script with a training loop of its own keeps it: :func:`init` starts the
+run and returns a :class:`~hpcps.session.Session` whose ``step()`` follows
+the loop's ``backward()`` (the step API).
+
 ``hpcps train`` is a client of the same runtime (:func:`hpcps.run.run_training`):
 the options are the same, under the same names (``batch_size`` for
 ``--batch-size``), validated by the same config model.
@@ -21,8 +25,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hpcps.batches import is_dataset
+from hpcps.config import make_config
+from hpcps.errors import UserError
 from hpcps.optim import OptimizerFactory, Schedule
+from hpcps.paramgroups import GroupsSpec, decay_groups
 from hpcps.run import RunResult
+from hpcps.session import Session
 from hpcps.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
 
 
@@ -30,6 +39,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
           test_data: torch.utils.data.Dataset | Iterable[Any] | None = None,
           loss: LossFn | str | None = None, evaluate: EvalFn | None = None,
           optimizer: OptimizerFactory | str | None = None, lr_schedule: Schedule | str | None = None,
+          param_groups: GroupsSpec | None = None,
           config: str | None = None, comm=None, exit_on_error: bool = True, **options: Any) -> RunResult | None:
     """Collective over ``comm`` (default ``COMM_WORLD``): train, and return the result on rank 0
     (:class:`~hpcps.run.RunResult`: metrics path, summary, trained model and its ``state_dict``);
@@ -39,12 +49,16 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
         a factory returning a ``torch.nn.Module``, called on every rank right
         after ``torch.manual_seed(seed)`` (with ``in_shape``, ``n_classes``
         and ``hidden`` where it accepts them and the data tell them); or a
-        built-in name or plug-in path, as ``--model`` takes.
+        built-in name or plug-in path, as ``--model`` takes. Afterwards
+        worker ``i`` reseeds torch with ``seed + 1 + i`` (plus 1000003 x the
+        step a resumed run starts at): every worker draws its own dropout
+        masks and random batches.
     ``data``
         training data, loaded by workers only: a map-style ``Dataset``
         (hpcps shards it among the workers as ``DistributedSampler`` would,
         a new permutation every epoch); a batch factory
-        ``(index, n_workers, seed, epoch) -> iterable of batches``; a
+        ``(index, n_workers, seed, epoch) -> iterable of batches`` (which
+        makes its own batches: ``batch_size`` is refused with one); a
         ``(train, test)`` pair; or a name, HDF5 file or plug-in, as ``--dataset``.
     ``test_data``
         held-out data, evaluated by rank 0: a Dataset or a re-iterable of
@@ -60,12 +74,18 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
         integer labels.
     ``optimizer``
         ``"sgd"``, ``"adam"``, ``"adamw"`` (configured by ``lr``, ``momentum``,
-        ``weight_decay``, ``betas``, ...), or a factory ``params -> torch.optim.Optimizer``
-        run on every server shard over its slice (1-D float32 tensors).
+        ``weight_decay``, ``betas``, ...), or a factory ``param_groups ->
+        torch.optim.Optimizer`` run on every server shard over its slice
+        (torch.optim param groups of 1-D float32 tensors; see :mod:`hpcps.paramgroups`).
     ``lr_schedule``
-        ``"constant"``, ``"step"``, ``"cosine"`` (with ``warmup_steps``), or
+        ``"constant"``, ``"step"``, ``"cosine"`` (with ``warmup_steps``, ``min_lr``), or
         ``version -> multiplier`` of the optimizer's learning rate, the
         version being the number of updates the shard has applied.
+    ``param_groups``
+        the optimizer's parameter groups as torch.optim takes them (``params``:
+        the model's tensors or their names, and each group's options), or a
+        function of the model returning them (:func:`hpcps.decay_groups`: decay
+        on tensors of two or more dimensions only).
     ``config``
         a TOML file of options; keyword ``options`` override it.
     ``options``
@@ -80,21 +100,15 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     from mpi4py import MPI
 
     from hpcps.agree import agree, run_or_end
-    from hpcps.config import make_config
     from hpcps.run import run_training
 
     comm = MPI.COMM_WORLD if comm is None else comm
-    flags = dict(options)
-    for key, value in (("model", model), ("dataset", data), ("loss", loss), ("optimizer", optimizer),
-                       ("lr_schedule", lr_schedule)):
-        if isinstance(value, str):  # a name or plug-in path: as the command line takes it
-            flags[key] = value
-    for key, value in (("model", model), ("dataset", data), ("loss", loss)):
-        if value is not None and not isinstance(value, str):
-            flags[key] = _describe(value)  # how the run's config records the user's object
+    flags = _flags(options, model=model, dataset=data, loss=loss, optimizer=optimizer, lr_schedule=lr_schedule)
 
     def workload(cfg) -> Workload:
         """The user's objects, names and plug-ins resolved (on every rank: plug-ins may fail anywhere)."""
+        if is_batch_factory(data) and "batch_size" in options:
+            raise UserError("batch_size: a batch factory makes its own batches; drop batch_size")
         load, prepare = resolve_dataset(data, cfg.test_fraction) if isinstance(data, str) else (
             lambda: data_source(data, test_data, test_fraction=cfg.test_fraction, name=cfg.dataset), None)
         return Workload(
@@ -102,10 +116,10 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
             loss=resolve_loss(cfg.loss) if loss is None or isinstance(loss, str) else loss, evaluate=evaluate,
             optimizer=None if optimizer is None or isinstance(optimizer, str) else optimizer,
             lr_schedule=None if lr_schedule is None or isinstance(lr_schedule, str) else lr_schedule,
-            model_name=cfg.model)
+            model_name=cfg.model, param_groups=param_groups)
 
     def run() -> RunResult | None:
-        cfg = agree(comm, lambda: make_config(flags, config_file=config))
+        cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
         return run_training(cfg, comm, agree(comm, lambda: workload(cfg)))
 
     if not exit_on_error:
@@ -116,6 +130,90 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     return result
 
 
+def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFactory | str | None = None,
+         lr_schedule: Schedule | str | None = None, param_groups: GroupsSpec | None = None,
+         config: str | None = None, comm=None, exit_on_error: bool = True, **options: Any) -> Session:
+    """Collective over ``comm``: start a run whose workers run the caller's own training loop (the
+    step API); return this rank's :class:`~hpcps.session.Session`::
+
+        ps = hpcps.init(make_model, optimizer="adamw", lr=6e-4, paradigm="ssp", steps=max_iters)
+        with ps:
+            while ps.running:                     # False on servers, and once the run is over
+                for _ in range(accumulation):
+                    loss = ps.model(x, y) / accumulation
+                    loss.backward()
+                ps.step(loss)                     # push, wait as the paradigm says, pull
+        result = ps.result                        # rank 0: the RunResult
+
+    On a server rank ``init`` serves until every worker has closed its session, and
+    returns a closed one (``ps.is_worker`` False; ``ps.result`` on rank 0). On a
+    worker rank the model (``ps.model``) holds the parameters of the first step.
+
+    ``model``, ``optimizer``, ``lr_schedule``, ``param_groups``, ``config``, ``comm``
+    and ``exit_on_error`` are as :func:`train` takes them; ``options`` are
+    :func:`train`'s, less the data's (the loop brings its own batches):
+    ``steps`` is required (the most steps a worker takes: schedules and the
+    progress line count on it; the loop may stop sooner).
+    """
+    from mpi4py import MPI
+
+    from hpcps.agree import agree, run_or_end
+    from hpcps.run import open_run
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    flags = _flags(options, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+    flags.setdefault("dataset", "own-loop")
+
+    def check(cfg) -> Workload:
+        if cfg.steps is None:
+            raise UserError("steps: hpcps.init needs the most steps a worker will take (schedules and "
+                            "progress count on it; the loop may stop sooner)")
+        for name in ("batch_size", "epochs", "test_fraction", "eval_batch_size"):
+            if name in options:
+                raise UserError(f"{name}: the loop brings its own batches under hpcps.init; drop {name}")
+        if cfg.group_by == "speed":
+            raise UserError("groups by speed time hpcps's own loop; under hpcps.init give groups by rank")
+        return Workload(model=resolve_model(model) if isinstance(model, str) else model, data=None,
+                        optimizer=None if optimizer is None or isinstance(optimizer, str) else optimizer,
+                        lr_schedule=None if lr_schedule is None or isinstance(lr_schedule, str) else lr_schedule,
+                        model_name=cfg.model, param_groups=param_groups)
+
+    def start() -> Session:
+        cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
+        run = open_run(cfg, comm, agree(comm, lambda: check(cfg)))
+        try:
+            run.start()
+            session = Session(run, abort_on_error=exit_on_error)
+            if not session.is_worker:
+                run.serve()
+                session.result = run.end()
+                session.closed = True
+                run.__exit__(None, None, None)
+            return session
+        except BaseException:
+            run.__exit__(*sys.exc_info())  # no collective frees: the other ranks may not be coming
+            raise
+
+    if not exit_on_error:
+        return start()
+    session, status = run_or_end(comm, start)
+    if status:
+        sys.exit(status)
+    return session
+
+
+def _flags(options: dict[str, Any], **objects: Any) -> dict[str, Any]:
+    """The options as the config takes them: names and plug-in paths as given, the user's objects
+    recorded by name (``module:qualname``) where the config has a field for them."""
+    flags = dict(options)
+    for key, value in objects.items():
+        if isinstance(value, str):  # a name or plug-in path: as the command line takes it
+            flags[key] = value
+        elif value is not None and key in ("model", "dataset", "loss"):
+            flags[key] = _describe(value)  # how the run's config records the user's object
+    return flags
+
+
 def _describe(obj: Any) -> str:
     """How an object the user gave is recorded in the run's config (``module:qualname``, or its type)."""
     name = getattr(obj, "__qualname__", None)
@@ -124,4 +222,9 @@ def _describe(obj: Any) -> str:
     return f"<{type(obj).__name__}>"
 
 
-__all__ = ["train", "RunResult"]
+def is_batch_factory(data: Any) -> bool:
+    """Whether ``data`` is a batch factory (a callable that is no Dataset, name or pair)."""
+    return callable(data) and not isinstance(data, (str, tuple, list)) and not is_dataset(data)
+
+
+__all__ = ["train", "init", "decay_groups", "RunResult", "Session"]

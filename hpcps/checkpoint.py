@@ -8,6 +8,8 @@ Files of the checkpoint of version v (format 2)::
                n_params, n_workers, n_servers, config (JSON)
     step-000020.optim-0.pt  shard 0's optimizer state (torch.save of its state_dict)
     step-000020.optim-1.pt  shard 1's, ... one per shard, each written by its shard
+    step-000020.user.pt     the training loop's own fields (the step API's ``ps.state``), written
+                            by worker 0; only where a loop keeps any
 
 Each file is written atomically: to ``<name>.tmp``, then renamed; a
 checkpoint is complete when all ``1 + n_servers`` files exist. Only BSP
@@ -44,6 +46,10 @@ FORMAT = 2
 MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "loss", "batch_size", "lr", "seed", "test_fraction",
               "servers", "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
               "warmup_steps", "lr_step_every", "lr_gamma", "clip_norm")
+#: of those, the ones that describe the optimizer and schedule: a checkpoint that records what ran
+#: (``optimizer_ran``, ``lr_schedule_values``) is compared on that instead (see check_same_optimizer)
+OPTIMIZER_KEYS = ("lr", "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
+                  "warmup_steps", "lr_step_every", "lr_gamma")
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,29 @@ def write_optimizer_state(path: str, shard: int, state: dict) -> str:
     return part
 
 
+def user_state_path(path: str) -> str:
+    """The file of the training loop's own fields (the step API's ``ps.state``) in the checkpoint ``path``."""
+    return f"{os.path.splitext(path)[0]}.user.pt"
+
+
+def write_user_state(path: str, state: dict) -> str:
+    """Write worker 0's ``ps.state`` beside the checkpoint ``path`` atomically; return its file."""
+    part = user_state_path(path)
+    os.makedirs(os.path.dirname(os.path.abspath(part)), exist_ok=True)
+    torch.save(dict(state), part + ".tmp")
+    os.replace(part + ".tmp", part)
+    return part
+
+
+def read_user_state(path: str) -> dict:
+    """The loop's own fields saved with the checkpoint ``path`` (empty when it has none). The file is
+    the user's own pickle, read in full (``weights_only=False``): resume only checkpoints you trust."""
+    part = user_state_path(path)
+    if not os.path.exists(part):
+        return {}
+    return torch.load(part, weights_only=False)
+
+
 def read_optimizer_state(path: str, shard: int) -> dict:
     """Shard ``shard``'s optimizer state (empty for a format-1 checkpoint: plain SGD had none)."""
     part = optimizer_state_path(path, shard)
@@ -128,12 +157,39 @@ def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int
     from hpcps.config import TrainConfig
 
     defaults = TrainConfig().as_json_dict()  # options an older checkpoint predates had their defaults
-    theirs = {key: ckpt.config.get(key, defaults.get(key)) for key in MUST_MATCH}
+    keys = [k for k in MUST_MATCH if "optimizer_ran" not in ckpt.config or k not in OPTIMIZER_KEYS]
+    theirs = {key: ckpt.config.get(key, defaults.get(key)) for key in keys}
     problems = [f"{key} is {config.get(key)!r} here but {theirs[key]!r} in the checkpoint"
-                for key in MUST_MATCH if config.get(key) != theirs[key]]
+                for key in keys if config.get(key) != theirs[key]]
     if len(ckpt.params) != n_params:
         problems.append(f"the model has {n_params} parameters, the checkpoint {len(ckpt.params)}")
     if len(ckpt.worker_clocks) != n_workers:
         problems.append(f"{n_workers} workers here, {len(ckpt.worker_clocks)} in the checkpoint")
+    if problems:
+        raise UserError(f"--resume {path} does not fit this run: " + "; ".join(problems))
+
+
+def check_same_optimizer(ckpt: Checkpoint, path: str, optimizer: dict, schedule) -> None:
+    """UserError unless this run's optimizer (class, options, param groups: what ran, a factory's
+    included) and its schedule (``version -> multiplier``, at the versions the checkpoint recorded)
+    are the checkpoint's. Checkpoints that predate this record were compared on their options by
+    :func:`check_compatible`."""
+    if "optimizer_ran" not in ckpt.config:
+        return
+    problems = []
+    theirs = ckpt.config["optimizer_ran"]
+    if optimizer.get("class") != theirs.get("class"):
+        problems.append(f"the optimizer is {optimizer.get('class')} here but {theirs.get('class')} in the checkpoint")
+    mine, saved = optimizer.get("defaults", {}), theirs.get("defaults", {})
+    problems += [f"the optimizer's {key} is {mine.get(key)!r} here but {saved.get(key)!r} in the checkpoint"
+                 for key in sorted(set(mine) | set(saved)) if mine.get(key) != saved.get(key)]
+    if optimizer.get("param_groups") != theirs.get("param_groups"):
+        problems.append(f"the param groups are {optimizer.get('param_groups')} here but "
+                        f"{theirs.get('param_groups')} in the checkpoint")
+    recorded = ckpt.config.get("lr_schedule_values", [])
+    differ = [(int(v), m, float(schedule(int(v)))) for v, m in recorded if float(schedule(int(v))) != m]
+    if differ:
+        problems.append("the learning-rate schedule differs: " + ", ".join(
+            f"x{here:g} here but x{there:g} in the checkpoint at version {v}" for v, there, here in differ[:3]))
     if problems:
         raise UserError(f"--resume {path} does not fit this run: " + "; ".join(problems))

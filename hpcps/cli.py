@@ -90,13 +90,17 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, help="iterations per worker (default 500 unless --epochs)")
     g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")
     g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default 32)")
-    g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default 0.1)")
+    g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default 0.1 for sgd, "
+                                             "0.001 for adam and adamw)")
     g.add_argument("--lr-staleness", dest="lr_staleness", metavar="{none,inverse,sqrt,exp}",
                    help="scale each gradient's learning rate by the staleness its worker knows of: lr, lr/(1+s), "
                         "lr/sqrt(1+s), lr*exp(-s) (default inverse for eager, none otherwise)")
     g.add_argument("--seed", type=int, help="seed of model initialisation and batch order (default 0)")
     g.add_argument("--target-accuracy", type=float, dest="target_accuracy", metavar="ACC",
-                   help="stop once held-out accuracy reaches ACC (0-1)")
+                   help="stop once held-out accuracy reaches ACC (0-1): --target accuracy>=ACC")
+    g.add_argument("--target", metavar="METRIC<=VALUE",
+                   help="stop at the first evaluation that meets it: any metric the evaluation returns, "
+                        "e.g. loss<=0.3 or accuracy>=0.9 (default: run every step)")
     g.add_argument("--test-fraction", type=float, dest="test_fraction", help="held-out fraction (default 0.2)")
     g = t.add_argument_group("server optimizer (run by every shard on its slice)")
     g.add_argument("--optimizer", metavar="{sgd,adam,adamw}", help="torch.optim rule (default sgd)")
@@ -108,11 +112,14 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--eps", type=float, help="adam/adamw epsilon (default 1e-8)")
     g.add_argument("--lr-schedule", dest="lr_schedule", metavar="{constant,step,cosine}",
                    help="learning rate over the server version (updates applied): constant (default), step "
-                        "(x --lr-gamma every --lr-step-every versions), cosine (to 0 at the last update)")
+                        "(x --lr-gamma every --lr-step-every versions), cosine (to --min-lr, default 0, at the "
+                        "last update)")
     g.add_argument("--warmup-steps", type=int, dest="warmup_steps", metavar="VERSIONS",
                    help="ramp the learning rate up linearly over the first VERSIONS updates (default 0)")
     g.add_argument("--lr-step-every", type=int, dest="lr_step_every", metavar="VERSIONS",
                    help="step schedule: decay every VERSIONS updates (default a third of the run)")
+    g.add_argument("--min-lr", type=float, dest="min_lr", metavar="LR",
+                   help="the cosine schedule's floor, as a learning rate (default 0)")
     g.add_argument("--lr-gamma", type=float, dest="lr_gamma", metavar="GAMMA",
                    help="step schedule: the decay factor (default 0.1)")
     g.add_argument("--clip-norm", type=float, dest="clip_norm", metavar="NORM",
@@ -158,6 +165,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",
                    help="evaluate the global parameters this often (default 0.1)")
+    g.add_argument("--eval-every", type=int, dest="eval_every", metavar="VERSIONS",
+                   help="evaluate every VERSIONS updates of shard 0 instead of every --eval-interval seconds")
+    g.add_argument("--log-every", type=float, dest="log_every", metavar="SECONDS",
+                   help="the evaluation's console line at most this often (default 5)")
     g.add_argument("--eval-batch-size", type=int, dest="eval_batch_size", metavar="N",
                    help="held-out samples per forward pass of an evaluation (default 256)")
     g.add_argument("--save", metavar="FILE.pt",

@@ -8,6 +8,7 @@ and every message names the option it is about.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from typing import Any, Literal, Mapping
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hpcps.errors import UserError
 from hpcps.faults import Fault, parse_fault
+from hpcps.target import Target
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,6 +25,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_STEPS = 500
+DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_STALENESS = 2
 AUTO_GROUPS = 2  # --groups auto
 DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
@@ -45,7 +48,7 @@ class TrainConfig(BaseModel):
     steps: int | None = Field(None, ge=1)
     epochs: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1)
-    lr: float = Field(0.1, gt=0)
+    lr: float = Field(0.1, gt=0)  # default by optimizer: see _default_lr
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: float = Field(0.0, ge=0)
     nesterov: bool = False
@@ -56,6 +59,7 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     lr_step_every: int | None = Field(None, ge=1)
     lr_gamma: float = Field(0.1, gt=0)
+    min_lr: float | None = Field(None, ge=0)  # cosine's floor, as a learning rate
     clip_norm: float | None = Field(None, gt=0)
     lr_staleness: Literal["none", "inverse", "sqrt", "exp"] | None = None
     staleness: int | None = Field(None, ge=0)  # None: 2 for ssp/dssp, no bound for eager
@@ -69,9 +73,12 @@ class TrainConfig(BaseModel):
     seed: int = 0
     out: str | None = None
     target_accuracy: float | None = Field(None, gt=0, le=1)
+    target: str | None = None  # METRIC<=VALUE or METRIC>=VALUE (hpcps.target)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_aware: Literal["auto", "yes", "no"] = "auto"
     eval_interval: float = Field(0.1, gt=0)
+    eval_every: int | None = Field(None, ge=1)  # versions; instead of eval_interval
+    log_every: float = Field(5.0, gt=0)  # seconds between the evaluation's console lines
     eval_batch_size: int = Field(256, ge=1)
     save: str | None = None
     test_fraction: float = Field(0.2, gt=0, lt=1)
@@ -94,6 +101,14 @@ class TrainConfig(BaseModel):
             if values.get("group_by", "speed") != "speed":
                 raise ValueError("--groups auto forms groups by speed; drop --group-by rank")
             values = {**values, "groups": AUTO_GROUPS, "group_by": "speed"}
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_lr(cls, values: Any) -> Any:
+        """``--lr`` defaults to the optimizer's usual rate: 0.1 for sgd, 1e-3 for adam and adamw."""
+        if isinstance(values, dict) and values.get("lr") is None:
+            values = {**values, "lr": DEFAULT_LR.get(values.get("optimizer", "sgd"), DEFAULT_LR["sgd"])}
         return values
 
     @field_validator("betas", mode="before")
@@ -144,6 +159,13 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{rank}={factor}: FACTOR must be a number >= 1 (how many times slower)")
         return value
 
+    @field_validator("target")
+    @classmethod
+    def _check_target(cls, value: str | None) -> str | None:
+        if value is not None:
+            Target.parse(value)
+        return value
+
     @field_validator("fault")
     @classmethod
     def _check_faults(cls, value: list[str]) -> list[str]:
@@ -166,6 +188,13 @@ class TrainConfig(BaseModel):
         if self.momentum and self.optimizer != "sgd":
             raise ValueError(f"--momentum is for --optimizer sgd (adam and adamw take --betas); "
                              f"got --optimizer {self.optimizer}")
+        if self.target is not None and self.target_accuracy is not None:
+            raise ValueError("give --target or --target-accuracy, not both (--target-accuracy X is --target "
+                             "accuracy>=X)")
+        if self.min_lr is not None and self.lr_schedule != "cosine":
+            raise ValueError(f"--min-lr is the cosine schedule's floor; got --lr-schedule {self.lr_schedule}")
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.jitter == "uniform" and self.jitter_cv > 1 / 3 ** 0.5:
             raise ValueError("--jitter-cv must be <= 0.577 for uniform jitter (times would go negative)")
         return self
@@ -174,6 +203,13 @@ class TrainConfig(BaseModel):
     def faults(self) -> list[Fault]:
         """``--fault`` specs, parsed (validated above)."""
         return [parse_fault(spec) for spec in self.fault]
+
+    @property
+    def stop_target(self) -> Target | None:
+        """``--target``, or ``--target-accuracy X`` as ``accuracy>=X``; None: run all the steps."""
+        if self.target is not None:
+            return Target.parse(self.target)
+        return Target("accuracy", ">=", self.target_accuracy) if self.target_accuracy is not None else None
 
     @property
     def stall_limit(self) -> float | None:
@@ -205,18 +241,24 @@ def parse_slowdown(spec: str) -> tuple[int, float]:
         raise ValueError(f"{spec!r}: expected RANK=FACTOR, e.g. 4=3") from None
 
 
-def _option(loc: tuple) -> str:
-    return "--" + str(loc[0]).replace("_", "-") if loc else "config"
+def _option(loc: tuple, python: bool = False) -> str:
+    if not loc:
+        return "config"
+    return str(loc[0]) if python else "--" + str(loc[0]).replace("_", "-")
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, python: bool = False) -> str:
     lines = []
     for err in exc.errors():
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown option {_option(err['loc'])!r}")
+            name = str(err["loc"][0]) if err["loc"] else ""
+            close = difflib.get_close_matches(name, TrainConfig.model_fields, n=1)
+            hint = f" (did you mean {_option((close[0],), python)!r}?)" if close else ""
+            what = "unknown keyword argument" if python else "unknown option"
+            lines.append(f"{what} {_option(err['loc'], python)!r}{hint}")
         elif err["loc"]:
-            lines.append(f"{_option(err['loc'])}: {msg} (got {err.get('input')!r})")
+            lines.append(f"{_option(err['loc'], python)}: {msg} (got {err.get('input')!r})")
         else:
             lines.append(msg)
     return "; ".join(lines)
@@ -234,15 +276,16 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in raw.items()}
 
 
-def make_config(flags: Mapping[str, Any], *, config_file: str | None = None) -> TrainConfig:
-    """Merge file and flags (flags win) and validate."""
+def make_config(flags: Mapping[str, Any], *, config_file: str | None = None, python: bool = False) -> TrainConfig:
+    """Merge file and flags (flags win) and validate; errors name options as the command line spells
+    them (``--batch-size``), or (``python``) as keyword arguments (``batch_size``)."""
     values: dict[str, Any] = read_toml(config_file) if config_file else {}
     values.update(flags)
     try:
         return TrainConfig(**values)
     except ValidationError as exc:
         where = f" (in {config_file} or on the command line)" if config_file else ""
-        raise UserError(_describe(exc) + where) from None
+        raise UserError(_describe(exc, python) + where) from None
 
 
 def steps_for(cfg: TrainConfig, per_epoch: int) -> int:

@@ -1,13 +1,16 @@
 """Server-side evaluation of the global parameters on the held-out set.
 
 Rank 0 evaluates; its server loop calls :meth:`Evaluator.tick`. Every
-``interval`` seconds an evaluation pulls the published parameters and
+``interval`` seconds (or, with ``every``, once shard 0 has applied that
+many updates since the last evaluation) an evaluation pulls the published parameters and
 buffers of every shard (the same one-sided pull a worker uses), evaluates
 them with the workload's evaluation function in ``model.eval()`` under
 ``torch.no_grad()``, batch by batch, and records a ``/eval`` row (``loss``
 and ``accuracy``; NaN where the evaluation gives none, and any other named
-metric in ``/eval_metrics``). The first time accuracy reaches the target it
-calls ``on_target``.
+metric in ``/eval_metrics``). The first time the ``target``
+(:class:`hpcps.target.Target`: any metric the evaluation returns) is met it
+calls ``on_target``. Console lines, every ``log_every`` seconds, name the
+metrics the evaluation has (never a NaN one).
 
 With ``background=True`` (the run uses it where the window protocol is the
 pinned and MPI gives ``THREAD_MULTIPLE``) the pull and the forward passes
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from hpcps.flat import FlatParameters
+from hpcps.target import Target
 
 log = logging.getLogger("hpcps")
 
@@ -44,14 +48,17 @@ class Evaluator:
     def __init__(self, *, model: torch.nn.Module, flat: FlatParameters, batches: Iterable[Any] | None,
                  evaluate: Callable[[torch.nn.Module, Iterable[Any]], Mapping[str, float]],
                  pull: Callable[[np.ndarray], tuple[np.ndarray, bool]], recorder,
-                 clock: Callable[[], float], interval: float, target: float | None = None,
+                 clock: Callable[[], float], interval: float, target: Target | None = None,
                  on_target: Callable[[], object] | None = None, log_every: float = 5.0,
-                 background: bool = False) -> None:
+                 background: bool = False, every: int | None = None,
+                 version: Callable[[], int] = lambda: 0) -> None:
         self.model, self.flat, self.batches, self.evaluate_fn = model, flat, batches, evaluate
         self.pull, self.recorder, self.clock = pull, recorder, clock
         self.interval, self.target, self.on_target = interval, target, on_target
         self.log_every = log_every
         self.last = self.last_log = 0.0
+        self.every, self.version = every, version
+        self.last_version = 0  # the version of the last evaluation started
         self.reached = False
         self.accuracy = float("nan")
         self.metrics: dict[str, float] = {}
@@ -65,8 +72,9 @@ class Evaluator:
         if self.batches is None:
             return False
         recorded = self._collect()
-        if self._thread is not None or self.clock() - self.last < self.interval:
+        if self._thread is not None or not self._due():
             return recorded
+        self.last_version = self.version()
         if not self.background:
             self.evaluate()
             return True
@@ -74,6 +82,11 @@ class Evaluator:
         self._thread = threading.Thread(target=self._in_background, name="hpcps-evaluator", daemon=True)
         self._thread.start()
         return True
+
+    def _due(self) -> bool:
+        if self.every is not None:
+            return self.version() - self.last_version >= self.every
+        return self.clock() - self.last >= self.interval
 
     def evaluate(self) -> float:
         """Pull, evaluate and record now, in this thread (after any background evaluation has ended);
@@ -127,9 +140,11 @@ class Evaluator:
         self.last, self.accuracy, self.metrics = self.clock(), accuracy, metrics
         if self.last - self.last_log >= self.log_every:
             self.last_log = self.last
-            log.info("t=%.1fs version=%d %s", t, version, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        if self.target is not None and accuracy >= self.target and not self.reached:
+            log.info("t=%.1fs version=%d %s", t, version,
+                     " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not math.isnan(v)))
+        value = metrics.get(self.target.name, math.nan) if self.target is not None else math.nan
+        if self.target is not None and self.target.reached(value) and not self.reached:
             self.reached = True
-            log.info("target accuracy %.3f reached at t=%.2fs (%.4f): stopping", self.target, t, accuracy)
+            log.info("target %s reached at t=%.2fs (%s %.4f): stopping", self.target, t, self.target.name, value)
             if self.on_target is not None:
                 self.on_target()

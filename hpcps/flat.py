@@ -68,11 +68,13 @@ class FlatParameters:
             self.params_t = torch.empty(self.size, dtype=torch.float32, device=self.device)
             self.grads_t = torch.zeros(self.size, dtype=torch.float32, device=self.device)
         offset = 0
+        self._grad_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for p in params:
             n = p.numel()
             self.params_t[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = self.params_t[offset:offset + n].view_as(p)
             p.grad = self.grads_t[offset:offset + n].view_as(p)
+            self._grad_views.append((p, p.grad))
             offset += n
         for module, name, b in buffers:
             n = b.numel()
@@ -99,6 +101,20 @@ class FlatParameters:
         if self.device.type == "cuda":
             return torch.empty(self.size, dtype=torch.float32, pin_memory=True).numpy()
         return np.empty(self.size, np.float32)
+
+    def adopt_grads(self) -> None:
+        """Bring gradients that left the flat buffer back into it: a loop's ``zero_grad()`` (which
+        sets ``.grad`` to None by default) makes backward allocate new ones. Each parameter's
+        gradient is copied into its view (zeros where it has none) and ``.grad`` points there again."""
+        for p, view in self._grad_views:
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            else:
+                continue
+            p.grad = view
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer in place (backward accumulates into the views)."""

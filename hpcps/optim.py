@@ -31,15 +31,16 @@ for long.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 #: float32 values updated between two progress pokes (1 MiB: fits in L2)
 APPLY_CHUNK = 1 << 18
 
-#: builds an optimizer over a list of flat float32 tensors (the shard's chunks)
-OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+#: builds an optimizer over the shard's param groups (torch.optim's dicts of flat float32 chunks, see
+#: hpcps.paramgroups); a factory that hands them to a torch.optim class as they are keeps the groups
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 #: learning-rate multiplier as a function of the shard's version (updates applied so far)
 Schedule = Callable[[int], float]
 
@@ -47,15 +48,16 @@ SCHEDULES = ("constant", "step", "cosine")
 
 
 def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int | None = None,
-                  gamma: float = 0.1) -> Schedule:
+                  gamma: float = 0.1, floor: float = 0.0) -> Schedule:
     """The multiplier of the base learning rate at server version ``v`` (pure).
 
     ``horizon`` is the number of updates the run will apply (its last
     version). ``warmup`` versions ramp linearly from ``1/warmup`` to 1 first.
     Then ``constant`` stays at 1; ``step`` multiplies by ``gamma`` every
     ``step_every`` versions (default: a third of the horizon); ``cosine``
-    decays from 1 to 0 over the versions after the warm-up, as
-    ``0.5 (1 + cos(pi t))`` with ``t`` the share of them done (1 past the horizon).
+    decays from 1 to ``floor`` over the versions after the warm-up, as
+    ``floor + (1 - floor) 0.5 (1 + cos(pi t))`` with ``t`` the share of them
+    done (1 past the horizon): nanoGPT's warm-up, cosine and ``min_lr``.
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})")
@@ -67,7 +69,7 @@ def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int |
             return gamma ** (v // every)
         if name == "cosine":
             t = min(1.0, (v - warmup) / max(1, horizon - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * t))
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
         return 1.0
 
     def schedule(v: int) -> float:
@@ -101,23 +103,42 @@ def update_terms(factors: Sequence[float]) -> tuple[list[float], float]:
 class ShardOptimizer:
     """A torch optimizer over ``params`` (one shard's slice of trainable parameters), stepped in chunks.
 
-    ``make`` receives the list of chunks (1-D float32 views of ``params``)
-    and returns the optimizer; the optimizer's own learning rates at
-    construction are the base rates that ``schedule`` and the per-update
-    factors multiply (as ``initial_lr`` in torch's schedulers).
+    ``groups`` (:func:`hpcps.paramgroups.shard_groups`) cut the slice into
+    param groups with their own options; default: one group of it all.
+    ``make`` receives the groups as torch.optim param groups of chunks (1-D
+    float32 views of ``params``, at most ``chunk`` values each, never
+    across two groups) and returns the optimizer; the optimizer's own
+    learning rates at construction are the base rates that ``schedule`` and
+    the per-update factors multiply (as ``initial_lr`` in torch's schedulers).
     """
 
     def __init__(self, params: torch.Tensor, make: OptimizerFactory, schedule: Schedule, *,
-                 chunk: int = APPLY_CHUNK) -> None:
+                 chunk: int = APPLY_CHUNK, groups: list | None = None) -> None:
         n = params.numel()
         self.chunk = chunk
-        self.chunks = [params[lo:min(lo + chunk, n)] for lo in range(0, n, chunk)]
+        if groups is None:
+            groups = [({}, [(0, n)], [])] if n else []
+        param_groups, spans = [], []
+        for options, segments, parts in groups:
+            chunks = []
+            for a, b in segments:
+                for lo in range(a, b, chunk):
+                    chunks.append(params[lo:min(lo + chunk, b)])
+                    spans.append((lo, min(lo + chunk, b)))
+            param_groups.append({"params": chunks, "names": [name for name, _, _ in parts],
+                                 "ranges": list(parts), **options})
+        order = sorted(range(len(spans)), key=lambda i: spans[i][0])  # stepped in the slice's order
+        flat_chunks = [c for g in param_groups for c in g["params"]]
+        self.chunks = [flat_chunks[i] for i in order]
+        self.spans = [spans[i] for i in order]
         self.schedule = schedule
-        self.optimizer = make(self.chunks) if self.chunks else None
+        self.optimizer = make(param_groups) if self.chunks else None
         if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
                             "not a torch.optim.Optimizer")
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+        #: the rate the factory gave its optimizer (torch.optim's ``defaults``), the same on every shard
+        self.default_lr = float(self.optimizer.defaults["lr"]) if self.optimizer else None
         self._sum: torch.Tensor | None = None  # the combined gradient of multi-gradient updates
 
     def step(self, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *, version: int, factor: float,
@@ -134,9 +155,7 @@ class ShardOptimizer:
         single = len(grads) == 1 and coeffs[0] == 1.0  # step straight from the received gradient
         if not single and self._sum is None:
             self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32)
-        lo = 0
-        for chunk in self.chunks:
-            hi = lo + chunk.numel()
+        for chunk, (lo, hi) in zip(self.chunks, self.spans):
             if single:
                 chunk.grad = grads[0][lo:hi]
             else:
@@ -148,7 +167,6 @@ class ShardOptimizer:
             self.optimizer.step()
             chunk.grad = None
             progress()
-            lo = hi
         return len(self.chunks)
 
     def state_dict(self) -> dict:
@@ -157,3 +175,25 @@ class ShardOptimizer:
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None and state:
             self.optimizer.load_state_dict(state)
+
+
+def describe_optimizer(optimizer: ShardOptimizer, groups: Sequence[Any] = ()) -> dict[str, Any]:
+    """What ran, as the run file and checkpoints record it: the torch.optim class and the options it
+    was built with (a factory's own, whatever ``--optimizer`` and ``--lr`` said), and the param
+    groups' options (:func:`hpcps.paramgroups.describe_groups`)."""
+    from hpcps.paramgroups import describe_groups
+
+    opt = optimizer.optimizer
+    if opt is None:
+        return {}
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            return value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            return list(value)
+        return repr(value)
+
+    return {"class": f"{type(opt).__module__}.{type(opt).__qualname__}",
+            "defaults": {k: plain(v) for k, v in sorted(opt.defaults.items())},
+            "param_groups": describe_groups(groups)}

@@ -36,6 +36,8 @@ class Progress:
         self.last_t, self.last_done = clock(), 0
 
     def update(self, n: int) -> None:
+        if self.done == 0:  # rates count from the first applied gradient: not the first step's compile
+            self.last_t, self.last_done = self.clock(), n
         self.done += n
         if self.bar is not None:
             self.bar.update(n)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import resource
 import socket
 import sys
 import time
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,8 +40,8 @@ import hpcps
 from hpcps.agree import agree
 from hpcps.batches import DataSource
 from hpcps.box import cluster_record, node_label
-from hpcps.checkpoint import (Checkpoint, check_compatible, checkpoint_path, read_checkpoint, read_optimizer_state,
-                              write_checkpoint, write_optimizer_state)
+from hpcps.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path, read_checkpoint,
+                              read_optimizer_state, write_checkpoint, write_optimizer_state, write_user_state)
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data import batches_per_epoch
 from hpcps.device import DevicePlan, detect_cuda_aware, plan_device
@@ -57,7 +59,8 @@ from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
-from hpcps.optim import ShardOptimizer, make_schedule
+from hpcps.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
+from hpcps.paramgroups import resolve_groups, shard_groups
 from hpcps.policies import make_policy, policy_class
 from hpcps.rounds import RoundSum
 from hpcps.server import ShardServer
@@ -104,7 +107,7 @@ class RunResult:
 
 
 def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | None:
-    if n_train is None:  # a batch factory: its epochs are its own
+    if n_train is None:  # a batch factory, or the user's own loop: its epochs are its own
         if cfg.epochs is not None:
             raise UserError("--epochs needs a data set of known size; with a batch factory give --steps")
         return None
@@ -126,8 +129,11 @@ def _check_threads(cfg: TrainConfig) -> None:
                         f"default thread level (MPI4PY_RC_THREAD_LEVEL=multiple)")
 
 
-def _data_facts(source: DataSource) -> dict[str, Any]:
-    """What every rank needs to know of the data, which only some ranks load."""
+def _data_facts(source: DataSource | None) -> dict[str, Any]:
+    """What every rank needs to know of the data, which only some ranks load (none: the user's own loop)."""
+    if source is None:
+        return {"name": "the user's own", "kind": "own loop", "n_train": None, "n_test": None,
+                "in_shape": None, "n_classes": None}
     in_shape, n_classes = data_shape(source)
     return {"name": source.name, "kind": source.kind, "n_train": source.n_train, "n_test": source.n_test,
             "in_shape": in_shape, "n_classes": n_classes}
@@ -144,18 +150,41 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
     """Collective: train ``workload`` (default: the one ``cfg`` names) as ``cfg`` says on ``comm``;
     rank 0 returns the result, others None.
 
+    Workers run the built-in loop (:meth:`hpcps.session.Session.train_on`), a client of the step
+    API like the user's own loop; servers serve.
+    """
+    from hpcps.session import Session
+
+    with open_run(cfg, comm, workload) as run:
+        run.start()
+        if run.topo.role is Role.WORKER:
+            with Session(run) as session:
+                session.train_on(run.batches, run.workload.loss)
+                return session.close()
+        run.serve()
+        return run.end()
+
+
+def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> "_Run":
+    """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
+    resume), as a :class:`_Run` to use in a ``with`` block (which frees what it holds).
+
     The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
     """
     agree(comm, lambda: plan(cfg, comm.size))  # bad options fail before any placement
+    stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement)
+    stack.callback(run_comm.Free)
     try:
-        return _train(cfg, run_comm, workload, world_ranks)
-    finally:
-        run_comm.Free()
+        return _prepare(cfg, run_comm, workload, world_ranks, stack)
+    except BaseException:
+        stack.close()
+        raise
 
 
-def _train(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int]) -> RunResult | None:
+def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
+             stack: ExitStack) -> "_Run":
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
@@ -165,7 +194,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ra
     if workload.prepare is not None:  # once, on rank 0, before anyone loads (agree: everyone waits)
         agree(comm, lambda: workload.prepare() if comm.rank == 0 else None)
     loads_data = comm.rank == 0 or layout.role(comm.rank) is Role.WORKER  # workers train, rank 0 evaluates
-    source = agree(comm, lambda: workload.data() if loads_data else None)
+    source = agree(comm, lambda: workload.data() if loads_data and workload.data is not None else None)
     facts = comm.bcast(agree(comm, lambda: _data_facts(source) if comm.rank == 0 else None), root=0)
     model = agree(comm, lambda: workload.build_model(seed=cfg.seed, in_shape=facts["in_shape"],
                                                      n_classes=facts["n_classes"], hidden=cfg.hidden))
@@ -177,15 +206,32 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ra
     if ckpt is not None:
         flat.params[:] = ckpt.params
         flat.upload()
+    if layout.role(comm.rank) is Role.WORKER:  # every worker its own random stream (dropout, the user's batches)
+        index = layout.worker_index(comm.rank)
+        torch.manual_seed(worker_seed(cfg.seed, index, int(ckpt.worker_clocks[index]) if ckpt is not None else 0))
     batches = None
-    if layout.role(comm.rank) is Role.WORKER:
+    if layout.role(comm.rank) is Role.WORKER and source is not None:
         batches = source.for_worker(layout.worker_index(comm.rank), layout.n_workers, batch_size=cfg.batch_size,
                                     seed=cfg.seed, device=flat.device, steps=steps)
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
-    with Topology(comm, layout) as topo, StopSignals(announce(comm.rank)) as signals:
-        return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals,
-                    world_ranks).run()
+    topo = stack.enter_context(Topology(comm, layout))
+    signals = stack.enter_context(StopSignals(announce(comm.rank)))
+    return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals,
+                world_ranks, stack)
+
+
+#: how far apart the seeds of a resumed run's workers are from the first run's, per step done
+RESUME_SEED_STRIDE = 1_000_003
+
+
+def worker_seed(seed: int, worker_index: int, start_step: int = 0) -> int:
+    """The seed of worker ``worker_index``'s torch random stream, drawn from after the model is built
+    (every rank builds it right after ``torch.manual_seed(seed)``): ``seed + 1 + worker_index``, so no
+    two workers draw the same dropout masks or batches, and none replays the model's initialisation;
+    a run resumed at step ``start_step`` adds ``RESUME_SEED_STRIDE x start_step``, so it does not draw
+    again what the first run drew from its start."""
+    return seed + 1 + worker_index + RESUME_SEED_STRIDE * start_step
 
 
 def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
@@ -239,7 +285,10 @@ class _Run:
 
     def __init__(self, cfg: TrainConfig, topo: Topology, workload: Workload, source: DataSource | None,
                  facts: dict[str, Any], batches, model: torch.nn.Module, flat: FlatParameters, steps: int,
-                 ckpt: Checkpoint | None, devices: list[str], signals: StopSignals, world_ranks: list[int]) -> None:
+                 ckpt: Checkpoint | None, devices: list[str], signals: StopSignals, world_ranks: list[int],
+                 stack: ExitStack) -> None:
+        self.stack = stack  # the run's communicators and signal handlers, released by __exit__
+        self.ran: dict = {}  # rank 0: what ran (the optimizer and schedule), for the run file and checkpoints
         self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
         self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
         self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
@@ -253,6 +302,7 @@ class _Run:
         self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
+        self.groups = resolve_groups(model, workload.param_groups)  # checked at start-up (_prepare)
         self.shards = list(range(self.layout.n_servers))
         self.backoff = Backoff()
         self.run_clock = RunClock(time.perf_counter(), 0.0, 0.0)  # until the start: see run()
@@ -261,7 +311,24 @@ class _Run:
         """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""
         return self.run_clock()
 
-    def run(self) -> RunResult | None:
+    def __enter__(self) -> "_Run":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        """Free what the run holds. The windows (whose free is a barrier) only when every rank gets
+        here: after a failure on one rank, the others are not coming, and the job ends by MPI_Abort."""
+        if kind is None:
+            for window in (getattr(self, "window", None), getattr(self, "group_window", None)):
+                if window is not None:
+                    window.free()  # idempotent: end() has freed them, unless start() was refused
+        self.stack.close()
+
+    def start(self) -> None:
+        """Collective: the metrics file, the windows, the shards' optimizers; everyone meets, the clocks agree.
+
+        Then each rank plays its role: :meth:`serve` (servers, group servers), or a worker's steps
+        (:class:`hpcps.session.Session` over :meth:`make_worker`); and :meth:`end`, collective again.
+        """
         comm, topo = self.topo.comm, self.topo
         path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
         self.ckpt_dir = checkpoint_dir(self.cfg, path)
@@ -269,59 +336,81 @@ class _Run:
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
         lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
         window = ParamWindow(topo.ps, shard_ranks=self.shards, bounds=self.bounds, local_len=hi - lo)
+        self.window, self.group_window = window, None  # freed by __exit__ if start() goes no further
         group_window = None
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
             n = self.flat.size
             group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
                                        local_len=n if topo.role is Role.GROUP else 0)
+            self.group_window = group_window
         master = self.flat.params[lo:hi].copy()
         optimizer = None
         if topo.role is Role.SERVER:
             window.publish(master, 0)
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
-            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)],
+            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)], lo,
                                                                len(self._clients()))
+        # the rate the servers' optimizer has of its own (a factory's, or --lr): rows record rates applied
+        self.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
+        if comm.rank == 0:
+            self.ran = {"optimizer_ran": describe_optimizer(optimizer, self.groups),
+                        "lr_schedule_values": self._schedule_samples(optimizer.schedule)}
+            runfile.set_attrs(optimizer=json.dumps(self.ran["optimizer_ran"]),
+                              lr_schedule_values=json.dumps(self.ran["lr_schedule_values"]))
+        if self.ckpt is not None:
+            agree(comm, lambda: check_same_optimizer(self.ckpt, self.cfg.resume, self.ran["optimizer_ran"],
+                                                     optimizer.schedule) if comm.rank == 0 else None)
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
             group_window.publish(self.flat.params, 0)
         if comm.rank == 0:
-            f, unknown = self.facts, "?"
-            log.info("%s on %s; model %s (%d parameters, %d buffer values), %s (%s train / %s test), "
-                     "%d steps per worker", self.cfg.paradigm, self.layout.describe(), self.workload.model_name,
-                     self.flat.n_params, self.flat.size - self.flat.n_params, f["name"],
-                     unknown if f["n_train"] is None else f["n_train"],
-                     unknown if f["n_test"] is None else f["n_test"], self.steps)
+            f = self.facts
+            sizes = [f"{f[k]} {what}" for k, what in (("n_train", "train"), ("n_test", "test")) if f[k] is not None]
+            data = f"data {f['name']}" + (f" ({' / '.join(sizes)})" if sizes else "")
+            log.info("%s on %s; model %s (%d parameters, %d buffer values), %s, %d steps per worker",
+                     self.cfg.paradigm, self.layout.describe(), self.workload.model_name, self.flat.n_params,
+                     self.flat.size - self.flat.n_params, data, self.steps)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
         # everyone is set up: nobody waits long in the sync; a start that never completes ends the job
         polite_barrier(comm, Backoff(cap=1e-4), StallWatch(
             warn=self.cfg.stall_warn, abort=self.cfg.stall_limit, log=log, error=RunAborted,
             describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
         self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
+        self.path, self.runfile, self.recorder = path, runfile, recorder
+        self.window, self.group_window, self.master = window, group_window, master
+
+    def serve(self) -> None:
+        """A server's or group server's part, until every worker has left."""
+        topo, recorder = self.topo, self.recorder
         try:
             if topo.role is Role.SERVER:
-                self._serve(window, master, optimizer, recorder)
-            elif topo.role is Role.GROUP:
-                self._group_serve(window, group_window, recorder)
+                self._serve(self.window, self.master, self.optimizer, recorder)
             else:
-                self._work(group_window or window, recorder)
+                self._group_serve(self.window, self.group_window, recorder)
         except BaseException:
-            if runfile is not None:  # keep what rank 0 has recorded before the job is aborted
+            if self.runfile is not None:  # keep what rank 0 has recorded before the job is aborted
                 recorder.drain()
                 recorder.flush()
-                runfile.close()
+                self.runfile.close()
             raise
+
+    def end(self, user_state: dict | None = None) -> RunResult | None:
+        """Collective, once every rank's part is over: recorders closed, a checkpoint if a signal
+        stopped the run (with ``user_state``, worker 0's own fields), the summary; the result on rank 0."""
+        comm, recorder, runfile, window, group_window = (self.topo.comm, self.recorder, self.runfile, self.window,
+                                                         self.group_window)
         wall_s = self.clock()
         recorder.close(self.backoff)
         polite_barrier(comm, self.backoff)
         stopped_by = next((s for s in comm.allgather(self.signals.received) if s), None)
-        saved_ckpt = self._checkpoint_at_stop(comm) if stopped_by else None
+        saved_ckpt = self._checkpoint_at_stop(comm, user_state) if stopped_by else None
         ranks = comm.gather(self._resources(), root=0)  # after the barrier: nobody waits long
         window.free()
         if group_window is not None:
             group_window.free()
-        return self._finish(runfile, wall_s, path, ranks, stopped_by, saved_ckpt) if comm.rank == 0 else None
+        return self._finish(runfile, wall_s, self.path, ranks, stopped_by, saved_ckpt) if comm.rank == 0 else None
 
-    def _checkpoint_at_stop(self, comm: MPI.Comm) -> str:
+    def _checkpoint_at_stop(self, comm: MPI.Comm, user_state: dict | None) -> str:
         """Collective: the checkpoint of a run a signal stopped (every pushed gradient applied by now).
 
         Each shard writes its optimizer state and rank 0 the final parameters
@@ -334,13 +423,15 @@ class _Run:
         path = checkpoint_path(self.ckpt_dir, shard_versions[0])
         if self.optimizer is not None:
             write_optimizer_state(path, self.topo.rank, self.optimizer.state_dict())
+        if user_state:  # worker 0's own fields, where its loop keeps any
+            write_user_state(path, user_state)
         if comm.rank == 0:
             worker_clocks = np.zeros(self.layout.n_workers, np.int64)
             for rank, clock in clocks:
                 if clock is not None and self.layout.role(rank) is Role.WORKER:
                     worker_clocks[self.layout.worker_index(rank)] = clock
             write_checkpoint(path, self.flat.params, version=shard_versions[0], worker_clocks=worker_clocks,
-                             config=self.cfg.as_json_dict(), n_servers=self.layout.n_servers,
+                             config=self.ran_config(), n_servers=self.layout.n_servers,
                              shard_versions=shard_versions)
         polite_barrier(comm, self.backoff)  # every part is written before anyone says so
         return path
@@ -426,12 +517,12 @@ class _Run:
             background = (window.protocol == "pinned" and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                           and os.environ.get("HPCPS_EVAL_BACKGROUND", "1") != "0")
             evaluator = Evaluator(model=self.model, flat=self.flat,
-                                  batches=self.source.test_batches(cfg.eval_batch_size),
+                                  batches=self.source.test_batches(cfg.eval_batch_size) if self.source else None,
                                   evaluate=self.workload.evaluation(),
                                   pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
-                                  clock=self.clock, interval=cfg.eval_interval, target=cfg.target_accuracy,
-                                  on_target=window.set_stop,
-                                  background=background)
+                                  clock=self.clock, interval=cfg.eval_interval, target=cfg.stop_target,
+                                  on_target=window.set_stop, background=background, log_every=cfg.log_every,
+                                  every=cfg.eval_every, version=lambda: server.version)
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
             side_tasks += [recorder.drain, evaluator.tick]
@@ -472,17 +563,36 @@ class _Run:
                 spread = True
         return task
 
-    def _shard_optimizer(self, params: np.ndarray, n_clients: int) -> ShardOptimizer:
-        """The optimizer of this shard's trainable slice, its schedule over the run's updates, resumed state."""
+    def _shard_optimizer(self, params: np.ndarray, lo: int, n_clients: int) -> ShardOptimizer:
+        """The optimizer of this shard's trainable slice (starting at ``lo`` of the flat vector), cut into
+        the run's param groups, its schedule over the run's updates, resumed state."""
         cfg = self.cfg
-        horizon = self.steps * policy_class(cfg.paradigm).updates_per_step(n_clients)
-        schedule = self.workload.lr_schedule or make_schedule(cfg.lr_schedule, horizon=horizon,
-                                                              warmup=cfg.warmup_steps, step_every=cfg.lr_step_every,
-                                                              gamma=cfg.lr_gamma)
-        optimizer = ShardOptimizer(torch.from_numpy(params), self.workload.optimizer_factory(cfg), schedule)
+        groups = shard_groups(self.groups, lo, lo + len(params))
+        optimizer = ShardOptimizer(torch.from_numpy(params), self.workload.optimizer_factory(cfg), lambda v: 1.0,
+                                   groups=groups)
+        optimizer.schedule = self.schedule(n_clients, optimizer.default_lr or cfg.lr)
         if self.ckpt is not None:
             optimizer.load_state_dict(read_optimizer_state(cfg.resume, self.topo.rank))
         return optimizer
+
+    def schedule(self, n_clients: int, base_lr: float) -> Schedule:
+        """The learning-rate multiplier by server version: the user's, or ``--lr-schedule`` over the run's
+        updates (down to ``--min-lr`` over the optimizer's own rate ``base_lr``)."""
+        cfg = self.cfg
+        horizon = self.steps * policy_class(cfg.paradigm).updates_per_step(n_clients)
+        return self.workload.lr_schedule or make_schedule(cfg.lr_schedule, horizon=horizon, warmup=cfg.warmup_steps,
+                                                          step_every=cfg.lr_step_every, gamma=cfg.lr_gamma,
+                                                          floor=(cfg.min_lr or 0.0) / base_lr)
+
+    def ran_config(self) -> dict:
+        """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
+        return {**self.cfg.as_json_dict(), **self.ran}
+
+    def _schedule_samples(self, schedule: Schedule) -> list[list[float]]:
+        """``[version, multiplier]`` at 9 versions over the run: what the run file and checkpoints record of
+        the schedule in force (a resumed run must have the same)."""
+        horizon = self.steps * policy_class(self.cfg.paradigm).updates_per_step(len(self._clients()))
+        return [[v, float(schedule(v))] for v in sorted({int(horizon * k / 8) for k in range(9)})]
 
     def _group_serve(self, central: ParamWindow, window: ParamWindow, recorder) -> None:
         """A group server: BSP over its group (on the group communicator), a client of the central shards."""
@@ -512,8 +622,10 @@ class _Run:
         central_pusher.free()
         central_notices.free()
 
-    def _work(self, window: ParamWindow, recorder) -> None:
-        topo, cfg = self.topo, self.cfg
+    def make_worker(self) -> Worker:
+        """This worker rank's :class:`~hpcps.worker.Worker` of the paradigm (its transfers freed by
+        :meth:`free_worker`)."""
+        topo, cfg, recorder, window = self.topo, self.cfg, self.recorder, self.group_window or self.window
         policy = policy_class(cfg.paradigm)
         extra, buffers = {}, [self.flat.push_grads]
         if policy.eager_pull or policy.extra_gradients:
@@ -531,19 +643,24 @@ class _Run:
         notices = NoticeBox(comm, shard_ranks=shards)
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         self.model.train()
-        worker = worker_class(rank=topo.rank, model=self.model, flat=self.flat, batches=self.batches,
-                     loss=self.workload.loss, window=window, pusher=pusher, notices=notices,
+        self._transfers = (pusher, notices)
+        return worker_class(rank=topo.rank, model=self.model, flat=self.flat,
+                     window=window, pusher=pusher, notices=notices,
                      blocks=policy.worker_blocks, recorder=recorder,
-                     clock=self.clock, steps=self.steps, lr=cfg.lr, seed=cfg.seed,
-                     lr_staleness=cfg.lr_staleness or policy.default_lr_staleness, clip_norm=cfg.clip_norm,
-                     compute_time=_compute_time(cfg, topo.rank, self.layout),
+                     clock=self.clock, steps=self.steps, lr=cfg.lr,
+                     lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
+                     schedule=self.schedule(len(self._clients()), self.rate), rate=self.rate,
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
                      backoff=self.backoff, take_signal=self.signals.take, **extra)
-        self.final_clock = worker.run()
-        pusher.free()
-        notices.free()
+
+    def free_worker(self, worker: Worker, pushed: int) -> None:
+        """After the worker left: note the gradients it pushed, free its transfers."""
+        self.final_clock = pushed
+        worker.close()
+        for resource in self._transfers:
+            resource.free()
 
     def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer):
         """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.
@@ -569,7 +686,7 @@ class _Run:
                 window.publish_held()  # ours may have been deferred for a lapped reader
                 versions, _ = window.pull(buf, Backoff())
             write_checkpoint(path, buf, version=version, worker_clocks=[version] * self.layout.n_workers,
-                             config=cfg.as_json_dict(), n_servers=self.layout.n_servers)
+                             config=self.ran_config(), n_servers=self.layout.n_servers)
             log.info("checkpoint of version %d written to %s", version, path)
 
         return on_published
@@ -578,16 +695,18 @@ class _Run:
                 saved_ckpt: str | None) -> RunResult:
         runfile.append("ranks", np.array(ranks, dtype=RANK))
         summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
-                            runfile.read("eval"), wall_s=wall_s, target=self.cfg.target_accuracy)
+                            runfile.read("eval"), wall_s=wall_s, target=self.cfg.stop_target,
+                            eval_metrics=runfile.read("eval_metrics"))
         summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
         runfile.write_summary(summary)
         self.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
-        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        state = plain_state_dict(self.model)
         saved = save_model(state, self._save_path(path))
         runfile.set_attrs(saved_model=saved or "")
         runfile.close()
-        log.info("done in %.1f s: final test accuracy %.4f, %d of %d gradients applied; metrics in %s%s",
-                 summary["wall_s"], summary["final_accuracy"], summary["gradients_applied"],
+        final = ", ".join(f"{k} {v:.4f}" for k, v in self.final_metrics.items() if not math.isnan(v))
+        log.info("done in %.1f s: %s%d of %d gradients applied; metrics in %s%s", summary["wall_s"],
+                 f"final evaluation {final}; " if final else "", summary["gradients_applied"],
                  summary["gradients_pushed"], runfile.path, f", model in {saved}" if saved else "")
         if stopped_by:
             log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
@@ -604,6 +723,12 @@ def checkpoint_dir(cfg: TrainConfig, metrics_path: str) -> str:
     if os.environ.get("HPCPS_RUN_DIR"):
         return os.path.join(os.environ["HPCPS_RUN_DIR"], "checkpoints")
     return os.path.splitext(metrics_path)[0] + "-checkpoints"
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state on the CPU as plain ``load_state_dict`` takes it into the model's uncompiled
+    class: ``torch.compile`` puts ``_orig_mod.`` in the keys of what it compiled, which is dropped."""
+    return {k.replace("_orig_mod.", ""): v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def peak_rss_bytes() -> int:

@@ -10,7 +10,11 @@ while the server is busy.
 A gradient with NaN or Inf is never applied: it is recorded as dropped
 (reason 1), its worker gets a receipt marked ``DROPPED``, and a group it was
 part of is averaged over the others; under ``--nonfinite abort`` the shard
-raises :class:`RunAborted` instead.
+raises :class:`RunAborted` instead. A gradient its worker flagged ``SKIP``
+(the step API's skipped step: a GradScaler found Inf or NaN) is dropped the
+same way (reason 2), whatever ``--nonfinite`` says: it still counts in its
+round, so a BSP round never waits for a step nobody will push, and a round
+whose every gradient was skipped applies nothing (the version stays).
 
 Updates: the shard's slice of trainable parameters is stepped by its
 :class:`~hpcps.optim.ShardOptimizer` (torch.optim, the learning rate
@@ -43,6 +47,22 @@ from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
 
 log = logging.getLogger("hpcps")
+
+
+#: a worker's first step (torch.compile, cuDNN autotuning, a cold file system) may take this many times
+#: ``--stall-warn`` before its silence counts
+FIRST_STEP_GRACE = 10
+
+def silences(now: float, heard: Sequence[float], owing: Sequence[int], pushed: set[int],
+             warn: float) -> list[tuple[float, int]]:
+    """``(silence, worker)`` of the ``owing`` workers silent for ``warn`` seconds or more, shortest first.
+
+    A worker's first step may compile (torch.compile) or warm up for minutes: before its first push
+    (``pushed``) only what exceeds ``(FIRST_STEP_GRACE - 1) x warn`` counts as silence.
+    """
+    grace = (FIRST_STEP_GRACE - 1) * warn
+    counted = ((now - heard[w] - (0.0 if w in pushed else grace), w) for w in owing)
+    return sorted((t, w) for t, w in counted if t >= warn)
 
 
 def apply_update(master: torch.Tensor, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *,
@@ -112,6 +132,7 @@ class ShardServer:
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
         self.silent: list[tuple[float, int]] = []
+        self.pushed: set[int] = set()  # workers heard from in this run: the others may still be compiling
         self.held_up: list[int] = []  # workers whose push waits for this shard's buffer or turn
         self.streaming: list[int] = []  # workers whose push is coming in (a slow link: not silent)
         self.next_check = 0.0
@@ -158,6 +179,7 @@ class ShardServer:
         now = self.clock()
         self.heard[event.worker] = now
         if isinstance(event, PushEvent):
+            self.pushed.add(event.worker)
             self.clocks[event.worker] = event.clock
             if self.policy.worker_blocks:
                 self.awaiting.add(event.worker)
@@ -209,7 +231,7 @@ class ShardServer:
                 staleness = at - p.version if applied else -1
                 self.recorder.add(self.table, (
                     self.rank, self.shard, t, self.worker_ranks[p.worker], p.clock,
-                    at, staleness, self.policy.threshold(p.worker), int(applied), 0 if applied else 1))
+                    at, staleness, self.policy.threshold(p.worker), int(applied), 0 if applied else 2 if p.skip else 1))
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
                 _note(notices, p.worker, flags, p.clock, at, staleness)
                 self.inbox.release(p.worker)
@@ -244,7 +266,9 @@ class ShardServer:
         turn to stream), or whose payload is streaming in (over a slow link one
         gradient may take longer than the limits); the suspects are the others. The longest silence goes
         to the stall watch, which warns every ``stall_warn`` seconds and ends
-        the run past ``stall_abort`` (checked twice a second). Were the shard
+        the run past ``stall_abort`` (checked twice a second). Before its first
+        push a worker's silence counts only past :data:`FIRST_STEP_GRACE` times
+        ``stall_warn``: its first step may compile or warm up. Were the shard
         itself stuck, its workers' own watches end the run (at twice the limit).
         """
         now = self.clock()
@@ -255,7 +279,7 @@ class ShardServer:
         self.streaming = self.inbox.payloads_coming()
         excused = self.gone | self.awaiting | set(self.held_up) | set(self.streaming)
         owing = [w for w in range(len(self.worker_ranks)) if w not in excused]
-        self.silent = sorted((now - self.heard[w], w) for w in owing if now - self.heard[w] >= self.stall_warn)
+        self.silent = silences(now, self.heard, owing, self.pushed, self.stall_warn)
         if self.silent:
             self.stall(self.silent[-1][0])
         else:
@@ -277,7 +301,10 @@ class ShardServer:
         return torch.from_numpy(self.inbox.gradient(worker))
 
     def _finite(self, push: PushEvent) -> bool:
-        """Whether a gradient may be applied; a non-finite one is dropped, or ends the run."""
+        """Whether a gradient may be applied; a skipped one (its worker said so) or a non-finite one is
+        dropped, or a non-finite one ends the run."""
+        if push.skip:
+            return False
         if bool(torch.isfinite(self._gradient(push.worker)).all()):
             return True
         if self.abort_on_nonfinite:

@@ -40,6 +40,7 @@ said ``BYE``, so no message is left unreceived.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -91,65 +92,100 @@ class Worker:
     #: a worker that pulled after its grant would otherwise know of no newer version than its own
     peek_before_push = True
 
-    def __init__(self, *, rank: int, model: torch.nn.Module, flat: FlatParameters, batches: BatchSource,
-                 loss: Callable, window: ParamWindow, pusher: Pusher, notices: NoticeBox, blocks: bool, recorder,
-                 clock: Callable[[], float], steps: int, lr: float, seed: int, lr_staleness: str = "none",
-                 clip_norm: float | None = None, compute_time: ComputeTime | None = None,
+    def __init__(self, *, rank: int, model: torch.nn.Module, flat: FlatParameters,
+                 window: ParamWindow, pusher: Pusher, notices: NoticeBox, blocks: bool, recorder,
+                 clock: Callable[[], float], steps: int, lr: float, lr_staleness: str = "none",
                  faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
+                 schedule: Callable[[int], float] | None = None, rate: float | None = None,
                  stall_abort: float | None = None, backoff: Backoff | None = None,
                  take_signal: Callable[[], str | None] | None = None) -> None:
         self.rank = rank
-        self.model, self.flat, self.batches, self.loss = model, flat, batches, loss
-        self.clip_norm = clip_norm
+        self.model, self.flat = model, flat
         self.window, self.pusher, self.notices = window, pusher, notices
         self.blocks = blocks
         self.recorder = recorder
         self.clock = clock
         self.steps, self.lr = steps, lr
+        # the row's lr is the rate applied: the optimizer's own ``rate`` x the schedule at the version the
+        # gradient was applied to x the worker's staleness factor (filled in when the receipt comes)
+        self.schedule, self.rate = schedule or (lambda v: 1.0), rate if rate is not None else lr
         self.lr_staleness = lr_staleness
-        self.compute_time = compute_time or ComputeTime()
         self.faults = {f.step: f for f in faults}
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
         # (and gives up) only at twice the limits, when the server itself may be what is stuck
         self.stall_warn, self.stall_abort = 2 * stall_warn, (2 * stall_abort if stall_abort is not None else None)
-        self.rng = np.random.default_rng([seed, rank, 7])
         self.backoff = backoff or Backoff()
         n_shards = len(window.shard_ranks)
         self.grants = np.zeros(n_shards, np.int64)
         self.known = np.zeros(n_shards, np.int64)  # newest version seen, per shard
-        self.receipts: dict[int, list[tuple[int, bool]]] = {}
+        self.receipts: dict[int, list[tuple[int, bool, int]]] = {}
         self.rows: dict[int, dict] = {}
         self.start_step = start_step  # > 0 when resuming: gradients pushed (and granted) before
         self.clock_count = start_step
         self.grants[:] = start_step
         self.take_signal = take_signal  # a stop signal this rank received (hpcps.signals), once
 
-    # -- the loop ---------------------------------------------------------
-    def run(self) -> int:
-        """Train; return the number of gradients pushed."""
-        versions, stop = self._pull()
-        for step in range(self.start_step, self.steps):
-            if stop:
-                break
-            row = self._start_row(step, versions)
-            row["loss"], row["compute_s"] = self._compute(step)
-            t = time.perf_counter()
-            self.flat.stage_grads()
-            # a worker that never waits for a grant begins its pull before its push: over a network the
-            # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
-            early, begun = (None, 0.0) if self.blocks else self._timed(self.window.begin_pull, self.flat.params,
-                                                                       self.backoff)
-            self._push(versions, row)
-            row["push_s"] = time.perf_counter() - t - begun
-            row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
-                             if self.blocks else 0.0)
-            t = time.perf_counter()
-            versions, stop = self._pull(early)
-            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
-            row["push_s"] += self._wait(self.pusher.test, "its push to leave")
-            self._finish_row(row)
+    # -- the steps ---------------------------------------------------------
+    # A loop drives a worker as ``begin(); while open_step(): <compute>; close_step(...)``, then
+    # ``finish()``: hpcps.session's Session does, under the built-in loop and the user's own alike.
+    def begin(self) -> None:
+        """Pull the parameters the first step computes on."""
+        self.versions, self.stop = self._pull()
+        self.step = self.start_step
+
+    @property
+    def running(self) -> bool:
+        """Whether another step is due: ``steps`` not reached and no shard raised the stop flag."""
+        return not self.stop and self.step < self.steps
+
+    def open_step(self) -> bool:
+        """Before computing step ``self.step``: wait for what the paradigm asks for; False when the run
+        is over instead (the steps are done, or a shard raised the stop flag)."""
+        if not self.running:
+            return False
+        self.row = self._start_row(self.step, self.versions)
+        return True
+
+    def close_step(self, loss: float, compute_s: float) -> None:
+        """After computing (the gradient is in the flat buffer): push, wait, pull."""
+        row = self.row
+        row["loss"], row["compute_s"] = loss, compute_s
+        self._maybe_fail()
+        t = time.perf_counter()
+        self.flat.stage_grads()
+        # a worker that never waits for a grant begins its pull before its push: over a network the
+        # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
+        early, begun = (None, 0.0) if self.blocks else self._timed(self.window.begin_pull, self.flat.params,
+                                                                   self.backoff)
+        self._push(self.versions, row, flags=self._skip_flag())
+        row["push_s"] = time.perf_counter() - t - begun
+        row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
+                         if self.blocks else 0.0)
+        t = time.perf_counter()
+        self.versions, self.stop = self._pull(early)
+        row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
+        row["push_s"] += self._wait(self.pusher.test, "its push to leave")
+        self._finish_row(row)
+        self.step += 1
+
+    def finish(self) -> int:
+        """Leave (``DONE``, then every shard's ``BYE``); return the number of gradients pushed."""
         self._leave()
         return self.clock_count
+
+    def close(self) -> None:
+        """Release what the worker holds beyond its transfers (eager's helper thread); idempotent."""
+
+    #: set by the loop before close_step: the step's gradient is not to be applied (a GradScaler skip)
+    skip_next = False
+
+    def _skip_flag(self) -> int:
+        skip, self.skip_next = self.skip_next, False
+        return wire.SKIP if skip else 0
+
+    def _maybe_fail(self) -> None:
+        if self.step in self.faults:
+            self._inject(self.faults[self.step])
 
     @staticmethod
     def _timed(fn, *args):
@@ -191,16 +227,7 @@ class Worker:
         self.rows[self.clock_count] = row
         self._read_notices()
 
-    def _compute(self, step: int) -> tuple[float, float]:
-        t = time.perf_counter()
-        batch = to_device(self.batches.batch(step), self.flat.device)
-        loss, _ = emulated_pass(self.model, self.flat, self.loss, batch, self.compute_time, self.rng,
-                                self.clip_norm, now=self.clock(), poke=self._poke)
-        if step in self.faults:
-            self._inject(self.faults[step])
-        return loss, time.perf_counter() - t
-
-    def _poke(self) -> None:
+    def poke(self) -> None:
         """While the emulated accelerator computes: keep pushes moving and take notices (hsp's TRANSFER
         turns, grants, receipts) as a worker's free CPU thread would."""
         self._read_notices()
@@ -247,13 +274,17 @@ class Worker:
             if note.flags & wire.GRANT:
                 self.grants[note.shard] += 1
             if note.flags & wire.RECEIPT:
-                self.receipts.setdefault(note.clock, []).append((note.staleness, bool(note.flags & wire.DROPPED)))
+                self.receipts.setdefault(note.clock, []).append((note.staleness, bool(note.flags & wire.DROPPED),
+                                                                  note.version))
                 if not note.flags & wire.DROPPED:
                     self.known[note.shard] = max(self.known[note.shard], note.version + 1)
         for clock in [c for c, got in self.receipts.items() if len(got) == n_shards and c in self.rows]:
             got = self.receipts.pop(clock)
             row = self.rows.pop(clock)
-            row["staleness"] = -1 if any(dropped for _, dropped in got) else max(s for s, _ in got)
+            dropped = any(d for _, d, _ in got)
+            row["staleness"] = -1 if dropped else max(s for s, _, _ in got)
+            # the rate applied (shard 0's version; NaN for a gradient never applied)
+            row["lr"] = math.nan if dropped else row["lr"] * (self.rate / self.lr) * self.schedule(min(v for _, _, v in got))
             self.recorder.add("workers/iterations", tuple(row[name] for name in ITERATION.names))
 
 
@@ -268,6 +299,7 @@ class _SlottedWorker(Worker):
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
         """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
         slot = step % 2
+        flags |= self._skip_flag()
         t = time.perf_counter()
         self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
         self.flat.stage_grads(self.send_buffers[slot])
@@ -293,48 +325,52 @@ class EagerWorker(_SlottedWorker):
         self.bound = bound
         self.puller = EagerPuller(self.window, self.flat.size)
 
-    def run(self) -> int:
-        try:
-            return self._run()
-        finally:
-            self.puller.close()
-
-    def _run(self) -> int:
+    def begin(self) -> None:
         self.puller.request()
         wait_until(self.puller.ready, self.backoff)
-        versions, stop, _ = self._take()
-        expected = 0.0  # running average of the compute time: when to start the pull
-        for step in range(self.start_step, self.steps):
-            if stop:
-                break
-            self._seen(self.puller.latest())
-            held = 0.0
-            while self.bound is not None and self._lag(versions) > self.bound and not stop:
-                # what the worker knows moved on after its last take (a receipt, a peek): refresh first
-                self.puller.request()
-                self.puller.hurry()
-                held += self._wait(self._fresh_enough, "fresh parameters")
-                versions, stop, _ = self._take()
-                self.puller.request(expected)  # the take used up the request for this computation
-            if stop:
-                break
-            row = self._start_row(step, versions)  # nothing between the check and here raises self.known
-            row["loss"], row["compute_s"] = self._compute(step)
-            expected = row["compute_s"] if step == self.start_step else 0.7 * expected + 0.3 * row["compute_s"]
+        self.versions, self.stop, _ = self._take()
+        self.step = self.start_step
+        self.expected = 0.0  # running average of the compute time: when to start the pull
+
+    def open_step(self) -> bool:
+        if not self.running:
+            return False
+        self._seen(self.puller.latest())
+        held = 0.0
+        while self.bound is not None and self._lag(self.versions) > self.bound and not self.stop:
+            # what the worker knows moved on after its last take (a receipt, a peek): refresh first
+            self.puller.request()
             self.puller.hurry()
-            row["pull_wait_s"] = held + self._wait(self._fresh_enough, "fresh parameters")
-            t = time.perf_counter()
-            computed_on, (versions, stop, row["pull_s"]) = versions, self._take()
-            row["pull_wait_s"] += time.perf_counter() - t  # swapping the snapshot in is the worker's own time
-            if step + 1 < self.steps and not stop:
-                # the newest parameters for the next computation, fetched just in time behind it; the
-                # pull's requests leave before this push, which would otherwise hold them up on a TCP link
-                self.puller.request(expected)
-                row["pull_wait_s"] += self._wait(self.puller.begun, "its pull to begin")
-            self._push_copy(step, computed_on, row)
-            self._finish_row(row)
-        self._leave()
-        return self.clock_count
+            held += self._wait(self._fresh_enough, "fresh parameters")
+            self.versions, self.stop, _ = self._take()
+            self.puller.request(self.expected)  # the take used up the request for this computation
+        if self.stop:
+            return False
+        self.row = self._start_row(self.step, self.versions)  # nothing between the check and here raises known
+        self.held = held
+        return True
+
+    def close_step(self, loss: float, compute_s: float) -> None:
+        row, step = self.row, self.step
+        row["loss"], row["compute_s"] = loss, compute_s
+        self._maybe_fail()
+        self.expected = compute_s if step == self.start_step else 0.7 * self.expected + 0.3 * compute_s
+        self.puller.hurry()
+        row["pull_wait_s"] = self.held + self._wait(self._fresh_enough, "fresh parameters")
+        t = time.perf_counter()
+        computed_on, (self.versions, self.stop, row["pull_s"]) = self.versions, self._take()
+        row["pull_wait_s"] += time.perf_counter() - t  # swapping the snapshot in is the worker's own time
+        if step + 1 < self.steps and not self.stop:
+            # the newest parameters for the next computation, fetched just in time behind it; the
+            # pull's requests leave before this push, which would otherwise hold them up on a TCP link
+            self.puller.request(self.expected)
+            row["pull_wait_s"] += self._wait(self.puller.begun, "its pull to begin")
+        self._push_copy(step, computed_on, row)
+        self._finish_row(row)
+        self.step += 1
+
+    def close(self) -> None:
+        self.puller.close()
 
     def _take(self) -> tuple[np.ndarray, bool, float]:
         """Swap the staged parameters in (:meth:`EagerPuller.take`, then onto the device)."""
@@ -371,30 +407,28 @@ class HSPWorker(_SlottedWorker):
         super().__init__(**kwargs)
         self.max_extra = max_extra
 
-    def run(self) -> int:
-        versions, stop = self._pull()
-        extras = 0  # extra gradients pushed in this round
-        extra = False  # this gradient is computed while an earlier push of the round waits for its grant
-        for step in range(self.start_step, self.steps):
-            if stop:
-                break
-            row = self._start_row(step, versions)
-            row["loss"], row["compute_s"] = self._compute(step)
-            slot = self._push_copy(step, versions, row, wire.EXTRA if extra else 0)
-            extras += extra
-            if not extra:  # the round's gradient: idle until its turn to stream in is over
-                row["push_s"] += self._wait(lambda: self.pusher.test(slot), "its turn to transfer")
-            if extras < self.max_extra and self.grants.min() < self.clock_count and step + 1 < self.steps:
-                row["pull_s"] = row["pull_wait_s"] = 0.0  # go on computing on the parameters it has
-                self._finish_row(row)
-                extra = True
-                continue
-            row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
-            extras, extra = 0, False
-            t = time.perf_counter()
-            versions, stop = self._pull()
-            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
-            self._finish_row(row)
-        self._leave()
-        return self.clock_count
+    def begin(self) -> None:
+        super().begin()
+        self.extras = 0  # extra gradients pushed in this round
+        self.extra = False  # this gradient is computed while an earlier push of the round waits for its grant
 
+    def close_step(self, loss: float, compute_s: float) -> None:
+        row, step = self.row, self.step
+        row["loss"], row["compute_s"] = loss, compute_s
+        self._maybe_fail()
+        slot = self._push_copy(step, self.versions, row, wire.EXTRA if self.extra else 0)
+        self.extras += self.extra
+        self.step += 1
+        if not self.extra:  # the round's gradient: idle until its turn to stream in is over
+            row["push_s"] += self._wait(lambda: self.pusher.test(slot), "its turn to transfer")
+        if self.extras < self.max_extra and self.grants.min() < self.clock_count and self.step < self.steps:
+            row["pull_s"] = row["pull_wait_s"] = 0.0  # go on computing on the parameters it has
+            self._finish_row(row)
+            self.extra = True
+            return
+        row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
+        self.extras, self.extra = 0, False
+        t = time.perf_counter()
+        self.versions, self.stop = self._pull()
+        row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
+        self._finish_row(row)

@@ -81,20 +81,23 @@ class Workload:
     """The user's objects (see the module docstring for which rank runs what).
 
     ``data`` loads the training and held-out data where they are needed
-    (a zero-argument callable, so ranks that need no data load none).
+    (a zero-argument callable, so ranks that need no data load none; None
+    under the step API, where the user's loop brings its own).
+    ``param_groups`` are the optimizer's groups (:mod:`hpcps.paramgroups`).
     ``optimizer`` and ``lr_schedule`` override ``--optimizer`` and
     ``--lr-schedule`` when given. ``prepare``, if given, runs on rank 0
     before any rank loads data (e.g. generating a cache file once).
     """
 
     model: Callable[..., torch.nn.Module]
-    data: Callable[[], DataSource]
+    data: Callable[[], DataSource] | None
     loss: LossFn = cross_entropy
     evaluate: EvalFn | None = None
     optimizer: OptimizerFactory | None = None
     lr_schedule: Schedule | None = None
     model_name: str = "model"
     prepare: Callable[[], object] | None = None
+    param_groups: Any = None
 
     def build_model(self, *, seed: int, in_shape: tuple[int, ...] | None, n_classes: int | None,
                     hidden: int | None) -> torch.nn.Module:

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 3  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind
+SCHEMA_VERSION = 4  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+#                     4: workers/scalars, optimizer
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
 #: ``staleness``: server version at apply minus ``version`` (largest over
 #: shards; -1 if the gradient was dropped); ``lr_staleness``: the staleness
 #: the worker knew of when it pushed (newest version seen minus ``version``),
-#: from which ``lr`` was scaled; ``wait_s``: blocked on the paradigm's grant;
+#: from which its rate was scaled; ``lr``: the learning rate applied to the
+#: gradient: the optimizer's own rate x the schedule at the version it was
+#: applied to x the worker's staleness factor (NaN if it was dropped); ``wait_s``: blocked on the paradigm's grant;
 #: ``push_s``: in push calls and waiting for a push to leave; ``pull_s``: the
 #: pull's own duration; ``pull_wait_s``: the part of it the worker waited for
 #: (equal to ``pull_s`` unless the pull overlapped compute, as in eager, where it is
@@ -45,7 +48,7 @@ UPDATE = np.dtype([
 TRANSFER = np.dtype([("rank", "i4"), ("shard", "i4"), ("worker", "i4"), ("t_begin", "f8"), ("t_end", "f8")])
 
 #: ``reason`` codes of ``/servers/updates``
-REASONS = {0: "applied", 1: "non-finite gradient"}
+REASONS = {0: "applied", 1: "non-finite gradient", 2: "skipped by its worker"}
 
 #: ``/eval``: one row per evaluation of the global parameters on the held-out set.
 EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f8")])
@@ -53,6 +56,10 @@ EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f
 #: ``/eval_metrics``: the named metrics of an evaluation other than loss and accuracy (a user's
 #: evaluation function may return any), one row per metric per evaluation.
 EVAL_METRIC = np.dtype([("t", "f8"), ("version", "i8"), ("name", "S32"), ("value", "f8")])
+
+#: ``/workers/scalars``: the numbers a training loop logs itself (``ps.log(name=value)``, the step
+#: API): the worker's rank, the step it was computing, the run's clock, the name and the value.
+SCALAR = np.dtype([("rank", "i4"), ("step", "i8"), ("t", "f8"), ("name", "S32"), ("value", "f8")])
 
 #: ``/ranks``: one row per rank, written at the end of the run: its role (server, group, worker),
 #: host name, peak resident memory (``getrusage``), and the training or held-out samples it read
@@ -74,6 +81,7 @@ TABLES = {
     "servers/transfers": TRANSFER,
     "eval": EVAL,
     "eval_metrics": EVAL_METRIC,
+    "workers/scalars": SCALAR,
     "ranks": RANK,
 }
 
@@ -81,23 +89,36 @@ ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_si
               "n_workers", "n_servers", "n_groups", "mpi_library", "start_time")
 
 SUMMARY_ATTRS = ("wall_s", "gradients_pushed", "gradients_applied", "gradients_dropped",
-                 "final_accuracy", "time_to_target_s")
+                 "final_accuracy", "final_loss", "time_to_target_s")
 
 
 def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
-              wall_s: float, target: float | None) -> dict[str, float | int]:
+              wall_s: float, target=None, eval_metrics: np.ndarray | None = None) -> dict[str, float | int]:
     """The ``/summary`` attributes, derived from the tables so they always agree.
 
-    Every gradient is recorded once per shard; counts use shard 0's rows.
+    Every gradient is recorded once per shard; counts use shard 0's rows. ``target`` is a
+    :class:`hpcps.target.Target` (or a number: an accuracy to reach), read from ``/eval``
+    for loss and accuracy and from ``eval_metrics`` for the evaluation's other names.
     """
+    from hpcps.target import Target
+
     first_shard = updates[updates["shard"] == 0]
     applied = int(first_shard["applied"].sum())
-    reached = evals["t"][evals["accuracy"] >= target] if target is not None else evals["t"][:0]
+    if isinstance(target, (int, float)):
+        target = Target("accuracy", ">=", float(target))
+    if target is None:
+        reached = float("nan")
+    elif target.name in ("loss", "accuracy"):
+        reached = target.first_time(evals["t"], evals[target.name])
+    else:
+        rows = eval_metrics[eval_metrics["name"] == target.name.encode()[:32]] if eval_metrics is not None else []
+        reached = target.first_time(rows["t"], rows["value"]) if len(rows) else float("nan")
     return {
         "wall_s": float(wall_s),
         "gradients_pushed": int(len(iterations)),
         "gradients_applied": applied,
         "gradients_dropped": int(len(first_shard) - applied),
         "final_accuracy": float(evals["accuracy"][-1]) if len(evals) else float("nan"),
-        "time_to_target_s": float(reached.min()) if len(reached) else float("nan"),
+        "final_loss": float(evals["loss"][-1]) if len(evals) else float("nan"),
+        "time_to_target_s": reached,
     }

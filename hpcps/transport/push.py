@@ -99,6 +99,7 @@ class PushEvent:
     version: int
     lr: float
     extra: bool = False
+    skip: bool = False  # the worker skipped the step: counted in its round, never applied
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,8 @@ class PushInbox:
                 self.backlog.setdefault(i, deque()).append(header)
         for i in self._payloads_done():
             h = self.headers[i]
-            events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA)))
+            events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA),
+                                     bool(h[5] & wire.SKIP)))
             if self.streaming is not None and self.streaming[0] == i:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None

@@ -69,6 +69,7 @@ DROPPED = 8
 TRANSFER = 16
 
 EXTRA = 1  # push flags (header field 5)
+SKIP = 2  # the worker skipped this step (a GradScaler found Inf/NaN): count it, never apply it
 
 WINDOW_HEADER_BYTES = 128
 WIN_MAX_SLOTS = 4

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -93,3 +94,46 @@ def test_the_api_ends_every_rank_with_one_line_on_bad_input(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert errors == ["hpcps: error: --paradigm: unknown paradigm 'ssq' (known: asp, bsp, dssp, eager, grouped, hsp, "
                       "ssp)"], proc.stderr
+
+
+def _val_losses(stdout: str) -> list[float]:
+    return [float(v) for v in re.findall(r"val loss ([0-9.]+)$", stdout, re.M)]
+
+
+def test_the_nanogpt_style_loop_trains_under_bsp_ssp_and_dssp_and_resumes_its_own_fields(tmp_path):
+    """The user's own loop (accumulation, bf16 autocast, clipping, AdamW with decay groups, warm-up and
+    cosine to min_lr, validation every 10 iterations): the validation loss falls under every paradigm;
+    the bsp run's checkpoint carries the loop's fields, and the resumed run continues from them."""
+    small = ["--max-iters", "30", "--eval-interval", "10", "--eval-iters", "4", "--warmup-iters", "5"]
+    script = str(EXAMPLES / "nanogpt_style.py")
+    for paradigm in ("ssp", "dssp"):
+        proc = launch(5, sys.executable, script, "--paradigm", paradigm, *small, "--out",
+                      str(tmp_path / f"{paradigm}.h5"), timeout=240, cwd=str(tmp_path))
+        _ok(proc)
+        losses = _val_losses(proc.stdout)
+        assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout  # steps 0, 10, 20
+    out = tmp_path / "bsp.h5"
+    proc = launch(5, sys.executable, script, "--paradigm", "bsp", *small, "--checkpoint-every", "20",
+                  "--out", str(out), timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    first = _val_losses(proc.stdout)
+    assert first[-1] < first[0], proc.stdout
+    with h5py.File(out) as f:
+        scalars = f["workers/scalars"][()]
+        optimizer = json.loads(f.attrs["optimizer"])
+    assert sorted(set(scalars["name"].tolist())) == [b"train_loss", b"val_loss"]
+    assert sorted(set(scalars["step"].tolist())) == [0, 10, 20]
+    assert optimizer["class"] == "torch.optim.adamw.AdamW" and optimizer["defaults"]["lr"] == 3e-3
+    assert [g["weight_decay"] for g in optimizer["param_groups"]] == [0.1, 0.0]
+    checkpoint = tmp_path / "bsp-checkpoints" / "step-000020.h5"
+    saved = torch.load(checkpoint.with_suffix(".user.pt"), weights_only=False)
+    assert saved["iter_num"] == 20 and abs(saved["best_val_loss"] - min(first[:2])) < 1e-4  # printed to 4 places
+    example = _module("nanogpt_style")
+    state = torch.load(out.with_suffix(".pt"))
+    model = example.GPT(state["tok.weight"].shape[0], 32)
+    model.load_state_dict(state)  # the trained model loads into the plain class
+    resumed = launch(5, sys.executable, script, "--paradigm", "bsp", *small, "--resume", str(checkpoint),
+                     "--out", str(tmp_path / "resumed.h5"), timeout=240, cwd=str(tmp_path))
+    _ok(resumed)
+    assert re.search(r"^step 20 \(version 20\)", resumed.stdout, re.M), resumed.stdout
+    assert "step 0 " not in resumed.stdout and "after 30 iterations" in resumed.stdout

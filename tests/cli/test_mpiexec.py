@@ -37,7 +37,8 @@ def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
         assert s["final_accuracy"] >= 0.90
         assert f["eval"]["accuracy"][-1] == s["final_accuracy"]
-    assert proc.stderr.count("final test accuracy") == 1  # one summary line, not two
+    assert proc.stderr.count("final evaluation loss") == 1  # one summary line, not two
+    assert "accuracy nan" not in proc.stderr
 
 
 @pytest.mark.parametrize("args,message", [

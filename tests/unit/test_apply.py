@@ -19,3 +19,15 @@ def test_apply_updates_in_place():
     storage = master.data_ptr()
     apply_update(master, [torch.ones(5)], [1.0], progress=lambda: None)
     assert master.data_ptr() == storage and torch.equal(master, -torch.ones(5))
+
+
+def test_a_worker_still_on_its_first_step_counts_as_silent_only_past_the_grace():
+    """torch.compile on the first step: the server must not call that worker stuck at --stall-warn."""
+    from hpcps.server import FIRST_STEP_GRACE, silences
+
+    heard = [0.0, 0.0, 50.0]
+    # worker 0 has pushed before, worker 1 has not yet (compiling), worker 2 was heard 10 s ago
+    assert silences(60.0, heard, [0, 1, 2], {0, 2}, warn=20.0) == [(60.0, 0)]
+    late = 20.0 * FIRST_STEP_GRACE + 1
+    assert silences(late, heard, [0, 1, 2], {0, 2}, warn=20.0) == [
+        (late - 20.0 * (FIRST_STEP_GRACE - 1), 1), (late - 50.0, 2), (late, 0)]

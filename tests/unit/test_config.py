@@ -98,3 +98,28 @@ def test_stall_abort_is_on_by_default_and_zero_turns_it_off():
     assert make_config({}).stall_limit == 600.0
     assert make_config({"stall_abort": 0}).stall_limit is None
     assert make_config({"stall_abort": 5}).stall_limit == 5.0
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 1e-3), ("adamw", 1e-3)])
+def test_the_default_learning_rate_is_the_optimizers_usual_one(optimizer, lr):
+    assert make_config({"optimizer": optimizer}).lr == lr
+    assert make_config({"optimizer": optimizer, "lr": 0.02}).lr == 0.02
+
+
+def test_python_keywords_are_named_in_python_spelling_with_a_suggestion():
+    with pytest.raises(UserError) as python:
+        make_config({"eval_interval_iters": 5}, python=True)
+    assert str(python.value) == "unknown keyword argument 'eval_interval_iters' (did you mean 'eval_interval'?)"
+    with pytest.raises(UserError, match=r"^batch_size: "):
+        make_config({"batch_size": 0}, python=True)
+    with pytest.raises(UserError) as cli:
+        make_config({"eval_interval_iters": 5})
+    assert str(cli.value) == "unknown option '--eval-interval-iters' (did you mean '--eval-interval'?)"
+
+
+def test_min_lr_is_the_cosine_schedules_floor_below_lr():
+    assert make_config({"lr_schedule": "cosine", "min_lr": 0.01}).min_lr == 0.01
+    with pytest.raises(UserError, match="--min-lr is the cosine schedule's floor"):
+        make_config({"min_lr": 0.01})
+    with pytest.raises(UserError, match="--min-lr 0.5 is above --lr 0.1"):
+        make_config({"lr_schedule": "cosine", "min_lr": 0.5})

@@ -66,6 +66,32 @@ def _flags(command: str) -> frozenset[str]:
     return frozenset(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
 
 
+def _choices() -> dict[str, tuple[str, ...]]:
+    """``--option`` -> the values it takes, for every ``hpcps train`` option with a fixed set."""
+    import typing
+
+    from hpcps.config import TrainConfig
+
+    out = {}
+    for name, field in TrainConfig.model_fields.items():
+        args = [a for a in typing.get_args(field.annotation) if typing.get_origin(a) is typing.Literal] or (
+            [field.annotation] if typing.get_origin(field.annotation) is typing.Literal else [])
+        if args:
+            out["--" + name.replace("_", "-")] = typing.get_args(args[0])
+    return out
+
+
+def test_every_option_value_the_docs_name_is_one_the_parser_takes():
+    """``--nonfinite drop`` in a table is caught here: a value in backquotes after an option with a
+    fixed set of values must be one of them."""
+    choices = _choices()
+    wrong = [(page, option, value) for page, text in PAGES.items()
+             for option, value in re.findall(r"(--[a-z][a-z-]*)[ =]([a-z][a-z0-9_]*)\b", text)
+             if option in choices and value not in choices[option] and value.upper() != value]
+    assert choices["--nonfinite"] == ("skip", "abort")
+    assert not wrong, wrong
+
+
 def test_every_train_option_is_documented():
     missing = sorted(f for f in _flags("train") if f != "--help" and f"`{f}" not in DOCS["running.md"])
     assert not missing, f"docs/running.md lacks {missing}"
@@ -184,6 +210,17 @@ def test_the_example_script_is_shown_verbatim(page):
     """The "your own model" script is examples/train_script.py, which the tests run."""
     script = (ROOT / "examples" / "train_script.py").read_text()
     assert f"```python\n{script}```" in PAGES[page]
+
+
+def test_the_step_api_loop_is_shown_as_the_example_has_it():
+    """The own-model page's loop is a piece of examples/nanogpt_style.py (dedented), which the tests run."""
+    import textwrap
+
+    script = (ROOT / "examples" / "nanogpt_style.py").read_text()
+    blocks = [body for info, body in _blocks(DOCS["own-model.md"]) if info == "python"]
+    loop = next(b for b in blocks if "hpcps.init(" in b)
+    assert "ps.step(loss)" in loop
+    assert textwrap.indent(loop, "    ") in script
 
 
 def test_every_example_is_run_by_the_tests():

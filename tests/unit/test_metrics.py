@@ -4,6 +4,7 @@ import math
 
 import h5py
 import numpy as np
+import pytest
 
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import EVAL, ITERATION, SCHEMA_VERSION, SUMMARY_ATTRS, UPDATE, summarize
@@ -21,9 +22,25 @@ def test_summary_counts_each_gradient_once_over_shards():
     ev = np.array([(0.5, 1, 1.0, 0.80), (1.0, 2, 0.5, 0.95), (1.5, 3, 0.4, 0.93)], dtype=EVAL)
     s = summarize(it, up, ev, wall_s=2.0, target=0.9)
     assert s == {"wall_s": 2.0, "gradients_pushed": 3, "gradients_applied": 2, "gradients_dropped": 1,
-                 "final_accuracy": 0.93, "time_to_target_s": 1.0}
+                 "final_accuracy": 0.93, "final_loss": 0.4, "time_to_target_s": 1.0}
     assert math.isnan(summarize(it, up, ev, wall_s=2.0, target=0.99)["time_to_target_s"])
     assert set(s) == set(SUMMARY_ATTRS)
+
+
+def test_the_time_to_target_reads_any_metric_the_evaluation_returned():
+    """A language model's goal is a low validation loss, not an accuracy it does not have."""
+    from hpcps.metrics.schema import EVAL_METRIC
+    from hpcps.target import Target
+
+    it, up = np.zeros(1, ITERATION), _updates([(0, 0, 0.1, 1, 1, 0, 0, -1, 1, 0)])
+    ev = np.array([(0.5, 1, 2.0, np.nan), (1.0, 2, 1.4, np.nan), (1.5, 3, 1.2, np.nan)], dtype=EVAL)
+    assert summarize(it, up, ev, wall_s=2.0, target=Target.parse("loss<=1.4"))["time_to_target_s"] == 1.0
+    named = np.array([(0.5, 1, b"perplexity", 9.0), (1.5, 3, b"perplexity", 3.0)], dtype=EVAL_METRIC)
+    assert summarize(it, up, ev, wall_s=2.0, target=Target.parse("perplexity<4"),
+                     eval_metrics=named)["time_to_target_s"] == 1.5
+    assert math.isnan(summarize(it, up, ev, wall_s=2.0, target=Target.parse("accuracy>=0.5"))["time_to_target_s"])
+    with pytest.raises(ValueError, match="expected METRIC<=VALUE or METRIC>=VALUE"):
+        Target.parse("loss=1")
 
 
 def test_run_file_appends_in_batches_and_reads_back(tmp_path):

@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
+
+from hpcps.target import Target
 from torch import nn
 
 from hpcps.batches import ArrayData, held_out_batches
@@ -170,7 +172,7 @@ def test_a_background_evaluation_leaves_the_loop_free_and_reports_back_on_the_lo
     rows = _Rows()
     ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
                    evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, recorder=rows,
-                   clock=lambda: now[0], interval=0.1, target=0.4,
+                   clock=lambda: now[0], interval=0.1, target=Target("accuracy", ">=", 0.4),
                    on_target=lambda: targets.append(threading.current_thread().name), background=True)
     assert ev.tick()  # started
     assert pulling.wait(10)
@@ -200,3 +202,33 @@ def test_a_failed_background_evaluation_is_raised_in_the_loop():
     ev._thread.join(10)
     with pytest.raises(RuntimeError, match="evaluation failed: OSError: window gone"):
         ev.tick()
+
+
+def test_a_compiled_models_saved_state_loads_into_the_plain_model():
+    """torch.compile puts ``_orig_mod.`` in every key; the saved state drops it."""
+    from hpcps.run import plain_state_dict
+
+    model = torch.nn.Linear(2, 3)
+    compiled = torch.compile(model)
+    assert list(compiled.state_dict()) == ["_orig_mod.weight", "_orig_mod.bias"]
+    state = plain_state_dict(compiled)
+    fresh = torch.nn.Linear(2, 3)
+    fresh.load_state_dict(state)  # strict: every key matches
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_batch_size_with_a_batch_factory_is_refused_in_python_spelling():
+    from mpi4py import MPI
+
+    import hpcps
+    from hpcps.errors import UserError
+
+    def factory(index, n_workers, seed, epoch):
+        return [(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))]
+
+    with pytest.raises(UserError, match="batch_size: a batch factory makes its own batches"):
+        hpcps.train(model=lambda: torch.nn.Linear(3, 2), data=factory, batch_size=8, comm=MPI.COMM_SELF,
+                    exit_on_error=False)
+    with pytest.raises(UserError, match="unknown keyword argument 'batchsize' \\(did you mean 'batch_size'\\?\\)"):
+        hpcps.train(model=lambda: torch.nn.Linear(3, 2), data=factory, batchsize=8, comm=MPI.COMM_SELF,
+                    exit_on_error=False)

@@ -1,0 +1,236 @@
+"""The step API: one rank's part of a run, driven by a training loop (the user's, or hpcps's own).
+
+On a worker rank a :class:`Session` turns the loop's ``backward(); step()``
+into the paradigm's protocol: :meth:`Session.step` takes the gradient that
+backward left in the model's ``.grad`` (a view of the flat buffer, see
+:mod:`hpcps.flat`), pushes it, waits as the paradigm says (BSP's round,
+SSP's and DSSP's bound, eager's decoupled pull, hsp's turn and extras,
+grouped's group round) and leaves the model holding the parameters the next
+step computes on. Between two calls the loop may do anything torch allows:
+several backward passes (they accumulate: gradient accumulation), clipping,
+``GradScaler`` (through :attr:`Session.optimizer`), evaluation, logging.
+
+On a server rank there is nothing to drive: :func:`hpcps.init` serves until
+every worker has left and hands back a finished Session (``is_worker``
+False, :attr:`Session.result` on rank 0).
+
+hpcps's built-in loop (:meth:`Session.train_on`, behind ``hpcps.train`` and
+``hpcps train``) is a client of this API like any other: one loop, not two.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hpcps.batches import BatchSource, to_device
+from hpcps.checkpoint import checkpoint_path, read_user_state, write_user_state
+from hpcps.emulation import emulated_sleep
+from hpcps.layout import Role
+
+log = logging.getLogger("hpcps")
+
+
+class Session:
+    """One rank's part of a run; see the module docstring.
+
+    A Session is used once: on a worker, ``while ps.running: ...; ps.step()``
+    and then :meth:`close` (collective: every rank's session must close,
+    servers' sessions come closed). In a ``with`` block a failure on this
+    rank ends the job on every rank (``MPI_Abort``) instead of leaving the
+    others waiting.
+    """
+
+    def __init__(self, run, *, abort_on_error: bool = True) -> None:
+        from hpcps.run import _compute_time  # the run's own rule for the emulated compute time
+
+        self.run = run
+        self.abort_on_error = abort_on_error
+        self.result = None  # rank 0: the RunResult once closed
+        self.closed = False
+        self.state: dict[str, Any] = {}  # the user's own checkpoint fields (worker 0's are saved)
+        self._scalars: list[tuple] = []
+        layout, rank = run.layout, run.topo.rank
+        self.is_worker = run.topo.role is Role.WORKER
+        self.rank = rank
+        self.n_workers = layout.n_workers
+        self.worker_index = layout.worker_index(rank) if self.is_worker else None
+        self.model = run.model
+        self._optimizer = None
+        if not self.is_worker:
+            return
+        cfg = run.cfg
+        self.flat = run.flat
+        self.clip_norm = cfg.clip_norm
+        self.compute_time = _compute_time(cfg, rank, layout)
+        self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
+        self.checkpoint_every = cfg.checkpoint_every
+        if run.ckpt is not None:
+            self.state = read_user_state(cfg.resume)
+        self.worker = run.make_worker()
+        self.worker.begin()
+        self.open = False
+        self._open()
+
+    # -- what the loop reads ------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """True while another step is due: ``steps`` not reached, nobody stopped the run (a signal,
+        ``target_accuracy``). A loop that runs on after False only gets False from :meth:`step`."""
+        return self.is_worker and self.open
+
+    @property
+    def iteration(self) -> int:
+        """The step being computed (0 first; where a resumed run continues)."""
+        return self.worker.step if self.is_worker else 0
+
+    @property
+    def version(self) -> int:
+        """The global version (updates applied, lowest over the shards) the current step computes on."""
+        return int(self.worker.versions.min()) if self.is_worker else 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """A stand-in for the optimizer that now lives on the servers, for code that wants one:
+        ``GradScaler`` (``scaler.unscale_(ps.optimizer)``, ``scaler.step(ps.optimizer)``: its
+        ``step`` is this session's :meth:`step`, skipped when the scaler found Inf or NaN),
+        ``zero_grad``."""
+        if self._optimizer is None:
+            self._optimizer = StepOptimizer(self)
+        return self._optimizer
+
+    # -- the step -------------------------------------------------------------
+    def step(self, loss: torch.Tensor | float | None = None, *, skip: bool = False) -> bool:
+        """Push the gradient of this step (what backward accumulated in ``.grad`` since the last
+        step), wait as the paradigm says, and bring in the parameters of the next; return
+        :attr:`running`. ``loss`` (optional) goes to the iteration's row; ``skip`` pushes the
+        step as skipped: it counts in its round (nobody waits for it) and is never applied."""
+        if not self.running:
+            return False
+        self.flat.adopt_grads()
+        self.flat.end_pass(self.clip_norm)
+        self.flat.synchronize()  # a GPU's queued work belongs to this step's time
+        elapsed = time.perf_counter() - self.t0
+        emulated_sleep(self.compute_time.sleep_after(elapsed, self.rng, self.run.clock()), self.worker.poke)
+        value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self.worker.skip_next = skip
+        self.worker.close_step(value, time.perf_counter() - self.t0)
+        self._log_scalars()
+        self._open()
+        return self.open
+
+    def stop(self) -> None:
+        """End the run for every worker (early stopping): each shard's stop flag goes up, and every
+        worker's :attr:`running` turns False once its current step is done, as after a signal."""
+        if self.is_worker:
+            self.worker.window.request_stop()
+
+    def log(self, **scalars: float) -> None:
+        """The loop's own numbers for this step (``ps.log(val_loss=1.7)``): rows of ``/workers/scalars``
+        (this rank, the step, the run's clock, name, value) in the run's metrics file."""
+        if not self.is_worker:
+            return
+        t, step = self.run.clock(), self.iteration
+        for name, value in scalars.items():
+            self._scalars.append((self.rank, step, t, name.encode()[:32], float(value)))
+        if not self.open:
+            self._log_scalars()
+
+    def _log_scalars(self) -> None:
+        for row in self._scalars:
+            self.run.recorder.add("workers/scalars", row)
+        self._scalars.clear()
+
+    def _open(self) -> None:
+        self.open = self.worker.open_step()
+        if not self.open:
+            return
+        self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
+        version = self.version
+        if (self.checkpoint_every and self.worker_index == 0 and self.state and version and version % self.checkpoint_every == 0
+                and version != getattr(self, "_saved_at", None)):
+            # BSP: this version's checkpoint is the servers'; the loop's own fields as they are before
+            # computing on it go beside it (where a run resumed from it starts)
+            write_user_state(checkpoint_path(self.run.ckpt_dir, version), self.state)
+            self._saved_at = version
+        self.t0 = time.perf_counter()
+
+    # -- the built-in loop ------------------------------------------------------
+    def train_on(self, batches: BatchSource, loss: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
+        """hpcps's own loop: batch ``k`` of ``batches`` for step ``k``, ``loss(model, batch)``, backward, step."""
+        while self.running:
+            batch = to_device(batches.batch(self.iteration), self.flat.device)
+            value = loss(self.model, batch)
+            value.backward()
+            self.step(value)
+
+    # -- the end ----------------------------------------------------------------
+    def close(self):
+        """Collective: leave, and end the run with every other rank; return the
+        :class:`~hpcps.run.RunResult` on rank 0 (None elsewhere). Idempotent."""
+        if self.closed:
+            return self.result
+        self.closed = True
+        if self.is_worker:
+            try:
+                pushed = self.worker.finish()
+                self._log_scalars()
+            finally:
+                self.run.free_worker(self.worker, self.worker.clock_count)
+            self.result = self.run.end(user_state=self.state if self.worker_index == 0 else None)
+            self.run.__exit__(None, None, None)
+            log.debug("worker rank %d pushed %d gradients", self.rank, pushed)
+        return self.result
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is None:
+            self.close()
+            return
+        if self.is_worker:
+            self.worker.close()
+        if self.abort_on_error and not isinstance(exc, (KeyboardInterrupt,)):
+            from hpcps.agree import end_job
+
+            end_job(self.run.topo.comm, exc)
+
+
+class StepOptimizer(torch.optim.Optimizer):
+    """The stand-in optimizer of :attr:`Session.optimizer`: the model's trainable parameters, no
+    update rule of its own (the servers have it). ``step()`` is the session's step; ``GradScaler``
+    calls it whatever it found (``_step_supports_amp_scaling``), with ``found_inf`` and
+    ``grad_scale`` set, so a step the scaler skips is pushed as skipped and gradients it did not
+    unscale are unscaled here. ``zero_grad`` zeroes the flat buffer in place."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, session: Session) -> None:
+        params = [p for p in session.model.parameters() if p.requires_grad]
+        super().__init__(params, {"lr": session.run.cfg.lr})
+        self.session = session
+
+    @torch.no_grad()
+    def step(self, closure=None, loss: torch.Tensor | float | None = None):  # noqa: D102
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        skip = found_inf is not None and bool(found_inf.item())
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None and not skip:  # the scaler did not unscale_ first: the gradients are scaled
+            self.session.flat.adopt_grads()
+            self.session.flat.grads_t[:self.session.flat.n_params].mul_(1.0 / float(scale))
+        self.session.step(loss, skip=skip)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        self.session.flat.adopt_grads()
+        self.session.flat.zero_grad()
+

@@ -1,0 +1,295 @@
+"""The step API (hpcps.init): the user's own loop under hpcps, against closed forms.
+
+A one-worker BSP run through ``ps.step()`` is the plain torch loop with the
+optimizer on the servers: param groups, gradient accumulation, clipping and
+a warm-up + cosine schedule give the same parameters with 1 and 3 shards; a
+GradScaler skips exactly the steps it skips in torch; every worker draws
+its own random stream; the run file records the optimizer and rates that
+ran; the loop's own fields come back on resume, and a resume under another
+optimizer or schedule is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import hpcps
+from hpcps.errors import UserError
+from hpcps.optim import make_schedule
+from mpitest import share
+
+pytestmark = pytest.mark.timeout(240)
+
+VOCAB, CONTEXT, BATCH = 11, 8, 6
+
+
+class TinyLM(torch.nn.Module):
+    """Embeddings, a LayerNorm, a projection: tensors of 1 and 2 dimensions for the decay rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, 16)
+        self.pos = torch.nn.Embedding(CONTEXT, 16)
+        self.ln = torch.nn.LayerNorm(16)
+        self.fc = torch.nn.Linear(16, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, x, y):
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        logits = self.head(F.gelu(self.fc(self.ln(h))))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def batch(step: int, micro: int, worker: int = 0):
+    """A deterministic batch of the worker's step and micro-batch (its own generator: no global RNG)."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + worker)
+    x = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def sub(world, n: int):
+    """The first ``n`` ranks of ``world`` as a communicator (MPI.COMM_NULL elsewhere)."""
+    return world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
+
+
+STEPS, ACCUM, CLIP, LR, MIN_LR, WARMUP, WD = 10, 2, 0.5, 3e-2, 3e-3, 3, 0.1
+
+
+def torch_loop() -> torch.Tensor:
+    """The reference: nanoGPT's loop in one process (AdamW with decay on 2-D tensors only, warm-up
+    and cosine to min_lr, accumulation over 2 micro-batches, clipping)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW([
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+    schedule = make_schedule("cosine", horizon=STEPS, warmup=WARMUP, floor=MIN_LR / LR)
+    for it in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = LR * schedule(it)
+        for micro in range(ACCUM):
+            (model(*batch(it, micro)) / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def hpcps_loop(comm, out, **options):
+    """The same loop on the step API: the optimizer on the servers, the rest unchanged."""
+    ps = hpcps.init(TinyLM, optimizer="adamw", lr=LR, lr_schedule="cosine", warmup_steps=WARMUP, min_lr=MIN_LR,
+                    param_groups=lambda m: hpcps.decay_groups(m, WD), paradigm="bsp", steps=STEPS, out=str(out),
+                    progress=False, exit_on_error=False, comm=comm, **options)
+    with ps:
+        while ps.running:
+            for micro in range(ACCUM):
+                loss = ps.model(*batch(ps.iteration, micro, ps.worker_index)) / ACCUM
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(ps.model.parameters(), CLIP)
+            ps.step(loss)
+            ps.optimizer.zero_grad()  # set_to_none in torch: hpcps keeps the flat buffer
+    return ps
+
+
+@pytest.mark.parametrize("servers", [1, 3])
+def test_one_worker_bsp_on_the_step_api_is_the_plain_torch_loop(world, mpi_tmp_path, servers):
+    comm = sub(world, servers + 1)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        ps = hpcps_loop(comm, mpi_tmp_path / f"step-{servers}.h5", servers=servers)
+        if comm.rank == 0:
+            ref = torch_loop()
+            got = torch.from_numpy(ps.result.params[:len(ref)])
+            with h5py.File(ps.result.path) as f:
+                it = f["workers/iterations"][()]
+            facts = {"err": float((got - ref).abs().max()), "moved": float((ref - torch_loop_start()).abs().max()),
+                     "rows": len(it), "lr": it["lr"].tolist(),
+                     "expected_lr": [LR * make_schedule("cosine", horizon=STEPS, warmup=WARMUP,
+                                                        floor=MIN_LR / LR)(v) for v in it["version"]]}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["moved"] > 1e-2  # the run really trained
+    assert facts["err"] < 1e-5, facts["err"]
+    assert facts["rows"] == STEPS
+    assert np.allclose(facts["lr"], facts["expected_lr"], rtol=1e-12, atol=0)  # the lr column: rates applied
+
+
+def torch_loop_start() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.cat([p.detach().reshape(-1) for p in TinyLM().parameters()])
+
+
+def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(world, mpi_tmp_path):
+    """fp16 autocast, a GradScaler starting far too high: its first steps find Inf and are skipped. Through
+    ``ps.optimizer`` they are pushed as skipped (reason 2 on the server, never applied)."""
+    steps, scale = 12, 2.0 ** 30
+
+    def run_torch() -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        model = TinyLM()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        scaler, skipped = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3), 0
+        for it in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(*batch(it, 0))
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+            opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), skipped
+
+    comm = sub(world, 2)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.5, paradigm="bsp", steps=steps, progress=False,
+                        out=str(mpi_tmp_path / "amp.h5"), exit_on_error=False, comm=comm)
+        with ps:
+            scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3)
+            while ps.running:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = ps.model(*batch(ps.iteration, 0))
+                scaler.scale(loss).backward()
+                scaler.unscale_(ps.optimizer)
+                scaler.step(ps.optimizer)
+                scaler.update()
+        if comm.rank == 0:
+            ref, skipped = run_torch()
+            with h5py.File(ps.result.path) as f:
+                up = f["servers/updates"][()]
+            got = torch.from_numpy(ps.result.params[:len(ref)])
+            facts = {"skipped": skipped, "reason2": int((up["reason"] == 2).sum()),
+                     "applied": int(up["applied"].sum()), "err": float((got - ref).abs().max())}
+        comm.Free()
+    facts = share(world, facts)
+    assert 0 < facts["skipped"] < steps  # the scaler skipped some steps and took others
+    assert facts["reason2"] == facts["skipped"] and facts["applied"] == steps - facts["skipped"]
+    assert facts["err"] < 1e-5, facts["err"]
+
+
+def test_every_worker_draws_its_own_random_stream(world, mpi_tmp_path):
+    """After the model is built (from ``seed`` on every rank), worker i's torch stream is ``seed + 1 + i``."""
+    ps = hpcps.init(TinyLM, paradigm="asp", steps=1, seed=7, progress=False, out=str(mpi_tmp_path / "rng.h5"),
+                    exit_on_error=False, comm=world)
+    draws = None
+    with ps:
+        if ps.is_worker:
+            draws = (ps.worker_index, torch.rand(4).tolist())
+            ps.model(*batch(0, 0)).backward()
+            ps.step()
+    got = dict(d for d in world.allgather(draws) if d is not None)
+    assert len(got) == 4
+    assert len({tuple(v) for v in got.values()}) == 4
+    for i, values in got.items():
+        assert values == torch.rand(4, generator=torch.Generator().manual_seed(7 + 1 + i)).tolist()
+
+
+def test_the_run_file_records_a_factorys_optimizer_and_the_rates_it_applied(world, mpi_tmp_path):
+    comm = sub(world, 2)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        ps = hpcps.init(TinyLM, optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.05),
+                        lr_schedule=lambda v: 0.5 ** (v // 4), paradigm="bsp", steps=9, progress=False,
+                        out=str(mpi_tmp_path / "ran.h5"), exit_on_error=False, comm=comm)
+        with ps:
+            while ps.running:
+                ps.model(*batch(ps.iteration, 0)).backward()
+                ps.step()
+        if comm.rank == 0:
+            with h5py.File(ps.result.path) as f:
+                it = f["workers/iterations"][()]
+                opt = json.loads(f.attrs["optimizer"])
+                samples = json.loads(f.attrs["lr_schedule_values"])
+            facts = {"class": opt["class"], "lr": opt["defaults"]["lr"], "wd": opt["defaults"]["weight_decay"],
+                     "lr_column": it["lr"].tolist(), "expected": [3e-4 * 0.5 ** (v // 4) for v in it["version"]],
+                     "samples": samples}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["class"] == "torch.optim.adamw.AdamW" and facts["lr"] == 3e-4 and facts["wd"] == 0.05
+    assert facts["lr_column"] == facts["expected"]
+    assert [0, 1.0] in facts["samples"] and [9, 0.25] in facts["samples"]  # versions 0..9 of 9 steps
+
+
+def _loop(ps, fields: dict | None = None):
+    with ps:
+        while ps.running:
+            ps.model(*batch(ps.iteration, 0)).backward()
+            ps.state["iter_num"] = ps.iteration + 1  # the loop's own fields, as they will be after this step
+            ps.state["best"] = min(ps.state.get("best", math.inf), float(ps.iteration))
+            ps.log(twice=2.0 * ps.iteration)
+            ps.step()
+    return ps
+
+
+def test_the_loops_own_fields_come_back_on_resume_and_another_optimizer_is_refused(world, mpi_tmp_path):
+    comm = sub(world, 2)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        common = dict(paradigm="bsp", steps=8, progress=False, exit_on_error=False, comm=comm,
+                      checkpoint_every=4, checkpoint_dir=str(mpi_tmp_path / "ckpt"))
+        factory = lambda groups: torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.0)  # noqa: E731
+        first = _loop(hpcps.init(TinyLM, optimizer=factory, out=str(mpi_tmp_path / "a.h5"), **common))
+        path = str(mpi_tmp_path / "ckpt" / "step-000004.h5")
+        common.update(steps=8, resume=path)
+        # the built-in adamw at the same rate is the same optimizer: accepted
+        second = hpcps.init(TinyLM, optimizer="adamw", lr=1e-3, out=str(mpi_tmp_path / "b.h5"), **common)
+        resumed = (dict(second.state), second.iteration) if second.is_worker else None
+        _loop(second)
+        refusals = []
+        for other in (dict(optimizer="adamw", lr=1e-3, lr_schedule=lambda v: 50.0),
+                      dict(optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-3))):
+            try:
+                hpcps.init(TinyLM, out=str(mpi_tmp_path / "c.h5"), **other, **common)
+            except UserError as exc:
+                refusals.append(str(exc))
+        gathered = comm.gather(resumed)
+        resumed = comm.bcast(gathered[1] if comm.rank == 0 else None)
+        if comm.rank == 0:
+            with h5py.File(first.result.path) as f:
+                scalars = f["workers/scalars"][()]
+            facts = {"resumed": resumed, "refusals": refusals,
+                     "scalars": sorted((int(s["step"]), float(s["value"])) for s in scalars)}
+        comm.Free()
+    facts = share(world, facts)
+    state, iteration = facts["resumed"]
+    assert iteration == 4 and state == {"iter_num": 4, "best": 0.0}
+    assert facts["scalars"] == [(k, 2.0 * k) for k in range(8)]
+    assert "schedule differs: x50 here but x1 in the checkpoint at version 0" in facts["refusals"][0]
+    assert "the optimizer's weight_decay is 0.01 here but 0.0 in the checkpoint" in facts["refusals"][1]
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_every_n_versions_and_a_stop_on_the_loss(world, mpi_tmp_path):
+    """hpcps.train under bsp with ``eval_every=5``: every evaluation but the final one is 5 or more versions
+    after the last; ``target="loss<=X"`` stops the run at the first evaluation at or below X."""
+    data = torch.utils.data.TensorDataset(torch.randn(400, 4), torch.zeros(400, 2))
+
+    def net():
+        torch.manual_seed(3)
+        return torch.nn.Linear(4, 2)
+
+    result = hpcps.train(model=net, data=data, loss="mse", paradigm="bsp", steps=200, lr=0.05, eval_every=5,
+                         target="loss<=0.001", out=str(mpi_tmp_path / "every.h5"), progress=False,
+                         exit_on_error=False, comm=world)
+    facts = None
+    if world.rank == 0:
+        with h5py.File(result.path) as f:
+            ev, it = f["eval"][()], f["workers/iterations"][()]
+            summary = dict(f["summary"].attrs)
+        facts = {"gaps": np.diff(ev["version"][:-1]).tolist(),
+                 "rows": len(it), "first_hit": int(np.argmax(ev["loss"] <= 1e-3)), "n_eval": len(ev),
+                 "t_target": float(summary["time_to_target_s"]), "final_loss": float(summary["final_loss"])}
+    facts = share(world, facts)
+    assert facts["gaps"] and min(facts["gaps"]) >= 5
+    assert facts["rows"] < 4 * 200  # stopped before the last step
+    assert facts["first_hit"] >= facts["n_eval"] - 2  # the stop came at the first evaluation that met it
+    assert facts["t_target"] == facts["t_target"] and facts["final_loss"] <= 1e-3

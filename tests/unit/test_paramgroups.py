@@ -1,0 +1,85 @@
+"""Parameter groups on the server shards (no MPI): shards cut at group boundaries step exactly as one
+torch optimizer with those groups on the whole model."""
+
+import pytest
+import torch
+
+from hpcps.optim import ShardOptimizer, builtin_optimizer, describe_optimizer
+from hpcps.paramgroups import decay_groups, resolve_groups, shard_groups
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+
+
+def test_the_decay_rule_puts_matrices_in_one_group_and_the_rest_in_the_other():
+    groups = decay_groups(_model(), 0.1)
+    assert groups == [{"params": ["0.weight", "2.weight"], "weight_decay": 0.1},
+                      {"params": ["1.weight", "1.bias", "2.bias"], "weight_decay": 0.0}]
+
+
+def test_groups_become_flat_ranges_and_unnamed_parameters_a_last_group():
+    model = _model()
+    groups = resolve_groups(model, [{"params": [model[2].weight], "lr": 0.5}])
+    # flat order: 0.weight (35), 1.weight (5), 1.bias (5), 2.weight (15), 2.bias (3)
+    assert groups[0].options == {"lr": 0.5} and groups[0].ranges == (("2.weight", 45, 60),)
+    assert groups[1].options == {} and [r[0] for r in groups[1].ranges] == ["0.weight", "1.weight", "1.bias",
+                                                                             "2.bias"]
+    with pytest.raises(ValueError, match="is in group 0 already"):
+        resolve_groups(model, [{"params": ["1.bias"]}, {"params": ["1.bias"]}])
+    with pytest.raises(ValueError, match="nope is not a trainable parameter"):
+        resolve_groups(model, [{"params": ["nope"]}])
+
+
+def test_a_shard_slice_is_cut_at_group_boundaries_and_says_which_parts_it_holds():
+    groups = resolve_groups(_model(), decay_groups(_model(), 0.1))
+    pieces = shard_groups(groups, 30, 50)  # the end of 0.weight, 1.*, the start of 2.weight
+    assert pieces[0] == ({"weight_decay": 0.1}, [(0, 5), (15, 20)], [("0.weight", 30, 35), ("2.weight", 0, 5)])
+    assert pieces[1] == ({"weight_decay": 0.0}, [(5, 15)], [("1.weight", 0, 5), ("1.bias", 0, 5)])
+
+
+@pytest.mark.parametrize("cuts", [[0, 63], [0, 30, 50, 63], [0, 7, 40, 41, 63]])
+def test_shards_with_groups_step_as_adamw_with_those_groups_on_the_whole_model(cuts):
+    """Any cut of the flat vector into shards, chunks of 4: AdamW with decay on matrices only, 5 steps."""
+    model = _model()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert len(flat) == 63
+    grads = [torch.randn(63) for _ in range(5)]
+    reference = _model()
+    opt = torch.optim.AdamW([{"params": [p for p in reference.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=0.01)
+    groups = resolve_groups(model, decay_groups(model, 0.1))
+    shards = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        part = flat[lo:hi].clone()
+        shards.append((lo, hi, part, ShardOptimizer(part, builtin_optimizer("adamw", lr=0.01), lambda v: 1.0,
+                                                    chunk=4, groups=shard_groups(groups, lo, hi))))
+    for g in grads:
+        at = 0
+        for p in reference.parameters():
+            p.grad = g[at:at + p.numel()].view_as(p).clone()
+            at += p.numel()
+        opt.step()
+        for lo, hi, _, shard in shards:
+            shard.step([g[lo:hi]], [1.0], version=0, factor=1.0)
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    got = torch.cat([part for _, _, part, _ in shards])
+    assert torch.equal(got, expected)
+    first = shards[0][3]
+    names = [n for g in first.optimizer.param_groups for n in g["names"]]
+    assert names and all(n in dict(model.named_parameters()) for n in names)  # a factory learns what it holds
+
+
+def test_the_record_of_what_ran_names_the_class_its_options_and_the_groups():
+    model = _model()
+    groups = resolve_groups(model, decay_groups(model, 0.1))
+    flat = torch.zeros(63)
+    opt = ShardOptimizer(flat, lambda g: torch.optim.AdamW(g, lr=3e-4), lambda v: 1.0,
+                         groups=shard_groups(groups, 0, 63))
+    ran = describe_optimizer(opt, groups)
+    assert ran["class"] == "torch.optim.adamw.AdamW" and ran["defaults"]["lr"] == 3e-4
+    assert ran["defaults"]["weight_decay"] == 0.01  # AdamW's own default: what ran, not --weight-decay
+    assert ran["param_groups"] == [{"weight_decay": 0.1, "values": 50, "tensors": 2},
+                                   {"weight_decay": 0.0, "values": 13, "tensors": 3}]

@@ -316,8 +316,9 @@ class _Run:
 
     def __exit__(self, kind, exc, tb) -> None:
         """Free what the run holds. The windows (whose free is a barrier) only when every rank gets
-        here: after a failure on one rank, the others are not coming, and the job ends by MPI_Abort."""
-        if kind is None:
+        here: without an error, or with bad input (a UserError is raised on every rank alike, see
+        hpcps.agree); after a failure on one rank the others are not coming, and MPI_Abort follows."""
+        if kind is None or issubclass(kind, UserError):
             for window in (getattr(self, "window", None), getattr(self, "group_window", None)):
                 if window is not None:
                     window.free()  # idempotent: end() has freed them, unless start() was refused

@@ -4,7 +4,7 @@ One switch (``--paradigm``) selects the synchronization paradigm; the
 runtime (topology, transport, server and worker loops) is shared by all of
 them. :func:`hpcps.train` trains the user's own model, data, loss and
 optimizer (see :mod:`hpcps.api`), and :func:`hpcps.init` lets the user keep
-their own training loop (the step API, :mod:`hpcps.session`); ``hpcps train`` is the command-line client
+their own training loop (the step API, :mod:`hpcps.runtime.session`); ``hpcps train`` is the command-line client
 of the same runtime. See README.md and docs/ for the user's view.
 """
 

@@ -10,10 +10,10 @@ A script calls :func:`train` on every rank and is launched like
         print(result.summary["final_accuracy"], result.saved)
 
 A script with a training loop of its own keeps it: :func:`init` starts the
-run and returns a :class:`~hpcps.session.Session` whose ``step()`` follows
+run and returns a :class:`~hpcps.runtime.session.Session` whose ``step()`` follows
 the loop's ``backward()`` (the step API).
 
-``hpcps train`` is a client of the same runtime (:func:`hpcps.run.run_training`):
+``hpcps train`` is a client of the same runtime (:func:`hpcps.runtime.run.run_training`):
 the options are the same, under the same names (``batch_size`` for
 ``--batch-size``), validated by the same config model.
 """
@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hpcps.batches import is_dataset
+from hpcps.data.batches import is_dataset
 from hpcps.config import make_config
 from hpcps.errors import UserError
-from hpcps.optim import OptimizerFactory, Schedule
-from hpcps.paramgroups import GroupsSpec, decay_groups
-from hpcps.run import RunResult
-from hpcps.session import Session
-from hpcps.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
+from hpcps.training.optim import OptimizerFactory, Schedule
+from hpcps.training.paramgroups import GroupsSpec, decay_groups
+from hpcps.runtime.run import RunResult
+from hpcps.runtime.session import Session
+from hpcps.training.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
 
 
 def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
@@ -42,7 +42,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
           param_groups: GroupsSpec | None = None,
           config: str | None = None, comm=None, exit_on_error: bool = True, **options: Any) -> RunResult | None:
     """Collective over ``comm`` (default ``COMM_WORLD``): train, and return the result on rank 0
-    (:class:`~hpcps.run.RunResult`: metrics path, summary, trained model and its ``state_dict``);
+    (:class:`~hpcps.runtime.run.RunResult`: metrics path, summary, trained model and its ``state_dict``);
     None on every other rank.
 
     ``model``
@@ -76,7 +76,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
         ``"sgd"``, ``"adam"``, ``"adamw"`` (configured by ``lr``, ``momentum``,
         ``weight_decay``, ``betas``, ...), or a factory ``param_groups ->
         torch.optim.Optimizer`` run on every server shard over its slice
-        (torch.optim param groups of 1-D float32 tensors; see :mod:`hpcps.paramgroups`).
+        (torch.optim param groups of 1-D float32 tensors; see :mod:`hpcps.training.paramgroups`).
     ``lr_schedule``
         ``"constant"``, ``"step"``, ``"cosine"`` (with ``warmup_steps``, ``min_lr``), or
         ``version -> multiplier`` of the optimizer's learning rate, the
@@ -99,8 +99,8 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     """
     from mpi4py import MPI
 
-    from hpcps.agree import agree, run_or_end
-    from hpcps.run import run_training
+    from hpcps.runtime.agree import agree, run_or_end
+    from hpcps.runtime.run import run_training
 
     comm = MPI.COMM_WORLD if comm is None else comm
     flags = _flags(options, model=model, dataset=data, loss=loss, optimizer=optimizer, lr_schedule=lr_schedule)
@@ -134,7 +134,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
          lr_schedule: Schedule | str | None = None, param_groups: GroupsSpec | None = None,
          config: str | None = None, comm=None, exit_on_error: bool = True, **options: Any) -> Session:
     """Collective over ``comm``: start a run whose workers run the caller's own training loop (the
-    step API); return this rank's :class:`~hpcps.session.Session`::
+    step API); return this rank's :class:`~hpcps.runtime.session.Session`::
 
         ps = hpcps.init(make_model, optimizer="adamw", lr=6e-4, paradigm="ssp", steps=max_iters)
         with ps:
@@ -157,8 +157,8 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     """
     from mpi4py import MPI
 
-    from hpcps.agree import agree, run_or_end
-    from hpcps.run import open_run
+    from hpcps.runtime.agree import agree, run_or_end
+    from hpcps.runtime.run import open_run
 
     comm = MPI.COMM_WORLD if comm is None else comm
     flags = _flags(options, model=model, optimizer=optimizer, lr_schedule=lr_schedule)

@@ -298,12 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from hpcps.agree import agree, run_or_end
+    from hpcps.runtime.agree import agree, run_or_end
     from hpcps.config import make_config
-    from hpcps.faults import InjectedFault
-    from hpcps.launcher import check_world
+    from hpcps.runtime.faults import InjectedFault
+    from hpcps.cluster.launcher import check_world
     from hpcps.log import setup_logging
-    from hpcps.run import run_training
+    from hpcps.runtime.run import run_training
 
     comm = MPI.COMM_WORLD
     setup_logging(comm.rank)
@@ -322,7 +322,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from hpcps.report import make_report
+    from hpcps.analysis.report import make_report
 
     for path in make_report(args.runs, args.out, target=args.target):
         print(path)
@@ -330,7 +330,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from hpcps.simulate import Machine, sweep, write_outputs
+    from hpcps.analysis.simulate import Machine, sweep, write_outputs
 
     try:
         predictions = sweep(args.paradigm, args.workers, straggler=args.straggler, steps=args.steps,
@@ -364,7 +364,7 @@ class _CheckParser(_Parser):
 def check_train_options(train_args: list[str], ranks: int) -> None:
     """UserError, naming the option, if ``hpcps train`` would refuse these options on ``ranks`` ranks."""
     from hpcps.config import make_config
-    from hpcps.planning import plan
+    from hpcps.cluster.planning import plan
 
     checker = _CheckParser(prog="hpcps train", argument_default=argparse.SUPPRESS)
     add_train_options(checker)
@@ -381,7 +381,7 @@ def check_train_options(train_args: list[str], ranks: int) -> None:
 def _jobs_render(args: argparse.Namespace) -> int:
     import shlex
 
-    from hpcps.jobs import JobSpec, render
+    from hpcps.jobs.render import JobSpec, render
 
     spec = JobSpec(**{k: v for k, v in vars(args).items()
                       if k not in ("command", "jobs_command", "func", "command_line")})

@@ -51,11 +51,11 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
     import torch
     from mpi4py import MPI
 
-    from hpcps.batches import to_device
+    from hpcps.data.batches import to_device
     from hpcps.config import make_config
-    from hpcps.emulation import ComputeTime
-    from hpcps.flat import FlatParameters
-    from hpcps.workload import data_shape, workload_from_config
+    from hpcps.cluster.emulation import ComputeTime
+    from hpcps.training.flat import FlatParameters
+    from hpcps.training.workload import data_shape, workload_from_config
 
     comm = MPI.COMM_WORLD
     flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
@@ -117,7 +117,7 @@ def _box(nodes: int, a, ranks_per_node: int = 1) -> str | None:
 
 def _run_inner(kind: str, n: int, steps: int, options: list[str], emulate: str | None = None) -> float:
     from benchlib import launch_argv
-    from hpcps.launcher import clean_environ
+    from hpcps.cluster.launcher import clean_environ
     cmd = launch_argv(n, [sys.executable, os.path.abspath(__file__), "--inner", kind, "--steps", str(steps), "--",
                           *options], emulate)
     proc = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=900)

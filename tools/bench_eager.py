@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from benchlib import fmt, parser, train, train_options
-from hpcps.report import time_to
+from hpcps.analysis.report import time_to
 
 VARIANTS = {
     "eager": ["--paradigm", "eager", "--lr-staleness", "inverse"],

@@ -33,7 +33,7 @@ import numpy as np
 from benchlib import fmt, parser, train, train_options
 from hpcps.config import AUTO_GROUPS
 from hpcps.policies import policy_class
-from hpcps.report import time_to, worker_rates
+from hpcps.analysis.report import time_to, worker_rates
 
 #: paradigms whose workers can know a gradient's staleness (bsp's, hsp's rounds and grouped's groups never are)
 SEES_STALENESS = ("asp", "ssp", "dssp", "eager")

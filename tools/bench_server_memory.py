@@ -25,7 +25,7 @@ from pathlib import Path
 
 import h5py
 
-from hpcps.launcher import clean_environ, find_mpiexec
+from hpcps.cluster.launcher import clean_environ, find_mpiexec
 
 
 def shard0_peak(n_workers: int, paradigm: str, out: Path, extra: list[str], env: dict[str, str]) -> float:

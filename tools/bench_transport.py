@@ -45,7 +45,7 @@ MIB = 1 << 20
 
 
 def _relaunch(argv: list[str]) -> int:
-    from hpcps.launcher import clean_environ, find_mpiexec
+    from hpcps.cluster.launcher import clean_environ, find_mpiexec
     cmd = [find_mpiexec(), "-n", "2", sys.executable, os.path.abspath(__file__), *argv]
     return subprocess.run(cmd, env=clean_environ()).returncode
 
@@ -73,7 +73,7 @@ def _worker_vectors(n: int, device: str, transfer: str | None):
     """A worker's flat parameters and gradient of ``n`` floats on ``device``, moved as ``transfer`` says."""
     import torch
 
-    from hpcps.flat import FlatParameters
+    from hpcps.training.flat import FlatParameters
 
     class Vector(torch.nn.Module):
         def __init__(self) -> None:

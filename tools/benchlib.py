@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpcps.launcher import clean_environ, find_mpiexec
+from hpcps.cluster.launcher import clean_environ, find_mpiexec
 
 
 def launch_argv(np_: int, argv: list[str], emulate: str | None = None) -> list[str]:

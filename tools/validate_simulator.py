@@ -22,7 +22,7 @@ the last line is ``worst error: X%``.
 
 With ``--link RATE`` (and ``--server-link RATE``) the validated runs go into a cluster in a box
 (``hpcps emulate``, one rank per node, the server on node 0) and the model gets the same links
-(:class:`hpcps.simulate.Links`): every transfer of the model's ``4 x parameters`` bytes is a flow on
+(:class:`hpcps.analysis.simulate.Links`): every transfer of the model's ``4 x parameters`` bytes is a flow on
 the server's link. The server's costs are still calibrated on this machine without a box (they
 are CPU, not network), the per-iteration overhead with 1 worker in the box, less its transfer.
 Grouped is not modelled with links.
@@ -40,13 +40,13 @@ from pathlib import Path
 import numpy as np
 
 from benchlib import train
-from hpcps.report import worker_rates
-from hpcps.simulate import Links, Machine, simulate
+from hpcps.analysis.report import worker_rates
+from hpcps.analysis.simulate import Links, Machine, simulate
 
 
 def _parameters(hidden: int | None) -> int:
     """Parameters of the MLP hpcps train builds on digits (64 inputs, 10 classes) with ``hidden`` units."""
-    from hpcps.models import mlp
+    from hpcps.training.models import mlp
 
     model = mlp((64,), 10, **({"hidden": hidden} if hidden else {}))
     return sum(p.numel() for p in model.parameters())

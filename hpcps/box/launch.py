@@ -10,7 +10,7 @@ import sys
 from hpcps.box import net
 from hpcps.box.spec import Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands
 from hpcps.errors import UserError
-from hpcps.launcher import clean_environ, find_mpiexec
+from hpcps.cluster.launcher import clean_environ, find_mpiexec
 
 #: signals passed on to the job (mpiexec hands them to every rank); hpcps train stops cleanly on each
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)

@@ -97,10 +97,10 @@ def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
     """The ``/summary`` attributes, derived from the tables so they always agree.
 
     Every gradient is recorded once per shard; counts use shard 0's rows. ``target`` is a
-    :class:`hpcps.target.Target` (or a number: an accuracy to reach), read from ``/eval``
+    :class:`hpcps.training.target.Target` (or a number: an accuracy to reach), read from ``/eval``
     for loss and accuracy and from ``eval_metrics`` for the evaluation's other names.
     """
-    from hpcps.target import Target
+    from hpcps.training.target import Target
 
     first_shard = updates[updates["shard"] == 0]
     applied = int(first_shard["applied"].sum())

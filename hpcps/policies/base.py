@@ -53,14 +53,14 @@ class Policy(ABC):
     worker_blocks: ClassVar[bool] = True
     #: whether the paradigm runs group servers (``--groups``)
     uses_groups: ClassVar[bool] = False
-    #: whether workers pull eagerly, behind their computation (hpcps.worker.EagerWorker)
+    #: whether workers pull eagerly, behind their computation (hpcps.runtime.worker.EagerWorker)
     eager_pull: ClassVar[bool] = False
     #: whether each shard lets one worker at a time stream its gradient in (hpcps.transport.push)
     serial_transfers: ClassVar[bool] = False
     #: whether workers compute extra gradients while they wait for their grant (hsp; on_push gets ``extra``)
     extra_gradients: ClassVar[bool] = False
     #: whether gradients wait for others (a round) before they are applied; a shard then sums each
-    #: round as it arrives (hpcps.rounds) instead of holding its gradients
+    #: round as it arrives (hpcps.runtime.rounds) instead of holding its gradients
     holds_rounds: ClassVar[bool] = False
     #: ``--lr-staleness`` when the user gives none
     default_lr_staleness: ClassVar[str] = "none"

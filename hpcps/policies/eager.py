@@ -2,7 +2,7 @@
 
 On the server, eager is asynchronous: every gradient is applied on arrival
 and its worker released at once, as in ASP. What differs is the worker
-(:class:`hpcps.worker.EagerWorker`): its pull of the newest parameters is
+(:class:`hpcps.runtime.worker.EagerWorker`): its pull of the newest parameters is
 issued when it starts computing and completes behind the computation, its
 push leaves from a copy while it computes the next gradient, and it scales
 its learning rate by the staleness it knows of (``lr/(1+staleness)`` by

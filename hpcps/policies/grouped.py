@@ -6,7 +6,7 @@ training is BSP at the group server. Each closed round's averaged update
 goes to the central server, which applies it on arrival (this policy: ASP
 over the G group servers); the group server then pulls the fresh central
 parameters for its group. G=1 is BSP, G=N is ASP; G moves the job between
-the two. The group server's mechanism is :class:`hpcps.groupserver.GroupServer`.
+the two. The group server's mechanism is :class:`hpcps.runtime.groupserver.GroupServer`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from hpcps.policies.sync import BSP
 @register
 class HSP(BSP):
     """BSP's rounds, plus extras applied alone and scaled. The shard sums a round in the order
-    its transfers come, not in worker order (see :mod:`hpcps.rounds`): hsp runs are not
+    its transfers come, not in worker order (see :mod:`hpcps.runtime.rounds`): hsp runs are not
     reproducible bit for bit."""
 
     name = "hsp"

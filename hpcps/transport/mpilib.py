@@ -1,4 +1,4 @@
-"""What the MPI library under mpi4py says of its CUDA support (the mechanism behind hpcps.device's policy)."""
+"""What the MPI library under mpi4py says of its CUDA support (the mechanism behind hpcps.cluster.device's policy)."""
 
 from __future__ import annotations
 

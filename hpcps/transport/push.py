@@ -130,7 +130,7 @@ class PushInbox:
     MPI, at the sender (rendezvous). The shard then holds ``pool``
     gradients whatever the worker count. ``reserve()``, if given, names the worker the last free
     buffer is kept for: a BSP shard that sums its round in worker order
-    (:mod:`hpcps.rounds`) keeps it for the worker whose turn it is, frees
+    (:mod:`hpcps.runtime.rounds`) keeps it for the worker whose turn it is, frees
     each buffer as soon as its gradient is summed (:meth:`free_buffer`),
     and takes up the next headers only once the round is applied
     (:meth:`release`). Serial transfers (hsp) take a buffer the same way,

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hpcps.launcher import clean_environ, find_mpiexec
+from hpcps.cluster.launcher import clean_environ, find_mpiexec
 
 MPIEXEC = find_mpiexec()
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install '.[mpich]' or load your MPI)")

@@ -21,8 +21,8 @@ import pytest
 
 from hpcps.box import net
 from hpcps.box.spec import make_cluster
-from hpcps.launcher import clean_environ
-from hpcps.report import max_clock_gap
+from hpcps.cluster.launcher import clean_environ
+from hpcps.analysis.report import max_clock_gap
 from launching import needs_mpiexec
 
 STEPS = 12
@@ -147,7 +147,7 @@ def test_a_push_moves_while_its_worker_computes_only_when_the_computation_pokes_
     script.write_text(
         "import time, numpy as np\n"
         "from mpi4py import MPI\n"
-        "from hpcps.emulation import emulated_sleep\n"
+        "from hpcps.cluster.emulation import emulated_sleep\n"
         "c = MPI.COMM_WORLD; b = np.ones(4 << 20, np.uint8)\n"
         "for poke in (False, True):\n"
         "    c.Barrier()\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from hpcps.launcher import clean_environ
+from hpcps.cluster.launcher import clean_environ
 from launching import launch, needs_mpiexec
 
 pytestmark = needs_mpiexec

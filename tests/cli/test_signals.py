@@ -8,7 +8,7 @@ import time
 
 import h5py
 
-from hpcps.launcher import clean_environ
+from hpcps.cluster.launcher import clean_environ
 from launching import MPIEXEC, needs_mpiexec
 
 pytestmark = needs_mpiexec

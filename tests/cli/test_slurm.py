@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcps.launcher import clean_environ
+from hpcps.cluster.launcher import clean_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slurm

@@ -7,12 +7,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-import hpcps.run
+import hpcps.runtime.run
 from hpcps.config import make_config
-from hpcps.device import DevicePlan
-from hpcps.layout import Role
+from hpcps.cluster.device import DevicePlan
+from hpcps.cluster.layout import Role
 from hpcps.metrics.schema import TABLES
-from hpcps.run import run_training
+from hpcps.runtime.run import run_training
 
 
 def train(out, comm=MPI.COMM_WORLD, **options):
@@ -43,11 +43,11 @@ def clocks_at(updates: np.ndarray, version: int, worker_ranks) -> dict[int, int]
 def force_transfer(monkeypatch, transfer: str) -> None:
     """Make the workers of the next runs move tensors as on a GPU (``staged``/``direct``), on the CPU.
 
-    Replaces the device planning of :func:`hpcps.run.run_training` (collective
+    Replaces the device planning of :func:`hpcps.runtime.run.run_training` (collective
     there; a plain function here, on every rank alike).
     """
     def plan(cfg, comm, layout):
         if layout.role(comm.rank) is not Role.WORKER:
             return DevicePlan(torch.device("cpu"), "shared")
         return DevicePlan(torch.device("cpu"), transfer, "forced by the test")
-    monkeypatch.setattr(hpcps.run, "_plan_device", plan)
+    monkeypatch.setattr(hpcps.runtime.run, "_plan_device", plan)

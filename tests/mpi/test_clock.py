@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcps.report import max_clock_gap
+from hpcps.analysis.report import max_clock_gap
 from hpcps.transport.clocksync import shares_clock_with_rank0, sync_clock
 from mpitest import share, train
 

@@ -14,11 +14,11 @@ import torch
 from mpi4py import MPI
 
 from mpitest import force_transfer, share, train
-from hpcps.data import load_dataset
+from hpcps.data.sharding import load_dataset
 from hpcps.errors import UserError
-from hpcps.flat import FlatParameters
-from hpcps.models import build_model
-from hpcps.topology import node_local_index
+from hpcps.training.flat import FlatParameters
+from hpcps.training.models import build_model
+from hpcps.cluster.topology import node_local_index
 
 pytestmark = pytest.mark.mpi(min_size=5)
 

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from mpitest import clocks_at, force_transfer, share, train
-from hpcps.checkpoint import read_checkpoint
-from hpcps.data import batch_indices, load_dataset
-from hpcps.flat import FlatParameters
-from hpcps.lr import scaled_lr
-from hpcps.models import build_model
+from hpcps.runtime.checkpoint import read_checkpoint
+from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.training.flat import FlatParameters
+from hpcps.training.lr import scaled_lr
+from hpcps.training.models import build_model
 from hpcps.transport.poll import polite_barrier
 
 pytestmark = pytest.mark.mpi(min_size=5)

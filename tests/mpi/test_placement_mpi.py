@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import hpcps.placement
+import hpcps.cluster.placement
 from mpitest import share, train
 
 pytestmark = pytest.mark.mpi(min_size=5)
@@ -15,7 +15,7 @@ def test_two_shards_on_two_nodes_go_one_per_node_and_the_run_is_whole(world, mpi
     """World ranks 0-2 are "node A", 3-4 "node B": shard 1 must be world rank 3 (block placement would
     put both shards on node A), and the run must train as any other (nothing lost, one version each)."""
     fake = [0, 0, 0, 3, 3][:world.size] + [3] * (world.size - 5)
-    monkeypatch.setattr(hpcps.placement, "node_ids", lambda comm: fake)
+    monkeypatch.setattr(hpcps.cluster.placement, "node_ids", lambda comm: fake)
     result, t = train(mpi_tmp_path / "spread.h5", paradigm="asp", servers=2, steps=20)
     facts = None
     if world.rank == 0:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitest import share, train
-from hpcps.checkpoint import read_checkpoint
+from hpcps.runtime.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.mpi(min_size=5)
 

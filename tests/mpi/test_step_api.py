@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 import hpcps
 from hpcps.errors import UserError
-from hpcps.optim import make_schedule
+from hpcps.training.optim import make_schedule
 from mpitest import share
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,8 +9,8 @@ from mpi4py import MPI
 
 from mpitest import share, train
 from hpcps.errors import UserError
-from hpcps.layout import shard_bounds
-from hpcps.server import apply_update
+from hpcps.cluster.layout import shard_bounds
+from hpcps.runtime.server import apply_update
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until

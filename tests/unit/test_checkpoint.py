@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hpcps.checkpoint import check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
+from hpcps.runtime.checkpoint import check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
 from hpcps.config import make_config
 from hpcps.errors import UserError
 

@@ -69,7 +69,7 @@ def test_epochs_become_steps():
 
 
 def test_start_up_errors_name_each_distinct_message_once_with_its_ranks():
-    from hpcps.agree import combine
+    from hpcps.runtime.agree import combine
 
     assert combine(["A", "A", "A"]) == "A"  # every rank: no rank list
     assert combine([None, "A", "A", "A", "A"]) == "ranks 1-4: A"

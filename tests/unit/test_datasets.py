@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpcps.data import batch_indices, load_dataset
-from hpcps.datasets import SyntheticData, builtin_dataset, cache_mnist1d, read_mnist1d
+from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.datasets import SyntheticData, builtin_dataset, cache_mnist1d, read_mnist1d
 from hpcps.errors import UserError
-from hpcps.models import MODELS, torchvision_model
+from hpcps.training.models import MODELS, torchvision_model
 
 
 @pytest.fixture

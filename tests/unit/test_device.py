@@ -1,9 +1,9 @@
-"""Device choice and CUDA-awareness detection (hpcps.device), and the MPI library's own answer."""
+"""Device choice and CUDA-awareness detection (hpcps.cluster.device), and the MPI library's own answer."""
 
 import pytest
 import torch
 
-from hpcps.device import CudaAwareness, choose_cuda_aware, detect_cuda_aware, plan_device, select_device
+from hpcps.cluster.device import CudaAwareness, choose_cuda_aware, detect_cuda_aware, plan_device, select_device
 from hpcps.errors import UserError
 
 OPEN_MPI = "Open MPI v4.1.5, package: Open MPI builder Distribution, ident: 4.1.5, repo rev: v4.1.5, Feb 23, 2023"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hpcps.emulation import ComputeTime
+from hpcps.cluster.emulation import ComputeTime
 
 
 def test_real_compute_with_slowdown_sleeps_factor_minus_one_times_as_long():
@@ -54,7 +54,7 @@ def test_straggler_episodes_rotate_one_slow_worker_round_robin_on_the_run_clock(
     of its own --slowdown; outside the run (now=None: the speed warm-up) episodes do not apply."""
     import numpy as np
 
-    from hpcps.emulation import ComputeTime
+    from hpcps.cluster.emulation import ComputeTime
 
     rng = np.random.default_rng(0)
     times = [ComputeTime(0.01, 2.0 if k == 1 else 1.0, episodes=(3.0, 2.0), worker=k, n_workers=4) for k in range(4)]
@@ -82,7 +82,7 @@ def test_an_emulated_computation_pokes_every_millisecond_and_lasts_as_long():
     at least one, and no shorter than asked; without poke, one plain sleep."""
     import time
 
-    from hpcps.emulation import POKE_EVERY, emulated_sleep
+    from hpcps.cluster.emulation import POKE_EVERY, emulated_sleep
 
     pokes = []
     t = time.perf_counter()

@@ -4,8 +4,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hpcps.flat import FlatParameters
-from hpcps.models import build_model
+from hpcps.training.flat import FlatParameters
+from hpcps.training.models import build_model
 
 
 def test_parameters_are_views_into_one_buffer():

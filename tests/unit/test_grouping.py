@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpcps.grouping import speed_groups
+from hpcps.cluster.grouping import speed_groups
 
 
 def test_a_4x_straggler_gets_a_group_of_its_own_with_two_groups():

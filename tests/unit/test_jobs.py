@@ -8,8 +8,8 @@ import pytest
 
 from hpcps.cli import main
 from hpcps.errors import UserError
-from hpcps.jobs import SCHEDULERS, JobSpec, launch_args, lsf_minutes, render
-from hpcps.launcher import check_world, launched_tasks
+from hpcps.jobs.render import SCHEDULERS, JobSpec, launch_args, lsf_minutes, render
+from hpcps.cluster.launcher import check_world, launched_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["--paradigm", "dssp", "--slowdown", "4=3", "--dataset", "my data.h5"]

@@ -3,7 +3,7 @@
 import pytest
 
 from hpcps.errors import UserError
-from hpcps.layout import Layout, Role, shard_bounds
+from hpcps.cluster.layout import Layout, Role, shard_bounds
 
 
 @pytest.mark.parametrize("n,parts", [(10, 1), (10, 3), (9610, 2), (5, 5), (3, 4)])

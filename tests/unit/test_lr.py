@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hpcps.lr import SCHEDULES, scaled_lr
+from hpcps.training.lr import SCHEDULES, scaled_lr
 
 
 @pytest.mark.parametrize("schedule,expected", [

@@ -30,7 +30,7 @@ def test_summary_counts_each_gradient_once_over_shards():
 def test_the_time_to_target_reads_any_metric_the_evaluation_returned():
     """A language model's goal is a low validation loss, not an accuracy it does not have."""
     from hpcps.metrics.schema import EVAL_METRIC
-    from hpcps.target import Target
+    from hpcps.training.target import Target
 
     it, up = np.zeros(1, ITERATION), _updates([(0, 0, 0.1, 1, 1, 0, 0, -1, 1, 0)])
     ev = np.array([(0.5, 1, 2.0, np.nan), (1.0, 2, 1.4, np.nan), (1.5, 3, 1.2, np.nan)], dtype=EVAL)

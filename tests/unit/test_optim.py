@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hpcps.optim import ShardOptimizer, builtin_optimizer, make_schedule, update_terms
+from hpcps.training.optim import ShardOptimizer, builtin_optimizer, make_schedule, update_terms
 
 
 def test_constant_schedule_with_warmup_ramps_linearly_then_stays():

@@ -4,8 +4,8 @@ torch optimizer with those groups on the whole model."""
 import pytest
 import torch
 
-from hpcps.optim import ShardOptimizer, builtin_optimizer, describe_optimizer
-from hpcps.paramgroups import decay_groups, resolve_groups, shard_groups
+from hpcps.training.optim import ShardOptimizer, builtin_optimizer, describe_optimizer
+from hpcps.training.paramgroups import decay_groups, resolve_groups, shard_groups
 
 
 def _model() -> torch.nn.Module:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpcps.placement import placement_order
+from hpcps.cluster.placement import placement_order
 
 
 def test_one_node_keeps_the_launchers_order():

@@ -4,8 +4,8 @@ import pytest
 
 from hpcps.config import make_config
 from hpcps.errors import UserError
-from hpcps.plugins import call_with_accepted, is_plugin, load_plugin
-from hpcps.workload import resolve_loss, resolve_model, workload_from_config
+from hpcps.training.plugins import call_with_accepted, is_plugin, load_plugin
+from hpcps.training.workload import resolve_loss, resolve_model, workload_from_config
 
 
 @pytest.fixture
@@ -26,14 +26,14 @@ def test_a_file_plugin_loads_once_and_reaches_nested_attributes(plugin_file):
     net = load_plugin(f"{plugin_file}:net", "--model")
     assert load_plugin(f"{plugin_file}:net", "--model") is net
     assert load_plugin(f"{plugin_file}:Holder.build", "--model")().in_features == 2
-    assert load_plugin("hpcps.models:mlp", "--model").__name__ == "mlp"
+    assert load_plugin("hpcps.training.models:mlp", "--model").__name__ == "mlp"
 
 
 @pytest.mark.parametrize("spec,option,message", [
     ("nosuch/file.py:net", "--model", "--model nosuch/file.py: no such file"),
     ("{file}:missing", "--model", "has no attribute 'missing'"),
     ("hpcps_nosuch_pkg.mod:f", "--dataset", "--dataset hpcps_nosuch_pkg.mod: no module named 'hpcps_nosuch_pkg'"),
-    ("hpcps.models:nothing", "--loss", "--loss hpcps.models:nothing: hpcps.models has no attribute 'nothing'"),
+    ("hpcps.training.models:nothing", "--loss", "--loss hpcps.training.models:nothing: hpcps.training.models has no attribute 'nothing'"),
 ])
 def test_each_plugin_error_is_one_line_naming_the_option(plugin_file, spec, option, message):
     with pytest.raises(UserError) as err:
@@ -67,8 +67,8 @@ def test_the_factory_gets_only_the_arguments_it_takes(plugin_file):
 
 
 def test_a_factory_returning_no_module_is_named(plugin_file):
-    workload = workload_from_config(make_config({"model": "hpcps.plugins:is_plugin"}))
-    with pytest.raises(UserError, match="--model hpcps.plugins:is_plugin: calling it failed"):
+    workload = workload_from_config(make_config({"model": "hpcps.training.plugins:is_plugin"}))
+    with pytest.raises(UserError, match="--model hpcps.training.plugins:is_plugin: calling it failed"):
         workload.build_model(seed=0, in_shape=None, n_classes=None, hidden=8)
     workload = workload_from_config(make_config({"model": "builtins:dict"}))
     with pytest.raises(UserError, match="returned a dict, not a torch.nn.Module"):

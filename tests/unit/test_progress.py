@@ -4,7 +4,7 @@ import io
 import logging
 import math
 
-from hpcps.progress import Progress
+from hpcps.runtime.progress import Progress
 
 
 class _Clock:

@@ -10,7 +10,7 @@ from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import EVAL, ITERATION, RANK, TRANSFER, UPDATE
-from hpcps.report import Run, load_run, make_report, summary_rows
+from hpcps.analysis.report import Run, load_run, make_report, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -117,7 +117,7 @@ def test_offline_tools_never_import_mpi():
     import subprocess
     import sys
 
-    code = ("import sys, hpcps.report, hpcps.cli, hpcps.metrics.runfile, hpcps.metrics.schema, hpcps.policies; "
+    code = ("import sys, hpcps.analysis.report, hpcps.cli, hpcps.metrics.runfile, hpcps.metrics.schema, hpcps.policies; "
             "sys.exit('mpi4py' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
@@ -125,7 +125,7 @@ def test_offline_tools_never_import_mpi():
 @pytest.fixture
 def figures(monkeypatch):
     """The figures the plots would save, kept open for inspection."""
-    import hpcps.report
+    import hpcps.analysis.report
 
     kept = {}
 
@@ -134,7 +134,7 @@ def figures(monkeypatch):
         kept[path.name] = fig
         return path
 
-    monkeypatch.setattr(hpcps.report, "_save", keep)
+    monkeypatch.setattr(hpcps.analysis.report, "_save", keep)
     yield kept
     import matplotlib.pyplot as plt
     for fig in kept.values():
@@ -152,7 +152,7 @@ def _run_with(name, ranks, *, slowdown=None, staleness=(0,)):
 
 
 def test_throughput_labels_each_runs_bars_with_its_own_ranks_and_marks_the_straggler(figures, tmp_path):
-    from hpcps.report import plot_throughput
+    from hpcps.analysis.report import plot_throughput
 
     runs = [_run_with("bsp", [1, 2, 3, 4]), _run_with("grouped", [3, 4, 5, 6], slowdown={"6": 3.0})]
     plot_throughput(runs, tmp_path)
@@ -164,7 +164,7 @@ def test_throughput_labels_each_runs_bars_with_its_own_ranks_and_marks_the_strag
 
 
 def test_staleness_is_one_filled_bar_per_run_in_shared_bins(figures, tmp_path):
-    from hpcps.report import plot_staleness
+    from hpcps.analysis.report import plot_staleness
 
     plot_staleness([_run_with("asp", [1], staleness=(0, 2, 2, 3)), _run_with("ssp", [1], staleness=(1, 1))],
                    tmp_path)
@@ -177,7 +177,7 @@ def test_staleness_is_one_filled_bar_per_run_in_shared_bins(figures, tmp_path):
 
 
 def test_threshold_labels_sit_outside_the_axes_clear_of_the_lines(figures, runs, tmp_path):
-    from hpcps.report import plot_thresholds
+    from hpcps.analysis.report import plot_thresholds
 
     plot_thresholds([load_run(p) for p in runs], tmp_path)
     ax = figures["thresholds.png"].axes[0]
@@ -191,11 +191,11 @@ def test_simulator_lines_differ_in_marker_and_style_and_the_axis_names_the_worke
     matplotlib.use("Agg")
     from unittest import mock
 
-    from hpcps.simulate import Prediction, write_outputs
+    from hpcps.analysis.simulate import Prediction, write_outputs
 
     preds = [Prediction(p, n, 100 * n, 1.0, 0.0, 0.0, {w: 100.0 for w in range(n)})
              for p in ("bsp", "asp", "ssp", "eager") for n in (4, 16, 64)]
-    with mock.patch("hpcps.report._save", side_effect=lambda plt, fig, path: (fig.canvas.draw(), fig)[1]):
+    with mock.patch("hpcps.analysis.report._save", side_effect=lambda plt, fig, path: (fig.canvas.draw(), fig)[1]):
         fig = write_outputs(preds, tmp_path, "9,610 parameters, straggler 3x")[1]
     ax = fig.axes[0]
     styles = {(line.get_marker(), line.get_linestyle()) for line in ax.get_lines()}
@@ -208,7 +208,7 @@ def test_the_clock_gap_comes_from_the_timestamps_alone():
     """Worker 1 starts step 3 at t=1.0, when worker 2 has 1 gradient applied: a lead of 2. Worker 2's own
     starts see worker 1 ahead, never behind; a worker that finished all its steps no longer holds others."""
     from hpcps.metrics.schema import ITERATION, UPDATE
-    from hpcps.report import max_clock_gap
+    from hpcps.analysis.report import max_clock_gap
 
     it = np.zeros(5, ITERATION)
     it["rank"], it["step"] = [1, 1, 1, 1, 2], [0, 1, 2, 3, 1]

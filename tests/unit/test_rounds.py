@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcps.rounds import RoundSum
+from hpcps.runtime.rounds import RoundSum
 
 
 def _grads(n: int, size: int, seed: int = 0) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 import pytest
 
 from hpcps.cli import main
-from hpcps.simulate import Links, Machine, simulate, sweep
+from hpcps.analysis.simulate import Links, Machine, simulate, sweep
 
 C, L = 0.01, 0.001  # compute and transfer seconds
 FREE = Machine(latency=L, bandwidth=1e30, server_s=0.0, apply_rate=1e30)  # transfers cost L, the server nothing
@@ -125,7 +125,7 @@ def test_links_come_from_the_words_hpcps_emulate_takes():
 
 
 def test_fair_link_splits_its_capacity_and_gives_what_a_capped_transfer_leaves_to_the_others():
-    from hpcps.fairshare import FairLink
+    from hpcps.analysis.fairshare import FairLink
 
     link = FairLink(100.0)
     link.add(0.0, "a", 100.0, 100.0)

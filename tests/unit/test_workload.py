@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from hpcps.target import Target
+from hpcps.training.target import Target
 from torch import nn
 
-from hpcps.batches import ArrayData, held_out_batches
-from hpcps.data import batch_indices, load_dataset
+from hpcps.data.batches import ArrayData, held_out_batches
+from hpcps.data.sharding import batch_indices, load_dataset
 from hpcps.errors import UserError
-from hpcps.evaluator import Evaluator
-from hpcps.flat import FlatParameters
-from hpcps.workload import cross_entropy, data_shape, data_source, default_evaluate, mse, split
+from hpcps.runtime.evaluator import Evaluator
+from hpcps.training.flat import FlatParameters
+from hpcps.training.workload import cross_entropy, data_shape, data_source, default_evaluate, mse, split
 
 
 def _tensor_dataset(n=40, d=3):
@@ -206,7 +206,7 @@ def test_a_failed_background_evaluation_is_raised_in_the_loop():
 
 def test_a_compiled_models_saved_state_loads_into_the_plain_model():
     """torch.compile puts ``_orig_mod.`` in every key; the saved state drops it."""
-    from hpcps.run import plain_state_dict
+    from hpcps.runtime.run import plain_state_dict
 
     model = torch.nn.Linear(2, 3)
     compiled = torch.compile(model)

@@ -3,7 +3,7 @@
 The user gives groups as torch.optim takes them: a list of dicts, each with
 ``params`` (tensors of the model, or their names) and the options that
 group overrides (``weight_decay``, ``lr``, ``betas``, ...). A shard holds a
-contiguous slice of the flat vector (:mod:`hpcps.flat`), which may cut
+contiguous slice of the flat vector (:mod:`hpcps.training.flat`), which may cut
 through groups and parameters; :func:`shard_groups` cuts the slice at group
 boundaries, so each shard's optimizer has the groups' options on exactly
 its elements. Every torch.optim rule is elementwise given its options, so

@@ -1,10 +1,10 @@
 """What is trained: the user's model, data, loss, evaluation and server optimizer, as one object.
 
-A :class:`Workload` is what the runtime (:mod:`hpcps.run`) trains. The
+A :class:`Workload` is what the runtime (:mod:`hpcps.runtime.run`) trains. The
 Python API (:func:`hpcps.train`) builds one from the user's objects;
 ``hpcps train`` builds one from its options (:func:`workload_from_config`),
 where ``--model``, ``--dataset`` and ``--loss`` are built-in names or
-plug-ins (``pkg.mod:name``, ``path/file.py:name``, see :mod:`hpcps.plugins`).
+plug-ins (``pkg.mod:name``, ``path/file.py:name``, see :mod:`hpcps.training.plugins`).
 
 Which rank runs what: every rank calls the model factory (right after
 ``torch.manual_seed(seed)``, so initial models agree); the data are loaded
@@ -21,14 +21,14 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 
-from hpcps.batches import DataSource, FactoryData, TorchData, is_dataset
+from hpcps.data.batches import DataSource, FactoryData, TorchData, is_dataset
 from hpcps.config import TrainConfig
-from hpcps.data import split_indices
-from hpcps.datasets import builtin_dataset, is_builtin_name
+from hpcps.data.sharding import split_indices
+from hpcps.data.datasets import builtin_dataset, is_builtin_name
 from hpcps.errors import UserError
-from hpcps.models import MODELS, torchvision_model
-from hpcps.optim import OptimizerFactory, Schedule, builtin_optimizer
-from hpcps.plugins import call_with_accepted, is_plugin, load_plugin
+from hpcps.training.models import MODELS, torchvision_model
+from hpcps.training.optim import OptimizerFactory, Schedule, builtin_optimizer
+from hpcps.training.plugins import call_with_accepted, is_plugin, load_plugin
 
 #: ``(model, batch) -> scalar tensor``
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -83,7 +83,7 @@ class Workload:
     ``data`` loads the training and held-out data where they are needed
     (a zero-argument callable, so ranks that need no data load none; None
     under the step API, where the user's loop brings its own).
-    ``param_groups`` are the optimizer's groups (:mod:`hpcps.paramgroups`).
+    ``param_groups`` are the optimizer's groups (:mod:`hpcps.training.paramgroups`).
     ``optimizer`` and ``lr_schedule`` override ``--optimizer`` and
     ``--lr-schedule`` when given. ``prepare``, if given, runs on rank 0
     before any rank loads data (e.g. generating a cache file once).
@@ -183,7 +183,7 @@ def workload_from_config(cfg: TrainConfig) -> Workload:
 
 
 def resolve_model(spec: str) -> Callable[..., torch.nn.Module]:
-    """``--model``: a built-in name (:data:`hpcps.models.MODELS`), ``torchvision:NAME``, or a plug-in
+    """``--model``: a built-in name (:data:`hpcps.training.models.MODELS`), ``torchvision:NAME``, or a plug-in
     model factory."""
     if spec.startswith("torchvision:"):
         return torchvision_model(spec.partition(":")[2])
@@ -208,7 +208,7 @@ def _builtin_or_plugin(spec: str, option: str, builtins: Mapping[str, Callable],
 
 
 def resolve_dataset(spec: str, test_fraction: float) -> tuple[Callable[[], DataSource], Callable[[], object] | None]:
-    """``--dataset``: ``(load, prepare)`` of a built-in name or HDF5 file (:mod:`hpcps.datasets`), or of
+    """``--dataset``: ``(load, prepare)`` of a built-in name or HDF5 file (:mod:`hpcps.data.datasets`), or of
     a plug-in: a Dataset, a (train, test) pair, or a callable returning either. ``load`` builds the
     data source where it is called; ``prepare`` (or None) runs once, on rank 0, before any load."""
     if is_builtin_name(spec) or not is_plugin(spec):

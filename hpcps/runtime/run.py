@@ -2,9 +2,9 @@
 
 :func:`run_training` is collective over the communicator it is given (the
 CLI passes ``COMM_WORLD``; tests pass sub-communicators). What it trains is
-a :class:`~hpcps.workload.Workload`: the user's objects (:func:`hpcps.train`)
+a :class:`~hpcps.training.workload.Workload`: the user's objects (:func:`hpcps.train`)
 or those ``hpcps train`` names. Only workers and rank 0 load data. Start-up steps
-that can fail on bad input go through :func:`hpcps.agree.agree`, so every
+that can fail on bad input go through :func:`hpcps.runtime.agree.agree`, so every
 rank fails together with one message. Teardown, in order:
 
 1. workers leave (``DONE``, wait for every shard's ``BYE``);
@@ -37,35 +37,35 @@ import torch
 from mpi4py import MPI
 
 import hpcps
-from hpcps.agree import agree
-from hpcps.batches import DataSource
+from hpcps.runtime.agree import agree
+from hpcps.data.batches import DataSource
 from hpcps.box import cluster_record, node_label
-from hpcps.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path, read_checkpoint,
+from hpcps.runtime.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path, read_checkpoint,
                               read_optimizer_state, write_checkpoint, write_optimizer_state, write_user_state)
 from hpcps.config import TrainConfig, steps_for
-from hpcps.data import batches_per_epoch
-from hpcps.device import DevicePlan, detect_cuda_aware, plan_device
-from hpcps.emulation import ComputeTime
+from hpcps.data.sharding import batches_per_epoch
+from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
+from hpcps.cluster.emulation import ComputeTime
 from hpcps.errors import RunAborted, UserError
-from hpcps.evaluator import Evaluator
-from hpcps.flat import FlatParameters
-from hpcps.grouping import speed_groups
-from hpcps.groupserver import GroupServer
-from hpcps.layout import Layout, Role, shard_bounds
-from hpcps.placement import place
-from hpcps.planning import plan
-from hpcps.progress import Progress
+from hpcps.runtime.evaluator import Evaluator
+from hpcps.training.flat import FlatParameters
+from hpcps.cluster.grouping import speed_groups
+from hpcps.runtime.groupserver import GroupServer
+from hpcps.cluster.layout import Layout, Role, shard_bounds
+from hpcps.cluster.placement import place
+from hpcps.cluster.planning import plan
+from hpcps.runtime.progress import Progress
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
-from hpcps.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
-from hpcps.paramgroups import resolve_groups, shard_groups
+from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
+from hpcps.training.paramgroups import resolve_groups, shard_groups
 from hpcps.policies import make_policy, policy_class
-from hpcps.rounds import RoundSum
-from hpcps.server import ShardServer
-from hpcps.signals import StopSignals, announce
-from hpcps.topology import Topology, node_local_index
+from hpcps.runtime.rounds import RoundSum
+from hpcps.runtime.server import ShardServer
+from hpcps.runtime.signals import StopSignals, announce
+from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport import wire
 from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
@@ -73,9 +73,9 @@ from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
-from hpcps.warmup import gather_pass_times, measure_pass_time
-from hpcps.worker import EagerWorker, HSPWorker, Worker
-from hpcps.workload import Workload, data_shape, workload_from_config
+from hpcps.runtime.warmup import gather_pass_times, measure_pass_time
+from hpcps.runtime.worker import EagerWorker, HSPWorker, Worker
+from hpcps.training.workload import Workload, data_shape, workload_from_config
 
 log = logging.getLogger("hpcps")
 
@@ -150,10 +150,10 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
     """Collective: train ``workload`` (default: the one ``cfg`` names) as ``cfg`` says on ``comm``;
     rank 0 returns the result, others None.
 
-    Workers run the built-in loop (:meth:`hpcps.session.Session.train_on`), a client of the step
+    Workers run the built-in loop (:meth:`hpcps.runtime.session.Session.train_on`), a client of the step
     API like the user's own loop; servers serve.
     """
-    from hpcps.session import Session
+    from hpcps.runtime.session import Session
 
     with open_run(cfg, comm, workload) as run:
         run.start()
@@ -169,7 +169,7 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None)
     """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
     resume), as a :class:`_Run` to use in a ``with`` block (which frees what it holds).
 
-    The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.placement`): its
+    The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.cluster.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
     """
     agree(comm, lambda: plan(cfg, comm.size))  # bad options fail before any placement
@@ -317,7 +317,7 @@ class _Run:
     def __exit__(self, kind, exc, tb) -> None:
         """Free what the run holds. The windows (whose free is a barrier) only when every rank gets
         here: without an error, or with bad input (a UserError is raised on every rank alike, see
-        hpcps.agree); after a failure on one rank the others are not coming, and MPI_Abort follows."""
+        hpcps.runtime.agree); after a failure on one rank the others are not coming, and MPI_Abort follows."""
         if kind is None or issubclass(kind, UserError):
             for window in (getattr(self, "window", None), getattr(self, "group_window", None)):
                 if window is not None:
@@ -328,7 +328,7 @@ class _Run:
         """Collective: the metrics file, the windows, the shards' optimizers; everyone meets, the clocks agree.
 
         Then each rank plays its role: :meth:`serve` (servers, group servers), or a worker's steps
-        (:class:`hpcps.session.Session` over :meth:`make_worker`); and :meth:`end`, collective again.
+        (:class:`hpcps.runtime.session.Session` over :meth:`make_worker`); and :meth:`end`, collective again.
         """
         comm, topo = self.topo.comm, self.topo
         path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
@@ -503,7 +503,7 @@ class _Run:
         policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
         start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
         policy.resume_at(start_version)
-        # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.rounds): bsp in worker
+        # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.runtime.rounds): bsp in worker
         # order (reproducible), hsp in the order its serial transfers come; every shard receives into
         # a pool of RECEIVE_POOL buffers, whatever the worker count
         rounds = RoundSum(len(master), n_params, len(workers), policy.active, ordered=not serial) \
@@ -624,7 +624,7 @@ class _Run:
         central_notices.free()
 
     def make_worker(self) -> Worker:
-        """This worker rank's :class:`~hpcps.worker.Worker` of the paradigm (its transfers freed by
+        """This worker rank's :class:`~hpcps.runtime.worker.Worker` of the paradigm (its transfers freed by
         :meth:`free_worker`)."""
         topo, cfg, recorder, window = self.topo, self.cfg, self.recorder, self.group_window or self.window
         policy = policy_class(cfg.paradigm)
@@ -660,8 +660,8 @@ class _Run:
         """After the worker left: note the gradients it pushed, free its transfers."""
         self.final_clock = pushed
         worker.close()
-        for resource in self._transfers:
-            resource.free()
+        for transfer in self._transfers:
+            transfer.free()
 
     def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer):
         """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.

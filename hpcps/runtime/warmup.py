@@ -5,22 +5,23 @@ on its own batches, with the emulated compute time (``--compute-time``,
 ``--slowdown``, ``--jitter``) on top exactly as in training; the gradients
 are thrown away and the parameters are not touched. The median time per
 pass of every worker is gathered on every rank, so all ranks compute the
-same groups (:func:`hpcps.grouping.speed_groups`) without another message.
+same groups (:func:`hpcps.cluster.grouping.speed_groups`) without another message.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcps.batches import BatchSource, to_device
-from hpcps.emulation import ComputeTime
-from hpcps.flat import FlatParameters
+from hpcps.data.batches import BatchSource, to_device
+from hpcps.cluster.emulation import ComputeTime
+from hpcps.training.flat import FlatParameters
 from hpcps.transport.poll import Backoff, wait_until
-from hpcps.worker import emulated_pass
+from hpcps.runtime.session import end_pass
 
 #: timed passes per worker (the first also pays for warming caches, hence the median)
 WARMUP_PASSES = 5
@@ -37,7 +38,10 @@ def measure_pass_time(model: torch.nn.Module, flat: FlatParameters, batches: Bat
     times = []
     for step in range(passes):
         batch = to_device(batches.batch(step), flat.device)
-        times.append(emulated_pass(model, flat, loss, batch, compute_time, rng)[1])
+        started = time.perf_counter()
+        flat.begin_pass()
+        loss(model, batch).backward()
+        times.append(end_pass(flat, started, compute_time, rng))
     flat.zero_grad()
     return float(np.median(times))
 

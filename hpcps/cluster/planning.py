@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hpcps.config import TrainConfig
 from hpcps.errors import UserError
-from hpcps.layout import Layout, Role
+from hpcps.cluster.layout import Layout, Role
 from hpcps.policies import policy_class
 
 

@@ -39,7 +39,7 @@ import torch
 APPLY_CHUNK = 1 << 18
 
 #: builds an optimizer over the shard's param groups (torch.optim's dicts of flat float32 chunks, see
-#: hpcps.paramgroups); a factory that hands them to a torch.optim class as they are keeps the groups
+#: hpcps.training.paramgroups); a factory that hands them to a torch.optim class as they are keeps the groups
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 #: learning-rate multiplier as a function of the shard's version (updates applied so far)
 Schedule = Callable[[int], float]
@@ -103,7 +103,7 @@ def update_terms(factors: Sequence[float]) -> tuple[list[float], float]:
 class ShardOptimizer:
     """A torch optimizer over ``params`` (one shard's slice of trainable parameters), stepped in chunks.
 
-    ``groups`` (:func:`hpcps.paramgroups.shard_groups`) cut the slice into
+    ``groups`` (:func:`hpcps.training.paramgroups.shard_groups`) cut the slice into
     param groups with their own options; default: one group of it all.
     ``make`` receives the groups as torch.optim param groups of chunks (1-D
     float32 views of ``params``, at most ``chunk`` values each, never
@@ -180,8 +180,8 @@ class ShardOptimizer:
 def describe_optimizer(optimizer: ShardOptimizer, groups: Sequence[Any] = ()) -> dict[str, Any]:
     """What ran, as the run file and checkpoints record it: the torch.optim class and the options it
     was built with (a factory's own, whatever ``--optimizer`` and ``--lr`` said), and the param
-    groups' options (:func:`hpcps.paramgroups.describe_groups`)."""
-    from hpcps.paramgroups import describe_groups
+    groups' options (:func:`hpcps.training.paramgroups.describe_groups`)."""
+    from hpcps.training.paramgroups import describe_groups
 
     opt = optimizer.optimizer
     if opt is None:

@@ -6,7 +6,7 @@ released, so a paradigm's waiting and staleness come from its actual rule.
 What is modelled (every time in seconds):
 
 * a worker's **compute** per iteration: ``compute_time`` times its slowdown,
-  varied by the jitter distribution exactly as :class:`hpcps.emulation.ComputeTime`
+  varied by the jitter distribution exactly as :class:`hpcps.cluster.emulation.ComputeTime`
   draws it;
 * a **transfer** of ``nbytes`` (a push, or a pull): ``latency + nbytes / bandwidth``; or, with
   per-node :class:`Links` (the cluster ``hpcps emulate`` builds, or yours), a flow on the
@@ -31,7 +31,7 @@ transfer), which handles it in arrival order among the groups (the grouped
 policy: asynchronous over them); the receipt (``latency``) and the pull of
 the fresh central parameters (a transfer) come back before the group's
 workers are granted, and the group server handles nothing meanwhile, as
-:class:`hpcps.groupserver.GroupServer` waits. hsp is not modelled.
+:class:`hpcps.runtime.groupserver.GroupServer` waits. hsp is not modelled.
 
 It does not
 model contention for cores or the network: workers are independent
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcps.emulation import ComputeTime
-from hpcps.fairshare import FairLink
-from hpcps.layout import shard_bounds
+from hpcps.cluster.emulation import ComputeTime
+from hpcps.analysis.fairshare import FairLink
+from hpcps.cluster.layout import shard_bounds
 from hpcps.policies import make_policy
 
 
@@ -114,7 +114,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     ``groups``: group servers, for the paradigms that have them (ignored by the others).
     ``links``: per-node link rates (a cluster in a box, or a real one); every transfer is then a flow
     on the server's link, shared max-min fairly with the others in its direction
-    (:class:`hpcps.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
+    (:class:`hpcps.analysis.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
     ``machine.transfer(nbytes)`` whatever else moves.
     """
     policy = make_policy(paradigm, n_workers, staleness=staleness, staleness_max=staleness_max)
@@ -335,7 +335,7 @@ def write_outputs(predictions: list[Prediction], out, settings: str = "") -> lis
 
     from matplotlib.ticker import NullLocator, ScalarFormatter
 
-    from hpcps.report import _figure, _save
+    from hpcps.analysis.report import _figure, _save
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

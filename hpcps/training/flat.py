@@ -11,12 +11,12 @@ each buffer of the model is a view into it, so a pull brings the servers'
 averaged buffers along with the parameters. They have no gradient: a
 worker's pass records in ``grads_t[n_params:]`` how its forward changed them
 (:meth:`begin_pass`, :meth:`end_pass`), and the servers add the mean of
-those changes (see :mod:`hpcps.server`). Integer buffers (BatchNorm's
+those changes (see :mod:`hpcps.runtime.server`). Integer buffers (BatchNorm's
 ``num_batches_tracked``) stay local to each rank.
 
 The *host side* is what MPI reads and writes: :attr:`params` (pulls land
 there) and :attr:`push_grads` (pushes leave from there). How it relates to
-the model's buffers is the transfer mode (see :mod:`hpcps.device`):
+the model's buffers is the transfer mode (see :mod:`hpcps.cluster.device`):
 
 ``shared`` (CPU)
     the host side *is* the model's memory: nothing is copied per step.
@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpcps.device import Transfer
+from hpcps.cluster.device import Transfer
 
 
 class FlatParameters:

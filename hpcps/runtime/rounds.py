@@ -11,7 +11,7 @@ other workers' payloads wait at their senders. Memory: the sum and K buffers, fo
 
 What is summed: trainable parameters weighted by each push's learning-rate factor ``f``
 (``sum f_i g_i``; the shard scales the sum by ``1/(n F)``, F the mean factor, as
-:func:`hpcps.optim.update_terms` would per gradient), buffers (BatchNorm statistics) plainly
+:func:`hpcps.training.optim.update_terms` would per gradient), buffers (BatchNorm statistics) plainly
 (their mean change is the sum over n). Non-finite gradients are not added, and counted out.
 Pure bookkeeping on torch tensors: no MPI.
 

@@ -4,12 +4,12 @@ Three kinds of training data, one interface (:class:`DataSource`):
 
 :class:`ArrayData`
     the built-in data sets (``digits``, an HDF5 file): numpy arrays, moved
-    to the worker's device once; batches by :func:`hpcps.data.batch_indices`.
+    to the worker's device once; batches by :func:`hpcps.data.sharding.batch_indices`.
 :class:`TorchData`
     a ``torch.utils.data.Dataset`` the user gives: sharded as
     ``DistributedSampler`` would (every epoch a permutation seeded with
     ``(seed, epoch)``; worker ``w`` of ``N`` owns every N-th sample of it),
-    on the same schedule, :func:`~hpcps.data.batch_indices`, and collated
+    on the same schedule, :func:`~hpcps.data.sharding.batch_indices`, and collated
     with torch's ``default_collate``.
 :class:`FactoryData`
     a factory ``(index, n_workers, seed, epoch) -> iterable of batches``
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from hpcps.data import Dataset, batch_indices
+from hpcps.data.sharding import Dataset, batch_indices
 
 BatchFactory = Callable[[int, int, int, int], Iterable[Any]]
 
@@ -153,7 +153,7 @@ class FactoryData:
 
 
 class IndexedBatches:
-    """Batches from the sample schedule of :func:`hpcps.data.batch_indices`, taken by ``take(indices)``."""
+    """Batches from the sample schedule of :func:`hpcps.data.sharding.batch_indices`, taken by ``take(indices)``."""
 
     def __init__(self, n_train: int, index: int, n_workers: int, batch_size: int, seed: int,
                  take: Callable[[np.ndarray], Any]) -> None:

@@ -1,6 +1,6 @@
 """One direction of a network link shared by transfers: max-min fair, each transfer capped by its own rate.
 
-Pure (no MPI, no time of its own): :mod:`hpcps.simulate` drives it with event times. A server's
+Pure (no MPI, no time of its own): :mod:`hpcps.analysis.simulate` drives it with event times. A server's
 link carries every worker's push (or pull) at once; each transfer also passes through its worker's
 own link, which caps it. Max-min fairness (water-filling) is what TCP flows sharing a bottleneck
 approach: the link's capacity is split equally, and what a capped transfer cannot use goes to the

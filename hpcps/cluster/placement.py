@@ -1,6 +1,6 @@
 """Where the server shards go: one per node, round-robin over nodes, workers on the rest.
 
-A run's roles follow its communicator's rank order (:class:`hpcps.layout.Layout`: shards are
+A run's roles follow its communicator's rank order (:class:`hpcps.cluster.layout.Layout`: shards are
 ranks 0..S-1). With block placement, as ``mpiexec`` and ``srun`` number ranks, all S shards would
 then sit on the first node and share its network link. ``--placement spread`` (the default)
 renumbers the ranks first: shard s goes to node ``s mod M`` (of M nodes, in the order of their

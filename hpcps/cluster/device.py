@@ -6,7 +6,7 @@ than GPUs shares them, and a rank that Slurm bound to one GPU sees it as
 ``cuda:0``). Servers and group servers apply updates in host memory, where
 the RMA windows are, and never use a GPU.
 
-How a worker's tensors move (:class:`~hpcps.flat.FlatParameters` does it):
+How a worker's tensors move (:class:`~hpcps.training.flat.FlatParameters` does it):
 
 ``shared``
     CPU training: MPI reads and writes the model's own flat buffers; nothing

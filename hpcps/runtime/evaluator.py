@@ -8,7 +8,7 @@ them with the workload's evaluation function in ``model.eval()`` under
 ``torch.no_grad()``, batch by batch, and records a ``/eval`` row (``loss``
 and ``accuracy``; NaN where the evaluation gives none, and any other named
 metric in ``/eval_metrics``). The first time the ``target``
-(:class:`hpcps.target.Target`: any metric the evaluation returns) is met it
+(:class:`hpcps.training.target.Target`: any metric the evaluation returns) is met it
 calls ``on_target``. Console lines, every ``log_every`` seconds, name the
 metrics the evaluation has (never a NaN one).
 
@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from hpcps.flat import FlatParameters
-from hpcps.target import Target
+from hpcps.training.flat import FlatParameters
+from hpcps.training.target import Target
 
 log = logging.getLogger("hpcps")
 

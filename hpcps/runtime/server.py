@@ -17,9 +17,9 @@ round, so a BSP round never waits for a step nobody will push, and a round
 whose every gradient was skipped applies nothing (the version stays).
 
 Updates: the shard's slice of trainable parameters is stepped by its
-:class:`~hpcps.optim.ShardOptimizer` (torch.optim, the learning rate
+:class:`~hpcps.training.optim.ShardOptimizer` (torch.optim, the learning rate
 scheduled by version and multiplied by the update's factors; see
-:mod:`hpcps.optim`). The rest of the slice holds model buffers (BatchNorm
+:mod:`hpcps.training.optim`). The rest of the slice holds model buffers (BatchNorm
 statistics): there the update adds the mean of the pushed changes, so after
 a BSP round the buffers are the mean of the workers' buffers.
 
@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from hpcps.errors import RunAborted
-from hpcps.optim import APPLY_CHUNK, ShardOptimizer, update_terms
+from hpcps.training.optim import APPLY_CHUNK, ShardOptimizer, update_terms
 from hpcps.policies import Decision, Policy
-from hpcps.rounds import RoundSum
+from hpcps.runtime.rounds import RoundSum
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
@@ -101,7 +101,7 @@ class ShardServer:
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
                  backoff: Backoff | None = None, round_sum: RoundSum | None = None) -> None:
-        """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.rounds`) instead of holding it."""
+        """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it."""
         self.shard = shard
         self.rank = rank
         self.policy = policy

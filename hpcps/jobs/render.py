@@ -1,6 +1,6 @@
 """``hpcps jobs render``: batch scripts for Slurm, PBS, LSF and plain mpiexec.
 
-The templates are Jinja2 files shipped in ``hpcps/templates/``. Every script
+The templates are Jinja2 files shipped in ``hpcps/jobs/templates/``. Every script
 sets up the environment (``--setup`` lines: modules, venv activation), sets
 ``OMP_NUM_THREADS``, makes a per-job run directory named with the job id
 (``runs/<jobid>``, exported as ``HPCPS_RUN_DIR``) and launches ``hpcps train``
@@ -112,7 +112,7 @@ def render(spec: JobSpec, *, command: str = "hpcps jobs render") -> str:
     """The batch script for ``spec``."""
     spec.validate()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    text = resources.files("hpcps").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
+    text = resources.files("hpcps.jobs").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
     return env.from_string(text).render(
         **{k: v for k, v in vars(spec).items() if k not in ("train_args", "script")},
         launch=launch_line(spec), lsf_time=lsf_minutes(spec.time), lsf_warning=-(-spec.stop_before // 60),

@@ -3,7 +3,7 @@ MNIST-1D paper, CIFAR-style ResNets, and torchvision's models (``torchvision:NAM
 torchvision imports.
 
 Every factory takes ``in_shape`` (one sample's shape), ``n_classes`` and
-``hidden``, as plug-in factories may (:mod:`hpcps.workload`).
+``hidden``, as plug-in factories may (:mod:`hpcps.training.workload`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ At iteration STEP, worker RANK, after its forward/backward pass:
 * ``hang``: stops making progress forever (sleeping), as a stuck rank would; the
   stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job;
 * ``usr1``: sends itself SIGUSR1, as a batch system does before the time limit
-  (the whole job stops cleanly and writes a checkpoint: hpcps.signals).
+  (the whole job stops cleanly and writes a checkpoint: hpcps.runtime.signals).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpcps.server import ShardServer
+from hpcps.runtime.server import ShardServer
 from hpcps.transport import wire
 from hpcps.transport.notices import NoticeBox
 from hpcps.transport.poll import wait_until

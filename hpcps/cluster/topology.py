@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from hpcps.layout import Layout, Role
+from hpcps.cluster.layout import Layout, Role
 
 
 class Topology:

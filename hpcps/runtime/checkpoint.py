@@ -15,7 +15,7 @@ Each file is written atomically: to ``<name>.tmp``, then renamed; a
 checkpoint is complete when all ``1 + n_servers`` files exist. Only BSP
 checkpoints are consistent in this release (every shard and every worker
 at one version), so only BSP writes them periodically (``--checkpoint-every``).
-Every paradigm writes one when a signal stops it (:mod:`hpcps.signals`):
+Every paradigm writes one when a signal stops it (:mod:`hpcps.runtime.signals`):
 by then every pushed gradient has been applied, and the checkpoint holds
 each shard's version (``shard_versions``) and each worker's clock, where its
 resumed run starts; the resumed run continues, it does not replay. Nothing

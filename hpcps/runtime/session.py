@@ -3,7 +3,7 @@
 On a worker rank a :class:`Session` turns the loop's ``backward(); step()``
 into the paradigm's protocol: :meth:`Session.step` takes the gradient that
 backward left in the model's ``.grad`` (a view of the flat buffer, see
-:mod:`hpcps.flat`), pushes it, waits as the paradigm says (BSP's round,
+:mod:`hpcps.training.flat`), pushes it, waits as the paradigm says (BSP's round,
 SSP's and DSSP's bound, eager's decoupled pull, hsp's turn and extras,
 grouped's group round) and leaves the model holding the parameters the next
 step computes on. Between two calls the loop may do anything torch allows:
@@ -28,10 +28,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hpcps.batches import BatchSource, to_device
-from hpcps.checkpoint import checkpoint_path, read_user_state, write_user_state
-from hpcps.emulation import emulated_sleep
-from hpcps.layout import Role
+from hpcps.data.batches import BatchSource, to_device
+from hpcps.runtime.checkpoint import checkpoint_path, read_user_state, write_user_state
+from hpcps.cluster.emulation import ComputeTime, emulated_sleep
+from hpcps.cluster.layout import Role
+from hpcps.training.flat import FlatParameters
 
 log = logging.getLogger("hpcps")
 
@@ -47,7 +48,7 @@ class Session:
     """
 
     def __init__(self, run, *, abort_on_error: bool = True) -> None:
-        from hpcps.run import _compute_time  # the run's own rule for the emulated compute time
+        from hpcps.runtime.run import _compute_time  # the run's own rule for the emulated compute time
 
         self.run = run
         self.abort_on_error = abort_on_error
@@ -113,10 +114,8 @@ class Session:
         if not self.running:
             return False
         self.flat.adopt_grads()
-        self.flat.end_pass(self.clip_norm)
-        self.flat.synchronize()  # a GPU's queued work belongs to this step's time
-        elapsed = time.perf_counter() - self.t0
-        emulated_sleep(self.compute_time.sleep_after(elapsed, self.rng, self.run.clock()), self.worker.poke)
+        end_pass(self.flat, self.t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
+                 poke=self.worker.poke)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.worker.skip_next = skip
         self.worker.close_step(value, time.perf_counter() - self.t0)
@@ -172,7 +171,7 @@ class Session:
     # -- the end ----------------------------------------------------------------
     def close(self):
         """Collective: leave, and end the run with every other rank; return the
-        :class:`~hpcps.run.RunResult` on rank 0 (None elsewhere). Idempotent."""
+        :class:`~hpcps.runtime.run.RunResult` on rank 0 (None elsewhere). Idempotent."""
         if self.closed:
             return self.result
         self.closed = True
@@ -197,9 +196,23 @@ class Session:
         if self.is_worker:
             self.worker.close()
         if self.abort_on_error and not isinstance(exc, (KeyboardInterrupt,)):
-            from hpcps.agree import end_job
+            from hpcps.runtime.agree import end_job
 
             end_job(self.run.topo.comm, exc)
+
+
+def end_pass(flat: FlatParameters, started: float, compute_time: ComputeTime, rng: np.random.Generator, *,
+             clip_norm: float | None = None, now: float | None = None,
+             poke: Callable[[], object] | None = None) -> float:
+    """After backward: the buffers' change into the gradient vector and clipping
+    (:meth:`FlatParameters.end_pass`), the device's queued work done, then the emulated compute
+    time on top of what the pass took since ``started`` (``now``: the run's clock, for stragglers
+    that come and go; ``poke``: called through the emulated part, so messages in flight keep
+    moving); return the seconds since ``started``."""
+    flat.end_pass(clip_norm)
+    flat.synchronize()  # a GPU's queued work belongs to this pass's time
+    emulated_sleep(compute_time.sleep_after(time.perf_counter() - started, rng, now), poke)
+    return time.perf_counter() - started
 
 
 class StepOptimizer(torch.optim.Optimizer):

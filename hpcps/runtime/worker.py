@@ -1,10 +1,13 @@
-"""The worker loops: pull, compute, push, (wait for the grant), pull again.
+"""The workers' side of each paradigm: pull, (compute), push, (wait for the grant), pull again.
 
-One iteration of :class:`Worker` ``w`` at ``step`` k::
+A worker is driven step by step by a loop (:class:`hpcps.runtime.session.Session`:
+hpcps's own loop or the user's): ``begin()``, then ``open_step()`` before
+each computation and ``close_step()`` after it, and ``finish()``. One
+iteration of :class:`Worker` ``w`` at ``step`` k::
 
-    compute   the user's loss on the worker's batch k (hpcps.batches), backward into
-              the flat gradient buffer (with the change of the model's buffers, and
-              clipped under --clip-norm), then sleep as the emulation says (hpcps.emulation)
+    compute   the loop's: forward and backward into the flat gradient buffer (with the
+              change of the model's buffers, and clipped under --clip-norm), then the
+              emulated compute time (hpcps.cluster.emulation), all in the session
     push      start the persistent sends of header + gradient to every shard, with
               the learning rate scaled by the staleness the worker knows of
     wait      if the paradigm blocks: until every shard granted clock k+1
@@ -49,11 +52,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpcps.batches import BatchSource, to_device
-from hpcps.emulation import ComputeTime, emulated_sleep
-from hpcps.faults import Fault, InjectedFault
-from hpcps.flat import FlatParameters
-from hpcps.lr import scaled_lr
+from hpcps.runtime.faults import Fault, InjectedFault
+from hpcps.training.flat import FlatParameters
+from hpcps.training.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
 from hpcps.transport import wire
 from hpcps.transport.eager import EagerPuller
@@ -64,25 +65,6 @@ from hpcps.transport.push import Pusher
 from hpcps.transport.window import ParamWindow, Pull
 
 log = logging.getLogger("hpcps")
-
-
-def emulated_pass(model: torch.nn.Module, flat: FlatParameters, loss_fn: Callable, batch,
-                  compute_time: ComputeTime, rng: np.random.Generator,
-                  clip_norm: float | None = None, now: float | None = None,
-                  poke: Callable[[], object] | None = None) -> tuple[float, float]:
-    """``loss_fn(model, batch)`` and its backward into the flat gradient buffer (buffers' change
-    included, see :meth:`FlatParameters.end_pass`), topped up by the emulated compute time
-    (hpcps.emulation; ``now``: the run's clock, for stragglers that come and go; ``poke``: called
-    through the emulated part, so messages in flight keep moving); return the loss and the
-    seconds it all took."""
-    t = time.perf_counter()
-    flat.begin_pass()
-    loss = loss_fn(model, batch)
-    loss.backward()
-    flat.end_pass(clip_norm)
-    flat.synchronize()  # a GPU's queued work belongs to this pass's time
-    emulated_sleep(compute_time.sleep_after(time.perf_counter() - t, rng, now), poke)
-    return float(loss.detach()), time.perf_counter() - t
 
 
 class Worker:
@@ -123,11 +105,11 @@ class Worker:
         self.start_step = start_step  # > 0 when resuming: gradients pushed (and granted) before
         self.clock_count = start_step
         self.grants[:] = start_step
-        self.take_signal = take_signal  # a stop signal this rank received (hpcps.signals), once
+        self.take_signal = take_signal  # a stop signal this rank received (hpcps.runtime.signals), once
 
     # -- the steps ---------------------------------------------------------
     # A loop drives a worker as ``begin(); while open_step(): <compute>; close_step(...)``, then
-    # ``finish()``: hpcps.session's Session does, under the built-in loop and the user's own alike.
+    # ``finish()``: hpcps.runtime.session's Session does, under the built-in loop and the user's own alike.
     def begin(self) -> None:
         """Pull the parameters the first step computes on."""
         self.versions, self.stop = self._pull()
@@ -234,7 +216,7 @@ class Worker:
         self.pusher.test()
 
     def _inject(self, fault: Fault) -> None:
-        """``--fault``: poison the gradient, raise, or die (see hpcps.faults)."""
+        """``--fault``: poison the gradient, raise, or die (see hpcps.runtime.faults)."""
         if fault.kind == "nan":
             self.flat.grads_t[:: max(1, self.flat.size // 7)] = float("nan")
         elif fault.kind == "raise":

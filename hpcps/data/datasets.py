@@ -1,7 +1,7 @@
-"""Built-in data sets by name (``--dataset``), each a :class:`~hpcps.batches.DataSource`.
+"""Built-in data sets by name (``--dataset``), each a :class:`~hpcps.data.batches.DataSource`.
 
 ``digits``
-    scikit-learn's 1797 8x8 digits, in memory (:func:`hpcps.data.load_dataset`).
+    scikit-learn's 1797 8x8 digits, in memory (:func:`hpcps.data.sharding.load_dataset`).
 ``mnist1d`` or ``mnist1d:SAMPLES``
     MNIST-1D (Greydanus 2020), generated offline by the ``mnist1d`` package
     (``make_dataset``; never its download URL) with its standard arguments:
@@ -24,7 +24,7 @@
 
 Every source but MNIST-1D (which has its own held-out set) is split into
 training and held-out samples by the fixed permutation of
-:data:`hpcps.data.SPLIT_SEED`, the same whatever ``--seed`` says.
+:data:`hpcps.data.sharding.SPLIT_SEED`, the same whatever ``--seed`` says.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from hpcps.batches import ArrayData, BatchSource, IndexedBatches, Slices
-from hpcps.data import SPLIT_SEED, Dataset, load_dataset, split_indices
+from hpcps.data.batches import ArrayData, BatchSource, IndexedBatches, Slices
+from hpcps.data.sharding import SPLIT_SEED, Dataset, load_dataset, split_indices
 from hpcps.errors import UserError
 
 MNIST1D_SAMPLES = 5000  # the package's (and the paper's) standard: 4000 training, 1000 held-out

@@ -11,7 +11,7 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
 * ``thresholds.png`` DSSP bounds over time (only when a dssp run is given)
 * ``transfers.png``  which worker streamed its gradient into shard 0 when (only for runs with
                      serial transfers, hsp): the first TRANSFER_SHOWN transfers, one lane per worker
-* ``summary.md`` and ``summary.csv``: time-to-target, final accuracy, iterations/s, mean wait per run
+* ``summary.md`` and ``summary.csv``: time-to-target, final accuracy and loss, iterations/s, mean wait per run
 * ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
   resident memory, samples read, clock offset to rank 0 and its uncertainty, device; also how a stopped
   run ended (``stopped_by``) and, for a run in a cluster in a box (``hpcps emulate``), the
@@ -120,6 +120,7 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             "run": r.name, "paradigm": r.paradigm, "workers": len(rates),
             f"time_to_{target:g}_s": round(r.time_to(target), 3),
             "final_accuracy": round(float(r.summary.get("final_accuracy", float("nan"))), 4),
+            "final_loss": round(float(r.summary.get("final_loss", float("nan"))), 4),
             "wall_s": round(float(r.summary.get("wall_s", float("nan"))), 3),
             "iterations_per_s_per_worker": round(float(np.mean(list(rates.values()))) if rates else float("nan"), 1),
             "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),

@@ -127,9 +127,11 @@ def torch_loop_start() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in TinyLM().parameters()])
 
 
-def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(world, mpi_tmp_path):
+@pytest.mark.parametrize("unscale_first", [True, False])
+def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(world, mpi_tmp_path, unscale_first):
     """fp16 autocast, a GradScaler starting far too high: its first steps find Inf and are skipped. Through
-    ``ps.optimizer`` they are pushed as skipped (reason 2 on the server, never applied)."""
+    ``ps.optimizer`` they are pushed as skipped (reason 2 on the server, never applied). Without
+    ``unscale_`` first, the scaler hands ``ps.optimizer`` the scale and it unscales."""
     steps, scale = 12, 2.0 ** 30
 
     def run_torch() -> tuple[torch.Tensor, int]:
@@ -152,14 +154,15 @@ def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(
     facts = None
     if comm != MPI.COMM_NULL:
         ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.5, paradigm="bsp", steps=steps, progress=False,
-                        out=str(mpi_tmp_path / "amp.h5"), exit_on_error=False, comm=comm)
+                        out=str(mpi_tmp_path / f"amp-{unscale_first}.h5"), exit_on_error=False, comm=comm)
         with ps:
             scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3)
             while ps.running:
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = ps.model(*batch(ps.iteration, 0))
                 scaler.scale(loss).backward()
-                scaler.unscale_(ps.optimizer)
+                if unscale_first:
+                    scaler.unscale_(ps.optimizer)
                 scaler.step(ps.optimizer)
                 scaler.update()
         if comm.rank == 0:
@@ -293,3 +296,32 @@ def test_evaluation_every_n_versions_and_a_stop_on_the_loss(world, mpi_tmp_path)
     assert facts["rows"] < 4 * 200  # stopped before the last step
     assert facts["first_hit"] >= facts["n_eval"] - 2  # the stop came at the first evaluation that met it
     assert facts["t_target"] == facts["t_target"] and facts["final_loss"] <= 1e-3
+
+
+@pytest.mark.parametrize("paradigm,extra", [("bsp", {}), ("asp", {}), ("ssp", {}), ("dssp", {}), ("eager", {}),
+                                            ("hsp", {}), ("grouped", {"groups": 2})])
+def test_the_users_loop_runs_under_every_paradigm(world, mpi_tmp_path, paradigm, extra):
+    """Every worker takes its ``steps`` steps through ``ps.step()``; every gradient is pushed once and
+    applied once (grouped: the group servers' rows), and the iteration rows say which step each was."""
+    steps = 12
+    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm=paradigm, steps=steps, progress=False,
+                    out=str(mpi_tmp_path / f"{paradigm}.h5"), exit_on_error=False, comm=world, **extra)
+    taken = 0
+    with ps:
+        while ps.running:
+            ps.model(*batch(ps.iteration, 0, ps.worker_index)).backward()
+            taken += 1
+            ps.step()
+    counts = world.allgather((ps.is_worker, taken))
+    facts = None
+    if world.rank == 0:
+        with h5py.File(ps.result.path) as f:
+            it, up = f["workers/iterations"][()], f["servers/updates"][()]
+        workers = sorted(set(it["rank"].tolist()))
+        facts = {"rows": len(it), "workers": len(workers), "applied": int(up[up["shard"] == 0]["applied"].sum()),
+                 "steps": sorted(it[it["rank"] == workers[0]]["step"].tolist())}
+    facts = share(world, facts)
+    n_workers = sum(w for w, _ in counts)
+    assert [t for w, t in counts if w] == [steps] * n_workers
+    assert facts["workers"] == n_workers and facts["rows"] == steps * n_workers == facts["applied"]
+    assert facts["steps"] == list(range(steps))

@@ -46,6 +46,8 @@ FORMAT = 2
 MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "loss", "batch_size", "lr", "seed", "test_fraction",
               "servers", "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
               "warmup_steps", "lr_step_every", "lr_gamma", "clip_norm")
+#: torch.optim options that choose an implementation, not the update: a resume may change them
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 #: of those, the ones that describe the optimizer and schedule: a checkpoint that records what ran
 #: (``optimizer_ran``, ``lr_schedule_values``) is compared on that instead (see check_same_optimizer)
 OPTIMIZER_KEYS = ("lr", "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
@@ -182,7 +184,8 @@ def check_same_optimizer(ckpt: Checkpoint, path: str, optimizer: dict, schedule)
         problems.append(f"the optimizer is {optimizer.get('class')} here but {theirs.get('class')} in the checkpoint")
     mine, saved = optimizer.get("defaults", {}), theirs.get("defaults", {})
     problems += [f"the optimizer's {key} is {mine.get(key)!r} here but {saved.get(key)!r} in the checkpoint"
-                 for key in sorted(set(mine) | set(saved)) if mine.get(key) != saved.get(key)]
+                 for key in sorted(set(mine) | set(saved))
+                 if key not in IMPLEMENTATION_KEYS and mine.get(key) != saved.get(key)]
     if optimizer.get("param_groups") != theirs.get("param_groups"):
         problems.append(f"the param groups are {optimizer.get('param_groups')} here but "
                         f"{theirs.get('param_groups')} in the checkpoint")

@@ -53,6 +53,17 @@ log = logging.getLogger("hpcps")
 #: ``--stall-warn`` before its silence counts
 FIRST_STEP_GRACE = 10
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite, in one read of them: ``torch.aminmax`` (NaN propagates to both,
+    an infinity is the minimum or the maximum). ``torch.isfinite(values).all()`` writes a bool per
+    value first: 16 MiB of gradient took it 20-34x the time of copying those bytes
+    (``tools/bench_shard_apply.py`` compares both with the copy)."""
+    if values.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(values)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def silences(now: float, heard: Sequence[float], owing: Sequence[int], pushed: set[int],
              warn: float) -> list[tuple[float, int]]:
     """``(silence, worker)`` of the ``owing`` workers silent for ``warn`` seconds or more, shortest first.
@@ -305,7 +316,7 @@ class ShardServer:
         dropped, or a non-finite one ends the run."""
         if push.skip:
             return False
-        if bool(torch.isfinite(self._gradient(push.worker)).all()):
+        if all_finite(self._gradient(push.worker)):
             return True
         if self.abort_on_nonfinite:
             raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "

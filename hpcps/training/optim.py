@@ -83,15 +83,28 @@ def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int |
 def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
                       weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                       eps: float = 1e-8) -> OptimizerFactory:
-    """``--optimizer sgd|adam|adamw`` and its options, as a factory of torch optimizers."""
+    """``--optimizer sgd|adam|adamw`` and its options, as a factory of torch optimizers.
+
+    torch's fused implementation where it has one (``fused=True``: one pass over a chunk
+    where the default for-loop makes one per operation; Adam's step on the shard went from
+    17x to 3.2x the time of a copy of the gradient's bytes, ``tools/bench_shard_apply.py``),
+    the default one where it refuses."""
     if name == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov,
-                                              weight_decay=weight_decay)
-    if name == "adam":
-        return lambda params: torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if name == "adamw":
-        return lambda params: torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r} (known: sgd, adam, adamw)")
+        cls, options = torch.optim.SGD, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    elif name == "adam":
+        cls, options = torch.optim.Adam, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    elif name == "adamw":
+        cls, options = torch.optim.AdamW, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {name!r} (known: sgd, adam, adamw)")
+
+    def make(params):
+        params = list(params)
+        try:
+            return cls(params, fused=True, **options)
+        except (RuntimeError, TypeError, ValueError):  # no fused kernel for these tensors or this torch
+            return cls(params, **options)
+    return make
 
 
 def update_terms(factors: Sequence[float]) -> tuple[list[float], float]:

@@ -31,3 +31,19 @@ def test_a_worker_still_on_its_first_step_counts_as_silent_only_past_the_grace()
     late = 20.0 * FIRST_STEP_GRACE + 1
     assert silences(late, heard, [0, 1, 2], {0, 2}, warn=20.0) == [
         (late - 20.0 * (FIRST_STEP_GRACE - 1), 1), (late - 50.0, 2), (late, 0)]
+
+
+def test_the_finiteness_check_finds_every_nan_and_infinity_wherever_it_is():
+    import torch
+
+    from hpcps.runtime.server import all_finite
+
+    g = torch.randn(10_001)
+    assert all_finite(g) and all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, 5_000, 10_000):
+            h = g.clone()
+            h[at] = bad
+            assert not all_finite(h)
+            assert all_finite(h) == bool(torch.isfinite(h).all())
+    assert all_finite(torch.full((7,), 3.4e38))  # the largest floats are finite

@@ -49,7 +49,7 @@ def test_shards_with_groups_step_as_adamw_with_those_groups_on_the_whole_model(c
     reference = _model()
     opt = torch.optim.AdamW([{"params": [p for p in reference.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                              {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=0.01)
+                            lr=0.01, fused=True)  # as the built-in adamw runs on the shards
     groups = resolve_groups(model, decay_groups(model, 0.1))
     shards = []
     for lo, hi in zip(cuts, cuts[1:]):

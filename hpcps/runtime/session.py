@@ -71,6 +71,7 @@ class Session:
         self.compute_time = _compute_time(cfg, rank, layout)
         self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
         self.checkpoint_every = cfg.checkpoint_every
+        self._saved_at: int | None = None  # the version whose checkpoint has the loop's fields already
         if run.ckpt is not None:
             self.state = read_user_state(cfg.resume)
         self.worker = run.make_worker()
@@ -152,7 +153,7 @@ class Session:
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
         version = self.version
         if (self.checkpoint_every and self.worker_index == 0 and self.state and version and version % self.checkpoint_every == 0
-                and version != getattr(self, "_saved_at", None)):
+                and version != self._saved_at):
             # BSP: this version's checkpoint is the servers'; the loop's own fields as they are before
             # computing on it go beside it (where a run resumed from it starts)
             write_user_state(checkpoint_path(self.run.ckpt_dir, version), self.state)

@@ -99,7 +99,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     """
     from mpi4py import MPI
 
-    from hpcps.runtime.agree import agree, run_or_end
+    from hpcps.runtime.agree import agree
     from hpcps.runtime.run import run_training
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -114,20 +114,14 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
         return Workload(
             model=resolve_model(model) if isinstance(model, str) else model, data=load, prepare=prepare,
             loss=resolve_loss(cfg.loss) if loss is None or isinstance(loss, str) else loss, evaluate=evaluate,
-            optimizer=None if optimizer is None or isinstance(optimizer, str) else optimizer,
-            lr_schedule=None if lr_schedule is None or isinstance(lr_schedule, str) else lr_schedule,
-            model_name=cfg.model, param_groups=param_groups)
+            optimizer=_object(optimizer), lr_schedule=_object(lr_schedule), model_name=cfg.model,
+            param_groups=param_groups)
 
     def run() -> RunResult | None:
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
         return run_training(cfg, comm, agree(comm, lambda: workload(cfg)))
 
-    if not exit_on_error:
-        return run()
-    result, status = run_or_end(comm, run)
-    if status:
-        sys.exit(status)
-    return result
+    return _collectively(comm, run, exit_on_error)
 
 
 def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFactory | str | None = None,
@@ -157,7 +151,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     """
     from mpi4py import MPI
 
-    from hpcps.runtime.agree import agree, run_or_end
+    from hpcps.runtime.agree import agree
     from hpcps.runtime.run import open_run
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -174,9 +168,8 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
         if cfg.group_by == "speed":
             raise UserError("groups by speed time hpcps's own loop; under hpcps.init give groups by rank")
         return Workload(model=resolve_model(model) if isinstance(model, str) else model, data=None,
-                        optimizer=None if optimizer is None or isinstance(optimizer, str) else optimizer,
-                        lr_schedule=None if lr_schedule is None or isinstance(lr_schedule, str) else lr_schedule,
-                        model_name=cfg.model, param_groups=param_groups)
+                        optimizer=_object(optimizer), lr_schedule=_object(lr_schedule), model_name=cfg.model,
+                        param_groups=param_groups)
 
     def start() -> Session:
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
@@ -194,12 +187,26 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
             run.__exit__(*sys.exc_info())  # no collective frees: the other ranks may not be coming
             raise
 
+    return _collectively(comm, start, exit_on_error)
+
+
+def _collectively(comm, step: Callable[[], Any], exit_on_error: bool) -> Any:
+    """``step()`` on every rank of ``comm``. With ``exit_on_error``, bad input ends every rank with one
+    ``hpcps: error:`` line and exit status 2, and any other failure ends the job naming the rank
+    (:func:`hpcps.runtime.agree.run_or_end`); without, the exception propagates."""
+    from hpcps.runtime.agree import run_or_end
+
     if not exit_on_error:
-        return start()
-    session, status = run_or_end(comm, start)
+        return step()
+    result, status = run_or_end(comm, step)
     if status:
         sys.exit(status)
-    return session
+    return result
+
+
+def _object(value: Any) -> Any:
+    """The user's own object (a factory, a schedule), or None where a name (or nothing) was given."""
+    return None if value is None or isinstance(value, str) else value
 
 
 def _flags(options: dict[str, Any], **objects: Any) -> dict[str, Any]:

@@ -246,7 +246,7 @@ def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan
     return plan
 
 
-def _compute_time(cfg: TrainConfig, rank: int, layout: Layout) -> ComputeTime:
+def emulated_compute_time(cfg: TrainConfig, rank: int, layout: Layout) -> ComputeTime:
     """The emulated compute time of worker ``rank`` (``--compute-time``, its ``--slowdown``, ``--jitter``,
     ``--straggler-episodes``)."""
     return ComputeTime(cfg.compute_time, cfg.slowdown.get(rank, 1.0), cfg.jitter, cfg.jitter_cv,
@@ -259,7 +259,7 @@ def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: tor
     mine = None
     if layout.role(comm.rank) is Role.WORKER:
         mine = measure_pass_time(model, flat, batches, workload.loss, rank=comm.rank, seed=cfg.seed,
-                                 compute_time=_compute_time(cfg, comm.rank, layout))
+                                 compute_time=emulated_compute_time(cfg, comm.rank, layout))
     times = gather_pass_times(comm, mine)
     members = speed_groups(times, layout.n_groups)
     if comm.rank == 0:
@@ -289,13 +289,15 @@ class _Run:
                  stack: ExitStack) -> None:
         self.stack = stack  # the run's communicators and signal handlers, released by __exit__
         self.ran: dict = {}  # rank 0: what ran (the optimizer and schedule), for the run file and checkpoints
+        self.window: ParamWindow | None = None  # start() makes them; __exit__ frees what it made
+        self.group_window: ParamWindow | None = None
         self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
         self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
         self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
         self.ckpt = ckpt
         self.signals = signals
         self.world_ranks = world_ranks  # the launcher's rank of each of the run's ranks (--placement)
-        self.ckpt_dir = cfg.checkpoint_dir or ""  # set in run(), once the metrics file is named
+        self.ckpt_dir = cfg.checkpoint_dir or ""  # set in start(), once the metrics file is named
         self.final_version: int | None = None  # a shard: its version at the end
         self.final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
         self.optimizer: ShardOptimizer | None = None
@@ -319,7 +321,7 @@ class _Run:
         here: without an error, or with bad input (a UserError is raised on every rank alike, see
         hpcps.runtime.agree); after a failure on one rank the others are not coming, and MPI_Abort follows."""
         if kind is None or issubclass(kind, UserError):
-            for window in (getattr(self, "window", None), getattr(self, "group_window", None)):
+            for window in (self.window, self.group_window):
                 if window is not None:
                     window.free()  # idempotent: end() has freed them, unless start() was refused
         self.stack.close()
@@ -337,7 +339,7 @@ class _Run:
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
         lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
         window = ParamWindow(topo.ps, shard_ranks=self.shards, bounds=self.bounds, local_len=hi - lo)
-        self.window, self.group_window = window, None  # freed by __exit__ if start() goes no further
+        self.window = window  # freed by __exit__ if start() goes no further
         group_window = None
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
             n = self.flat.size
@@ -350,8 +352,7 @@ class _Run:
             window.publish(master, 0)
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
-            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)], lo,
-                                                               len(self._clients()))
+            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)], lo)
         # the rate the servers' optimizer has of its own (a factory's, or --lr): rows record rates applied
         self.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
         if comm.rank == 0:
@@ -378,7 +379,7 @@ class _Run:
             describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
         self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         self.path, self.runfile, self.recorder = path, runfile, recorder
-        self.window, self.group_window, self.master = window, group_window, master
+        self.master = master
 
     def serve(self) -> None:
         """A server's or group server's part, until every worker has left."""
@@ -564,24 +565,25 @@ class _Run:
                 spread = True
         return task
 
-    def _shard_optimizer(self, params: np.ndarray, lo: int, n_clients: int) -> ShardOptimizer:
+    def _shard_optimizer(self, params: np.ndarray, lo: int) -> ShardOptimizer:
         """The optimizer of this shard's trainable slice (starting at ``lo`` of the flat vector), cut into
         the run's param groups, its schedule over the run's updates, resumed state."""
         cfg = self.cfg
         groups = shard_groups(self.groups, lo, lo + len(params))
         optimizer = ShardOptimizer(torch.from_numpy(params), self.workload.optimizer_factory(cfg), lambda v: 1.0,
                                    groups=groups)
-        optimizer.schedule = self.schedule(n_clients, optimizer.default_lr or cfg.lr)
+        # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
+        optimizer.schedule = self.schedule(optimizer.default_lr or cfg.lr)
         if self.ckpt is not None:
             optimizer.load_state_dict(read_optimizer_state(cfg.resume, self.topo.rank))
         return optimizer
 
-    def schedule(self, n_clients: int, base_lr: float) -> Schedule:
+    def schedule(self, base_lr: float) -> Schedule:
         """The learning-rate multiplier by server version: the user's, or ``--lr-schedule`` over the run's
         updates (down to ``--min-lr`` over the optimizer's own rate ``base_lr``)."""
         cfg = self.cfg
-        horizon = self.steps * policy_class(cfg.paradigm).updates_per_step(n_clients)
-        return self.workload.lr_schedule or make_schedule(cfg.lr_schedule, horizon=horizon, warmup=cfg.warmup_steps,
+        return self.workload.lr_schedule or make_schedule(cfg.lr_schedule, horizon=self._horizon(),
+                                                          warmup=cfg.warmup_steps,
                                                           step_every=cfg.lr_step_every, gamma=cfg.lr_gamma,
                                                           floor=(cfg.min_lr or 0.0) / base_lr)
 
@@ -589,10 +591,14 @@ class _Run:
         """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
         return {**self.cfg.as_json_dict(), **self.ran}
 
+    def _horizon(self) -> int:
+        """The updates a central shard applies over the run (its last version): the schedules' horizon."""
+        return self.steps * policy_class(self.cfg.paradigm).updates_per_step(len(self._clients()))
+
     def _schedule_samples(self, schedule: Schedule) -> list[list[float]]:
         """``[version, multiplier]`` at 9 versions over the run: what the run file and checkpoints record of
         the schedule in force (a resumed run must have the same)."""
-        horizon = self.steps * policy_class(self.cfg.paradigm).updates_per_step(len(self._clients()))
+        horizon = self._horizon()
         return [[v, float(schedule(v))] for v in sorted({int(horizon * k / 8) for k in range(9)})]
 
     def _group_serve(self, central: ParamWindow, window: ParamWindow, recorder) -> None:
@@ -650,15 +656,15 @@ class _Run:
                      blocks=policy.worker_blocks, recorder=recorder,
                      clock=self.clock, steps=self.steps, lr=cfg.lr,
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
-                     schedule=self.schedule(len(self._clients()), self.rate), rate=self.rate,
+                     schedule=self.schedule(self.rate), rate=self.rate,
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
                      backoff=self.backoff, take_signal=self.signals.take, **extra)
 
-    def free_worker(self, worker: Worker, pushed: int) -> None:
+    def free_worker(self, worker: Worker) -> None:
         """After the worker left: note the gradients it pushed, free its transfers."""
-        self.final_clock = pushed
+        self.final_clock = worker.clock_count
         worker.close()
         for transfer in self._transfers:
             transfer.free()

@@ -20,7 +20,6 @@ hpcps's built-in loop (:meth:`Session.train_on`, behind ``hpcps.train`` and
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any, Callable
@@ -34,8 +33,6 @@ from hpcps.cluster.emulation import ComputeTime, emulated_sleep
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
 
-log = logging.getLogger("hpcps")
-
 
 class Session:
     """One rank's part of a run; see the module docstring.
@@ -48,14 +45,13 @@ class Session:
     """
 
     def __init__(self, run, *, abort_on_error: bool = True) -> None:
-        from hpcps.runtime.run import _compute_time  # the run's own rule for the emulated compute time
+        from hpcps.runtime.run import emulated_compute_time  # the run's own rule for the emulated compute time
 
         self.run = run
         self.abort_on_error = abort_on_error
         self.result = None  # rank 0: the RunResult once closed
         self.closed = False
         self.state: dict[str, Any] = {}  # the user's own checkpoint fields (worker 0's are saved)
-        self._scalars: list[tuple] = []
         layout, rank = run.layout, run.topo.rank
         self.is_worker = run.topo.role is Role.WORKER
         self.rank = rank
@@ -68,7 +64,7 @@ class Session:
         cfg = run.cfg
         self.flat = run.flat
         self.clip_norm = cfg.clip_norm
-        self.compute_time = _compute_time(cfg, rank, layout)
+        self.compute_time = emulated_compute_time(cfg, rank, layout)
         self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
         self.checkpoint_every = cfg.checkpoint_every
         self._saved_at: int | None = None  # the version whose checkpoint has the loop's fields already
@@ -118,9 +114,7 @@ class Session:
         end_pass(self.flat, self.t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
                  poke=self.worker.poke)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self.worker.skip_next = skip
-        self.worker.close_step(value, time.perf_counter() - self.t0)
-        self._log_scalars()
+        self.worker.close_step(value, time.perf_counter() - self.t0, skip=skip)
         self._open()
         return self.open
 
@@ -137,14 +131,7 @@ class Session:
             return
         t, step = self.run.clock(), self.iteration
         for name, value in scalars.items():
-            self._scalars.append((self.rank, step, t, name.encode()[:32], float(value)))
-        if not self.open:
-            self._log_scalars()
-
-    def _log_scalars(self) -> None:
-        for row in self._scalars:
-            self.run.recorder.add("workers/scalars", row)
-        self._scalars.clear()
+            self.run.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
 
     def _open(self) -> None:
         self.open = self.worker.open_step()
@@ -152,8 +139,8 @@ class Session:
             return
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
         version = self.version
-        if (self.checkpoint_every and self.worker_index == 0 and self.state and version and version % self.checkpoint_every == 0
-                and version != self._saved_at):
+        if (self.checkpoint_every and self.worker_index == 0 and self.state and version
+                and version % self.checkpoint_every == 0 and version != self._saved_at):
             # BSP: this version's checkpoint is the servers'; the loop's own fields as they are before
             # computing on it go beside it (where a run resumed from it starts)
             write_user_state(checkpoint_path(self.run.ckpt_dir, version), self.state)
@@ -178,13 +165,11 @@ class Session:
         self.closed = True
         if self.is_worker:
             try:
-                pushed = self.worker.finish()
-                self._log_scalars()
+                self.worker.finish()
             finally:
-                self.run.free_worker(self.worker, self.worker.clock_count)
+                self.run.free_worker(self.worker)
             self.result = self.run.end(user_state=self.state if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
-            log.debug("worker rank %d pushed %d gradients", self.rank, pushed)
         return self.result
 
     def __enter__(self) -> "Session":

@@ -128,18 +128,24 @@ class Worker:
         self.row = self._start_row(self.step, self.versions)
         return True
 
-    def close_step(self, loss: float, compute_s: float) -> None:
-        """After computing (the gradient is in the flat buffer): push, wait, pull."""
-        row = self.row
-        row["loss"], row["compute_s"] = loss, compute_s
-        self._maybe_fail()
+    def close_step(self, loss: float, compute_s: float, *, skip: bool = False) -> None:
+        """After computing (the gradient is in the flat buffer): record the computation, inject a
+        ``--fault`` due at this step, then the paradigm's exchange (:meth:`_exchange`: push, wait,
+        pull). ``skip``: push the gradient flagged ``SKIP`` (counted in its round, never applied)."""
+        self.row["loss"], self.row["compute_s"] = loss, compute_s
+        if self.step in self.faults:
+            self._inject(self.faults[self.step])
+        self._exchange(self.row, wire.SKIP if skip else 0)
+
+    def _exchange(self, row: dict, flags: int) -> None:
+        """Push the step's gradient (with ``flags``), wait for the grant if the paradigm blocks, pull."""
         t = time.perf_counter()
         self.flat.stage_grads()
         # a worker that never waits for a grant begins its pull before its push: over a network the
         # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
         early, begun = (None, 0.0) if self.blocks else self._timed(self.window.begin_pull, self.flat.params,
                                                                    self.backoff)
-        self._push(self.versions, row, flags=self._skip_flag())
+        self._push(self.versions, row, flags=flags)
         row["push_s"] = time.perf_counter() - t - begun
         row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
                          if self.blocks else 0.0)
@@ -157,17 +163,6 @@ class Worker:
 
     def close(self) -> None:
         """Release what the worker holds beyond its transfers (eager's helper thread); idempotent."""
-
-    #: set by the loop before close_step: the step's gradient is not to be applied (a GradScaler skip)
-    skip_next = False
-
-    def _skip_flag(self) -> int:
-        skip, self.skip_next = self.skip_next, False
-        return wire.SKIP if skip else 0
-
-    def _maybe_fail(self) -> None:
-        if self.step in self.faults:
-            self._inject(self.faults[self.step])
 
     @staticmethod
     def _timed(fn, *args):
@@ -281,7 +276,6 @@ class _SlottedWorker(Worker):
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
         """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
         slot = step % 2
-        flags |= self._skip_flag()
         t = time.perf_counter()
         self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
         self.flat.stage_grads(self.send_buffers[slot])
@@ -332,10 +326,8 @@ class EagerWorker(_SlottedWorker):
         self.held = held
         return True
 
-    def close_step(self, loss: float, compute_s: float) -> None:
-        row, step = self.row, self.step
-        row["loss"], row["compute_s"] = loss, compute_s
-        self._maybe_fail()
+    def _exchange(self, row: dict, flags: int) -> None:
+        step, compute_s = self.step, row["compute_s"]
         self.expected = compute_s if step == self.start_step else 0.7 * self.expected + 0.3 * compute_s
         self.puller.hurry()
         row["pull_wait_s"] = self.held + self._wait(self._fresh_enough, "fresh parameters")
@@ -347,7 +339,7 @@ class EagerWorker(_SlottedWorker):
             # pull's requests leave before this push, which would otherwise hold them up on a TCP link
             self.puller.request(self.expected)
             row["pull_wait_s"] += self._wait(self.puller.begun, "its pull to begin")
-        self._push_copy(step, computed_on, row)
+        self._push_copy(step, computed_on, row, flags)
         self._finish_row(row)
         self.step += 1
 
@@ -394,11 +386,9 @@ class HSPWorker(_SlottedWorker):
         self.extras = 0  # extra gradients pushed in this round
         self.extra = False  # this gradient is computed while an earlier push of the round waits for its grant
 
-    def close_step(self, loss: float, compute_s: float) -> None:
-        row, step = self.row, self.step
-        row["loss"], row["compute_s"] = loss, compute_s
-        self._maybe_fail()
-        slot = self._push_copy(step, self.versions, row, wire.EXTRA if self.extra else 0)
+    def _exchange(self, row: dict, flags: int) -> None:
+        step = self.step
+        slot = self._push_copy(step, self.versions, row, flags | (wire.EXTRA if self.extra else 0))
         self.extras += self.extra
         self.step += 1
         if not self.extra:  # the round's gradient: idle until its turn to stream in is over

@@ -131,19 +131,14 @@ class ShardOptimizer:
         self.chunk = chunk
         if groups is None:
             groups = [({}, [(0, n)], [])] if n else []
-        param_groups, spans = [], []
+        param_groups = []
+        self.spans: list[tuple[int, int]] = []  # each chunk's place in the slice, group by group
         for options, segments, parts in groups:
-            chunks = []
-            for a, b in segments:
-                for lo in range(a, b, chunk):
-                    chunks.append(params[lo:min(lo + chunk, b)])
-                    spans.append((lo, min(lo + chunk, b)))
-            param_groups.append({"params": chunks, "names": [name for name, _, _ in parts],
-                                 "ranges": list(parts), **options})
-        order = sorted(range(len(spans)), key=lambda i: spans[i][0])  # stepped in the slice's order
-        flat_chunks = [c for g in param_groups for c in g["params"]]
-        self.chunks = [flat_chunks[i] for i in order]
-        self.spans = [spans[i] for i in order]
+            spans = [(lo, min(lo + chunk, b)) for a, b in segments for lo in range(a, b, chunk)]
+            param_groups.append({"params": [params[lo:hi] for lo, hi in spans],
+                                 "names": [name for name, _, _ in parts], "ranges": list(parts), **options})
+            self.spans += spans
+        self.chunks = [c for g in param_groups for c in g["params"]]
         self.schedule = schedule
         self.optimizer = make(param_groups) if self.chunks else None
         if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):

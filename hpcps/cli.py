@@ -179,6 +179,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
                         "--progress-every seconds (default on)")
     g.add_argument("--progress-every", type=float, dest="progress_every", metavar="SECONDS",
                    help="seconds between status lines when stderr is not a terminal (default 30)")
+    g.add_argument("--timeline", action=argparse.BooleanOptionalAction,
+                   help="record where every rank's time goes, phase by phase (receive, step, publish, push, "
+                        "pull, ...), in the metrics file's /timeline; hpcps report draws it and writes it as a Chrome trace "
+                        "(default off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

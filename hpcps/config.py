@@ -85,6 +85,7 @@ class TrainConfig(BaseModel):
     threads: int = Field(1, ge=1)
     progress: bool = True
     progress_every: float = Field(30.0, gt=0)
+    timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     nonfinite: Literal["skip", "abort"] = "skip"
     stall_warn: float = Field(60.0, gt=0)
     stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never

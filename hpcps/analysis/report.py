@@ -11,6 +11,13 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
 * ``thresholds.png`` DSSP bounds over time (only when a dssp run is given)
 * ``transfers.png``  which worker streamed its gradient into shard 0 when (only for runs with
                      serial transfers, hsp): the first TRANSFER_SHOWN transfers, one lane per worker
+* ``phases.md`` and ``phases.csv`` (runs with ``--timeline``): per rank, seconds and share of its time
+  per phase (a shard's wait, receive, scan, sum, step, publish, notify; a worker's compute, push, grant,
+  pull), and the share the named phases explain (all but ``other``)
+* ``timeline.png`` (runs with ``--timeline``): a few steps in the middle of each run across its ranks,
+  one lane per rank, coloured by phase
+* ``timeline-RUN.json`` (runs with ``--timeline``): every span as a Chrome trace, for
+  ``chrome://tracing`` or https://ui.perfetto.dev (the format of Horovod's timeline)
 * ``summary.md`` and ``summary.csv``: time-to-target, final accuracy and loss, iterations/s, mean wait per run
 * ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
   resident memory, samples read, clock offset to rank 0 and its uncertainty, device; also how a stopped
@@ -33,7 +40,9 @@ import numpy as np
 from hpcps.box.spec import describe_record
 from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
-from hpcps.metrics.schema import RANK, TRANSFER
+from hpcps.analysis.timeline import PHASE_ORDER, chrome_trace, explained, phase_totals, window
+from hpcps.metrics.schema import RANK, TIMELINE, TRANSFER
+from hpcps.metrics.timeline import PHASES
 
 #: transfers drawn in transfers.png (a whole run's are too many bars to read)
 TRANSFER_SHOWN = 120
@@ -52,6 +61,7 @@ class Run:
     summary: dict
     transfers: np.ndarray = field(default_factory=lambda: np.zeros(0, TRANSFER))
     ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, RANK))
+    timeline: np.ndarray = field(default_factory=lambda: np.zeros(0, TIMELINE))
     cluster: dict = field(default_factory=dict)  # the emulated cluster (hpcps emulate), {} or emulated=False
 
     @property
@@ -103,6 +113,7 @@ def load_run(path: str | os.PathLike) -> Run:
                        evals=f["eval"][()], summary=dict(f["summary"].attrs),
                        **({"transfers": f["servers/transfers"][()]} if "servers/transfers" in f else {}),
                        **({"ranks": f["ranks"][()]} if "ranks" in f else {}),
+                       **({"timeline": f["timeline"][()]} if "timeline" in f else {}),
                        cluster=json.loads(f.attrs.get("cluster", "{}")))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
@@ -141,6 +152,34 @@ def rank_rows(runs: list[Run]) -> list[dict]:
              "clock_uncertainty_ms": round(float(x["clock_uncertainty_s"]) * 1e3, 3),
              "device": x["device"].decode() if "device" in x.dtype.names else "-"}
             for r in runs for x in np.sort(r.ranks, order="rank")]
+
+
+def phase_rows(runs: list[Run]) -> list[dict]:
+    """One row per rank per run with a timeline: its role, its time, seconds per phase and the share
+    of its time the named phases explain."""
+    rows = []
+    for r in runs:
+        if not len(r.timeline):
+            continue
+        roles = {int(x["rank"]): x["role"].decode() for x in r.ranks}
+        for rank, totals in phase_totals(r.timeline).items():
+            row = {"run": r.name, "rank": rank, "role": roles.get(rank, "-"), "span_s": round(totals["span_s"], 3)}
+            row.update({f"{PHASES[c]}_s": round(totals.get(PHASES[c], 0.0), 4) for c in PHASE_ORDER})
+            row["explained"] = round(explained(totals), 4)
+            rows.append(row)
+    return rows
+
+
+def write_traces(runs: list[Run], out: Path) -> list[Path]:
+    """Each run's timeline as a Chrome trace, ``timeline-RUN.json``."""
+    written = []
+    for r in runs:
+        if len(r.timeline):
+            roles = {int(x["rank"]): x["role"].decode() for x in r.ranks}
+            path = out / f"timeline-{r.name.replace('/', '_')}.json"
+            path.write_text(json.dumps(chrome_trace(r.timeline, roles, r.name)))
+            written.append(path)
+    return written
 
 
 def write_tables(rows: list[dict], out: Path, name: str = "summary") -> list[Path]:
@@ -308,6 +347,49 @@ def plot_transfers(runs: list[Run], out: Path) -> Path | None:
     return _save(plt, fig, out / "transfers.png")
 
 
+def plot_timeline(runs: list[Run], out: Path) -> Path | None:
+    """A few steps in the middle of each run with a timeline: one lane per rank, a bar per span,
+    coloured by phase, as Horovod's timeline shows an allreduce."""
+    traced = [r for r in runs if len(r.timeline)]
+    if not traced:
+        return None
+    plt, fig, axes = _figure(len(traced), 1, figsize=(11, 1.2 + 0.45 * sum(
+        len(np.unique(r.timeline["rank"])) for r in traced)), squeeze=False)
+    colours = {c: plt.get_cmap("tab20")(k % 20) for k, c in enumerate(PHASE_ORDER)}
+    colours[0] = "lightgrey"
+    seen = set()
+    for ax, r in zip(axes[:, 0], traced):
+        t0, t1 = window(r.timeline[r.timeline["rank"] == r.timeline["rank"].max()])
+        spans = r.timeline[(r.timeline["t_end"] > t0) & (r.timeline["t_begin"] < t1)]
+        ranks = sorted(np.unique(r.timeline["rank"]).tolist())
+        roles = {int(x["rank"]): x["role"].decode() for x in r.ranks}
+        for lane, rank in enumerate(ranks):
+            mine = spans[spans["rank"] == rank]
+            for code in np.unique(mine["phase"]).tolist():
+                part = mine[mine["phase"] == code]
+                begin = np.maximum(part["t_begin"], t0)
+                ax.broken_barh(list(zip((begin - t0) * 1e3, (np.minimum(part["t_end"], t1) - begin) * 1e3)),
+                               (lane - 0.4, 0.8), color=colours.get(code, "black"),
+                               label=None if code in seen else PHASES.get(code, str(code)))
+                seen.add(code)
+        ax.set_yticks(range(len(ranks)), [f"rank {k} {roles.get(k, '')}".strip() for k in ranks])
+        ax.invert_yaxis()
+        ax.set(xlabel=f"ms from {t0:.3f} s", title=f"a few steps in the middle: {r.label}")
+        ax.grid(axis="x", alpha=0.3)
+    handles, labels = [], []
+    for ax in axes[:, 0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.tight_layout()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    path = out / "timeline.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend outside the lanes
+    plt.close(fig)
+    return path
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -328,7 +410,10 @@ def make_report(paths: list[str], out: str | os.PathLike, *, target: float = 0.9
     ranks = rank_rows(runs)
     if ranks:
         written += write_tables(ranks, out, "ranks")
+    phases = phase_rows(runs)
+    if phases:
+        written += write_tables(phases, out, "phases") + write_traces(runs, out)
     written += [plot_accuracy(runs, out, target), plot_throughput(runs, out), plot_breakdown(runs, out),
                 plot_staleness(runs, out)]
-    optional = [plot_thresholds(runs, out), plot_transfers(runs, out)]
+    optional = [plot_thresholds(runs, out), plot_transfers(runs, out), plot_timeline(runs, out)]
     return written + [p for p in optional if p is not None]

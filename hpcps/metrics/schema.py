@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 4  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
-#                     4: workers/scalars, optimizer
+SCHEMA_VERSION = 5  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+#                     4: workers/scalars, optimizer; 5: timeline
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -71,6 +71,11 @@ RANK = np.dtype([("rank", "i4"), ("role", "S8"), ("host", "S64"), ("peak_rss_byt
                  ("samples_read", "i8"), ("clock_offset_s", "f8"), ("clock_uncertainty_s", "f8"),
                  ("device", "S16")])
 
+#: ``/timeline`` (``--timeline``): each rank's time as contiguous phase spans (hpcps.metrics.timeline):
+#: the rank, the phase's code (``PHASES`` there), the step it belongs to (a shard's version, a
+#: worker's step), and the span's begin and end on the run's clock.
+TIMELINE = np.dtype([("rank", "i4"), ("phase", "i1"), ("step", "i8"), ("t_begin", "f8"), ("t_end", "f8")])
+
 #: ``/groups/updates`` (grouped paradigm): the central shards' rows, one per group update
 #: applied (``worker`` is the group server's rank, ``worker_clock`` its round); the rows of
 #: ``/servers/updates`` are then the group servers', one per worker gradient.
@@ -83,6 +88,7 @@ TABLES = {
     "eval_metrics": EVAL_METRIC,
     "workers/scalars": SCALAR,
     "ranks": RANK,
+    "timeline": TIMELINE,
 }
 
 ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_size",

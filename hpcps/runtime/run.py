@@ -59,6 +59,7 @@ from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
+from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
 from hpcps.training.paramgroups import resolve_groups, shard_groups
 from hpcps.policies import make_policy, policy_class
@@ -512,7 +513,7 @@ class _Run:
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=len(master), clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                           pool=RECEIVE_POOL, reserve=rounds.expected if rounds and rounds.ordered else None)
-        side_tasks, bar, evaluator = [self._spread_signal(window)], None, None
+        side_tasks, bar, evaluator = [("other", self._spread_signal(window))], None, None
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (pinned window, THREAD_MULTIPLE)
             # (HPCPS_EVAL_BACKGROUND=0 forces the loop's thread: tools/bench_eval_latency.py compares both)
@@ -527,7 +528,7 @@ class _Run:
                                   every=cfg.eval_every, version=lambda: server.version)
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
-            side_tasks += [recorder.drain, evaluator.tick]
+            side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
         server = ShardServer(
             shard=topo.rank, rank=topo.rank, policy=policy,
             table="groups/updates" if grouped else "servers/updates",
@@ -540,7 +541,7 @@ class _Run:
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
-            round_sum=rounds,
+            round_sum=rounds, timeline=self.timeline(recorder),
         )
         server.run()
         self.final_version = server.version
@@ -622,8 +623,9 @@ class _Run:
             progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
             backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
-            side_tasks=[self._spread_signal(central, own=window)],
+            side_tasks=[("other", self._spread_signal(central, own=window))],
             central_window=central, agg=agg, weight=len(members) * self.layout.n_groups / self.layout.n_workers,
+            timeline=self.timeline(recorder),
         ).run()
         inbox.free()
         central_pusher.free()
@@ -660,7 +662,12 @@ class _Run:
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-                     backoff=self.backoff, take_signal=self.signals.take, **extra)
+                     backoff=self.backoff, take_signal=self.signals.take, timeline=self.timeline(recorder),
+                     **extra)
+
+    def timeline(self, recorder) -> Timeline | NullTimeline:
+        """Where this rank's phases go: ``/timeline`` under ``--timeline``, nowhere otherwise."""
+        return Timeline(self.topo.rank, recorder.add, self.clock) if self.cfg.timeline else NullTimeline()
 
     def free_worker(self, worker: Worker) -> None:
         """After the worker left: note the gradients it pushed, free its transfers."""

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from hpcps.errors import RunAborted
+from hpcps.metrics.timeline import NullTimeline
 from hpcps.training.optim import APPLY_CHUNK, ShardOptimizer, update_terms
 from hpcps.policies import Decision, Policy
 from hpcps.runtime.rounds import RoundSum
@@ -107,12 +108,15 @@ class ShardServer:
                  window: ParamWindow, master: np.ndarray, worker_ranks: Sequence[int], recorder,
                  clock: Callable[[], float], progress: Callable[[], object], unit_lr: float,
                  optimizer: ShardOptimizer | None = None, n_params: int | None = None,
-                 side_tasks: Sequence[Callable[[], object]] = (), on_applied: Callable[[int], object] | None = None,
+                 side_tasks: Sequence[tuple[str, Callable[[], object]]] = (), on_applied: Callable[[int], object] | None = None,
                  abort_on_nonfinite: bool = False, version: int = 0,
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
-                 backoff: Backoff | None = None, round_sum: RoundSum | None = None) -> None:
-        """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it."""
+                 backoff: Backoff | None = None, round_sum: RoundSum | None = None, timeline=None) -> None:
+        """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it;
+        ``side_tasks``: ``(phase, task)`` pairs called every loop, the time of one that returns true
+        going to its phase of the timeline; ``timeline``: where the loop's phases go
+        (:mod:`hpcps.metrics.timeline`; none by default)."""
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -136,6 +140,7 @@ class ShardServer:
         self.table = table
         self.pending: dict[int, PushEvent] = {}
         self.round_sum = round_sum
+        self.tl = timeline or NullTimeline()
         # stall detection: when each worker was last heard of, and who waits for a grant
         self.stall_warn, self.stall_abort = stall_warn, stall_abort
         self.heard = [0.0] * len(self.worker_ranks)
@@ -151,15 +156,27 @@ class ShardServer:
                                 error=RunAborted)
 
     def run(self) -> None:
+        tl = self.tl
+        tl.at(self.version)
+        tl.enter("publish")
         self.window.publish(self.master, self.version)
+        tl.enter("wait")
         while self.inbox.open:
             self.window.publish_held()  # a version deferred while a lapped reader held this shard
+            t = self.clock() if tl.enabled else 0.0
             events = self.inbox.poll()
+            if events:  # the poll that completed them: their last bytes' copy (an empty poll is waiting)
+                tl.enter("receive", t)
+                tl.enter("other")
             self._log_transfers()
-            for task in self.side_tasks:
-                task()
+            for phase, task in self.side_tasks:
+                t = self.clock() if tl.enabled else 0.0
+                if task():
+                    tl.enter(phase, t)
+                    tl.enter("other")
             self._check_stall()
             if not events:
+                tl.enter("wait")
                 self.notifier.progress()
                 self.backoff.pause()
                 continue
@@ -169,16 +186,21 @@ class ShardServer:
             for event in events:
                 self._handle(event, notices)
             if self.version != version_before:
+                tl.enter("publish")
                 self.window.publish(self.master, self.version)
+                tl.at(self.version)
                 if self.on_published is not None:  # before any grant: every blocked worker still waits
                     self.on_published(self.version)
+            tl.enter("notify")
             for worker, (flags, clock, version, staleness) in notices.items():
                 self.notifier.send(worker, flags, clock, version, staleness)
+            tl.enter("wait")
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
         while not self.window.publish_held():  # the final version goes out whatever readers were doing
             self.backoff.pause()
         self.notifier.drain(self.backoff)
+        self.tl.close()
 
     def _log_transfers(self) -> None:
         """Serial transfers (hsp): record who streamed into this shard when."""
@@ -214,10 +236,13 @@ class ShardServer:
         """Add the round's gradients whose turn has come (worker order); free their buffers at once."""
         def take(worker: int) -> tuple[torch.Tensor | None, float]:
             push = self.pending[worker]
-            return (self._gradient(worker) if self._finite(push) else None), push.lr / self.unit_lr
+            finite = self._finite(push)
+            self.tl.enter("sum")
+            return (self._gradient(worker) if finite else None), push.lr / self.unit_lr
 
         for worker in self.round_sum.add_ready(take):
             self.inbox.free_buffer(worker)
+        self.tl.enter("other")
 
     def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
         for k, group in enumerate(decision.updates):
@@ -227,6 +252,7 @@ class ShardServer:
                 finite = [p for p in pushes if self.round_sum.finite[p.worker]]
             else:
                 finite = [p for p in pushes if self._finite(p)]
+                self.tl.enter("other")
             at = self.version
             weight = decision.weights[k] if decision.weights else 1.0
             if finite and summed:
@@ -262,11 +288,13 @@ class ShardServer:
         by default; a round's sum passes ``[1/n]``); return the version it was applied to."""
         p = self.n_params
         means = means or [1.0 / len(grads)] * len(grads)
+        self.tl.enter("step")
         self.optimizer.step([g[:p] for g in grads], coeffs, version=self.version, factor=factor,
                             progress=self.progress)
         if p < len(self.master):
             apply_update(self.master_t[p:], [g[p:] for g in grads], [-m for m in means], progress=self.progress)
         self.version += 1
+        self.tl.enter("other")
         return self.version - 1
 
     def _check_stall(self) -> None:
@@ -316,6 +344,7 @@ class ShardServer:
         dropped, or a non-finite one ends the run."""
         if push.skip:
             return False
+        self.tl.enter("scan")
         if all_finite(self._gradient(push.worker)):
             return True
         if self.abort_on_nonfinite:

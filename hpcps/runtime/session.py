@@ -70,6 +70,7 @@ class Session:
         self._saved_at: int | None = None  # the version whose checkpoint has the loop's fields already
         if run.ckpt is not None:
             self.state = read_user_state(cfg.resume)
+        self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
         self.worker = run.make_worker()
         self.worker.begin()
         self.open = False
@@ -112,7 +113,7 @@ class Session:
             return False
         self.flat.adopt_grads()
         end_pass(self.flat, self.t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
-                 poke=self.worker.poke)
+                 poke=self.worker.poke, timeline=self.worker.tl)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.worker.close_step(value, time.perf_counter() - self.t0, skip=skip)
         self._open()
@@ -146,12 +147,21 @@ class Session:
             write_user_state(checkpoint_path(self.run.ckpt_dir, version), self.state)
             self._saved_at = version
         self.t0 = time.perf_counter()
+        self.worker.tl.enter(self._opens_with)
 
     # -- the built-in loop ------------------------------------------------------
     def train_on(self, batches: BatchSource, loss: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
         """hpcps's own loop: batch ``k`` of ``batches`` for step ``k``, ``loss(model, batch)``, backward, step."""
+        if not self.is_worker:
+            return
+        self._opens_with = "data"  # a step begins by reading its batch
+        tl = self.worker.tl
+        if self.open:
+            tl.relabel("data")  # the first step, opened already
         while self.running:
+            tl.enter("data")
             batch = to_device(batches.batch(self.iteration), self.flat.device)
+            tl.enter("compute")
             value = loss(self.model, batch)
             value.backward()
             self.step(value)
@@ -189,14 +199,17 @@ class Session:
 
 def end_pass(flat: FlatParameters, started: float, compute_time: ComputeTime, rng: np.random.Generator, *,
              clip_norm: float | None = None, now: float | None = None,
-             poke: Callable[[], object] | None = None) -> float:
+             poke: Callable[[], object] | None = None, timeline=None) -> float:
     """After backward: the buffers' change into the gradient vector and clipping
     (:meth:`FlatParameters.end_pass`), the device's queued work done, then the emulated compute
     time on top of what the pass took since ``started`` (``now``: the run's clock, for stragglers
     that come and go; ``poke``: called through the emulated part, so messages in flight keep
-    moving); return the seconds since ``started``."""
+    moving; ``timeline``: where the emulated part is entered as a phase of its own); return the seconds
+    since ``started``."""
     flat.end_pass(clip_norm)
     flat.synchronize()  # a GPU's queued work belongs to this pass's time
+    if timeline is not None:
+        timeline.enter("emulated")
     emulated_sleep(compute_time.sleep_after(time.perf_counter() - started, rng, now), poke)
     return time.perf_counter() - started
 

@@ -56,6 +56,7 @@ from hpcps.runtime.faults import Fault, InjectedFault
 from hpcps.training.flat import FlatParameters
 from hpcps.training.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
+from hpcps.metrics.timeline import NullTimeline
 from hpcps.transport import wire
 from hpcps.transport.eager import EagerPuller
 from hpcps.transport.notices import NoticeBox
@@ -80,8 +81,9 @@ class Worker:
                  faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
                  schedule: Callable[[int], float] | None = None, rate: float | None = None,
                  stall_abort: float | None = None, backoff: Backoff | None = None,
-                 take_signal: Callable[[], str | None] | None = None) -> None:
+                 take_signal: Callable[[], str | None] | None = None, timeline=None) -> None:
         self.rank = rank
+        self.tl = timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
         self.model, self.flat = model, flat
         self.window, self.pusher, self.notices = window, pusher, notices
         self.blocks = blocks
@@ -112,8 +114,11 @@ class Worker:
     # ``finish()``: hpcps.runtime.session's Session does, under the built-in loop and the user's own alike.
     def begin(self) -> None:
         """Pull the parameters the first step computes on."""
+        self.tl.at(self.start_step)
+        self.tl.enter("pull")
         self.versions, self.stop = self._pull()
         self.step = self.start_step
+        self.tl.enter("other")
 
     @property
     def running(self) -> bool:
@@ -139,26 +144,38 @@ class Worker:
 
     def _exchange(self, row: dict, flags: int) -> None:
         """Push the step's gradient (with ``flags``), wait for the grant if the paradigm blocks, pull."""
+        tl = self.tl
+        tl.enter("push")
         t = time.perf_counter()
         self.flat.stage_grads()
         # a worker that never waits for a grant begins its pull before its push: over a network the
         # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
-        early, begun = (None, 0.0) if self.blocks else self._timed(self.window.begin_pull, self.flat.params,
-                                                                   self.backoff)
+        early, begun = None, 0.0
+        if not self.blocks:
+            tl.enter("pull")
+            early, begun = self._timed(self.window.begin_pull, self.flat.params, self.backoff)
+            tl.enter("push")
         self._push(self.versions, row, flags=flags)
         row["push_s"] = time.perf_counter() - t - begun
+        tl.enter("grant")
         row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
                          if self.blocks else 0.0)
+        tl.enter("pull")
         t = time.perf_counter()
         self.versions, self.stop = self._pull(early)
         row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
+        tl.enter("push")
         row["push_s"] += self._wait(self.pusher.test, "its push to leave")
+        tl.enter("other")
         self._finish_row(row)
         self.step += 1
+        tl.at(self.step)
 
     def finish(self) -> int:
         """Leave (``DONE``, then every shard's ``BYE``); return the number of gradients pushed."""
+        self.tl.enter("other")
         self._leave()
+        self.tl.close()
         return self.clock_count
 
     def close(self) -> None:
@@ -276,6 +293,7 @@ class _SlottedWorker(Worker):
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
         """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
         slot = step % 2
+        self.tl.enter("push")
         t = time.perf_counter()
         self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
         self.flat.stage_grads(self.send_buffers[slot])
@@ -302,10 +320,13 @@ class EagerWorker(_SlottedWorker):
         self.puller = EagerPuller(self.window, self.flat.size)
 
     def begin(self) -> None:
+        self.tl.at(self.start_step)
+        self.tl.enter("pull")
         self.puller.request()
         wait_until(self.puller.ready, self.backoff)
         self.versions, self.stop, _ = self._take()
         self.step = self.start_step
+        self.tl.enter("other")
         self.expected = 0.0  # running average of the compute time: when to start the pull
 
     def open_step(self) -> bool:
@@ -315,11 +336,13 @@ class EagerWorker(_SlottedWorker):
         held = 0.0
         while self.bound is not None and self._lag(self.versions) > self.bound and not self.stop:
             # what the worker knows moved on after its last take (a receipt, a peek): refresh first
+            self.tl.enter("pull")
             self.puller.request()
             self.puller.hurry()
             held += self._wait(self._fresh_enough, "fresh parameters")
             self.versions, self.stop, _ = self._take()
             self.puller.request(self.expected)  # the take used up the request for this computation
+        self.tl.enter("other")
         if self.stop:
             return False
         self.row = self._start_row(self.step, self.versions)  # nothing between the check and here raises known
@@ -329,6 +352,7 @@ class EagerWorker(_SlottedWorker):
     def _exchange(self, row: dict, flags: int) -> None:
         step, compute_s = self.step, row["compute_s"]
         self.expected = compute_s if step == self.start_step else 0.7 * self.expected + 0.3 * compute_s
+        self.tl.enter("pull")
         self.puller.hurry()
         row["pull_wait_s"] = self.held + self._wait(self._fresh_enough, "fresh parameters")
         t = time.perf_counter()
@@ -340,8 +364,10 @@ class EagerWorker(_SlottedWorker):
             self.puller.request(self.expected)
             row["pull_wait_s"] += self._wait(self.puller.begun, "its pull to begin")
         self._push_copy(step, computed_on, row, flags)
+        self.tl.enter("other")
         self._finish_row(row)
         self.step += 1
+        self.tl.at(self.step)
 
     def close(self) -> None:
         self.puller.close()
@@ -391,16 +417,21 @@ class HSPWorker(_SlottedWorker):
         slot = self._push_copy(step, self.versions, row, flags | (wire.EXTRA if self.extra else 0))
         self.extras += self.extra
         self.step += 1
+        self.tl.at(self.step)
         if not self.extra:  # the round's gradient: idle until its turn to stream in is over
             row["push_s"] += self._wait(lambda: self.pusher.test(slot), "its turn to transfer")
         if self.extras < self.max_extra and self.grants.min() < self.clock_count and self.step < self.steps:
             row["pull_s"] = row["pull_wait_s"] = 0.0  # go on computing on the parameters it has
+            self.tl.enter("other")
             self._finish_row(row)
             self.extra = True
             return
+        self.tl.enter("grant")
         row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
         self.extras, self.extra = 0, False
+        self.tl.enter("pull")
         t = time.perf_counter()
         self.versions, self.stop = self._pull()
         row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t
+        self.tl.enter("other")
         self._finish_row(row)

@@ -1,0 +1,53 @@
+"""``--timeline``: every rank's time as phase spans that tile it, with the counts each paradigm implies
+(1 server... 2 shards + 3 workers, mpiexec -n 5)."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpitest import share, train
+from hpcps.metrics.timeline import CODES
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+
+def _count(spans, rank, phase):
+    return int(((spans["rank"] == rank) & (spans["phase"] == CODES[phase])).sum())
+
+
+@pytest.mark.parametrize("paradigm", ["bsp", "asp", "eager", "hsp"])
+def test_spans_tile_every_ranks_time_and_count_what_the_paradigm_did(world, mpi_tmp_path, paradigm):
+    steps, servers = 12, 2
+    _, t = train(mpi_tmp_path / f"{paradigm}.h5", paradigm=paradigm, servers=servers, steps=steps, timeline=True)
+    facts = None
+    if world.rank == 0:
+        spans, up = t["timeline"], t["servers/updates"]
+        tiled, counts = {}, {}
+        for rank in range(world.size):
+            mine = np.sort(spans[spans["rank"] == rank], order="t_begin")
+            tiled[rank] = bool(len(mine)) and bool((mine["t_end"][:-1] == mine["t_begin"][1:]).all()
+                                                   and (mine["t_end"] > mine["t_begin"]).all())
+            counts[rank] = {p: _count(spans, rank, p) for p in ("step", "scan", "publish", "compute", "pull")}
+        facts = {"tiled": tiled, "counts": counts,
+                 "versions": {s: int(up["version"][up["shard"] == s].max()) + 1 for s in range(servers)},
+                 "pushed": int(t["summary"]["gradients_pushed"]),
+                 "no_timeline_without_it": None}
+    facts = share(world, facts)
+    assert all(facts["tiled"].values()), facts["tiled"]
+    for shard in range(servers):
+        c = facts["counts"][shard]
+        assert c["step"] == facts["versions"][shard]  # one optimizer step per version
+        assert c["scan"] == facts["pushed"]  # every gradient checked once
+        if paradigm == "bsp":
+            assert c["publish"] == steps + 1  # the first version, then one per round
+    for worker in range(servers, world.size):
+        c = facts["counts"][worker]
+        assert c["compute"] == steps
+        if paradigm == "bsp":
+            assert c["pull"] == steps + 1  # the first parameters, then one pull per round
+
+
+def test_a_run_without_the_option_records_no_span(world, mpi_tmp_path):
+    _, t = train(mpi_tmp_path / "plain.h5", paradigm="asp", steps=5)
+    n = share(world, len(t["timeline"]) if world.rank == 0 else None)
+    assert n == 0

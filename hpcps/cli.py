@@ -143,6 +143,11 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
                    help="push gradients straight from GPU memory (yes) or through pinned host buffers (no); "
                         "auto (default) asks the MPI library and its vendor's variables")
     g.add_argument("--threads", type=int, help="torch threads per rank (default 1)")
+    g.add_argument("--compress", metavar="{none,bf16,fp16,topk:RATIO}",
+                   help="what moves on the wire: none (fp32, default); bf16 or fp16 (pushes and pulls in 16 bits, "
+                        "half the bytes; the servers keep fp32 weights and optimizer state); topk:RATIO (pushes "
+                        "carry the RATIO largest-magnitude values of each shard's slice, the rest fed back into "
+                        "the worker's next gradient; pulls stay fp32)")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default skip)")

@@ -85,6 +85,7 @@ class TrainConfig(BaseModel):
     threads: int = Field(1, ge=1)
     progress: bool = True
     progress_every: float = Field(30.0, gt=0)
+    compress: str = "none"  # none, bf16, fp16, topk:RATIO (hpcps.transport.compress)
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     nonfinite: Literal["skip", "abort"] = "skip"
     stall_warn: float = Field(60.0, gt=0)
@@ -166,6 +167,16 @@ class TrainConfig(BaseModel):
         if value is not None:
             Target.parse(value)
         return value
+
+    @field_validator("compress")
+    @classmethod
+    def _check_compress(cls, value: str) -> str:
+        from hpcps.transport.compress import CHOICES, make_codec
+
+        try:
+            return make_codec(value).name
+        except UserError:
+            raise ValueError(f"expected {CHOICES}") from None
 
     @field_validator("fault")
     @classmethod

@@ -44,6 +44,7 @@ from hpcps.runtime.rounds import RoundSum
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
+from hpcps.transport.compress import Codec
 from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
 
@@ -112,11 +113,13 @@ class ShardServer:
                  abort_on_nonfinite: bool = False, version: int = 0,
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
-                 backoff: Backoff | None = None, round_sum: RoundSum | None = None, timeline=None) -> None:
+                 backoff: Backoff | None = None, round_sum: RoundSum | None = None, timeline=None,
+                 codec: Codec | None = None) -> None:
         """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it;
         ``side_tasks``: ``(phase, task)`` pairs called every loop, the time of one that returns true
         going to its phase of the timeline; ``timeline``: where the loop's phases go
-        (:mod:`hpcps.metrics.timeline`; none by default)."""
+        (:mod:`hpcps.metrics.timeline`; none by default); ``codec``: what a push's payload holds
+        (:mod:`hpcps.transport.compress`; fp32 by default)."""
         self.shard = shard
         self.rank = rank
         self.policy = policy
@@ -141,6 +144,7 @@ class ShardServer:
         self.pending: dict[int, PushEvent] = {}
         self.round_sum = round_sum
         self.tl = timeline or NullTimeline()
+        self.codec = codec or Codec()
         # stall detection: when each worker was last heard of, and who waits for a grant
         self.stall_warn, self.stall_abort = stall_warn, stall_abort
         self.heard = [0.0] * len(self.worker_ranks)
@@ -336,8 +340,9 @@ class ShardServer:
                 f"{blocked}{held_up}{streaming}")
 
     def _gradient(self, worker: int) -> torch.Tensor:
-        """The held gradient of ``worker`` (a view of the inbox's buffer)."""
-        return torch.from_numpy(self.inbox.gradient(worker))
+        """The held gradient of ``worker``: a view of the inbox's buffer (fp32, or 16-bit under
+        ``--compress bf16/fp16``), or a dense tensor made from a top-k payload."""
+        return self.codec.gradient(self.inbox.gradient(worker), len(self.master))
 
     def _finite(self, push: PushEvent) -> bool:
         """Whether a gradient may be applied; a skipped one (its worker said so) or a non-finite one is
@@ -345,7 +350,7 @@ class ShardServer:
         if push.skip:
             return False
         self.tl.enter("scan")
-        if all_finite(self._gradient(push.worker)):
+        if all_finite(self.codec.values(self.inbox.gradient(push.worker))):
             return True
         if self.abort_on_nonfinite:
             raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "

@@ -81,8 +81,12 @@ class Worker:
                  faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
                  schedule: Callable[[int], float] | None = None, rate: float | None = None,
                  stall_abort: float | None = None, backoff: Backoff | None = None,
-                 take_signal: Callable[[], str | None] | None = None, timeline=None) -> None:
+                 take_signal: Callable[[], str | None] | None = None, timeline=None,
+                 stage: Callable[[np.ndarray, bool], None] | None = None) -> None:
+        """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
+        where compression encodes it (hpcps.transport.compress); by default the flat buffer's own."""
         self.rank = rank
+        self.stage = stage or (lambda out, keep: self.flat.stage_grads(out))
         self.tl = timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
         self.model, self.flat = model, flat
         self.window, self.pusher, self.notices = window, pusher, notices
@@ -147,7 +151,7 @@ class Worker:
         tl = self.tl
         tl.enter("push")
         t = time.perf_counter()
-        self.flat.stage_grads()
+        self.stage(self.pusher.buffers[0], not flags & wire.SKIP)
         # a worker that never waits for a grant begins its pull before its push: over a network the
         # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
         early, begun = None, 0.0
@@ -296,7 +300,7 @@ class _SlottedWorker(Worker):
         self.tl.enter("push")
         t = time.perf_counter()
         self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
-        self.flat.stage_grads(self.send_buffers[slot])
+        self.stage(self.send_buffers[slot], not flags & wire.SKIP)
         self._push(versions, row, slot, flags)
         row["push_s"] = time.perf_counter() - t
         return slot

@@ -160,7 +160,8 @@ class ShardOptimizer:
         scale = self.schedule(version) * factor
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * scale
-        single = len(grads) == 1 and coeffs[0] == 1.0  # step straight from the received gradient
+        # step straight from the received gradient (an fp32 one: a 16-bit payload is widened into the sum)
+        single = len(grads) == 1 and coeffs[0] == 1.0 and grads[0].dtype == torch.float32
         if not single and self._sum is None:
             self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32)
         for chunk, (lo, hi) in zip(self.chunks, self.spans):

@@ -37,6 +37,7 @@ class Pusher:
         self.waiting: list[deque[int]] = [deque() for _ in shard_ranks]  # serial: slots owed to each shard
         self.worker_rank = worker_rank
         self.shard_ranks = list(shard_ranks)
+        self.buffers = list(buffers)
         self.headers = np.zeros((len(buffers), len(self.shard_ranks), wire.HEADER_LEN), np.int64)
         self.requests: list[list[MPI.Prequest]] = []
         for slot, buf in enumerate(buffers):
@@ -140,8 +141,10 @@ class PushInbox:
     def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
                  on_transfer: Callable[[int], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
-                 reserve: Callable[[], int | None] | None = None) -> None:
-        """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload."""
+                 reserve: Callable[[], int | None] | None = None, dtype: np.dtype = np.dtype(np.float32)) -> None:
+        """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload;
+        ``shard_len`` and ``dtype``: a payload's elements and their type (compressed pushes:
+        :mod:`hpcps.transport.compress`)."""
         n = len(worker_ranks)
         self.comm, self.worker_ranks = comm, list(worker_ranks)
         self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}
@@ -150,7 +153,7 @@ class PushInbox:
         self.streaming: tuple[int, float] | None = None  # serial: (worker, since when)
         self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
         self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)  # each worker's header in hand
-        self.grads = np.zeros((n if pool is None else min(pool, n), shard_len), np.float32)
+        self.grads = np.zeros((n if pool is None else min(pool, n), shard_len), dtype)
         self.incoming = np.zeros(wire.HEADER_LEN, np.int64)
         self.header_req: MPI.Prequest | None = comm.Recv_init(self.incoming, source=MPI.ANY_SOURCE,
                                                               tag=wire.TAG_PUSH_HEADER)

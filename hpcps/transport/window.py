@@ -61,6 +61,7 @@ message); ``auto`` is the default.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -68,6 +69,7 @@ from mpi4py import MPI
 
 from hpcps.errors import UserError
 from hpcps.transport import wire
+from hpcps.transport.compress import Codec
 from hpcps.transport.poll import Backoff, wait_until
 
 PROTOCOLS = ("auto", "pinned", "locked")
@@ -114,16 +116,26 @@ class ParamWindow:
 
     ``shard_ranks[s]`` is the rank (in ``comm``) of shard ``s``, whose
     parameters are the block ``bounds[s]`` of the flat vector. The calling
-    rank exposes ``local_len`` float32 values (0 unless it is a shard).
+    rank exposes ``local_len`` values (0 unless it is a shard) per slot.
     ``protocol`` is ``auto``, ``pinned`` or ``locked`` (module docstring);
     None reads ``HPCPS_WINDOW``.
+
+    ``codec`` (:mod:`hpcps.transport.compress`) says what the slots hold: fp32 (the default), or
+    16-bit copies of the shard's parameters (``bf16``, ``fp16``), which a pull widens into its fp32
+    ``out``. A 16-bit window also holds the shard's fp32 master weights after its slots
+    (:attr:`master`, where the shard keeps and steps them), which an ``exact`` pull reads.
     """
 
     def __init__(self, comm: MPI.Comm, *, shard_ranks: Sequence[int],
-                 bounds: Sequence[tuple[int, int]], local_len: int = 0, protocol: str | None = None) -> None:
+                 bounds: Sequence[tuple[int, int]], local_len: int = 0, protocol: str | None = None,
+                 codec: Codec | None = None) -> None:
         self.protocol = choose_protocol(comm, protocol)
         self.n_slots = SLOTS if self.protocol == "pinned" else 1
-        size = wire.WINDOW_HEADER_BYTES + 4 * local_len * self.n_slots if local_len else 0
+        self.codec = codec or Codec()
+        self.item = self.codec.pull_dtype.itemsize
+        self.mpi_type = MPI.FLOAT if self.codec.identity_pull else MPI.UINT16_T
+        master_bytes = 0 if self.codec.identity_pull else 4 * local_len
+        size = wire.WINDOW_HEADER_BYTES + self.item * local_len * self.n_slots + master_bytes if local_len else 0
         self.win: MPI.Win | None = MPI.Win.Allocate(size, 1, comm=comm)
         if self.protocol == "pinned":
             self.win.Lock_all(MPI.MODE_NOCHECK)  # shared, for the window's lifetime; nobody locks exclusively
@@ -132,6 +144,8 @@ class ParamWindow:
         self.bounds = list(bounds)
         self.header = None
         self.slots: list[np.ndarray] = []
+        self.master: np.ndarray | None = None  # a 16-bit window: the shard's fp32 master weights
+        self._staging = threading.local()  # a 16-bit window: each thread's buffer its pulls land in
         self._newest = 0  # pinned: the slot of our newest publish
         self._age = [0] * self.n_slots  # pinned: publish count when each slot was last written
         self._published = 0
@@ -143,8 +157,11 @@ class ParamWindow:
         if local_len:
             mem = np.frombuffer(self.win.tomemory(), np.uint8)
             self.header = mem[: wire.WINDOW_HEADER_BYTES].view(np.int64)
-            body = mem[wire.WINDOW_HEADER_BYTES:].view(np.float32)
+            end = wire.WINDOW_HEADER_BYTES + self.item * local_len * self.n_slots
+            body = mem[wire.WINDOW_HEADER_BYTES:end].view(self.codec.pull_dtype)
             self.slots = [body[i * local_len:(i + 1) * local_len] for i in range(self.n_slots)]
+            if master_bytes:
+                self.master = mem[end:end + master_bytes].view(np.float32)
             self.header[:] = 0  # before anyone can reach the window: window creation is collective
             if self.protocol == "pinned":
                 self.win.Sync()
@@ -159,7 +176,7 @@ class ParamWindow:
     def free(self) -> None:
         """Collective: release the window (idempotent)."""
         if self.win is not None:
-            self.header, self.slots = None, []
+            self.header, self.slots, self.master = None, [], None
             if self.protocol == "pinned":
                 self.win.Unlock_all()
             self.win.Free()
@@ -200,7 +217,7 @@ class ParamWindow:
         win = self._live()
         if self.protocol == "locked":
             win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-            np.copyto(self.slots[0], params)
+            self.codec.encode_params(params, self.slots[0])
             self.header[wire.WIN_VERSION] = version
             win.Unlock(self.rank)
             return True
@@ -214,7 +231,7 @@ class ParamWindow:
             return False
         self._held = None
         win.Sync()
-        np.copyto(self.slots[slot], params)
+        self.codec.encode_params(params, self.slots[slot])
         win.Sync()  # the slot's stores are visible before its version and the newest-slot word say so
         self._store(wire.WIN_SLOT_VERSION + slot, version)
         self._store(wire.WIN_NEWEST, slot)
@@ -269,14 +286,44 @@ class ParamWindow:
             else:
                 win.Flush(rank)
 
-    def pull(self, out: np.ndarray, backoff: Backoff | None = None) -> tuple[np.ndarray, bool]:
+    def pull(self, out: np.ndarray, backoff: Backoff | None = None, *, exact: bool = False) -> tuple[np.ndarray, bool]:
         """Read every shard into its block of ``out``.
 
         Returns the shard versions (int64 array, one per shard) and whether
         any shard raised its stop flag. Waits politely. Safe to call from
         two threads at once under the pinned protocol only.
+
+        ``exact``: a 16-bit window's fp32 master weights instead of the published copies. They
+        are read as they are, under no protocol: only while no shard steps them (every shard
+        finished, or held at a BSP round's end), and the versions returned are the published ones.
         """
+        if exact and self.codec.identity_pull is False:
+            return self._read_masters(out, backoff)
         return self.begin_pull(out, backoff).wait()
+
+    def _read_masters(self, out: np.ndarray, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
+        win = self._live()
+        versions, stop = self.peek(backoff), False
+        requests = []
+        for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, self.bounds)):
+            if self.protocol == "locked":
+                win.Lock(rank, MPI.LOCK_SHARED)
+            offset = wire.WINDOW_HEADER_BYTES + self.item * (hi - lo) * self.n_slots
+            requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], rank, (offset, hi - lo, MPI.FLOAT)))
+        wait_until(lambda: MPI.Request.Testall(requests), backoff)
+        if self.protocol == "locked":
+            for rank in self.shard_ranks:
+                win.Unlock(rank)
+        return versions, stop
+
+    def _landing(self, out: np.ndarray) -> np.ndarray:
+        """Where a pull's data land: ``out`` itself (fp32 window), or this thread's 16-bit buffer."""
+        if self.codec.identity_pull:
+            return out
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or len(buf) != len(out):
+            buf = self._staging.buf = np.empty(len(out), self.codec.pull_dtype)
+        return buf
 
     def begin_pull(self, out: np.ndarray, backoff: Backoff | None = None) -> "Pull":
         """Start a pull: put every request it sends on the wire, return a :class:`Pull` to wait on.
@@ -336,10 +383,10 @@ class ParamWindow:
             pending = claimed
         versions = np.zeros((n, 1), np.int64)
         requests = []
+        land, t = self._landing(out), self.mpi_type
         for s, (lo, hi) in enumerate(self.bounds):
-            offset = wire.WINDOW_HEADER_BYTES + 4 * (hi - lo) * int(slots[s])
-            requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], self.shard_ranks[s],
-                                     (offset, hi - lo, MPI.FLOAT)))
+            offset = wire.WINDOW_HEADER_BYTES + self.item * (hi - lo) * int(slots[s])
+            requests.append(win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t)))
             requests.append(win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s], 1, _I64], self.shard_ranks[s],
                                                 (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP))
         return Pull(self, out, requests, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots)
@@ -348,15 +395,17 @@ class ParamWindow:
         win = self._live()
         heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
         requests = []
+        land, t = (self._landing(out), self.mpi_type) if out is not None else (None, None)
         for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, self.bounds)):
             win.Lock(rank, MPI.LOCK_SHARED)
             requests.append(win.Rget([heads[s], _HEADER_WORDS, _I64], rank, (0, _HEADER_WORDS, _I64)))
             if out is not None:
-                requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], rank,
-                                         (wire.WINDOW_HEADER_BYTES, hi - lo, MPI.FLOAT)))
+                requests.append(win.Rget([land[lo:hi], hi - lo, t], rank, (wire.WINDOW_HEADER_BYTES, hi - lo, t)))
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
         for rank in self.shard_ranks:
             win.Unlock(rank)
+        if out is not None and land is not out:
+            self.codec.decode_params(land, out)
         return heads[:, wire.WIN_VERSION].copy(), bool(heads[:, wire.WIN_STOP].any())
 
 
@@ -386,4 +435,7 @@ class Pull:
             self.requests = None
             versions, stop = self.result
             self.result = (versions[:, 0].copy(), stop)
+            land = self.window._landing(self.out)
+            if land is not self.out:  # a 16-bit window: widen what came into fp32
+                self.window.codec.decode_params(land, self.out)
         return self.result

@@ -7,6 +7,8 @@ Push (worker -> every server shard), two messages in this order::
 
     tag PUSH_HEADER   int64[6]  kind, worker rank, clock, version, lr (float64 bits), push flags
     tag PUSH_DATA     float32[shard length]      the gradient's slice for that shard
+                      (--compress: uint16[shard length] holding bf16 or fp16 values, or
+                      top-k's int32[k] indices then float32[k] values; hpcps.transport.compress)
 
 ``kind`` is ``PUSH`` (a payload follows) or ``DONE`` (the worker leaves; no
 payload). Push flags: ``EXTRA`` marks an hsp gradient computed while the
@@ -38,6 +40,8 @@ memory, every other rank exposes none)::
                                 reader count of slot 0..3 (words 8-11), 0 x 4
     bytes 128..       float32[shard length]   slot 0: published parameters
     then              float32[shard length]   slots 1, 2 (pinned protocol only)
+    (--compress bf16/fp16: the slots are uint16[shard length] holding 16-bit copies, and the
+     shard's fp32 master weights follow them, read only by exact pulls)
 
 Two protocols keep a pull from ever mixing two versions
 (:mod:`hpcps.transport.window` has the details): ``pinned`` (the default

@@ -22,7 +22,7 @@ SCHEMA_VERSION = 5  # 2: workers/iterations.lag, servers/transfers; 3: eval_metr
 #: ``push_s``: in push calls and waiting for a push to leave; ``pull_s``: the
 #: pull's own duration; ``pull_wait_s``: the part of it the worker waited for
 #: (equal to ``pull_s`` unless the pull overlapped compute, as in eager, where it is
-#: the wait for a fresh enough snapshot plus the copy that swaps it into the model);
+#: the wait for a fresh enough snapshot plus taking it into the model: a pointer swap on the CPU, a copy on a GPU);
 #: ``lag``: when computing started, the newest version the worker knew of
 #: minus ``version`` (largest over shards; eager's ``--staleness`` bounds it).
 ITERATION = np.dtype([

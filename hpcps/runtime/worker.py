@@ -377,8 +377,12 @@ class EagerWorker(_SlottedWorker):
         self.puller.close()
 
     def _take(self) -> tuple[np.ndarray, bool, float]:
-        """Swap the staged parameters in (:meth:`EagerPuller.take`, then onto the device)."""
-        versions, stop, pull_s = self.puller.take(self.flat.params)
+        """Swap the staged parameters in (:meth:`EagerPuller.take`: the staging buffer becomes the model's
+        memory on the CPU, no copy; then onto the device)."""
+        if self.flat.transfer == "shared":
+            versions, stop, pull_s = self.puller.take(swap=self.flat.swap_params)
+        else:  # the host array stays pinned memory (fast uploads): copy into it
+            versions, stop, pull_s = self.puller.take(self.flat.params)
         self.flat.upload()
         self._seen(versions)
         return versions, stop, pull_s

@@ -69,8 +69,10 @@ class FlatParameters:
             self.grads_t = torch.zeros(self.size, dtype=torch.float32, device=self.device)
         offset = 0
         self._grad_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._spans: list[tuple[torch.nn.Parameter | None, torch.nn.Module | None, str, int, int]] = []
         for p in params:
             n = p.numel()
+            self._spans.append((p, None, "", offset, n))
             self.params_t[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = self.params_t[offset:offset + n].view_as(p)
             p.grad = self.grads_t[offset:offset + n].view_as(p)
@@ -78,6 +80,7 @@ class FlatParameters:
             offset += n
         for module, name, b in buffers:
             n = b.numel()
+            self._spans.append((None, module, name, offset, n))
             self.params_t[offset:offset + n].copy_(b.detach().reshape(-1))
             module._buffers[name] = self.params_t[offset:offset + n].view_as(b)
             offset += n
@@ -146,6 +149,23 @@ class FlatParameters:
         """Wait for the work queued on the device (a no-op on the CPU): timings and MPI see finished results."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def swap_params(self, new: np.ndarray) -> np.ndarray:
+        """Make ``new`` (float32, :attr:`size` values) the host parameters without copying it, and return
+        the array it replaces (for the next pull to land in): a pulled snapshot taken over by a pointer
+        swap. With ``shared`` transfers it becomes the model's own memory, every parameter and buffer
+        re-pointed into it (the same tensor objects: an optimizer's or a hook's references stay good);
+        otherwise :meth:`upload` copies it to the device as after any pull."""
+        old = self.params
+        self.params = new
+        if self.transfer == "shared":
+            self.params_t = t = torch.from_numpy(new)
+            for p, module, name, offset, n in self._spans:
+                if p is not None:
+                    p.data = t[offset:offset + n].view_as(p)
+                else:
+                    module._buffers[name] = t[offset:offset + n].view_as(module._buffers[name])
+        return old
 
     def upload(self) -> None:
         """The host :attr:`params` changed (a pull): bring the model's parameters up to date."""

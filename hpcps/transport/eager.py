@@ -21,15 +21,18 @@ caller's compute. The newest versions the helper has seen (:meth:`latest`)
 let the worker bound how far behind the staged snapshot may be.
 
 Two staging buffers: the helper writes the one that is not *ready* and
-swaps them under a lock when a pull completes; :meth:`take` copies the ready
-one out under the same lock (one copy at memory bandwidth), so a snapshot is
-never torn.
+swaps them under a lock when a pull completes; :meth:`take` hands the ready
+one over under the same lock, so a snapshot is never torn: by a pointer swap
+(the worker's parameter array takes its place among the staging buffers, no
+byte copied) where the worker gives a ``swap``, else by one copy at memory
+bandwidth.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -156,8 +159,11 @@ class EagerPuller:
         with self._lock:
             return self._meta[self._ready][0].copy()
 
-    def take(self, out: np.ndarray) -> tuple[np.ndarray, bool, float]:
-        """Copy the freshest staged snapshot into ``out``; return (versions, stop flag, last pull's duration)."""
+    def take(self, out: np.ndarray | None = None, *,
+             swap: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[np.ndarray, bool, float]:
+        """Hand the freshest staged snapshot over: ``swap(snapshot)`` installs the array itself and returns
+        the one it replaces, which becomes a staging buffer (no copy); or it is copied into ``out``.
+        Return (versions, stop flag, last pull's duration)."""
         if self._error is not None:
             raise self._error
         if not self._arrived.is_set():
@@ -165,7 +171,10 @@ class EagerPuller:
         with self._lock:
             self._wanted.clear()
             versions, stop, duration = self._meta[self._ready]
-            np.copyto(out, self.staging[self._ready])
+            if swap is not None:  # the helper writes only the other buffer: this one is the worker's now
+                self.staging[self._ready] = swap(self.staging[self._ready])
+            else:
+                np.copyto(out, self.staging[self._ready])
         return versions.copy(), stop, duration
 
     def close(self) -> None:

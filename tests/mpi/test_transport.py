@@ -379,3 +379,51 @@ def test_a_payload_coming_in_is_named_so_and_not_owed(world):
     pair.Free()
     polite_barrier(world)
     assert facts["during"] == ([0], []) and facts["after"] == ([], [])
+
+
+@pytest.mark.parametrize("protocol", ["pinned", "locked"])
+def test_a_16_bit_window_serves_rounded_copies_and_its_exact_pulls_the_fp32_masters(world, protocol):
+    from hpcps.transport.compress import make_codec
+
+    n = 1000
+    codec = make_codec("bf16")
+    params = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    window = ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
+                         protocol=protocol, codec=codec)
+    if world.rank == 0:
+        window.master[:] = params
+        window.publish(window.master, 3)
+    world.Barrier()
+    facts = None
+    if world.rank != 0:
+        out = np.empty(n, np.float32)
+        versions, _ = window.pull(out)
+        rounded = bool(np.array_equal(out, torch.from_numpy(params).bfloat16().float().numpy()))
+        versions_exact, _ = window.pull(out, exact=True)
+        facts = (int(versions[0]), rounded, int(versions_exact[0]), bool(np.array_equal(out, params)))
+    facts = world.gather(facts, root=0)
+    world.Barrier()
+    window.free()
+    facts = share(world, facts)
+    assert facts[1:] == [(3, True, 3, True)] * 4
+
+
+def test_a_shard_knows_while_a_pull_of_it_is_in_flight(world):
+    """Over TCP a Get moves only while its target is in MPI: the shard naps least while it is read."""
+    n = 1 << 16
+    window = ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
+                         protocol="pinned")
+    if world.rank == 0:
+        window.publish(np.ones(n, np.float32), 1)
+    world.Barrier()
+    pull = window.begin_pull(np.empty(n, np.float32)) if world.rank == 1 else None
+    world.Barrier()
+    during = window.being_read() if world.rank == 0 else None
+    world.Barrier()
+    if pull is not None:
+        pull.wait()
+    world.Barrier()
+    after = window.being_read() if world.rank == 0 else None
+    world.Barrier()
+    window.free()
+    assert share(world, (during, after)) == (True, False)

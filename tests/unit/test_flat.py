@@ -93,3 +93,32 @@ def test_gpu_memory_cannot_be_shared_with_mpi():
 
     with pytest.raises(ValueError, match="'shared' is for CPU training"):
         FlatParameters(build_model("mlp", (1, 8, 8), 10, seed=0), "cuda:0", "shared")
+
+
+def test_swapping_the_parameter_array_repoints_every_parameter_and_buffer_without_a_copy():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    flat = FlatParameters(model)
+    weight = model[0].weight  # the same tensor object afterwards: optimizers and hooks keep theirs
+    new = np.arange(flat.size, dtype=np.float32)
+    old = flat.swap_params(new)
+    assert flat.params is new and torch.from_numpy(new).data_ptr() == flat.params_t.data_ptr()
+    assert model[0].weight is weight and weight.data_ptr() == flat.params_t.data_ptr()
+    assert np.array_equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
+                          new[:flat.n_params])
+    assert np.array_equal(model[1].running_mean.numpy(), new[flat.n_params:flat.n_params + 4])
+    new[0] = -7.0  # a later pull into the array lands in the model
+    assert float(model[0].weight[0, 0]) == -7.0
+    x = torch.randn(5, 3)
+    model(x).sum().backward()  # the gradients still land in the flat gradient buffer
+    assert float(np.abs(flat.grads[:flat.n_params]).sum()) > 0
+    assert flat.swap_params(old) is new
+
+
+def test_swapping_under_staged_transfers_swaps_the_host_array_and_upload_copies_it():
+    model = torch.nn.Linear(3, 2)
+    flat = FlatParameters(model, transfer="staged")
+    new = np.full(flat.size, 0.5, np.float32)
+    flat.swap_params(new)
+    assert flat.params is new and not torch.equal(model.weight.detach(), torch.full((2, 3), 0.5))
+    flat.upload()
+    assert torch.equal(model.weight.detach(), torch.full((2, 3), 0.5))

@@ -182,8 +182,6 @@ class ShardServer:
             if not events:
                 tl.enter("wait")
                 self.notifier.progress()
-                if self.window.being_read():  # a pull moves only while we are in MPI: nap the least
-                    self.backoff.reset()
                 self.backoff.pause()
                 continue
             self.backoff.reset()

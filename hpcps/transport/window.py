@@ -241,16 +241,6 @@ class ParamWindow:
         self._newest, self._age[slot] = slot, self._published
         return True
 
-    def being_read(self) -> bool:
-        """Pinned: whether a reader has one of this shard's slots pinned now, that is, a pull of it is
-        in flight (a plain load of our own header words: a hint, not a synchronisation). Over a
-        network without hardware RMA (MPICH over TCP) a Get moves only while its target is inside
-        MPI, so a shard that naps between polls then holds the pull up."""
-        if self.protocol != "pinned" or self.header is None:
-            return False
-        pins = self.header[wire.WIN_PINS:wire.WIN_PINS + self.n_slots]
-        return bool((pins > 0).any())
-
     def publish_held(self) -> bool:
         """Publish a deferred version once a slot is free; True if nothing is left deferred."""
         if self._held is None:

@@ -406,24 +406,3 @@ def test_a_16_bit_window_serves_rounded_copies_and_its_exact_pulls_the_fp32_mast
     window.free()
     facts = share(world, facts)
     assert facts[1:] == [(3, True, 3, True)] * 4
-
-
-def test_a_shard_knows_while_a_pull_of_it_is_in_flight(world):
-    """Over TCP a Get moves only while its target is in MPI: the shard naps least while it is read."""
-    n = 1 << 16
-    window = ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
-                         protocol="pinned")
-    if world.rank == 0:
-        window.publish(np.ones(n, np.float32), 1)
-    world.Barrier()
-    pull = window.begin_pull(np.empty(n, np.float32)) if world.rank == 1 else None
-    world.Barrier()
-    during = window.being_read() if world.rank == 0 else None
-    world.Barrier()
-    if pull is not None:
-        pull.wait()
-    world.Barrier()
-    after = window.being_read() if world.rank == 0 else None
-    world.Barrier()
-    window.free()
-    assert share(world, (during, after)) == (True, False)

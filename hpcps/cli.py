@@ -17,6 +17,9 @@ from typing import Sequence
 import hpcps
 from hpcps.errors import UserError, print_error
 
+#: exit status of a run stopped because its training diverged (--divergence stop)
+DIVERGED_STATUS = 3
+
 #: environment variables in which launchers publish the rank before MPI starts
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
@@ -151,6 +154,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default skip)")
+    g.add_argument("--divergence", metavar="{stop,ignore}",
+                   help="stop (default): end the run, with one line saying what to try, when the workers' training "
+                        "loss turns non-finite (3 steps in a row) or its recent mean exceeds 3x its start; the summary "
+                        "says stopped_by diverged and the exit status is 3; ignore: train on")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
                    help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, hang or usr1 (repeatable)")
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
@@ -326,7 +333,10 @@ def _train(args: argparse.Namespace) -> int:
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
         return cfg, run_training(cfg, comm)
 
-    _, status = run_or_end(comm, train, quiet=(InjectedFault,))
+    value, status = run_or_end(comm, train, quiet=(InjectedFault,))
+    result = value[1] if value is not None else None
+    if result is not None and result.summary.get("stopped_by") == "diverged":
+        return DIVERGED_STATUS
     return status  # rank 0 has logged the run's one summary line
 
 

@@ -88,6 +88,7 @@ class TrainConfig(BaseModel):
     compress: str = "none"  # none, bf16, fp16, topk:RATIO (hpcps.transport.compress)
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     nonfinite: Literal["skip", "abort"] = "skip"
+    divergence: Literal["stop", "ignore"] = "stop"  # hpcps.training.divergence
     stall_warn: float = Field(60.0, gt=0)
     stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never
     checkpoint_every: int | None = Field(None, ge=1)

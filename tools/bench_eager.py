@@ -67,7 +67,8 @@ def main() -> None:
               f"{fmt(col['stale'], 2)} |")
     if "eager" in results and base:
         eager = np.nanmean([m["iter_ms"] for m in results["eager"]])
-        print(f"\neager median iteration / blocking asp: {eager / base['iter_ms']:.2f}")
+        seeds = ", ".join(f"{e['iter_ms'] / b['iter_ms']:.2f}" for e, b in zip(results["eager"], results["asp"]))
+        print(f"\neager median iteration / blocking asp: {eager / base['iter_ms']:.2f} (seed by seed: {seeds})")
 
 
 if __name__ == "__main__":

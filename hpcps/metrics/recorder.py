@@ -101,6 +101,7 @@ class FileRecorder(_Recorder):
         self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)
         self.open_ranks = set(range(1, comm.size))
         self.interval = interval
+        self.watchers: dict[str, list] = {}  # table -> callables given every batch of its rows as it arrives
         self._flushed = time.monotonic()
 
     def flush(self) -> None:
@@ -125,6 +126,8 @@ class FileRecorder(_Recorder):
             else:
                 for table, rows in msg.items():
                     self.file.append(table, rows)
+                    for watch in self.watchers.get(table, ()):
+                        watch(rows)
             got += 1
         if got and time.monotonic() - self._flushed >= self.interval:
             self.file.flush()

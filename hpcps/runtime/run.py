@@ -60,6 +60,7 @@ from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
 from hpcps.metrics.timeline import NullTimeline, Timeline
+from hpcps.training.divergence import DivergenceWatch
 from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
 from hpcps.training.paramgroups import resolve_groups, shard_groups
 from hpcps.policies import make_policy, policy_class
@@ -309,6 +310,7 @@ class _Run:
         self.ckpt_dir = cfg.checkpoint_dir or ""  # set in start(), once the metrics file is named
         self.final_version: int | None = None  # a shard: its version at the end
         self.final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
+        self.diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
         self.optimizer: ShardOptimizer | None = None
         self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
@@ -421,6 +423,8 @@ class _Run:
         polite_barrier(comm, self.backoff)
         stopped_by = next((s for s in comm.allgather(self.signals.received) if s), None)
         saved_ckpt = self._checkpoint_at_stop(comm, user_state) if stopped_by else None
+        if stopped_by is None and comm.bcast(self.diverged is not None if comm.rank == 0 else None, root=0):
+            stopped_by = "diverged"  # no checkpoint: nothing worth resuming
         ranks = comm.gather(self._resources(), root=0)  # after the barrier: nobody waits long
         window.free()
         if group_window is not None:
@@ -545,6 +549,8 @@ class _Run:
             bar = Progress(len(workers) * self.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                            accuracy=lambda: evaluator.accuracy)
             side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
+            if cfg.divergence == "stop":
+                recorder.watchers.setdefault("workers/iterations", []).append(self._divergence_watch(window))
         server = ShardServer(
             shard=topo.rank, rank=topo.rank, policy=policy,
             table="groups/updates" if grouped else "servers/updates",
@@ -568,6 +574,27 @@ class _Run:
             evaluator.evaluate()  # also leaves the final global parameters and buffers in self.model
             self.final_metrics = evaluator.metrics
             bar.close()
+
+    def _divergence_watch(self, window: ParamWindow):
+        """Rank 0: the workers' rows as they arrive, checked for divergence (hpcps.training.divergence); once
+        diverged, one line saying what to try, and every shard's stop flag up."""
+        watch, cfg = DivergenceWatch(), self.cfg
+        per_step = policy_class(cfg.paradigm).updates_per_step(len(self._clients()))
+
+        def on_rows(rows: np.ndarray) -> None:
+            reason = watch.observe(rows)
+            if reason is None:
+                return
+            self.diverged = reason
+            if per_step > 1:
+                how = (f"each worker's gradient is applied as its own update, {per_step} updates per step of "
+                       f"every worker at --lr {cfg.lr:g}: try --lr {cfg.lr / per_step:g} (--lr / {per_step})")
+            else:
+                how = f"one update per round at --lr {cfg.lr:g}: try a smaller --lr, or --clip-norm"
+            log.error("training diverged under %s: %s; %s, or --divergence ignore to train on; stopping",
+                      cfg.paradigm, reason, how)
+            window.set_stop()
+        return on_rows
 
     def _spread_signal(self, window: ParamWindow, own: ParamWindow | None = None):
         """A server's side task: a stop signal this rank received, or (a group server, ``own``) a stop one
@@ -750,7 +777,9 @@ class _Run:
         log.info("done in %.1f s: %s%d of %d gradients applied; metrics in %s%s", summary["wall_s"],
                  f"final evaluation {final}; " if final else "", summary["gradients_applied"],
                  summary["gradients_pushed"], runfile.path, f", model in {saved}" if saved else "")
-        if stopped_by:
+        if stopped_by == "diverged":
+            log.warning("stopped because the training diverged: %s", self.diverged)
+        elif stopped_by:
             log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
                         stopped_by, saved_ckpt)
         return RunResult(runfile.path, summary, self.steps, self.flat.params.copy(), self.model.cpu(), state,

@@ -132,3 +132,24 @@ def test_mnist1d_is_generated_once_and_the_papers_cnn_trains_on_it(tmp_path):
         assert f["summary"].attrs["final_accuracy"] > 0.3  # 10 classes; ~0.9 after 1000 steps
         assert f.attrs["dataset_kind"] == "builtin"
     assert "mnist1d (4000 train / 1000 test)" in proc.stderr and "cnn1d (28298 parameters" in proc.stderr
+
+
+def test_a_divergent_run_stops_long_before_its_last_step_with_one_line_saying_what_to_try(tmp_path):
+    out = tmp_path / "diverged.h5"
+    proc = hpcps(5, "train", "--paradigm", "asp", "--lr", "50", "--steps", "2000", "--out", str(out),
+                 "--eval-interval", "0.5", timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if "training diverged under asp" in x]
+    assert len(lines) == 1, proc.stderr
+    assert "4 updates per step of every worker at --lr 50: try --lr 12.5 (--lr / 4)" in lines[0]
+    with h5py.File(out) as f:
+        s = f["summary"].attrs
+        assert s["stopped_by"] == "diverged" and s["checkpoint"] == ""
+        assert s["gradients_pushed"] < 4 * 2000 // 4  # stopped within the first quarter of its steps
+        assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
+    # the same run told to train on does not stop
+    proc = hpcps(5, "train", "--paradigm", "asp", "--lr", "50", "--steps", "100", "--divergence", "ignore",
+                 "--out", str(tmp_path / "on.h5"), timeout=300)
+    assert proc.returncode == 0 and "diverged" not in proc.stderr
+    with h5py.File(tmp_path / "on.h5") as f:
+        assert f["summary"].attrs["gradients_pushed"] == 400 and f["summary"].attrs["stopped_by"] == ""

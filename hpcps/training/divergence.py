@@ -1,0 +1,70 @@
+"""When a run has diverged, read from the workers' training losses as their rows arrive (pure: no MPI).
+
+The rule (``--divergence stop``, the default), checked on rank 0 as the workers' iteration rows
+reach the metrics file:
+
+* **non-finite**: a worker that has reported a finite loss reports :data:`NONFINITE_ROWS`
+  non-finite ones in a row (one bad batch is dropped by ``--nonfinite skip`` and is not a
+  divergence; a NaN loss from the first row on is a loss the loop does not report, and ignored);
+* **far above its start**: once :data:`WINDOW` x 2 finite losses have come (all workers together),
+  the mean of the last :data:`WINDOW` is more than :data:`FACTOR` times the start: the mean of
+  each worker's first finite loss. A worker's first step computes on the run's first
+  parameters, before any update of the run, so the start is the untrained loss even where an
+  asynchronous run blows up within its first few updates.
+
+A loss that stays at its start (a run at chance) is not a divergence by this rule: it is slow,
+not broken, and stopping it would be a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+#: finite losses averaged at the start and at the end
+WINDOW = 20
+#: how many times its start the recent mean loss may reach
+FACTOR = 3.0
+#: non-finite losses in a row, from one worker, that mean the run diverged
+NONFINITE_ROWS = 3
+
+
+class DivergenceWatch:
+    """Feed it the ``workers/iterations`` rows as they arrive; :attr:`reason` says why, once diverged."""
+
+    def __init__(self, window: int = WINDOW, factor: float = FACTOR, nonfinite_rows: int = NONFINITE_ROWS) -> None:
+        self.window, self.factor, self.nonfinite_rows = window, factor, nonfinite_rows
+        self.first: dict[int, float] = {}  # each worker's first finite loss
+        self.recent: deque[float] = deque(maxlen=window)
+        self.seen = 0
+        self.reported: set[int] = set()  # workers that have reported a finite loss
+        self.bad_in_a_row: dict[int, int] = {}
+        self.reason: str | None = None
+
+    def observe(self, rows: np.ndarray) -> str | None:
+        """Take rows of ``workers/iterations`` (any order of workers); return the reason the first time
+        the run is found diverged, else None."""
+        if self.reason is not None:
+            return None
+        for rank, step, loss in zip(rows["rank"].tolist(), rows["step"].tolist(), rows["loss"].tolist()):
+            if math.isfinite(loss):
+                self.reported.add(rank)
+                self.bad_in_a_row[rank] = 0
+                self.seen += 1
+                self.first.setdefault(rank, loss)
+                self.recent.append(loss)
+            elif rank in self.reported:
+                self.bad_in_a_row[rank] = self.bad_in_a_row.get(rank, 0) + 1
+                if self.bad_in_a_row[rank] >= self.nonfinite_rows:
+                    self.reason = (f"worker rank {rank}'s training loss was {loss} in {self.nonfinite_rows} steps "
+                                   f"in a row (up to its step {step})")
+                    return self.reason
+        if self.seen >= 2 * self.window:
+            start, now = float(np.mean(list(self.first.values()))), float(np.mean(self.recent))
+            if start > 0 and now > self.factor * start:
+                self.reason = (f"the training loss rose to {now:.4g} (mean of the last {self.window}) from "
+                               f"{start:.4g} at the start (each worker's first), more than {self.factor:g} times")
+                return self.reason
+        return None

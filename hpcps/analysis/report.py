@@ -137,7 +137,8 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),
             "mean_staleness": round(float(applied["staleness"].mean()) if len(applied) else float("nan"), 2),
             "gradients_applied": int(r.summary.get("gradients_applied", len(applied))),
-            "stopped_by": str(r.summary.get("stopped_by", "")) or "-",
+            # a run that never wrote its summary ended without end(): it crashed or was killed
+            "stopped_by": (str(r.summary.get("stopped_by", "")) or "-") if "wall_s" in r.summary else "no summary (crashed?)",
             "cluster": describe_record(r.cluster) if r.cluster.get("emulated") else "-",
         })
     return rows

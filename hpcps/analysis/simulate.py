@@ -64,6 +64,16 @@ class Machine:
     apply_rate: float = 5e9
     update_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "apply_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"simulate: --{name.replace('_', '-')} must be above 0 (bytes/s); "
+                                 f"got {getattr(self, name):g}")
+        for name in ("latency", "server_s", "update_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"simulate: --{name.replace('_', '-')} must be 0 or more (seconds); "
+                                 f"got {getattr(self, name):g}")
+
     def transfer(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
 
@@ -117,6 +127,16 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     (:class:`hpcps.analysis.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
     ``machine.transfer(nbytes)`` whatever else moves.
     """
+    if steps < 1:
+        raise ValueError(f"simulate: --steps must be 1 or more; got {steps}")
+    if not compute_time > 0:
+        raise ValueError(f"simulate: --compute-time must be above 0 seconds; got {compute_time:g}")
+    if n_workers < 1:
+        raise ValueError(f"simulate: --workers must be 1 or more; got {n_workers}")
+    if nbytes < 0:
+        raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
+    if any(not f >= 1 for f in (slowdown or {}).values()):
+        raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
     policy = make_policy(paradigm, n_workers, staleness=staleness, staleness_max=staleness_max)
     if policy.extra_gradients:
         raise ValueError(f"simulate: paradigm {paradigm!r} is not modelled (extra gradients)")
@@ -321,6 +341,8 @@ def sweep(paradigms: list[str], workers: list[int], *, straggler: float = 1.0, p
     ``links``: ``hpcps emulate``'s ``--link`` words (node 0 the server, node k worker k-1)."""
     from tqdm import tqdm
 
+    if not straggler >= 1:
+        raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {straggler:g}")
     cases = [(p, n) for p in paradigms for n in workers]
     return [simulate(p, n, slowdown={n - 1: straggler} if straggler > 1 else None,
                      links=Links.from_words(links, n) if links else None, **options)

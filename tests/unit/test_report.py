@@ -3,6 +3,7 @@
 import csv
 import json
 
+import h5py
 import numpy as np
 import pytest
 
@@ -219,3 +220,11 @@ def test_the_clock_gap_comes_from_the_timestamps_alone():
     # with 1 step each, worker 2 is done once its gradient is in (t=0.4): only before that does it hold
     # worker 1 back (step 1 at t=0.3: a lead of 1)
     assert max_clock_gap(it, up, steps=1) == 1
+
+
+def test_a_run_that_never_wrote_its_summary_is_not_shown_as_a_finished_one(runs, tmp_path):
+    with h5py.File(runs[1], "a") as f:  # as a crashed or killed run leaves it: the group, no attributes
+        for key in list(f["summary"].attrs):
+            del f["summary"].attrs[key]
+    table = summary_rows([load_run(p) for p in runs], 0.9)
+    assert [r["stopped_by"] for r in table] == ["SIGUSR1", "no summary (crashed?)", "-"]

@@ -135,3 +135,18 @@ def test_fair_link_splits_its_capacity_and_gives_what_a_capped_transfer_leaves_t
     assert key == "a" and t == pytest.approx(100 / 70)
     link.finish(t, "a")
     assert link.rates() == {"b": 30.0} and link.next_done()[0] == pytest.approx(100 / 30)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bandwidth", "0"], "--bandwidth must be above 0"),
+    (["--apply-rate", "-1"], "--apply-rate must be above 0"),
+    (["--latency", "-1"], "--latency must be 0 or more"),
+    (["--steps", "0"], "--steps must be 1 or more"),
+    (["--compute-time", "0"], "--compute-time must be above 0"),
+    (["--workers", "0"], "--workers must be 1 or more"),
+    (["--straggler", "0.5"], "--straggler must be 1 or more"),
+])
+def test_odd_simulator_inputs_are_one_error_line_never_a_traceback_or_nan(args, message, capsys):
+    assert main(["simulate", "--paradigm", "bsp", "--workers", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"hpcps: error: simulate: {message}" in err and "Traceback" not in err

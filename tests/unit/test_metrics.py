@@ -1,6 +1,8 @@
 """Schema, run file round trip, summary consistency (h5py, no MPI)."""
 
 import math
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -55,3 +57,24 @@ def test_run_file_appends_in_batches_and_reads_back(tmp_path):
         assert f["eval"].chunks is not None and f["eval"].maxshape == (None,)
         assert f["workers/iterations"].dtype == ITERATION and f["servers/updates"].dtype == UPDATE
         assert f["summary"].attrs["wall_s"] == 1.0
+
+
+def test_a_live_run_file_reads_as_the_docs_open_it_while_its_run_writes(tmp_path):
+    """docs/metrics.md opens with ``locking=False``: rank 0 holds HDF5's lock while the run writes."""
+    path = tmp_path / "live.h5"
+    rows = np.zeros(3, ITERATION)
+    rows["step"] = [0, 1, 2]
+    rf = RunFile(path, {"paradigm": "asp"})
+    try:
+        rf.append("workers/iterations", rows)
+        rf.flush()
+        def read(*how: str) -> subprocess.CompletedProcess:  # another process, as a user's analysis is
+            code = f"import h5py; f = h5py.File({str(path)!r}, 'r'{''.join(how)}); print(f['workers/iterations']['step'].tolist())"
+            return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+        refused = read()  # what the recipe did before
+        assert refused.returncode != 0 and "lock" in refused.stderr
+        live = read(", locking=False")
+        assert live.returncode == 0 and live.stdout.strip() == "[0, 1, 2]", live.stderr
+    finally:
+        rf.close()

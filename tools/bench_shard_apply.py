@@ -4,7 +4,7 @@
 What a shard does with a gradient once it has arrived, on this machine's
 memory, through hpcps's own code:
 
-* ``check``: the finiteness check (:func:`hpcps.runtime.server.all_finite`), and
+* ``check``: the finiteness check (:func:`hpcps.transport.compress.all_finite`), and
   the ``isfinite(...).all()`` it replaced, for comparison;
 * ``step``: one optimizer step of the shard's slice from one gradient
   (:class:`~hpcps.training.optim.ShardOptimizer`, chunked, as an asynchronous
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from hpcps.runtime.rounds import RoundSum
-from hpcps.runtime.server import all_finite
+from hpcps.transport.compress import all_finite
 from hpcps.training.optim import ShardOptimizer, builtin_optimizer
 
 

@@ -44,7 +44,7 @@ from hpcps.runtime.rounds import RoundSum
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
-from hpcps.transport.compress import Codec
+from hpcps.transport.compress import Codec, all_finite
 from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
 
@@ -54,16 +54,6 @@ log = logging.getLogger("hpcps")
 #: a worker's first step (torch.compile, cuDNN autotuning, a cold file system) may take this many times
 #: ``--stall-warn`` before its silence counts
 FIRST_STEP_GRACE = 10
-
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite, in one read of them: ``torch.aminmax`` (NaN propagates to both,
-    an infinity is the minimum or the maximum). ``torch.isfinite(values).all()`` writes a bool per
-    value first: 16 MiB of gradient took it 20-34x the time of copying those bytes
-    (``tools/bench_shard_apply.py`` compares both with the copy)."""
-    if values.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(values)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def silences(now: float, heard: Sequence[float], owing: Sequence[int], pushed: set[int],

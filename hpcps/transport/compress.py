@@ -43,6 +43,17 @@ from hpcps.errors import UserError
 CHOICES = "none, bf16, fp16 or topk:RATIO (0 < RATIO < 1)"
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite, in one read of them: ``torch.aminmax`` (NaN propagates to both,
+    an infinity is the minimum or the maximum). ``torch.isfinite(values).all()`` writes a bool per
+    value first: 16 MiB of gradient took it 20-34x the time of copying those bytes
+    (``tools/bench_shard_apply.py`` compares both with the copy)."""
+    if values.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(values)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 class Codec:
     """No compression: fp32 values both ways (the base every codec refines)."""
 
@@ -156,7 +167,7 @@ class TopK(Codec):
         grads = grads.detach().to("cpu", torch.float32)
         if self.residual is None:
             self.residual = torch.zeros(grads.numel(), dtype=torch.float32)
-        finite = keep and bool(torch.isfinite(grads).all())
+        finite = keep and all_finite(grads)
         for (lo, hi), (a, b) in zip(bounds, self.push_bounds(bounds)):
             k = self.k(hi - lo)
             acc = self.residual[lo:hi] + grads[lo:hi] if finite else grads[lo:hi]

@@ -36,7 +36,7 @@ def test_a_worker_still_on_its_first_step_counts_as_silent_only_past_the_grace()
 def test_the_finiteness_check_finds_every_nan_and_infinity_wherever_it_is():
     import torch
 
-    from hpcps.runtime.server import all_finite
+    from hpcps.transport.compress import all_finite
 
     g = torch.randn(10_001)
     assert all_finite(g) and all_finite(torch.empty(0))

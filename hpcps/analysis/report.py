@@ -68,6 +68,11 @@ class Run:
     def label(self) -> str:
         return self.name if self.paradigm in self.name else f"{self.name} ({self.paradigm})"
 
+    @property
+    def roles(self) -> dict[int, str]:
+        """Each rank's role (server, group, worker), from ``/ranks``; empty for files without it."""
+        return {int(x["rank"]): x["role"].decode() for x in self.ranks}
+
     def time_to(self, target: float) -> float:
         return time_to(self.evals, target)
 
@@ -162,7 +167,7 @@ def phase_rows(runs: list[Run]) -> list[dict]:
     for r in runs:
         if not len(r.timeline):
             continue
-        roles = {int(x["rank"]): x["role"].decode() for x in r.ranks}
+        roles = r.roles
         for rank, totals in phase_totals(r.timeline).items():
             row = {"run": r.name, "rank": rank, "role": roles.get(rank, "-"), "span_s": round(totals["span_s"], 3)}
             row.update({f"{PHASES[c]}_s": round(totals.get(PHASES[c], 0.0), 4) for c in PHASE_ORDER})
@@ -176,9 +181,8 @@ def write_traces(runs: list[Run], out: Path) -> list[Path]:
     written = []
     for r in runs:
         if len(r.timeline):
-            roles = {int(x["rank"]): x["role"].decode() for x in r.ranks}
             path = out / f"timeline-{r.name.replace('/', '_')}.json"
-            path.write_text(json.dumps(chrome_trace(r.timeline, roles, r.name)))
+            path.write_text(json.dumps(chrome_trace(r.timeline, r.roles, r.name)))
             written.append(path)
     return written
 
@@ -363,7 +367,7 @@ def plot_timeline(runs: list[Run], out: Path) -> Path | None:
         t0, t1 = window(r.timeline[r.timeline["rank"] == r.timeline["rank"].max()])
         spans = r.timeline[(r.timeline["t_end"] > t0) & (r.timeline["t_begin"] < t1)]
         ranks = sorted(np.unique(r.timeline["rank"]).tolist())
-        roles = {int(x["rank"]): x["role"].decode() for x in r.ranks}
+        roles = r.roles
         for lane, rank in enumerate(ranks):
             mine = spans[spans["rank"] == rank]
             for code in np.unique(mine["phase"]).tolist():

@@ -716,7 +716,7 @@ class _Run:
     def _wire_record(self) -> dict:
         """What one push and one pull move (payload bytes, all shards together), for the run file."""
         codec = self.codec
-        push = sum(codec.push_len(hi - lo) for lo, hi in self.bounds) * codec.push_dtype.itemsize
+        push = codec.push_bounds(self.bounds)[-1][1] * codec.push_dtype.itemsize
         return {**codec.describe(), "push_bytes": push, "pull_bytes": self.flat.size * codec.pull_dtype.itemsize,
                 "fp32_bytes": 4 * self.flat.size}
 

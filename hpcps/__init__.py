@@ -10,7 +10,7 @@ of the same runtime. See README.md and docs/ for the user's view.
 
 __version__ = "0.1.0"
 
-__all__ = ["train", "init", "decay_groups", "__version__"]
+__all__ = ["train", "init", "decay_groups", "Policy", "Decision", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from hpcps import api
 
         return getattr(api, name)
+    if name in ("Policy", "Decision"):  # the base of your own paradigm (hpcps.policies.base): pure, no MPI
+        from hpcps.policies import base
+
+        return getattr(base, name)
     raise AttributeError(f"module 'hpcps' has no attribute {name!r}")

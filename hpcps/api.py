@@ -91,6 +91,8 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     ``options``
         every ``hpcps train`` option: ``paradigm``, ``steps``, ``lr``,
         ``batch_size``, ``servers``, ``slowdown``, ``out``, ``save``, ...
+        ``paradigm`` also takes your own :class:`hpcps.Policy` subclass
+        itself, and ``paradigm_option`` its options as a dict.
     ``exit_on_error``
         bad input ends every rank with one ``hpcps: error:`` line and exit
         status 2, any other failure ends the job (``MPI_Abort``) naming the
@@ -213,6 +215,10 @@ def _flags(options: dict[str, Any], **objects: Any) -> dict[str, Any]:
     """The options as the config takes them: names and plug-in paths as given, the user's objects
     recorded by name (``module:qualname``) where the config has a field for them."""
     flags = dict(options)
+    if not isinstance(flags.get("paradigm", ""), str):  # your own Policy subclass, filed as module:qualname
+        from hpcps.policies import register_class
+
+        flags["paradigm"] = register_class(flags["paradigm"])
     for key, value in objects.items():
         if isinstance(value, str):  # a name or plug-in path: as the command line takes it
             flags[key] = value

@@ -59,7 +59,11 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     """Every ``hpcps train`` option, on ``t`` (the train sub-command, or ``jobs render``'s check of it)."""
     t.add_argument("--config", metavar="FILE", help="TOML file with any of the options below")
     g = t.add_argument_group("paradigm and topology")
-    g.add_argument("--paradigm", help=f"synchronization paradigm (default dssp). {_paradigm_help()}")
+    g.add_argument("--paradigm", metavar="NAME|PLUGIN",
+                   help=f"synchronization paradigm (default dssp), or your own as path/file.py:Class or "
+                        f"pkg.mod:Class (a subclass of hpcps.Policy; docs/paradigms.md). {_paradigm_help()}")
+    g.add_argument("--paradigm-option", action="append", dest="paradigm_option", metavar="NAME=VALUE",
+                   help="an option of your own paradigm, passed to its constructor as NAME=VALUE (repeatable)")
     g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
     g.add_argument("--placement", metavar="{spread,rank}",
                    help="where shards go: spread (default) puts shard s on node s mod M, renumbering the ranks "
@@ -95,6 +99,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default 32)")
     g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default 0.1 for sgd, "
                                              "0.001 for adam and adamw)")
+    g.add_argument("--lr-scaling", dest="lr_scaling", metavar="{auto,none}",
+                   help="auto (default): --lr is the step BSP takes per round, and a paradigm that applies "
+                        "each worker's gradient as its own update divides it among them (asynchronous ones by "
+                        "the worker count, grouped by the group count); none: every update at --lr")
     g.add_argument("--lr-staleness", dest="lr_staleness", metavar="{none,inverse,sqrt,exp}",
                    help="scale each gradient's learning rate by the staleness its worker knows of: lr, lr/(1+s), "
                         "lr/sqrt(1+s), lr*exp(-s) (default inverse for eager, none otherwise)")
@@ -225,7 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "compute times, link latency and bandwidth, server costs. Prints a table; "
                                    "--out writes simulate.csv and simulated_throughput.png.")
     m.add_argument("--paradigm", nargs="+", default=["bsp", "asp", "ssp", "dssp", "eager", "grouped"], metavar="NAME",
-                   help="paradigms to model (default bsp asp ssp dssp eager grouped; hsp is not modelled)")
+                   help="paradigms to model (default bsp asp ssp dssp eager grouped; hsp is not modelled), "
+                        "or your own as path/file.py:Class or pkg.mod:Class")
+    m.add_argument("--paradigm-option", action="append", default=[], dest="paradigm_option", metavar="NAME=VALUE",
+                   help="an option of your own paradigm (repeatable), as hpcps train takes it")
     m.add_argument("--workers", nargs="+", type=int, default=[4, 16, 64, 256, 1024, 4096], metavar="N",
                    help="worker counts (default 4 16 64 256 1024 4096)")
     m.add_argument("--steps", type=int, default=20, help="iterations per worker (default 20)")
@@ -312,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from hpcps.runtime.signals import catch_early
+
+    catch_early()  # before importing MPI and torch: a signal during start-up stops the run cleanly
     from mpi4py import MPI
 
     from hpcps.runtime.agree import agree, run_or_end
@@ -350,12 +364,15 @@ def _report(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from hpcps.analysis.simulate import Machine, sweep, write_outputs
+    from hpcps.config import parse_paradigm_option
 
     try:
+        options = dict(parse_paradigm_option(spec) for spec in args.paradigm_option)
         predictions = sweep(args.paradigm, args.workers, straggler=args.straggler, steps=args.steps,
                             progress=sys.stderr.isatty(), links=args.link or None,
                             nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
                             jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed, groups=args.groups,
+                            options=options,
                             machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,
                                             args.update_s))
     except ValueError as exc:

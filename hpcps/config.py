@@ -36,7 +36,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    paradigm: str = "dssp"
+    paradigm: str = "dssp"  # a built-in name, or your own: pkg.mod:Class, path/file.py:Class (hpcps.policies)
+    paradigm_option: dict[str, Any] = Field(default_factory=dict)  # NAME=VALUE: your paradigm's own options
     servers: int = Field(1, ge=1)
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
     group_by: Literal["rank", "speed"] = "rank"
@@ -61,6 +62,7 @@ class TrainConfig(BaseModel):
     lr_gamma: float = Field(0.1, gt=0)
     min_lr: float | None = Field(None, ge=0)  # cosine's floor, as a learning rate
     clip_norm: float | None = Field(None, gt=0)
+    lr_scaling: Literal["auto", "none"] = "auto"  # auto: --lr is BSP's step per sample (Policy.lr_scale)
     lr_staleness: Literal["none", "inverse", "sqrt", "exp"] | None = None
     staleness: int | None = Field(None, ge=0)  # None: 2 for ssp/dssp, no bound for eager
     staleness_max: int | None = Field(None, ge=0)
@@ -137,6 +139,14 @@ class TrainConfig(BaseModel):
     def _parse_slowdown(cls, value: Any) -> Any:
         if isinstance(value, (list, tuple)):
             return dict(parse_slowdown(item) for item in value)
+        return value
+
+    @field_validator("paradigm_option", mode="before")
+    @classmethod
+    def _parse_paradigm_options(cls, value: Any) -> Any:
+        """``--paradigm-option backups=1`` (repeatable): a number, true/false or a string each."""
+        if isinstance(value, (list, tuple)):
+            return dict(parse_paradigm_option(item) for item in value)
         return value
 
     @field_validator("straggler_episodes", mode="before")
@@ -252,6 +262,22 @@ def parse_slowdown(spec: str) -> tuple[int, float]:
         return int(rank), float(factor)
     except ValueError:
         raise ValueError(f"{spec!r}: expected RANK=FACTOR, e.g. 4=3") from None
+
+
+def parse_paradigm_option(spec: str) -> tuple[str, Any]:
+    """``"NAME=VALUE"`` -> ``(name, value)``: VALUE an int, a float, true/false, or else the string."""
+    name, sep, text = str(spec).partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or not name.isidentifier():
+        raise ValueError(f"{spec!r}: expected NAME=VALUE, e.g. backups=1")
+    if text.lower() in ("true", "false"):
+        return name, text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(text)
+        except ValueError:
+            pass
+    return name, text
 
 
 def _option(loc: tuple, python: bool = False) -> str:

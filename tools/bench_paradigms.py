@@ -8,10 +8,13 @@ last worker's link at ``--slow-link``: a network straggler). Ratios are
 against BSP in the same scenario and invocation, because absolute times on a
 shared machine are noise.
 
-``--lr-per-update`` divides ``--lr`` by the updates a paradigm applies per
-step of every worker (1 for bsp and hsp, the group count for grouped, the
-worker count for the asynchronous ones), so every paradigm moves the model
-as far per training sample; ``--lr-staleness none inverse`` runs the
+Every paradigm runs at the same ``--lr``, which hpcps divides by the updates
+a paradigm applies per step of every worker (``--lr-scaling auto``, its
+default: 1 for bsp and hsp, the group count for grouped, the worker count
+for the asynchronous ones), so every paradigm moves the model as far per
+training sample; each row names the rate per update. A paradigm of your own
+(``path/file.py:Class``, ``pkg.mod:Class``) runs as the built-ins do, with
+``--paradigm-option NAME=VALUE`` (given to plug-ins only). ``--lr-staleness none inverse`` runs the
 paradigms that can see staleness both ways. The last line is the ratio of
 the fastest paradigm's time to target to BSP's, in the last scenario.
 ``--ssp-staleness 0 1 2 3 4`` runs ssp at each fixed threshold; ``--emulate`` runs every job in a
@@ -33,6 +36,7 @@ import numpy as np
 from benchlib import fmt, parser, train, train_options
 from hpcps.config import AUTO_GROUPS
 from hpcps.policies import policy_class
+from hpcps.training.plugins import is_plugin
 from hpcps.analysis.report import time_to, worker_rates
 
 #: paradigms whose workers can know a gradient's staleness (bsp's, hsp's rounds and grouped's groups never are)
@@ -46,7 +50,7 @@ def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target:
     per_worker = list(worker_rates(it).values())
     return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]), "ttt": time_to(r["ev"], target),
             "its": float(np.mean(per_worker)), "wait": float(it["wait_s"].mean() * 1e3),
-            "stale": float(it["staleness"].mean())}
+            "stale": float(it["staleness"][it["staleness"] >= 0].mean())}  # of the gradients applied (-1: dropped)
 
 
 def main() -> None:
@@ -61,8 +65,8 @@ def main() -> None:
     p.add_argument("--straggler", type=float, default=3.0, help="slowdown of the last worker when heterogeneous")
     p.add_argument("--target", type=float, default=0.9,
                    help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there)")
-    p.add_argument("--lr-per-update", action="store_true",
-                   help="divide --lr by the updates a paradigm applies per step of every worker")
+    p.add_argument("--paradigm-option", action="append", default=[], dest="paradigm_option", metavar="NAME=VALUE",
+                   help="an option of the plug-in paradigms (repeatable), as hpcps train takes it")
     p.add_argument("--lr-staleness", nargs="+", default=[None], metavar="SCHEDULE",
                    help="--lr-staleness values to run the paradigms that see staleness with (default: as given)")
     p.add_argument("--keep", metavar="DIR",
@@ -91,7 +95,8 @@ def main() -> None:
                     name, own = variant(paradigm, schedule, a, extra)
                     if bound is not None:
                         name, own = f"{name}, s={bound}", own + ["--staleness", str(bound)]
-                    rows[name] = [run(np_, paradigm, s, Path(tmp, scenario, f"{paradigm}-{schedule}-{bound}-{s}.h5"),
+                    stem = paradigm.rpartition(":")[2] if is_plugin(paradigm) else paradigm
+                    rows[name] = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}-{s}.h5"),
                                       extra + slow + own, a.target, box) for s in a.seeds]
                     print(f"  {scenario} {name}: done", file=sys.stderr)
         table(scenario, rows, a, extra)
@@ -114,21 +119,29 @@ def verdict(rows: dict, target: float) -> str:
 
 
 def variant(paradigm: str, schedule: str | None, a, extra: list[str]) -> tuple[str, list[str]]:
-    """The row's name and the options of this paradigm's runs (groups, learning rate, staleness schedule)."""
-    own, name = [], paradigm
+    """The row's name and the options of this paradigm's runs (groups, plug-in options, staleness schedule);
+    the name gives the rate per update that ``--lr-scaling`` makes of ``--lr``."""
+    cls = policy_class(paradigm)
+    own, name = [], cls.name if is_plugin(paradigm) and cls.name else paradigm
     workers = a.np - 1
     if paradigm == "grouped":
         own += ["--groups", str(a.groups)]
-    if a.lr_per_update:
-        lr = float(extra[extra.index("--lr") + 1]) if "--lr" in extra else 0.1
-        clients = n_groups(a) if paradigm == "grouped" else workers
-        lr /= policy_class(paradigm).updates_per_step(clients)
-        own += ["--lr", f"{lr:g}"]
-        name += f" (lr {lr:g})"
+    if is_plugin(paradigm):
+        own += [arg for option in a.paradigm_option for arg in ("--paradigm-option", option)]
+    lr = float(extra[extra.index("--lr") + 1]) if "--lr" in extra else 0.1
+    if "none" not in option_values(extra, "--lr-scaling"):
+        lr *= cls.lr_scale(n_groups(a) if paradigm == "grouped" else workers)
+    name += f" (lr {lr:g})"
     if schedule is not None:
         own += ["--lr-staleness", schedule]
         name += f", {schedule}"
     return name, own
+
+
+def option_values(args: list[str], option: str) -> list[str]:
+    """The values ``option`` takes in ``args`` (``--opt V`` or ``--opt=V``)."""
+    return [args[k + 1] for k, arg in enumerate(args[:-1]) if arg == option] + \
+        [arg.split("=", 1)[1] for arg in args if arg.startswith(option + "=")]
 
 
 def table(scenario: str, rows: dict, a, options: list[str]) -> None:

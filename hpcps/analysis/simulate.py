@@ -118,9 +118,13 @@ class Links:
 def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_time: float,
              slowdown: dict[int, float] | None = None, jitter: str = "none", jitter_cv: float = 0.1,
              machine: Machine = Machine(), staleness: int = 2, staleness_max: int | None = None,
-             seed: int = 0, groups: int = 2, links: Links | None = None) -> Prediction:
+             seed: int = 0, groups: int = 2, links: Links | None = None,
+             options: dict | None = None) -> Prediction:
     """Run ``steps`` iterations of ``n_workers`` workers (indices 0..N-1) under ``paradigm``.
 
+    ``paradigm``: a built-in name or your own (``file.py:Class``, ``pkg.mod:Class``), whose
+    ``options`` are ``--paradigm-option``'s; one with extra gradients or serial transfers
+    (hsp's mechanisms) is refused, as the model has neither.
     ``groups``: group servers, for the paradigms that have them (ignored by the others).
     ``links``: per-node link rates (a cluster in a box, or a real one); every transfer is then a flow
     on the server's link, shared max-min fairly with the others in its direction
@@ -137,9 +141,12 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
     if any(not f >= 1 for f in (slowdown or {}).values()):
         raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
-    policy = make_policy(paradigm, n_workers, staleness=staleness, staleness_max=staleness_max)
-    if policy.extra_gradients:
-        raise ValueError(f"simulate: paradigm {paradigm!r} is not modelled (extra gradients)")
+    policy = make_policy(paradigm, n_workers, options, staleness=staleness, staleness_max=staleness_max)
+    unmodelled = [what for what, has in (("extra gradients", policy.extra_gradients),
+                                         ("serial transfers", policy.serial_transfers)) if has]
+    if unmodelled:
+        raise ValueError(f"simulate: paradigm {paradigm!r} is not modelled: the simulator has no "
+                         f"{' and no '.join(unmodelled)}")
     slowdown = slowdown or {}
     clocks = [ComputeTime(compute_time, slowdown.get(w, 1.0), jitter, jitter_cv) for w in range(n_workers)]
     rngs = [np.random.default_rng([seed, w, 7]) for w in range(n_workers)]
@@ -234,6 +241,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             for g in group:
                 stale.append(version - pending.pop(g))
             version += 1
+        for g in decision.drops:  # discarded by the paradigm: no update, no staleness
+            pending.pop(g)
         server_free = begin + cost
         for g in decision.grants:
             if g in blocked_since and g not in gone:

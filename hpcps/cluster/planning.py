@@ -10,7 +10,7 @@ from __future__ import annotations
 from hpcps.config import TrainConfig
 from hpcps.errors import UserError
 from hpcps.cluster.layout import Layout, Role
-from hpcps.policies import policy_class
+from hpcps.policies import make_policy, policy_class
 
 
 def plan(cfg: TrainConfig, world_size: int) -> Layout:
@@ -22,6 +22,9 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     if cls.uses_groups and not cfg.groups:
         raise UserError(f"--paradigm {cfg.paradigm} needs --groups G (1 or more group servers)")
     layout.check_groups()
+    # your own paradigm's options are checked by building it, before any rank waits on another
+    make_policy(cfg.paradigm, layout.n_groups or layout.n_workers, cfg.paradigm_option, staleness=cfg.s_lo,
+                staleness_max=cfg.s_hi)
     if cfg.checkpoint_every and cfg.paradigm != "bsp":
         raise UserError(f"--checkpoint-every: periodic checkpoints are consistent only under bsp (got --paradigm "
                         f"{cfg.paradigm}); every paradigm writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")

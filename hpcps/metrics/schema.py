@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 5  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
-#                     4: workers/scalars, optimizer; 5: timeline
+SCHEMA_VERSION = 6  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+#                     4: workers/scalars, optimizer; 5: timeline; 6: servers/updates.lr, reason 3
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -36,10 +36,14 @@ ITERATION = np.dtype([
 #: ``worker`` is the pushing worker's rank; ``worker_clock`` its clock after the
 #: push (1 for its first gradient); ``version`` the shard version the
 #: gradient was applied to; ``threshold`` the staleness bound in force (-1:
-#: none); ``applied`` 1 or 0, and then ``reason`` says why (see REASONS).
+#: none); ``applied`` 1 or 0, and then ``reason`` says why (see REASONS); ``lr`` the learning
+#: rate the update was applied at: the optimizer's own rate (its first param group's) x the
+#: schedule at ``version`` x the update's factor (``--lr-scaling``, staleness, the paradigm's
+#: weight); a group server's rows: ``--lr`` x the factor, before the central schedule (NaN: dropped).
 UPDATE = np.dtype([
     ("rank", "i4"), ("shard", "i4"), ("t", "f8"), ("worker", "i4"), ("worker_clock", "i8"),
     ("version", "i8"), ("staleness", "i8"), ("threshold", "i8"), ("applied", "i1"), ("reason", "i1"),
+    ("lr", "f8"),
 ])
 
 #: ``/servers/transfers`` (hsp): one row per gradient streamed into a shard under serial
@@ -48,7 +52,7 @@ UPDATE = np.dtype([
 TRANSFER = np.dtype([("rank", "i4"), ("shard", "i4"), ("worker", "i4"), ("t_begin", "f8"), ("t_end", "f8")])
 
 #: ``reason`` codes of ``/servers/updates``
-REASONS = {0: "applied", 1: "non-finite gradient", 2: "skipped by its worker"}
+REASONS = {0: "applied", 1: "non-finite gradient", 2: "skipped by its worker", 3: "dropped by the paradigm"}
 
 #: ``/eval``: one row per evaluation of the global parameters on the held-out set.
 EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f8")])

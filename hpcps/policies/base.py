@@ -1,9 +1,12 @@
-"""The interface between a synchronization paradigm and the runtime.
+"""The interface between a synchronization paradigm and the runtime: the base class of every paradigm.
 
-A policy is a small, pure object: it imports no MPI and does no I/O, so it
-is unit-tested in microseconds and a simulator can drive the very same
-object the real server does. The server shard calls it on two events and
-carries out what it returns:
+The built-in paradigms and yours (``--paradigm path/to/file.py:Name``,
+``hpcps.train(paradigm=Name)``; docs/paradigms.md, "Write your own paradigm")
+subclass :class:`Policy`. A policy is a small, pure object: it imports no MPI
+and does no I/O, so it is unit-tested in microseconds and the simulator can
+drive the very same object the real server does. Every central shard holds
+one instance (built with the number of workers that push to it) and calls it
+on two events, one at a time, and carries out what it returns:
 
 * ``on_push(worker, clock, version, now)``: worker ``worker`` (an index
   0..N-1) pushed its ``clock``-th gradient, computed on parameter
@@ -17,13 +20,33 @@ Each returns a :class:`Decision`:
   workers' pending gradients) and advances the server version by one.
 * ``weights``: optional, one factor per update (default 1): the update's
   learning rates are multiplied by it (hsp scales late gradients down).
+* ``drops``: workers whose pending gradient is discarded unapplied: it is
+  recorded as dropped by the paradigm (``reason`` 3 in ``/servers/updates``)
+  and its worker's receipt says so (backup workers drop a round's late
+  gradients). A policy whose ``holds_rounds`` is true cannot drop.
 * ``grants``: workers that may start their next iteration. Every push is
   granted exactly once (unless its worker leaves first); a worker of a
   policy whose ``worker_blocks`` is true waits for its grant before it
   computes again.
 
-A gradient named in no ``updates`` stays pending in the server until a
-later decision names it; the runtime never applies a gradient on its own.
+A gradient named in no ``updates`` or ``drops`` stays pending in the shard
+until a later decision names it; the runtime never applies or drops a
+gradient on its own, and a run that ends with a gradient pending fails. A
+worker has at most one gradient pending at a shard: its next push is taken
+up only once the last is applied or dropped.
+
+What the class declares (class attributes, read before the run starts):
+the worker side (``worker_blocks``, ``eager_pull``, ``extra_gradients``),
+how the shard receives (``applies_on_arrival``, ``holds_rounds``,
+``serial_transfers``), and how many updates one step of every worker makes
+(:meth:`Policy.updates_per_step`), which sets the learning-rate schedules'
+horizon and, under ``--lr-scaling auto`` (the default), the learning rate of
+each update (:meth:`Policy.lr_scale`).
+
+Checkpoints: each shard saves what :meth:`Policy.state_dict` returns with its
+part of the checkpoint; a resumed shard builds its policy afresh, calls
+:meth:`Policy.resume_at` with its version, then :meth:`Policy.load_state_dict`
+with what was saved (ssp's clocks, dssp's bounds and intervals).
 """
 
 from __future__ import annotations
@@ -40,15 +63,24 @@ class Decision:
     updates: tuple[tuple[int, ...], ...] = ()
     grants: tuple[int, ...] = ()
     weights: tuple[float, ...] = ()
+    drops: tuple[int, ...] = ()
 
 
 class Policy(ABC):
-    """Base class of every paradigm's server-side rule."""
+    """Base class of every paradigm's server-side rule.
 
-    #: name under which the registry knows the paradigm (``--paradigm``)
-    name: ClassVar[str]
+    Subclass it, set ``name`` and ``summary``, implement :meth:`on_push` (and
+    :meth:`on_leave` where a leaving worker matters to a pending decision).
+    The constructor takes the number of workers and keyword options: the
+    shard offers ``staleness`` and ``staleness_max`` (``--staleness``,
+    ``--staleness-max``) to a constructor that accepts them, and passes every
+    ``--paradigm-option NAME=VALUE`` as ``NAME=VALUE``.
+    """
+
+    #: name under which the registry knows the paradigm (``--paradigm``); a plug-in's own is shown in logs
+    name: ClassVar[str] = ""
     #: one line for ``--help`` and the docs
-    summary: ClassVar[str]
+    summary: ClassVar[str] = ""
     #: whether a worker waits for its grant before computing again
     worker_blocks: ClassVar[bool] = True
     #: whether the paradigm runs group servers (``--groups``)
@@ -62,6 +94,10 @@ class Policy(ABC):
     #: whether gradients wait for others (a round) before they are applied; a shard then sums each
     #: round as it arrives (hpcps.runtime.rounds) instead of holding its gradients
     holds_rounds: ClassVar[bool] = False
+    #: whether every decision on a push applies that gradient at once (asp, ssp, dssp, eager): a shard then
+    #: receives into a small pool of buffers; otherwise it keeps one receive buffer per worker, as it
+    #: may hold every worker's gradient at once
+    applies_on_arrival: ClassVar[bool] = False
     #: ``--lr-staleness`` when the user gives none
     default_lr_staleness: ClassVar[str] = "none"
 
@@ -82,8 +118,25 @@ class Policy(ABC):
         """
         return n_clients
 
+    @classmethod
+    def lr_scale(cls, n_clients: int, *, extra: bool = False) -> float:
+        """The factor ``--lr-scaling auto`` multiplies a gradient's learning rate by, ``n_clients``
+        pushing to each shard: ``1 / updates_per_step``, so that one step of every worker moves the
+        model as far as one BSP round at ``--lr`` (an asynchronous paradigm applies each gradient as its
+        own update: ``--lr / N``). ``extra``: the factor of an extra gradient (``extra_gradients``)."""
+        return 1.0 / cls.updates_per_step(n_clients)
+
     def resume_at(self, version: int) -> None:
         """The shard resumes at ``version`` (from a checkpoint); policies that count versions start there."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this policy beyond its version: numbers, strings and lists in a dict
+        (saved at the end of a run, when every worker has left); ``{}``: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's policy (built afresh, after :meth:`resume_at`): take back :meth:`state_dict`'s
+        ``state`` (``{}`` where the checkpoint has none)."""
 
     def threshold(self, worker: int) -> int:
         """Clock-gap bound in force for ``worker`` (recorded with each update; -1: none)."""

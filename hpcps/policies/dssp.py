@@ -61,6 +61,18 @@ class DSSP(SSP):
     def threshold(self, worker: int) -> int:
         return self.bound[worker]
 
+    def state_dict(self) -> dict:
+        """SSP's clocks, each worker's bound and last iteration interval (push times are on the old
+        run's clock: a resumed run measures them afresh)."""
+        return {**super().state_dict(), "bound": list(self.bound), "interval": list(self.interval)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for worker, (bound, interval) in enumerate(zip(state.get("bound", ()), state.get("interval", ()))):
+            if worker < self.n_workers:
+                self.bound[worker] = min(max(int(bound), self.staleness), self.staleness_max)
+                self.interval[worker] = interval
+
     def _tie_break(self, worker: int) -> float:
         return self.last_push[worker] or 0.0
 

@@ -13,7 +13,10 @@ worker released. Two things differ:
   once the worker's regular gradient is used up, i.e. after the round
   closed, and applies it on its own at once, its learning rate multiplied
   by ``1/(1+s)``, where ``s`` is the number of updates applied since the
-  version the extra was computed on.
+  version the extra was computed on. Under ``--lr-scaling auto`` (the
+  default) an extra's rate is also divided by the worker count: it is one
+  worker's gradient applied alone, where a round averages N, so per
+  training sample it moves the model as far as a round's share of it.
 
 The policy counts versions itself (one per update it names), so it knows
 ``s`` when it decides; a resumed run starts counting at its checkpoint's
@@ -41,6 +44,10 @@ class HSP(BSP):
     def __init__(self, n_workers: int, **options) -> None:
         super().__init__(n_workers)
         self.version = 0
+
+    @classmethod
+    def lr_scale(cls, n_clients: int, *, extra: bool = False) -> float:
+        return 1.0 / n_clients if extra else 1.0
 
     def resume_at(self, version: int) -> None:
         self.version = version

@@ -71,6 +71,7 @@ class BSP(Policy):
 class SSP(Policy):
     name = "ssp"
     summary = "stale synchronous: apply on arrival, bound the clock gap by --staleness s"
+    applies_on_arrival = True
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         if staleness < 0:
@@ -84,6 +85,15 @@ class SSP(Policy):
 
     def threshold(self, worker: int) -> int:
         return self.staleness
+
+    def state_dict(self) -> dict:
+        """The workers' clocks: a resumed run's bound counts from where they are, not from zero (with
+        zeros, every worker waited for every other's first push, and the floor was wrong until then)."""
+        return {"clocks": list(self.clocks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for worker, clock in enumerate(state.get("clocks", ())[:self.n_workers]):
+            self._set_clock(worker, int(clock))
 
     def _tie_break(self, worker: int) -> float:
         """Among workers at the slowest clock, the smallest of these is the slowest (DSSP: push time)."""
@@ -143,6 +153,7 @@ class ASP(Policy):
     name = "asp"
     summary = "asynchronous: apply every gradient on arrival, never wait for others"
     worker_blocks = False
+    applies_on_arrival = True
 
     def on_push(self, worker: int, clock: int, version: int, now: float) -> Decision:
         return Decision(updates=((worker,),), grants=(worker,))

@@ -78,11 +78,21 @@ def run_or_end(comm: MPI.Comm, step: Callable[[], T], *, quiet: tuple[type[BaseE
         return None, 1  # MPI_Abort may return on a rank the launcher is already tearing down
 
 
+#: what a failing rank does before ``MPI_Abort`` (a run registers its recorder's flush: the rows it has
+#: not yet sent to rank 0 would be lost with it); best effort, each at most once
+last_words: list[Callable[[], object]] = []
+
+
 def end_job(comm: MPI.Comm, exc: BaseException, *, quiet: tuple[type[BaseException], ...] = ()) -> None:
     """One line naming this rank and ``exc`` (the traceback in the log, unless the error's message says
-    it all), then ``MPI_Abort``: every rank ends, none is left waiting for this one."""
+    it all), its :data:`last_words`, then ``MPI_Abort``: every rank ends, none is left waiting for this one."""
     print_error(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank")
     if not isinstance(exc, (RunAborted, *quiet)):
         log.error("rank %d failed", comm.rank, exc_info=exc)
-    time.sleep(0.5)  # let the launcher forward that line before MPI_Abort tears the job down
+    while last_words:
+        try:
+            last_words.pop()()
+        except Exception:  # a dying rank's rows are a courtesy: the abort must happen
+            log.debug("last words failed on rank %d", comm.rank, exc_info=True)
+    time.sleep(0.5)  # let the launcher forward that line (and rank 0 write the rows) before MPI_Abort
     comm.Abort(1)

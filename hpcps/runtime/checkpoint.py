@@ -95,11 +95,16 @@ def optimizer_state_path(path: str, shard: int) -> str:
     return f"{os.path.splitext(path)[0]}.optim-{shard}.pt"
 
 
-def write_optimizer_state(path: str, shard: int, state: dict) -> str:
-    """Write shard ``shard``'s part of the checkpoint ``path`` atomically; return its file."""
+#: the key of a shard part that holds its paradigm's own state (hpcps.policies.base.Policy.state_dict)
+POLICY_KEY = "hpcps_policy"
+
+
+def write_optimizer_state(path: str, shard: int, state: dict, policy: dict | None = None) -> str:
+    """Write shard ``shard``'s part of the checkpoint ``path`` atomically (its optimizer's state, and its
+    paradigm's under :data:`POLICY_KEY`); return its file."""
     part = optimizer_state_path(path, shard)
     os.makedirs(os.path.dirname(os.path.abspath(part)), exist_ok=True)
-    torch.save(state, part + ".tmp")
+    torch.save({**state, POLICY_KEY: policy} if policy else state, part + ".tmp")
     os.replace(part + ".tmp", part)
     return part
 
@@ -132,7 +137,17 @@ def read_optimizer_state(path: str, shard: int) -> dict:
     part = optimizer_state_path(path, shard)
     if not os.path.exists(part):
         return {}
-    return torch.load(part, weights_only=True)
+    state = torch.load(part, weights_only=True)
+    state.pop(POLICY_KEY, None)
+    return state
+
+
+def read_policy_state(path: str, shard: int) -> dict:
+    """Shard ``shard``'s paradigm state (empty where it kept none, or the checkpoint predates it)."""
+    part = optimizer_state_path(path, shard)
+    if not os.path.exists(part):
+        return {}
+    return torch.load(part, weights_only=True).get(POLICY_KEY) or {}
 
 
 def read_checkpoint(path: str, n_servers: int | None = None) -> Checkpoint:

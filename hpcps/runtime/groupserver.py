@@ -55,6 +55,10 @@ class GroupServer(ShardServer):
 
         wait_until(said_bye, self.backoff)
 
+    def _rate(self, version: int, factor: float) -> float:
+        """A group update goes to the central shards at ``--lr`` x the factor x this group's weight."""
+        return super()._rate(version, factor * self.weight)
+
     def _pull_central(self) -> None:
         versions, stop = self.central_window.pull(self.master, self.backoff)
         self.central_versions, self.version = versions, int(versions.min())

@@ -30,18 +30,20 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 import hpcps
+from hpcps.runtime import agree as agree_module
 from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.box import cluster_record, node_label
 from hpcps.runtime.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path, read_checkpoint,
-                              read_optimizer_state, write_checkpoint, write_optimizer_state, write_user_state)
+                              read_optimizer_state, read_policy_state, write_checkpoint, write_optimizer_state,
+                              write_user_state)
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data.sharding import batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
@@ -63,7 +65,7 @@ from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.training.divergence import DivergenceWatch
 from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
 from hpcps.training.paramgroups import resolve_groups, shard_groups
-from hpcps.policies import make_policy, policy_class
+from hpcps.policies import Policy, make_policy, policy_class
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.signals import StopSignals, announce
@@ -168,6 +170,29 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
         return run.end()
 
 
+def model_shape(model: torch.nn.Module) -> tuple:
+    """What must be the same on every rank: the names and shapes of the model's parameters and buffers."""
+    return (tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad),
+            tuple((n, tuple(b.shape)) for n, b in model.named_buffers()))
+
+
+def check_same_model(shapes: list[tuple]) -> None:
+    """Every rank built the same model (``shapes``: :func:`model_shape` of each rank), or one line saying
+    which ranks differ from rank 0 and where."""
+    first = shapes[0]
+    differ = [r for r, s in enumerate(shapes) if s != first]
+    if not differ:
+        return
+    theirs = shapes[differ[0]]
+    where = next((f"{a[0]} is {list(a[1])} on rank 0, {b[0]} {list(b[1])} on rank {differ[0]}"
+                  for a, b in zip(first[0] + first[1], theirs[0] + theirs[1]) if a != b),
+                 f"rank 0 has {len(first[0]) + len(first[1])} tensors, rank {differ[0]} "
+                 f"{len(theirs[0]) + len(theirs[1])}")
+    ranks = ", ".join(map(str, differ))
+    raise UserError(f"the model differs between ranks: rank(s) {ranks} built another than rank 0 ({where}); "
+                    f"build the same model on every rank (a factory must not depend on the rank)")
+
+
 def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> "_Run":
     """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
     resume), as a :class:`_Run` to use in a ``with`` block (which frees what it holds).
@@ -208,6 +233,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     device = _plan_device(cfg, comm, layout)
     devices = comm.allgather(device.describe())
     flat = FlatParameters(model, device.device, device.transfer)
+    shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
+    agree(comm, lambda: check_same_model(shapes))
     ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout)) if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params
@@ -312,6 +339,7 @@ class _Run:
         self.final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
         self.diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
         self.optimizer: ShardOptimizer | None = None
+        self.policy: Policy | None = None  # a central shard: its paradigm (state saved with a checkpoint)
         self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
         self.bounds = shard_bounds(flat.size, self.layout.n_servers)
@@ -336,6 +364,7 @@ class _Run:
             for window in (self.window, self.group_window):
                 if window is not None:
                     window.free()  # idempotent: end() has freed them, unless start() was refused
+            agree_module.last_words.clear()  # nothing to say: the run ended on every rank
         self.stack.close()
 
     def start(self) -> None:
@@ -349,6 +378,8 @@ class _Run:
         self.ckpt_dir = checkpoint_dir(self.cfg, path)
         runfile = agree(comm, lambda: self._open(path) if comm.rank == 0 else None)
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
+        if comm.rank != 0:  # a rank that fails sends rank 0 the rows it still holds before the job ends
+            agree_module.last_words.append(recorder.flush)
         lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
         window = ParamWindow(topo.ps, shard_ranks=self.shards, bounds=self.bounds, local_len=hi - lo,
                              codec=self.codec)
@@ -366,7 +397,9 @@ class _Run:
             master = self.flat.params[lo:hi].copy()
         optimizer = None
         if topo.role is Role.SERVER:
-            window.publish(master, 0)
+            # a resumed shard is at its checkpoint's version from its first publish: a worker's first pull
+            # tags its gradient with it (with 0, the first gradients looked hundreds of versions stale)
+            window.publish(master, self.ckpt.shard_version(comm.rank) if self.ckpt else 0)
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
             optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)], lo)
@@ -381,7 +414,9 @@ class _Run:
             agree(comm, lambda: check_same_optimizer(self.ckpt, self.cfg.resume, self.ran["optimizer_ran"],
                                                      optimizer.schedule) if comm.rank == 0 else None)
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
-            group_window.publish(self.flat.params, 0)
+            # at the version the group server will be at: the lowest central shard's (a resumed run's too)
+            start = min(self.ckpt.shard_version(s) for s in self.shards) if self.ckpt else 0
+            group_window.publish(self.flat.params, start)
         if comm.rank == 0:
             f = self.facts
             sizes = [f"{f[k]} {what}" for k, what in (("n_train", "train"), ("n_test", "test")) if f[k] is not None]
@@ -421,7 +456,8 @@ class _Run:
         wall_s = self.clock()
         recorder.close(self.backoff)
         polite_barrier(comm, self.backoff)
-        stopped_by = next((s for s in comm.allgather(self.signals.received) if s), None)
+        # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
+        stopped_by = next((s for s in comm.allgather(self.signals.acted) if s), None)
         saved_ckpt = self._checkpoint_at_stop(comm, user_state) if stopped_by else None
         if stopped_by is None and comm.bcast(self.diverged is not None if comm.rank == 0 else None, root=0):
             stopped_by = "diverged"  # no checkpoint: nothing worth resuming
@@ -443,7 +479,8 @@ class _Run:
         clocks = comm.gather((self.topo.rank, self.final_clock), root=0)
         path = checkpoint_path(self.ckpt_dir, shard_versions[0])
         if self.optimizer is not None:
-            write_optimizer_state(path, self.topo.rank, self.optimizer.state_dict())
+            write_optimizer_state(path, self.topo.rank, self.optimizer.state_dict(),
+                                  self.policy.state_dict() if self.policy is not None else None)
         if user_state:  # worker 0's own fields, where its loop keeps any
             write_user_state(path, user_state)
         if comm.rank == 0:
@@ -521,18 +558,25 @@ class _Run:
         notifier = Notifier(topo.ps, worker_ranks=workers)
         serial = policy_class(cfg.paradigm).serial_transfers and not grouped
         n_params = self._n_params(*self.bounds[topo.rank])
-        policy = make_policy(cfg.paradigm, len(workers), staleness=cfg.s_lo, staleness_max=cfg.s_hi)
+        policy = make_policy(cfg.paradigm, len(workers), cfg.paradigm_option, staleness=cfg.s_lo,
+                             staleness_max=cfg.s_hi)
         start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
         policy.resume_at(start_version)
+        if self.ckpt is not None:  # what the paradigm kept of its own (clocks, a controller's intervals)
+            policy.load_state_dict(read_policy_state(cfg.resume, topo.rank))
+        self.policy = policy
         # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.runtime.rounds): bsp in worker
-        # order (reproducible), hsp in the order its serial transfers come; every shard receives into
-        # a pool of RECEIVE_POOL buffers, whatever the worker count
+        # order (reproducible), hsp in the order its serial transfers come; those and the ones that apply
+        # every gradient on arrival receive into a pool of RECEIVE_POOL buffers, whatever the worker count;
+        # any other (a plug-in that holds gradients) keeps one buffer per worker
         rounds = RoundSum(len(master), n_params, len(workers), policy.active, ordered=not serial) \
             if policy.holds_rounds and not grouped else None
+        pooled = rounds is not None or policy.applies_on_arrival or grouped
         inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=self.codec.push_len(len(master)),
                           dtype=self.codec.push_dtype, clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
-                          pool=RECEIVE_POOL, reserve=rounds.expected if rounds and rounds.ordered else None)
+                          pool=RECEIVE_POOL if pooled else None,
+                          reserve=rounds.expected if rounds and rounds.ordered else None)
         side_tasks, bar, evaluator = [("other", self._spread_signal(window))], None, None
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (pinned window, THREAD_MULTIPLE)
@@ -559,12 +603,14 @@ class _Run:
             abort_on_nonfinite=cfg.nonfinite == "abort",
             version=start_version,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-            on_published=self._checkpointer(window, optimizer) if cfg.checkpoint_every else None,
+            on_published=self._checkpointer(window, optimizer, lambda: server.clocks) if cfg.checkpoint_every else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
             round_sum=rounds, timeline=self.timeline(recorder), codec=self.codec,
         )
+        if self.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
+            server.clocks = [int(c) for c in self.ckpt.worker_clocks]
         server.run()
         self.final_version = server.version
         inbox.free()
@@ -580,17 +626,22 @@ class _Run:
         diverged, one line saying what to try, and every shard's stop flag up."""
         watch, cfg = DivergenceWatch(), self.cfg
         per_step = policy_class(cfg.paradigm).updates_per_step(len(self._clients()))
+        rate = cfg.lr * self.lr_scale()
 
         def on_rows(rows: np.ndarray) -> None:
             reason = watch.observe(rows)
             if reason is None:
                 return
             self.diverged = reason
-            if per_step > 1:
-                how = (f"each worker's gradient is applied as its own update, {per_step} updates per step of "
-                       f"every worker at --lr {cfg.lr:g}: try --lr {cfg.lr / per_step:g} (--lr / {per_step})")
+            if per_step > 1 and cfg.lr_scaling == "none":
+                how = (f"each worker's gradient is applied as its own update at --lr {cfg.lr:g} (--lr-scaling "
+                       f"none), {per_step} updates per step of every worker: try --lr-scaling auto (--lr / "
+                       f"{per_step} per update)")
+            elif per_step > 1:
+                how = (f"each worker's gradient is applied as its own update at {rate:g} (--lr {cfg.lr:g} / "
+                       f"{per_step}): try a smaller --lr, --clip-norm, or a bounded paradigm (ssp, dssp)")
             else:
-                how = f"one update per round at --lr {cfg.lr:g}: try a smaller --lr, or --clip-norm"
+                how = f"one update per round at {rate:g} (--lr {cfg.lr:g}): try a smaller --lr, or --clip-norm"
             log.error("training diverged under %s: %s; %s, or --divergence ignore to train on; stopping",
                       cfg.paradigm, reason, how)
             window.set_stop()
@@ -635,6 +686,13 @@ class _Run:
     def ran_config(self) -> dict:
         """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
         return {**self.cfg.as_json_dict(), **self.ran}
+
+    def lr_scale(self, extra: bool = False) -> float:
+        """What a gradient's learning rate is multiplied by under ``--lr-scaling`` (the paradigm's
+        :meth:`~hpcps.policies.base.Policy.lr_scale`; 1 under ``none``); ``extra``: an extra gradient's."""
+        if self.cfg.lr_scaling == "none":
+            return 1.0
+        return policy_class(self.cfg.paradigm).lr_scale(len(self._clients()), extra=extra)
 
     def _horizon(self) -> int:
         """The updates a central shard applies over the run (its last version): the schedules' horizon."""
@@ -691,6 +749,7 @@ class _Run:
             extra["bound"] = cfg.staleness  # None: never wait for fresher parameters
         if policy.extra_gradients:
             extra["max_extra"] = cfg.hsp_max_stale
+            extra["extra_scale"] = self.lr_scale(extra=True) / self.lr_scale()
         if topo.group != MPI.COMM_NULL:  # grouped: talk to the group server, rank 0 of the group communicator
             comm, shards, bounds = topo.group, [0], [(0, self.flat.size)]
         else:
@@ -704,9 +763,9 @@ class _Run:
         return worker_class(rank=topo.rank, model=self.model, flat=self.flat,
                      window=window, pusher=pusher, notices=notices,
                      blocks=policy.worker_blocks, recorder=recorder,
-                     clock=self.clock, steps=self.steps, lr=cfg.lr,
+                     clock=self.clock, steps=self.steps, lr=cfg.lr * self.lr_scale(),
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
-                     schedule=self.schedule(self.rate), rate=self.rate,
+                     schedule=self.schedule(self.rate), rate=self.rate * self.lr_scale(),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
@@ -731,11 +790,13 @@ class _Run:
         for transfer in self._transfers:
             transfer.free()
 
-    def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer):
+    def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
         """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.
 
         Each shard writes its optimizer state; rank 0 also snapshots all
-        shards' parameters. Called after the shard published version v and
+        shards' parameters, and each worker's clock as its shard knows it
+        (``clocks()``: the gradients it pushed; a worker that left early
+        stays at its last). Called after the shard published version v and
         before it grants anyone, so under BSP every worker is blocked and
         every other shard is at v or about to be (its round-v pushes are in
         flight): rank 0 pulls until all are at v.
@@ -754,7 +815,7 @@ class _Run:
             while not (versions == version).all():
                 window.publish_held()  # ours may have been deferred for a lapped reader
                 versions, _ = window.pull(buf, Backoff(), exact=True)
-            write_checkpoint(path, buf, version=version, worker_clocks=[version] * self.layout.n_workers,
+            write_checkpoint(path, buf, version=version, worker_clocks=list(clocks()),
                              config=self.ran_config(), n_servers=self.layout.n_servers)
             log.info("checkpoint of version %d written to %s", version, path)
 

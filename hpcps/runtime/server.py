@@ -31,6 +31,7 @@ after it sees its grant, so it always sees the version the grant promised.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -213,6 +214,9 @@ class ShardServer:
             self.pending[event.worker] = event
             extra = {"extra": event.extra} if self.policy.extra_gradients else {}
             decision = self.policy.on_push(event.worker, event.clock, event.version, now, **extra)
+            if decision.drops and self.round_sum is not None:
+                raise RuntimeError(f"paradigm {self.policy.name!r} holds rounds (holds_rounds) and cannot drop "
+                                   f"gradients; drop them from a policy that holds its own")
             if self.round_sum is not None and not event.extra:  # an extra (hsp) is applied alone, at once
                 self.round_sum.arrive(event.worker)
                 self._sum_round()
@@ -239,6 +243,18 @@ class ShardServer:
         self.tl.enter("other")
 
     def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
+        named = [w for group in decision.updates for w in group] + list(decision.drops)
+        if len(set(named)) != len(named) or not self.pending.keys() >= set(named):
+            raise RuntimeError(f"paradigm {self.policy.name or type(self.policy).__name__!r} decided {decision}, but "
+                               f"only workers {sorted(self.pending)} have a gradient pending here, and each "
+                               f"can be applied or dropped once")
+        for w in decision.drops:  # discarded by the paradigm (a round's late gradient): never applied
+            push = self.pending.pop(w)
+            self._row(push, self.version, applied=False, reason=3, lr=math.nan)
+            _note(notices, w, wire.RECEIPT | wire.DROPPED, push.clock, self.version, -1)
+            self.inbox.release(w)
+            if self.on_applied is not None:
+                self.on_applied(1)
         for k, group in enumerate(decision.updates):
             pushes = [self.pending.pop(w) for w in group]
             summed = self.round_sum is not None and not pushes[0].extra  # a round's, summed already
@@ -256,13 +272,11 @@ class ShardServer:
             elif finite:
                 coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor)
-            t = self.clock()
+            lr = self._rate(at, weight * update_terms([p.lr / self.unit_lr for p in finite])[1]) if finite else math.nan
             for p in pushes:
                 applied = p in finite
                 staleness = at - p.version if applied else -1
-                self.recorder.add(self.table, (
-                    self.rank, self.shard, t, self.worker_ranks[p.worker], p.clock,
-                    at, staleness, self.policy.threshold(p.worker), int(applied), 0 if applied else 2 if p.skip else 1))
+                self._row(p, at, applied=applied, reason=0 if applied else 2 if p.skip else 1, lr=lr)
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
                 _note(notices, p.worker, flags, p.clock, at, staleness)
                 self.inbox.release(p.worker)
@@ -274,6 +288,20 @@ class ShardServer:
             self.awaiting.discard(w)
             _note(notices, w, wire.GRANT)
 
+
+    def _row(self, push: PushEvent, version: int, *, applied: bool, reason: int, lr: float) -> None:
+        """``push``'s row of this shard's table: applied at ``version`` at rate ``lr``, or dropped for ``reason``."""
+        self.recorder.add(self.table, (
+            self.rank, self.shard, self.clock(), self.worker_ranks[push.worker], push.clock, version,
+            version - push.version if applied else -1, self.policy.threshold(push.worker), int(applied), reason, lr))
+
+    def _rate(self, version: int, factor: float) -> float:
+        """The learning rate an update at ``version`` with factor ``factor`` is applied at (the optimizer's
+        own rate, or its first param group's, x the schedule x the factor; a group server: ``--lr`` x
+        the factor, the central shards' schedule applying on top)."""
+        if self.optimizer is None or self.optimizer.default_lr is None:
+            return self.unit_lr * factor
+        return self.optimizer.default_lr * self.optimizer.schedule(version) * factor
 
     def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float,
                 means: list[float] | None = None) -> int:

@@ -13,7 +13,10 @@ takes it raises the shards' stop flag in the parameter window, which every
 worker reads at its next pull, so one signalled rank stops the whole job
 (Slurm signals every task; ``mpiexec`` forwards Ctrl-C to every rank; a
 ``kill`` may reach only one). A second signal of the same kind ends the
-process at once, for a user who will not wait.
+process at once, for a user who will not wait. ``hpcps train`` installs
+the handlers before anything slow (:func:`catch_early`), so a signal during
+start-up is handled the same way; one that comes after the last step (during
+the final evaluation) stops nothing, and the run is a finished one.
 """
 
 from __future__ import annotations
@@ -38,14 +41,22 @@ class StopSignals:
 
     def __init__(self, on_first=None) -> None:
         self.received: str | None = None
+        self.acted: str | None = None  # the signal a loop took and stopped the run for (None: none did)
         self._taken = False
         self._previous: dict[int, object] = {}
         self._on_first = on_first  # called in the handler: print-only, no MPI
 
     def __enter__(self) -> "StopSignals":
+        global _early
         if threading.current_thread() is threading.main_thread():
+            if _early is not None:  # handlers installed at start-up: take over what they caught
+                self._previous, _early._previous = _early._previous, {}
+                self.received, _early = _early.received, None
+                if self.received is not None and self._on_first is not None:
+                    self._on_first(self.received)
             for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                previous = signal.signal(signum, self._handle)
+                self._previous.setdefault(signum, previous)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,7 +78,22 @@ class StopSignals:
         if self.received is None or self._taken:
             return None
         self._taken = True
+        self.acted = self.received
         return self.received
+
+
+#: the handlers :func:`catch_early` installed, until a run's :class:`StopSignals` takes them over
+_early: StopSignals | None = None
+
+
+def catch_early() -> None:
+    """Install the stop handlers now, before the slow part of start-up (importing torch, loading data, a
+    speed warm-up): a signal that comes meanwhile is recorded instead of killing the ranks (SIGUSR1,
+    SIGTERM) or printing a traceback from every rank (SIGINT), and the run, once it starts, stops at
+    its first step and writes its checkpoint. The run's :class:`StopSignals` takes them over."""
+    global _early
+    if _early is None and threading.current_thread() is threading.main_thread():
+        _early = StopSignals().__enter__()
 
 
 def announce(rank: int):

@@ -98,6 +98,7 @@ class Worker:
         # gradient was applied to x the worker's staleness factor (filled in when the receipt comes)
         self.schedule, self.rate = schedule or (lambda v: 1.0), rate if rate is not None else lr
         self.lr_staleness = lr_staleness
+        self.extra_scale = 1.0  # an extra gradient's rate over a round's (HSPWorker)
         self.faults = {f.step: f for f in faults}
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
         # (and gives up) only at twice the limits, when the server itself may be what is stuck
@@ -207,7 +208,8 @@ class Worker:
         if self.lr_staleness != "none" and self.peek_before_push:
             self._seen(self.window.peek(self.backoff))
         row["lr_staleness"] = int((self.known - versions).max())
-        row["lr"] = scaled_lr(self.lr_staleness, self.lr, row["lr_staleness"])
+        lr = self.lr * self.extra_scale if flags & wire.EXTRA else self.lr
+        row["lr"] = scaled_lr(self.lr_staleness, lr, row["lr_staleness"])
         self.clock_count += 1
         self.pusher.start(self.clock_count, versions, row["lr"], slot, flags)
 
@@ -411,9 +413,11 @@ class HSPWorker(_SlottedWorker):
     for its ``TRANSFER`` turn while the next gradient is computed.
     """
 
-    def __init__(self, *, max_extra: int = 1, **kwargs) -> None:
+    def __init__(self, *, max_extra: int = 1, extra_scale: float = 1.0, **kwargs) -> None:
+        """``extra_scale``: an extra gradient's learning rate over a round's (``--lr-scaling``)."""
         super().__init__(**kwargs)
         self.max_extra = max_extra
+        self.extra_scale = extra_scale
 
     def begin(self) -> None:
         super().begin()

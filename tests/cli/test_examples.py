@@ -93,7 +93,7 @@ def test_the_api_ends_every_rank_with_one_line_on_bad_input(tmp_path):
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert errors == ["hpcps: error: --paradigm: unknown paradigm 'ssq' (known: asp, bsp, dssp, eager, grouped, hsp, "
-                      "ssp)"], proc.stderr
+                      "ssp; or your own as path/to/file.py:Class or package.module:Class)"], proc.stderr
 
 
 def _val_losses(stdout: str) -> list[float]:
@@ -137,3 +137,23 @@ def test_the_nanogpt_style_loop_trains_under_bsp_ssp_and_dssp_and_resumes_its_ow
     _ok(resumed)
     assert re.search(r"^step 20 \(version 20\)", resumed.stdout, re.M), resumed.stdout
     assert "step 0 " not in resumed.stdout and "after 30 iterations" in resumed.stdout
+
+
+def test_the_backup_workers_paradigm_runs_from_its_file_and_says_what_it_dropped(tmp_path):
+    """The plug-in paradigm as a user names it on the command line; its late gradients are in the file as
+    dropped by the paradigm, and a bad option ends every rank with one line before training starts."""
+    spec = f"{EXAMPLES / 'backup_workers.py'}:BackupWorkers"
+    out = tmp_path / "backup.h5"
+    proc = launch(5, "hpcps", "train", "--paradigm", spec, "--paradigm-option", "backups=1", "--slowdown", "4=3",
+                  "--compute-time", "0.01", "--steps", "40", "--out", str(out), timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    with h5py.File(out) as f:
+        s, up = f["summary"].attrs, f["servers/updates"][()]
+        assert f.attrs["paradigm"] == spec
+        assert s["gradients_pushed"] == 160 == s["gradients_applied"] + s["gradients_dropped"]
+        assert s["gradients_dropped"] == (up["reason"] == 3).sum() > 0
+    proc = launch(5, "hpcps", "train", "--paradigm", spec, "--paradigm-option", "backups=4", "--steps", "5",
+                  timeout=120, cwd=str(tmp_path))
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("hpcps: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "backups must be 0 to 3 with 4 workers; got 4" in errors[0]

@@ -119,6 +119,19 @@ def test_a_failing_rank_ends_the_job_promptly_and_keeps_the_metrics(tmp_path, fa
         assert f["workers/iterations"]["step"].max() < 400
 
 
+def test_a_failing_workers_last_rows_reach_the_file_before_the_job_ends(tmp_path):
+    """bsp, worker rank 2 raising at its step 30: its 30 rows are in the file (a worker sends its rows to rank
+    0 in batches every 0.25 s, and those it held were lost with it); rank 0 flushes within the 0.5 s the
+    failing rank waits before MPI_Abort."""
+    out = tmp_path / "last.h5"
+    proc = hpcps(5, "train", "--paradigm", "bsp", "--steps", "400", "--compute-time", "0.002", "--out", str(out),
+                 "--fault", "raise@2:30", timeout=120)
+    assert proc.returncode != 0 and "rank 2 failed: InjectedFault" in proc.stderr, proc.stderr[-2000:]
+    with h5py.File(out, "r", locking=False) as f:
+        it = f["workers/iterations"][()]
+    assert sorted(it["step"][it["rank"] == 2].tolist()) == list(range(30))
+
+
 def test_mnist1d_is_generated_once_and_the_papers_cnn_trains_on_it(tmp_path):
     pytest.importorskip("mnist1d", reason="--dataset mnist1d needs the mnist1d package (pip install mnist1d)")
     cache, out = tmp_path / "cache", tmp_path / "m1d.h5"
@@ -141,7 +154,7 @@ def test_a_divergent_run_stops_long_before_its_last_step_with_one_line_saying_wh
     assert proc.returncode == 3, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if "training diverged under asp" in x]
     assert len(lines) == 1, proc.stderr
-    assert "4 updates per step of every worker at --lr 50: try --lr 12.5 (--lr / 4)" in lines[0]
+    assert "applied as its own update at 12.5 (--lr 50 / 4): try a smaller --lr" in lines[0]
     with h5py.File(out) as f:
         s = f["summary"].attrs
         assert s["stopped_by"] == "diverged" and s["checkpoint"] == ""

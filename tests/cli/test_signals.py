@@ -43,3 +43,68 @@ def test_ctrl_c_under_mpiexec_ends_every_rank_cleanly_with_summary_and_checkpoin
         checkpoint = s["checkpoint"]
     assert checkpoint.startswith(str(tmp_path / "dssp-checkpoints")) and os.path.exists(checkpoint)
     assert f"--resume {checkpoint}" in stderr
+
+
+def _caught(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signum - 1) & 1)
+
+
+def _ranks_of(out) -> list[int]:
+    """The pids of the ranks writing ``out`` (their command line names it)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+            except OSError:
+                continue
+            launcher = any(arg.endswith((b"mpiexec", b"mpiexec.hydra", b"mpirun")) for arg in cmd)
+            if str(out).encode() in cmd and b"hpcps" in cmd and not launcher:
+                pids.append(int(entry))
+    return pids
+
+
+def test_sigusr1_during_start_up_stops_the_run_at_its_first_step_with_a_checkpoint(tmp_path):
+    """SIGUSR1 to every rank while they still start up (handlers installed, the run file not yet created:
+    torch being imported, the data loaded): the run starts, stops at once, and writes its summary and a
+    checkpoint (the ranks used to die without one)."""
+    if not os.path.isdir("/proc/self"):
+        import pytest
+        pytest.skip("needs /proc to see when the ranks have installed their handlers")
+    out = tmp_path / "early.h5"
+    proc = subprocess.Popen([MPIEXEC, "-n", "5", sys.executable, "-m", "hpcps", "train", "--paradigm", "asp",
+                             "--steps", "100000", "--dataset", "mnist1d", "--out", str(out)],
+                            env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline, sent = time.monotonic() + 60, False
+        while time.monotonic() < deadline and proc.poll() is None:
+            ranks = _ranks_of(out)
+            if len(ranks) == 5 and all(_caught(pid, signal.SIGUSR1) for pid in ranks):
+                assert not out.exists(), "start-up was over before the signal could be sent"
+                for pid in ranks:
+                    os.kill(pid, signal.SIGUSR1)  # as Slurm's --signal reaches every task
+                sent = True
+                break
+            time.sleep(0.01)
+        assert sent, "the ranks never installed their handlers"
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job did not end after SIGUSR1\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    with h5py.File(out) as f:
+        s = f["summary"].attrs
+        assert s["stopped_by"] == "SIGUSR1"
+        assert s["gradients_pushed"] <= 4 * 2  # each worker stops at its first step or its second
+        assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
+        assert os.path.exists(s["checkpoint"])

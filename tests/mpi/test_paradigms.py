@@ -184,19 +184,27 @@ def test_compute_time_model_sets_each_workers_iteration_time(world, mpi_tmp_path
 
 
 
-@pytest.mark.parametrize("paradigm,schedule", [("eager", "inverse"), ("asp", "sqrt"), ("dssp", "exp")])
-def test_learning_rate_is_the_formula_of_the_known_staleness(world, mpi_tmp_path, paradigm, schedule):
+@pytest.mark.parametrize("paradigm,schedule,scaling", [("eager", "inverse", "auto"), ("asp", "sqrt", "auto"),
+                                                        ("dssp", "exp", "none")])
+def test_learning_rate_is_the_formula_of_the_known_staleness(world, mpi_tmp_path, paradigm, schedule, scaling):
+    """Each gradient's rate is --lr x the paradigm's share (1/4 for 4 asynchronous workers under --lr-scaling
+    auto, 1 under none) x the staleness factor; the shards' rows record the same rate per update."""
     _, t = train(mpi_tmp_path / f"lr-{paradigm}.h5", paradigm=paradigm, steps=30, lr=0.2,
-                 lr_staleness=schedule, slowdown=["4=2"])
+                 lr_staleness=schedule, slowdown=["4=2"], lr_scaling=scaling)
+    base = 0.2 / 4 if scaling == "auto" else 0.2
     facts = None
     if world.rank == 0:
-        it = t["workers/iterations"]
-        expected = [scaled_lr(schedule, 0.2, int(s)) for s in it["lr_staleness"]]
+        it, up = t["workers/iterations"], t["servers/updates"]
+        expected = [scaled_lr(schedule, base, int(s)) for s in it["lr_staleness"]]
+        by_push = {(int(r["worker"]), int(r["worker_clock"])): float(r["lr"]) for r in up}
+        recorded = np.array([by_push[int(r["rank"]), int(r["step"]) + 1] for r in it])
         facts = {"max_error": float(np.abs(it["lr"] - expected).max()),
+                 "server_error": float(np.abs(recorded / it["lr"] - 1).max()),
                  "known_le_server": bool((it["lr_staleness"] <= it["staleness"]).all()),
-                 "scaled": int((it["lr"] < 0.2).sum()), "rows": len(it)}
+                 "scaled": int((it["lr"] < base).sum()), "rows": len(it)}
     facts = share(world, facts)
     assert facts["rows"] == 4 * 30 and facts["max_error"] == 0.0
+    assert facts["server_error"] < 1e-12  # the shard's row: the rate it applied, the same
     assert facts["known_le_server"]  # what the worker knew is a lower bound of the staleness at apply
     assert facts["scaled"] > 0  # some gradients really were stale and scaled down
 
@@ -284,10 +292,14 @@ def test_nonfinite_gradient_is_dropped_with_a_reason_never_applied(world, mpi_tm
     assert facts["versions"] == (steps if paradigm == "bsp" else 4 * steps - 1)
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_bsp_resumed_from_a_checkpoint_ends_bit_for_bit_as_the_uninterrupted_run(world, mpi_tmp_path, servers):
-    ckdir = mpi_tmp_path / f"ck{servers}"
-    common = dict(paradigm="bsp", steps=40, servers=servers, seed=4, checkpoint_every=20, checkpoint_dir=str(ckdir))
+@pytest.mark.parametrize("servers,lr_staleness", [(1, "none"), (2, "none"), (1, "inverse")])
+def test_bsp_resumed_from_a_checkpoint_ends_bit_for_bit_as_the_uninterrupted_run(world, mpi_tmp_path, servers,
+                                                                                 lr_staleness):
+    """Also with --lr-staleness inverse: the resumed shards publish the checkpoint's version from the
+    start, so no resumed gradient looks stale (it did: version 0, and lr/21 for the first)."""
+    ckdir = mpi_tmp_path / f"ck{servers}{lr_staleness}"
+    common = dict(paradigm="bsp", steps=40, servers=servers, seed=4, checkpoint_every=20, checkpoint_dir=str(ckdir),
+                  lr_staleness=lr_staleness)
     full, _ = train(mpi_tmp_path / f"full{servers}.h5", **common)
     resumed, t = train(mpi_tmp_path / f"resumed{servers}.h5", resume=str(ckdir / "step-000020.h5"),
                        **{**common, "checkpoint_dir": str(ckdir / "again")})
@@ -297,8 +309,11 @@ def test_bsp_resumed_from_a_checkpoint_ends_bit_for_bit_as_the_uninterrupted_run
                  "moved": float(np.abs(full.params - read_checkpoint(str(ckdir / "step-000020.h5")).params).max()),
                  "steps": sorted(set(t["workers/iterations"]["step"].tolist())),
                  "pushed": int(t["summary"]["gradients_pushed"]),
+                 "stale": sorted(set(t["workers/iterations"]["staleness"].tolist())
+                                 | set(t["workers/iterations"]["lr_staleness"].tolist())),
                  "leftovers": sorted(p.name for p in ckdir.iterdir() if p.suffix == ".tmp")}
     facts = share(world, facts)
+    assert facts["stale"] == [0]  # bsp's gradients are never stale, resumed or not
     assert facts["moved"] > 1e-3  # the second half did train
     assert facts["equal"]  # exactly, not approximately
     assert facts["steps"] == list(range(20, 40)) and facts["pushed"] == (5 - servers) * 20

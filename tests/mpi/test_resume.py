@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitest import share, train
-from hpcps.runtime.checkpoint import read_checkpoint
+from hpcps.runtime.checkpoint import read_checkpoint, read_policy_state
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -18,7 +18,8 @@ def test_a_signalled_run_checkpoints_and_its_resumed_run_loses_nothing(world, mp
     gradient is applied (or dropped, and counted), and the run resumed from the checkpoint pushes exactly
     the rest: pushed = applied + dropped over both runs, and each worker's steps add up to STEPS."""
     ckdir = mpi_tmp_path / f"ck-{paradigm}"
-    common = dict(paradigm=paradigm, steps=STEPS, seed=3, compute_time=0.002,
+    # every update at --lr (--lr-scaling none): 60 steps are enough to train under every paradigm
+    common = dict(paradigm=paradigm, steps=STEPS, seed=3, compute_time=0.002, lr_scaling="none",
                   **({"groups": 2} if paradigm == "grouped" else {}))
     first, t1 = train(mpi_tmp_path / f"first-{paradigm}.h5", fault=["usr1@4:10"], checkpoint_dir=str(ckdir),
                       **common)
@@ -43,6 +44,8 @@ def test_a_signalled_run_checkpoints_and_its_resumed_run_loses_nothing(world, mp
             "resumed_version": int(t2["attrs"]["start_version"]),
             "ckpt_version": ckpt.version,
             "accuracy": float(s2["final_accuracy"]),
+            "stale": int(it2["staleness"].max()),
+            "policy": read_policy_state(path, 0),
         }
     facts = share(world, facts)
     n_workers = len(facts["clocks"])
@@ -55,4 +58,15 @@ def test_a_signalled_run_checkpoints_and_its_resumed_run_loses_nothing(world, mp
     assert facts["second_starts"] == facts["clocks"]  # ... and each resumed there, not at 0
     assert facts["resumed_version"] == facts["ckpt_version"] > 0
     assert facts["accuracy"] > 0.5  # 10 classes; the resumed run goes on training the same model
+    # the resumed shards are at the checkpoint's version from their first publish, so the resumed gradients'
+    # staleness keeps the paradigm's bound: 0 for bsp; for ssp (s=2) and dssp (s_hi=6) each of the 3 other
+    # workers can push at most 2s+1 gradients while one is computed (it was 145-147 with version 0)
+    bound = {"bsp": 0, "ssp": 3 * (2 * 2 + 1), "dssp": 3 * (2 * 6 + 1)}.get(paradigm)
+    if bound is not None:
+        assert facts["stale"] <= bound
+    # the shard's paradigm state is in the checkpoint: ssp's and dssp's clocks are where the workers stopped
+    if paradigm in ("ssp", "dssp"):
+        assert facts["policy"]["clocks"] == facts["clocks"]
+    if paradigm == "dssp":
+        assert len(facts["policy"]["bound"]) == n_workers
 

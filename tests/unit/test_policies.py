@@ -175,3 +175,28 @@ def test_dssp_with_equal_bounds_is_exactly_ssp(seed):
         can_push.update(a.grants)
     assert all(dssp.threshold(w) == 2 for w in range(3))
     assert dssp.decisions and all(r == 0 for _, _, _, r, _ in dssp.decisions)  # the range forced r* = 0
+
+
+def test_ssp_restored_from_its_state_makes_the_same_decisions_as_the_original():
+    """A checkpoint keeps ssp's clocks: the restored policy releases exactly as the one that went on
+    (built afresh from zero clocks, it held a worker the bound lets go)."""
+    original = make_policy("ssp", 4, staleness=1)
+    for w, clock in [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2)]:
+        original.on_push(w, clock, 0, 0.0)
+    original.waiting.clear()  # a checkpoint is taken once every worker has left: nobody waits
+    restored, fresh = make_policy("ssp", 4, staleness=1), make_policy("ssp", 4, staleness=1)
+    restored.load_state_dict(original.state_dict())
+    assert restored.clocks == [2, 2, 1, 1]
+    # worker 2's second gradient: within 1 of the slowest (clock 1), so it goes on
+    assert restored.on_push(2, 2, 0, 0.0) == original.on_push(2, 2, 0, 0.0) == Decision(updates=((2,),), grants=(2,))
+    assert fresh.on_push(2, 2, 0, 0.0).grants == ()  # from zeros: the floor is 0
+
+
+def test_dssp_keeps_its_bounds_and_intervals_through_a_checkpoint():
+    p = make_policy("dssp", 3, staleness=1, staleness_max=4)
+    for w, c, t in [(0, 1, 0.1), (1, 1, 0.2), (0, 2, 0.3), (0, 3, 0.4), (0, 4, 0.5)]:
+        p.on_push(w, c, 0, t)
+    q = make_policy("dssp", 3, staleness=1, staleness_max=4)
+    q.load_state_dict(p.state_dict())
+    assert (q.clocks, q.bound, q.interval) == (p.clocks, p.bound, p.interval) and q.bound[0] > 1
+    assert q.last_push == [None] * 3  # push times were on the old run's clock

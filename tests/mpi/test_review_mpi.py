@@ -1,0 +1,74 @@
+"""Findings of a review of runs that must survive and tell the truth, each checked through the real runtime."""
+
+import numpy as np
+import pytest
+import torch
+
+import hpcps
+from hpcps.errors import UserError
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(world, mpi_tmp_path):
+    """A factory that builds a hidden layer of 31 on rank 2 and 32 elsewhere: every rank ends with the same one
+    line naming the rank and the tensor (it trained on garbage, and said "200 of 200 gradients applied")."""
+    def factory(in_shape, n_classes):
+        hidden = 31 if world.rank == 2 else 32
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(in_shape)), hidden),
+                                   torch.nn.ReLU(), torch.nn.Linear(hidden, n_classes))
+
+    with pytest.raises(UserError) as err:
+        hpcps.train(factory, out=str(mpi_tmp_path / "differs.h5"), steps=5, progress=False, exit_on_error=False,
+                    comm=world)
+    said = world.allgather(str(err.value))
+    assert len(set(said)) == 1  # the same line everywhere
+    assert said[0].startswith("the model differs between ranks: rank(s) 2 built another than rank 0 "
+                              "(1.weight is [32, 64] on rank 0, 1.weight [31, 64] on rank 2)")
+
+
+@pytest.mark.timeout(90)
+def test_a_periodic_checkpoint_records_the_clock_of_a_worker_that_left_early(world, mpi_tmp_path):
+    """bsp under the step API, the loop of worker rank 1 stopping after 3 steps and the others going to 8:
+    the checkpoint at version 4 (and at 8) has rank 1's clock at 3, the others' at the version (every one of
+    them used to be written as the version)."""
+    from hpcps.runtime.checkpoint import read_checkpoint
+
+    ckdir = mpi_tmp_path / "ckpt"
+    ps = hpcps.init(lambda: torch.nn.Linear(4, 2), paradigm="bsp", steps=8, checkpoint_every=4,
+                    checkpoint_dir=str(ckdir), out=str(mpi_tmp_path / "left.h5"), progress=False,
+                    exit_on_error=False, comm=world)
+    x = torch.ones(3, 4)
+    with ps:
+        while ps.running and not (world.rank == 1 and ps.iteration == 3):
+            ps.model(x).pow(2).sum().backward()
+            ps.step()
+    world.Barrier()
+    clocks = world.bcast([read_checkpoint(str(ckdir / f"step-00000{v}.h5")).worker_clocks.tolist() for v in (4, 8)]
+                         if world.rank == 0 else None)
+    assert clocks == [[3, 4, 4, 4], [3, 8, 8, 8]]
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_during_the_final_evaluation_leaves_a_finished_run(world, mpi_tmp_path, monkeypatch):
+    """SIGUSR1 reaches rank 0 while it evaluates the final parameters (every step done): the run is a finished
+    one, stopped by nothing, with no checkpoint (it was marked stopped before the end)."""
+    import os
+    import signal
+
+    import hpcps.runtime.run as run_module
+    from mpitest import share, train
+
+    serve_loop = run_module.ShardServer.run
+
+    def loop_then_signal(server):  # rank 0's loop is over (every worker left): its final evaluation is next
+        serve_loop(server)
+        if world.rank == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(run_module.ShardServer, "run", loop_then_signal)
+    _, t = train(mpi_tmp_path / "late.h5", paradigm="asp", steps=20)
+    facts = share(world, {"stopped_by": t["summary"]["stopped_by"], "checkpoint": t["summary"]["checkpoint"],
+                          "pushed": int(t["summary"]["gradients_pushed"])} if world.rank == 0 else None)
+    assert facts == {"stopped_by": "", "checkpoint": "", "pushed": 80}

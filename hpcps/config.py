@@ -93,7 +93,8 @@ class TrainConfig(BaseModel):
     divergence: Literal["stop", "ignore"] = "stop"  # hpcps.training.divergence
     stall_warn: float = Field(60.0, gt=0)
     stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never
-    checkpoint_every: int | None = Field(None, ge=1)
+    checkpoint_every: int | None = Field(None, ge=1)  # versions
+    checkpoint_interval: float | None = Field(None, gt=0)  # seconds (paradigms that apply on arrival)
     checkpoint_dir: str | None = None  # None: the run's own (hpcps.runtime.run.checkpoint_dir)
     resume: str | None = None
     fault: list[str] = Field(default_factory=list)

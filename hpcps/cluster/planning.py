@@ -25,9 +25,15 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     # your own paradigm's options are checked by building it, before any rank waits on another
     make_policy(cfg.paradigm, layout.n_groups or layout.n_workers, cfg.paradigm_option, staleness=cfg.s_lo,
                 staleness_max=cfg.s_hi)
-    if cfg.checkpoint_every and cfg.paradigm != "bsp":
-        raise UserError(f"--checkpoint-every: periodic checkpoints are consistent only under bsp (got --paradigm "
-                        f"{cfg.paradigm}); every paradigm writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")
+    periodic = "--checkpoint-every" if cfg.checkpoint_every else "--checkpoint-interval" if cfg.checkpoint_interval \
+        else None
+    if periodic and not (cls.name == "bsp" or cls.applies_on_arrival) or periodic and cls.uses_groups:
+        raise UserError(f"{periodic}: periodic checkpoints are taken under bsp and the paradigms that apply every "
+                        f"gradient on arrival (asp, ssp, dssp, eager), not under --paradigm {cfg.paradigm} yet; "
+                        f"every paradigm writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")
+    if cfg.checkpoint_interval and cls.name == "bsp":
+        raise UserError("--checkpoint-interval: under bsp give --checkpoint-every ROUNDS (a checkpoint between "
+                        "two rounds)")
     workers = f"ranks {layout.first_worker}-{world_size - 1}"
     for fault in cfg.faults:
         if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:

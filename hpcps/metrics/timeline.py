@@ -34,6 +34,7 @@ PHASES = {
     7: "notify",     # receipts and grants to the workers
     8: "metrics",    # rank 0: writing other ranks' metric rows to the file
     9: "evaluate",   # rank 0: starting or recording an evaluation (or running one, in the foreground)
+    10: "checkpoint",  # a periodic checkpoint's protocol and writing this shard's part (rank 0: the file)
     # a worker
     20: "data",      # the built-in loop: reading the step's batch
     21: "compute",   # forward and backward (the user's loop: from a step's start to ps.step)

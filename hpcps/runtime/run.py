@@ -69,6 +69,7 @@ from hpcps.policies import Policy, make_policy, policy_class
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.signals import StopSignals, announce
+from hpcps.runtime.snapshot import Snapshots
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport import wire
 from hpcps.transport.compress import make_codec
@@ -595,6 +596,10 @@ class _Run:
             side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
             if cfg.divergence == "stop":
                 recorder.watchers.setdefault("workers/iterations", []).append(self._divergence_watch(window))
+        snapshots = None
+        if (cfg.checkpoint_every or cfg.checkpoint_interval) and policy.applies_on_arrival and not grouped:
+            snapshots = self._snapshots(window, optimizer, policy)  # a consistent cut while the run goes on
+            side_tasks.append(("checkpoint", snapshots.tick))
         server = ShardServer(
             shard=topo.rank, rank=topo.rank, policy=policy,
             table="groups/updates" if grouped else "servers/updates",
@@ -603,7 +608,8 @@ class _Run:
             abort_on_nonfinite=cfg.nonfinite == "abort",
             version=start_version,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-            on_published=self._checkpointer(window, optimizer, lambda: server.clocks) if cfg.checkpoint_every else None,
+            on_published=self._checkpointer(window, optimizer, lambda: server.clocks)
+            if cfg.checkpoint_every and policy.holds_rounds else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
@@ -611,7 +617,11 @@ class _Run:
         )
         if self.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
             server.clocks = [int(c) for c in self.ckpt.worker_clocks]
+        if snapshots is not None:
+            snapshots.server, snapshots.last_version = server, start_version
         server.run()
+        if snapshots is not None:
+            snapshots.finish(self.backoff)  # a checkpoint under way completes; shard 0 says none follows
         self.final_version = server.version
         inbox.free()
         polite_barrier(topo.role_comm, self.backoff)  # every shard has published its final version
@@ -789,6 +799,28 @@ class _Run:
         worker.close()
         for transfer in self._transfers:
             transfer.free()
+
+    def _snapshots(self, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy) -> Snapshots:
+        """This shard's side of the periodic checkpoints of a paradigm that applies on arrival
+        (:mod:`hpcps.runtime.snapshot`): its part is its optimizer and paradigm state; shard 0 also reads
+        every shard's parameters at the cut's versions and writes the checkpoint."""
+        cfg, rank = self.cfg, self.topo.rank
+
+        def write_part(path: str) -> None:
+            write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
+
+        def write_main(path: str, clocks: list[int], versions: list[int]) -> None:
+            buf = np.empty(self.flat.size, np.float32)
+            got, _ = window.pull(buf, Backoff(), exact=True)
+            while got.tolist() != versions:  # a shard's publish of the cut's version may have been deferred
+                window.publish_held()
+                got, _ = window.pull(buf, Backoff(), exact=True)
+            write_checkpoint(path, buf, version=versions[0], worker_clocks=clocks, config=self.ran_config(),
+                             n_servers=self.layout.n_servers, shard_versions=versions)
+
+        return Snapshots(self.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
+                         write_part=write_part, write_main=write_main,
+                         path_for=lambda version: checkpoint_path(self.ckpt_dir, version))
 
     def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
         """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.

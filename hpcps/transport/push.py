@@ -166,6 +166,7 @@ class PushInbox:
         self.receiving: dict[int, MPI.Request] = {}  # worker -> its payload's receive, while in flight
         self.header_req.Start()
         self.listening = set(range(n))  # workers whose next header is taken up as it comes
+        self.cut: list[int] | None = None  # a checkpoint's cut: the last clock taken up per worker (hold_after)
         self.open = n  # workers whose leave poll() has not returned yet
 
     @property
@@ -184,7 +185,7 @@ class PushInbox:
             i = self.index_of.get(source)
             if i is None:
                 raise RuntimeError(f"push header from rank {source}, which is not a worker of this server")
-            if i in self.listening:
+            if i in self.listening and self._admits(i, header):
                 self._take_up(i, header, events)
             else:
                 self.backlog.setdefault(i, deque()).append(header)
@@ -269,9 +270,31 @@ class PushInbox:
         """The held gradient of ``worker`` is used up; take up its next message."""
         self.free_buffer(worker)
         self.listening.add(worker)
+        self._take_up_queued(worker)
+
+    def _take_up_queued(self, worker: int) -> None:
         queued = self.backlog.get(worker)
-        if queued:
+        if queued and worker in self.listening and self._admits(worker, queued[0]):
             self._take_up(worker, queued.popleft(), self.early)
+
+    def _admits(self, i: int, header: np.ndarray) -> bool:
+        """Whether worker ``i``'s message ``header`` may be taken up: always, unless a cut (:meth:`hold_after`)
+        holds its messages past the cut's clock."""
+        return self.cut is None or int(header[2]) <= self.cut[i]
+
+    def clocks_in_hand(self, clocks: Sequence[int]) -> list[int]:
+        """Each worker's clock counting the push whose header is taken up but not yet handled (its payload
+        waiting for a buffer, or coming in), over ``clocks``, those the shard handled."""
+        return [int(self.headers[i][2]) if i not in self.listening and self.headers[i][0] == wire.KIND_PUSH
+                else int(clocks[i]) for i in range(len(self.worker_ranks))]
+
+    def hold_after(self, cut: Sequence[int] | None) -> None:
+        """A consistent cut (hpcps.runtime.snapshot): take up worker ``i``'s messages only up to clock
+        ``cut[i]``; later ones wait (their headers here, their payloads at the senders) until
+        ``hold_after(None)``, which takes them up again."""
+        self.cut = None if cut is None else [int(c) for c in cut]
+        for worker in list(self.backlog):  # what the new cut (or none) admits
+            self._take_up_queued(worker)
 
     def free(self) -> None:
         """Release the receives. The header receive, still posted, is cancelled first: freed while

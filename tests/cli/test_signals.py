@@ -108,3 +108,39 @@ def test_sigusr1_during_start_up_stops_the_run_at_its_first_step_with_a_checkpoi
         assert s["gradients_pushed"] <= 4 * 2  # each worker stops at its first step or its second
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
         assert os.path.exists(s["checkpoint"])
+
+
+def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_with_the_accounting_exact(tmp_path):
+    """dssp on 2 shards, a checkpoint every 100 versions; the whole job killed with SIGKILL (a node lost: no
+    signal, no summary) once one is written. Resumed from the newest checkpoint, the run completes: every
+    shard's version in it is the sum of the cut's clocks (the same gradients on both), and the cut's clocks
+    plus the resumed run's pushes are every worker's steps, each pushed gradient applied or dropped."""
+    from hpcps.runtime.checkpoint import read_checkpoint
+
+    out, ckdir = tmp_path / "killed.h5", tmp_path / "killed-checkpoints"
+    options = ["--paradigm", "dssp", "--servers", "2", "--steps", "300", "--compute-time", "0.01",
+               "--checkpoint-every", "100"]
+    proc = subprocess.Popen([MPIEXEC, "-n", "6", sys.executable, "-m", "hpcps", "train", *options, "--out", str(out)],
+                            env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not list(ckdir.glob("step-*.h5")):
+        time.sleep(0.05)
+    time.sleep(0.3)  # the run goes on past its checkpoint
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert "held for" in stderr, stderr[-3000:]  # shard 0 says what each checkpoint cost
+    newest = sorted(ckdir.glob("step-*.h5"))[-1]
+    cut = read_checkpoint(str(newest))
+    assert cut.shard_versions.tolist() == [int(cut.worker_clocks.sum())] * 2
+    resumed = tmp_path / "resumed.h5"
+    proc = subprocess.run([MPIEXEC, "-n", "6", sys.executable, "-m", "hpcps", "train", *options, "--out",
+                           str(resumed), "--resume", str(newest), "--checkpoint-dir", str(tmp_path / "again")],
+                          env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with h5py.File(resumed) as f:
+        s = f["summary"].attrs
+        assert s["gradients_pushed"] + cut.worker_clocks.sum() == 4 * 300
+        assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
+        assert s["stopped_by"] == ""

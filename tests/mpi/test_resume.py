@@ -70,3 +70,41 @@ def test_a_signalled_run_checkpoints_and_its_resumed_run_loses_nothing(world, mp
     if paradigm == "dssp":
         assert len(facts["policy"]["bound"]) == n_workers
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "eager"])
+def test_a_periodic_checkpoint_is_a_consistent_cut_and_resumes_with_the_accounting_exact(world, mpi_tmp_path,
+                                                                                       paradigm):
+    """2 shards, a checkpoint every 25 versions of shard 0 while the run goes on: in each, every shard has
+    applied exactly the cut's gradients (its version is the sum of the workers' clocks), and the run
+    resumed from the first pushes exactly the rest (the cut's clocks plus its pushes make every worker's
+    steps), with nothing lost in it. Killing the first run after that checkpoint would change nothing: the
+    resumed run reads only the checkpoint (the CLI test kills one with SIGKILL)."""
+    from hpcps.runtime.checkpoint import read_checkpoint
+
+    steps, ckdir = 40, mpi_tmp_path / f"periodic-{paradigm}"
+    common = dict(paradigm=paradigm, steps=steps, servers=2, seed=2, compute_time=0.002, slowdown=["3=2"],
+                  checkpoint_every=25, checkpoint_dir=str(ckdir))
+    train(mpi_tmp_path / f"periodic-{paradigm}.h5", **common)
+    facts = None
+    if world.rank == 0:
+        paths = sorted(p for p in ckdir.iterdir() if p.suffix == ".h5")
+        cuts = [read_checkpoint(str(p)) for p in paths]
+        facts = {"n": len(paths), "first": str(paths[0]),
+                 "consistent": [c.shard_versions.tolist() == [int(c.worker_clocks.sum())] * 2 for c in cuts],
+                 "clocks": cuts[0].worker_clocks.tolist()}
+    facts = share(world, facts)
+    assert facts["n"] >= 2 and all(facts["consistent"])  # 3 workers x 40 = 120 gradients: cuts near 25, 50, ...
+    _, t = train(mpi_tmp_path / f"periodic-resumed-{paradigm}.h5", resume=facts["first"],
+                 **{**common, "checkpoint_dir": str(ckdir / "again")})
+    facts2 = None
+    if world.rank == 0:
+        it, s = t["workers/iterations"], t["summary"]
+        facts2 = {"pushed": int(s["gradients_pushed"]), "lost": int(s["gradients_pushed"] - s["gradients_applied"]
+                                                                    - s["gradients_dropped"]),
+                  "starts": [int(it["step"][it["rank"] == r].min()) for r in (2, 3, 4)]}
+    facts2 = share(world, facts2)
+    assert facts2["lost"] == 0
+    assert facts2["pushed"] + sum(facts["clocks"]) == 3 * steps
+    assert facts2["starts"] == facts["clocks"]  # each worker resumed at its clock in the cut

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from hpcps.data.sharding import Dataset, batch_indices
+from hpcps.data.sharding import Dataset, Redeal, batch_indices, redealt_batches, resumed_batch_indices
+from hpcps.errors import UserError
 
 BatchFactory = Callable[[int, int, int, int], Iterable[Any]]
 
@@ -48,8 +49,9 @@ class DataSource(Protocol):
     kind: str
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device, steps: int | None = None) -> BatchSource:
-        """The batches of worker ``index`` of ``n_workers`` (who will ask for ``steps`` of them)."""
+                   device: torch.device, steps: int | None = None, redeal: Redeal | None = None) -> BatchSource:
+        """The batches of worker ``index`` of ``n_workers`` (who will ask for ``steps`` of them); ``redeal``:
+        a run resumed on another worker count (:func:`hpcps.data.sharding.redealt_batches`)."""
 
     def test_batches(self, batch_size: int) -> Iterable[Any] | None:
         """The held-out batches (re-iterable), or None when there is nothing to evaluate on."""
@@ -95,8 +97,9 @@ class ArrayData:
         self.in_shape, self.n_classes = data.in_shape, data.n_classes
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device, steps: int | None = None) -> BatchSource:
-        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed, _ArrayTake(self.data, device))
+                   device: torch.device, steps: int | None = None, redeal: Redeal | None = None) -> BatchSource:
+        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed, _ArrayTake(self.data, device),
+                              redeal)
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
         x, y = torch.from_numpy(self.data.x_test), torch.from_numpy(self.data.y_test)
@@ -125,10 +128,10 @@ class TorchData:
         self.n_test = _size(test)
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device, steps: int | None = None) -> BatchSource:
+                   device: torch.device, steps: int | None = None, redeal: Redeal | None = None) -> BatchSource:
         def take(idx: np.ndarray) -> Any:
             return default_collate([self.train[int(i)] for i in idx])
-        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed, take)
+        return IndexedBatches(self.n_train, index, n_workers, batch_size, seed, take, redeal)
 
     def test_batches(self, batch_size: int) -> Iterable[Any] | None:
         return held_out_batches(self.test, batch_size)
@@ -145,7 +148,10 @@ class FactoryData:
         self.n_test = _size(test)
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device, steps: int | None = None) -> BatchSource:
+                   device: torch.device, steps: int | None = None, redeal: Redeal | None = None) -> BatchSource:
+        if redeal is not None:
+            raise UserError("--resume: a batch factory's batches cannot be dealt again to another worker count; "
+                            "resume on the checkpoint's worker count")
         return _FactoryBatches(self.factory, index, n_workers, seed)
 
     def test_batches(self, batch_size: int) -> Iterable[Any] | None:
@@ -156,11 +162,20 @@ class IndexedBatches:
     """Batches from the sample schedule of :func:`hpcps.data.sharding.batch_indices`, taken by ``take(indices)``."""
 
     def __init__(self, n_train: int, index: int, n_workers: int, batch_size: int, seed: int,
-                 take: Callable[[np.ndarray], Any]) -> None:
+                 take: Callable[[np.ndarray], Any], redeal: Redeal | None = None) -> None:
+        """``redeal``: a run resumed on another worker count finishes the interrupted epochs first
+        (:func:`hpcps.data.sharding.redealt_batches`)."""
         self.n_train, self.index, self.n_workers = n_train, index, n_workers
         self.batch_size, self.seed, self.take = batch_size, seed, take
+        self.redeal = redeal
+        self._dealt = None if redeal is None else redealt_batches(
+            n_train, batch_size=batch_size, redeal=redeal, n_workers=n_workers, worker=index, seed=seed)
 
     def indices(self, step: int) -> np.ndarray:
+        if self.redeal is not None:
+            return resumed_batch_indices(self.n_train, batch_size=self.batch_size, n_workers=self.n_workers,
+                                         worker=self.index, step=step, seed=self.seed, redeal=self.redeal,
+                                         dealt=self._dealt)
         return batch_indices(self.n_train, batch_size=self.batch_size, n_workers=self.n_workers,
                              worker=self.index, step=step, seed=self.seed)
 

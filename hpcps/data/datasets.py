@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hpcps.data.batches import ArrayData, BatchSource, IndexedBatches, Slices
-from hpcps.data.sharding import SPLIT_SEED, Dataset, load_dataset, split_indices
+from hpcps.data.sharding import SPLIT_SEED, Dataset, Redeal, load_dataset, split_indices
 from hpcps.errors import UserError
 
 MNIST1D_SAMPLES = 5000  # the package's (and the paper's) standard: 4000 training, 1000 held-out
@@ -151,9 +151,9 @@ class SyntheticData:
         return x.mul_(2.0).add_(self.templates[y]), y  # signal-to-noise 1:2
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device, steps: int | None = None) -> BatchSource:
+                   device: torch.device, steps: int | None = None, redeal: Redeal | None = None) -> BatchSource:
         return IndexedBatches(self.n_train, index, n_workers, batch_size, seed,
-                               lambda idx: self.samples(self.train_idx[idx]))
+                               lambda idx: self.samples(self.train_idx[idx]), redeal)
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
         return Slices(self.n_test, batch_size, lambda lo, hi: self.samples(self.test_idx[lo:hi]))
@@ -211,9 +211,9 @@ class H5Data:
         return (x if x.ndim > 1 else x[:, None]), torch.from_numpy(self.labels[rows])
 
     def for_worker(self, index: int, n_workers: int, *, batch_size: int, seed: int,
-                   device: torch.device, steps: int | None = None) -> BatchSource:
+                   device: torch.device, steps: int | None = None, redeal: Redeal | None = None) -> BatchSource:
         return _Prefetched(IndexedBatches(self.n_train, index, n_workers, batch_size, seed,
-                                           lambda idx: self.read(self.train_idx[idx])), steps)
+                                           lambda idx: self.read(self.train_idx[idx]), redeal), steps)
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
         return Slices(self.n_test, batch_size, lambda lo, hi: self.read(self.test_idx[lo:hi]))

@@ -104,3 +104,53 @@ def batch_indices(n_train: int, *, batch_size: int, n_workers: int, worker: int,
     epoch, b = divmod(step, per_epoch)
     share = _epoch_order(n_train, seed, epoch)[worker::n_workers]
     return share[b * batch_size:(b + 1) * batch_size]
+
+
+@dataclass(frozen=True)
+class Redeal:
+    """A run resumed on another worker count: its checkpoint's workers stopped at ``clocks``, and every
+    worker of the new run starts at clock ``start`` (the slowest old worker's)."""
+
+    clocks: tuple[int, ...]
+    start: int
+
+
+def redealt_batches(n_train: int, *, batch_size: int, redeal: Redeal, n_workers: int, worker: int,
+                    seed: int) -> tuple[list[np.ndarray], int]:
+    """The batches with which new worker ``worker`` of ``n_workers`` finishes the interrupted epochs, and
+    the epoch the schedule goes on with after them.
+
+    What each old worker had not yet taken of its share of its current epoch (whole batches, as the
+    schedule deals them) is put together in old-worker order and dealt again, every ``n_workers``-th
+    sample to each new worker, in whole batches, as many as every new worker gets: so no sample of an
+    interrupted epoch is taken twice, and none is skipped but the few that do not fill a batch for every
+    worker (as an epoch's tail is). The schedule then goes on, with the new worker count, at the epoch
+    after the latest interrupted one.
+    """
+    old_n = len(redeal.clocks)
+    per_old = batches_per_epoch(n_train, batch_size=batch_size, n_workers=old_n)
+    rest, last = [], 0
+    for w, clock in enumerate(redeal.clocks):
+        epoch, taken = divmod(int(clock), per_old)
+        share = _epoch_order(n_train, seed, epoch)[w::old_n][:per_old * batch_size]
+        rest.append(share[taken * batch_size:])
+        last = max(last, epoch)
+    remainder = np.concatenate(rest) if rest else np.zeros(0, np.int64)
+    n_batches = len(remainder) // n_workers // batch_size
+    mine = remainder[worker::n_workers]
+    return [mine[k * batch_size:(k + 1) * batch_size] for k in range(n_batches)], last + 1
+
+
+def resumed_batch_indices(n_train: int, *, batch_size: int, n_workers: int, worker: int, step: int, seed: int,
+                          redeal: Redeal, dealt: tuple[list[np.ndarray], int] | None = None) -> np.ndarray:
+    """Worker ``worker``'s batch at ``step`` (>= ``redeal.start``) in a run resumed on another worker
+    count: the re-dealt remainder first (:func:`redealt_batches`, passed as ``dealt`` when known), then
+    the usual schedule from the epoch after it."""
+    pre, epoch = dealt or redealt_batches(n_train, batch_size=batch_size, redeal=redeal, n_workers=n_workers,
+                                          worker=worker, seed=seed)
+    k = step - redeal.start
+    if k < len(pre):
+        return pre[k]
+    per_epoch = batches_per_epoch(n_train, batch_size=batch_size, n_workers=n_workers)
+    return batch_indices(n_train, batch_size=batch_size, n_workers=n_workers, worker=worker,
+                         step=epoch * per_epoch + k - len(pre), seed=seed)

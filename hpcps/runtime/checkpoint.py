@@ -30,6 +30,7 @@ Format-1 checkpoints (plain SGD, no optimizer files) still resume.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -43,8 +44,9 @@ from hpcps.errors import UserError
 
 FORMAT = 2
 #: options that must match between the checkpointed run and the resuming one
+#: (not the shard or worker count: a checkpoint resumes on another shape of job, see :func:`reshaped`)
 MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "loss", "batch_size", "lr", "seed", "test_fraction",
-              "servers", "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
+              "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
               "warmup_steps", "lr_step_every", "lr_gamma", "clip_norm")
 #: torch.optim options that choose an implementation, not the update: a resume may change them
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
@@ -63,10 +65,51 @@ class Checkpoint:
     n_servers: int
     format: int = FORMAT
     shard_versions: np.ndarray | None = None  # a stopped run's shards may differ; None: all at ``version``
+    #: a checkpoint resumed on another shape (:func:`reshaped`): the shard count and worker clocks it was
+    #: written with (None: the same shape)
+    written_servers: int | None = None
+    written_clocks: np.ndarray | None = None
 
     def shard_version(self, shard: int) -> int:
         """The version shard ``shard`` resumes at."""
         return int(self.shard_versions[shard]) if self.shard_versions is not None else self.version
+
+    @property
+    def resharded(self) -> bool:
+        return self.written_servers is not None
+
+    @property
+    def redealt(self) -> bool:
+        return self.written_clocks is not None
+
+    def describe_shape(self) -> str:
+        """What changed from the checkpoint's shape to this run's ('' for nothing), for the log and run file."""
+        changes = []
+        if self.resharded:
+            changes.append(f"{self.written_servers} shard(s) -> {self.n_servers}")
+        if self.redealt:
+            changes.append(f"{len(self.written_clocks)} worker(s) at clocks {self.written_clocks.tolist()} -> "
+                           f"{len(self.worker_clocks)} at clock {int(self.worker_clocks[0])}")
+        return "; ".join(changes)
+
+
+def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int) -> Checkpoint:
+    """``ckpt`` as a run of ``n_servers`` shards and ``n_workers`` workers resumes it.
+
+    Another shard count: every shard resumes at shard 0's version, and its optimizer state is cut from
+    the written shards' (:func:`resliced_optimizer_state`). Another worker count: every worker starts at
+    the slowest written worker's clock, and the data of the interrupted epochs is dealt again
+    (:func:`hpcps.data.sharding.redealt_batches`). A paradigm's own state (clocks per worker, per shard)
+    starts afresh on either change.
+    """
+    changes = {}
+    if n_servers != ckpt.n_servers:
+        changes.update(written_servers=ckpt.n_servers, n_servers=n_servers,
+                       shard_versions=np.full(n_servers, ckpt.version, np.int64))
+    if n_workers != len(ckpt.worker_clocks):
+        changes.update(written_clocks=ckpt.worker_clocks,
+                       worker_clocks=np.full(n_workers, int(ckpt.worker_clocks.min()), np.int64))
+    return dataclasses.replace(ckpt, **changes) if changes else ckpt
 
 
 def checkpoint_path(directory: str, version: int) -> str:
@@ -150,8 +193,8 @@ def read_policy_state(path: str, shard: int) -> dict:
     return torch.load(part, weights_only=True).get(POLICY_KEY) or {}
 
 
-def read_checkpoint(path: str, n_servers: int | None = None) -> Checkpoint:
-    """Read the checkpoint ``path``; with ``n_servers``, insist that every shard's part is there."""
+def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:
+    """Read the checkpoint ``path``; ``complete``: insist that every shard's part is there."""
     try:
         with h5py.File(path, "r", locking=False) as f:
             ckpt = Checkpoint(f["params"][()], int(f.attrs["version"]), np.asarray(f.attrs["worker_clocks"]),
@@ -161,15 +204,15 @@ def read_checkpoint(path: str, n_servers: int | None = None) -> Checkpoint:
         raise UserError(f"--resume {path}: no such file") from None
     except (OSError, KeyError) as exc:
         raise UserError(f"--resume {path}: not an hpcps checkpoint ({exc})") from None
-    if n_servers is not None and ckpt.format >= 2:
-        missing = [optimizer_state_path(path, s) for s in range(n_servers)
+    if complete and ckpt.format >= 2:
+        missing = [optimizer_state_path(path, s) for s in range(ckpt.n_servers)
                    if not os.path.exists(optimizer_state_path(path, s))]
         if missing:
             raise UserError(f"--resume {path}: incomplete checkpoint, missing {', '.join(missing)}")
     return ckpt
 
 
-def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int, n_workers: int) -> None:
+def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int) -> None:
     """UserError naming every way ``ckpt`` does not fit this run."""
     from hpcps.config import TrainConfig
 
@@ -180,8 +223,6 @@ def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int
                 for key in keys if config.get(key) != theirs[key]]
     if len(ckpt.params) != n_params:
         problems.append(f"the model has {n_params} parameters, the checkpoint {len(ckpt.params)}")
-    if len(ckpt.worker_clocks) != n_workers:
-        problems.append(f"{n_workers} workers here, {len(ckpt.worker_clocks)} in the checkpoint")
     if problems:
         raise UserError(f"--resume {path} does not fit this run: " + "; ".join(problems))
 

@@ -41,11 +41,11 @@ from hpcps.runtime import agree as agree_module
 from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.box import cluster_record, node_label
-from hpcps.runtime.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path, read_checkpoint,
-                              read_optimizer_state, read_policy_state, write_checkpoint, write_optimizer_state,
-                              write_user_state)
+from hpcps.runtime.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path,
+                              read_checkpoint, read_optimizer_state, read_policy_state, reshaped, write_checkpoint,
+                              write_optimizer_state, write_user_state)
 from hpcps.config import TrainConfig, steps_for
-from hpcps.data.sharding import batches_per_epoch
+from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.cluster.emulation import ComputeTime
 from hpcps.errors import RunAborted, UserError
@@ -243,10 +243,12 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     if layout.role(comm.rank) is Role.WORKER:  # every worker its own random stream (dropout, the user's batches)
         index = layout.worker_index(comm.rank)
         torch.manual_seed(worker_seed(cfg.seed, index, int(ckpt.worker_clocks[index]) if ckpt is not None else 0))
-    batches = None
-    if layout.role(comm.rank) is Role.WORKER and source is not None:
-        batches = source.for_worker(layout.worker_index(comm.rank), layout.n_workers, batch_size=cfg.batch_size,
-                                    seed=cfg.seed, device=flat.device, steps=steps)
+    redeal = Redeal(tuple(int(c) for c in ckpt.written_clocks), int(ckpt.worker_clocks[0])) \
+        if ckpt is not None and ckpt.redealt else None  # another worker count: the epochs' rest dealt again
+    batches = agree(comm, lambda: source.for_worker(
+        layout.worker_index(comm.rank), layout.n_workers, batch_size=cfg.batch_size, seed=cfg.seed,
+        device=flat.device, steps=steps, redeal=redeal)
+        if layout.role(comm.rank) is Role.WORKER and source is not None else None)
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     topo = stack.enter_context(Topology(comm, layout))
@@ -313,9 +315,12 @@ def _devices_summary(devices: list[str]) -> str:
 
 
 def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout) -> Checkpoint:
-    ckpt = read_checkpoint(cfg.resume, layout.n_servers)
-    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params, n_workers=layout.n_workers)
-    return ckpt
+    ckpt = read_checkpoint(cfg.resume, complete=True)
+    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params)
+    if layout.n_workers != len(ckpt.worker_clocks) and layout.n_groups:
+        raise UserError(f"--resume {cfg.resume}: grouped runs resume on their checkpoint's worker count "
+                        f"({len(ckpt.worker_clocks)}), not {layout.n_workers}")
+    return reshaped(ckpt, n_servers=layout.n_servers, n_workers=layout.n_workers)
 
 
 class _Run:
@@ -426,6 +431,8 @@ class _Run:
                      self.cfg.paradigm, self.layout.describe(), self.workload.model_name, self.flat.n_params,
                      self.flat.size - self.flat.n_params, data, self.steps)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
+            if self.ckpt is not None and self.ckpt.describe_shape():
+                log.info("resuming %s on another shape: %s", self.cfg.resume, self.ckpt.describe_shape())
         # everyone is set up: nobody waits long in the sync; a start that never completes ends the job
         polite_barrier(comm, Backoff(cap=1e-4), StallWatch(
             warn=self.cfg.stall_warn, abort=self.cfg.stall_limit, log=log, error=RunAborted,
@@ -530,6 +537,7 @@ class _Run:
                                       for g, members in enumerate(self.layout.group_members())}),
                 "resumed_from": self.cfg.resume or "",
                 "start_version": self.ckpt.version if self.ckpt else 0,
+                "resumed_shape": self.ckpt.describe_shape() if self.ckpt else "",
                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
                 "devices": json.dumps(self.devices),
                 "placement": json.dumps({"mode": self.cfg.placement, "world_rank_of": self.world_ranks}),
@@ -563,7 +571,8 @@ class _Run:
                              staleness_max=cfg.s_hi)
         start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
         policy.resume_at(start_version)
-        if self.ckpt is not None:  # what the paradigm kept of its own (clocks, a controller's intervals)
+        if self.ckpt is not None and not (self.ckpt.resharded or self.ckpt.redealt):
+            # what the paradigm kept of its own (clocks, a controller's intervals); another shape starts it afresh
             policy.load_state_dict(read_policy_state(cfg.resume, topo.rank))
         self.policy = policy
         # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.runtime.rounds): bsp in worker
@@ -680,9 +689,40 @@ class _Run:
                                    groups=groups)
         # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
         optimizer.schedule = self.schedule(optimizer.default_lr or cfg.lr)
-        if self.ckpt is not None:
+        if self.ckpt is not None and self.ckpt.resharded:
+            optimizer.load_state_dict(self._resliced_optimizer_state(optimizer, lo))
+        elif self.ckpt is not None:
             optimizer.load_state_dict(read_optimizer_state(cfg.resume, self.topo.rank))
         return optimizer
+
+    def _resliced_optimizer_state(self, optimizer: ShardOptimizer, lo: int) -> dict:
+        """This shard's optimizer state, cut from a checkpoint written by another shard count: each written
+        shard's per-value state (momentum, Adam's moments) laid out over the flat vector, then cut at this
+        shard's chunks; per-chunk scalars (Adam's step count, the same on every chunk) carried over."""
+        cfg, ckpt, n_params = self.cfg, self.ckpt, self.flat.n_params
+        flat_state: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for s, (olo, ohi) in enumerate(shard_bounds(self.flat.size, ckpt.written_servers)):
+            n = self._n_params(olo, ohi)
+            state = read_optimizer_state(cfg.resume, s) if n else {}
+            if not state.get("state"):
+                continue
+            written = ShardOptimizer(torch.zeros(n), self.workload.optimizer_factory(cfg), lambda v: 1.0,
+                                     groups=shard_groups(self.groups, olo, olo + n))
+            for k, (a, b) in enumerate(written.spans):
+                for key, value in state["state"].get(k, {}).items():
+                    if torch.is_tensor(value) and value.numel() == b - a and value.dim() == 1:
+                        flat = flat_state.setdefault(key, torch.zeros(n_params, dtype=value.dtype))
+                        flat[olo + a:olo + b] = value
+                    else:
+                        scalars[key] = value
+        if optimizer.optimizer is None or not (flat_state or scalars):
+            return {}
+        state = optimizer.state_dict()
+        state["state"] = {k: {**{key: v[lo + a:lo + b].clone() for key, v in flat_state.items()},
+                              **{key: v.clone() if torch.is_tensor(v) else v for key, v in scalars.items()}}
+                          for k, (a, b) in enumerate(optimizer.spans)}
+        return state
 
     def schedule(self, base_lr: float) -> Schedule:
         """The learning-rate multiplier by server version: the user's, or ``--lr-schedule`` over the run's

@@ -167,3 +167,26 @@ def test_a_divergent_run_stops_long_before_its_last_step_with_one_line_saying_wh
     assert proc.returncode == 0 and "diverged" not in proc.stderr
     with h5py.File(tmp_path / "on.h5") as f:
         assert f["summary"].attrs["gradients_pushed"] == 400 and f["summary"].attrs["stopped_by"] == ""
+
+
+def test_a_four_worker_two_shard_checkpoint_resumes_on_three_workers_and_on_one_shard(tmp_path):
+    """The job resubmitted on a smaller allocation: the bsp checkpoint of 4 workers and 2 shards (6 ranks)
+    resumes on 3 workers (5 ranks) and on 1 shard (5 ranks); each run finishes the steps and says what
+    changed, in its log and in its file."""
+    ck = tmp_path / "ck"
+    common = ["train", "--paradigm", "bsp", "--momentum", "0.9", "--steps", "20"]
+    proc = hpcps(6, *common, "--servers", "2", "--checkpoint-every", "10", "--checkpoint-dir", str(ck),
+                 "--out", str(tmp_path / "six.h5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = str(ck / "step-000010.h5")
+    for servers, workers, shape in (("2", 3, "4 worker(s) at clocks [10, 10, 10, 10] -> 3 at clock 10"),
+                                    ("1", 4, "2 shard(s) -> 1")):
+        out = tmp_path / f"five-{servers}.h5"
+        proc = hpcps(5, *common, "--servers", servers, "--resume", path, "--out", str(out),
+                     "--checkpoint-dir", str(tmp_path / f"again-{servers}"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"on another shape: {shape}" in proc.stderr
+        with h5py.File(out) as f:
+            assert f.attrs["resumed_shape"] == shape
+            assert f["summary"].attrs["gradients_pushed"] == workers * 10
+            assert f["summary"].attrs["final_accuracy"] > 0.5

@@ -28,9 +28,21 @@ def test_a_checkpoint_that_does_not_fit_names_every_mismatch(tmp_path):
     ck = read_checkpoint(_write(tmp_path, lr=0.1))
     here = make_config({"paradigm": "bsp", "lr": 0.2}).as_json_dict()
     with pytest.raises(UserError, match=r"does not fit this run: lr is 0.2 here but 0.1 in the checkpoint; "
-                                        r"the model has 7 parameters, the checkpoint 6; 3 workers here, 4"):
-        check_compatible(ck, "x.h5", here, n_params=7, n_workers=3)
-    check_compatible(ck, "x.h5", make_config({"paradigm": "bsp"}).as_json_dict(), n_params=6, n_workers=4)
+                                        r"the model has 7 parameters, the checkpoint 6$"):
+        check_compatible(ck, "x.h5", here, n_params=7)
+    # another worker or shard count is no mismatch: the checkpoint resumes on another shape (reshaped)
+    check_compatible(ck, "x.h5", make_config({"paradigm": "bsp", "servers": 3}).as_json_dict(), n_params=6)
+
+
+def test_a_checkpoint_takes_the_shape_of_the_run_that_resumes_it(tmp_path):
+    from hpcps.runtime.checkpoint import reshaped
+
+    ck = read_checkpoint(_write(tmp_path, lr=0.1))  # 4 workers at 20, 1 shard
+    assert reshaped(ck, n_servers=1, n_workers=4) is ck
+    other = reshaped(ck, n_servers=3, n_workers=2)
+    assert other.n_servers == 3 and other.shard_versions.tolist() == [20] * 3 and other.written_servers == 1
+    assert other.worker_clocks.tolist() == [20, 20] and other.written_clocks.tolist() == [20] * 4
+    assert other.describe_shape() == "1 shard(s) -> 3; 4 worker(s) at clocks [20, 20, 20, 20] -> 2 at clock 20"
 
 
 def test_missing_and_foreign_files(tmp_path):

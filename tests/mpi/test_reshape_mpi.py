@@ -1,0 +1,105 @@
+"""A checkpoint resumes on another shape of job: another shard count (the flat vector and the optimizer state
+cut again) and another worker count (the interrupted epoch's data dealt again)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from hpcps.data.sharding import Redeal, load_dataset, resumed_batch_indices
+from hpcps.runtime.checkpoint import read_checkpoint, read_optimizer_state
+from hpcps.training.flat import FlatParameters
+from hpcps.training.models import build_model
+from mpitest import share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+STEPS, BATCH, LR, MOMENTUM, SEED = 20, 16, 0.2, 0.9, 7
+COMMON = dict(paradigm="bsp", steps=STEPS, batch_size=BATCH, lr=LR, momentum=MOMENTUM, seed=SEED)
+
+
+def _sub(world, n):
+    return world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
+
+
+def _checkpoint(world, tmp) -> str:
+    """A bsp run of 2 shards and 3 workers with momentum, checkpointed at round 10 of 20."""
+    train(tmp / "written.h5", servers=2, checkpoint_every=10, checkpoint_dir=str(tmp / "ck"), **COMMON)
+    return str(tmp / "ck" / "step-000010.h5")
+
+
+def _replay(path: str, n_workers: int) -> np.ndarray:
+    """The new shape in one process: rounds 10-19 of ``n_workers`` workers on the re-dealt data, momentum SGD
+    from the checkpoint's parameters and momentum (each shard's one chunk, laid end to end)."""
+    data = load_dataset("digits")
+    model = build_model("mlp", data.in_shape, data.n_classes, seed=SEED)
+    flat = FlatParameters(model)
+    ckpt = read_checkpoint(path)
+    flat.params[:] = ckpt.params
+    momentum = torch.cat([read_optimizer_state(path, s)["state"][0]["momentum_buffer"] for s in range(2)])
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    redeal = Redeal(tuple(int(c) for c in ckpt.worker_clocks), 10)
+    for step in range(10, STEPS):
+        idx = np.concatenate([resumed_batch_indices(len(y), batch_size=BATCH, n_workers=n_workers, worker=w,
+                                                    step=step, seed=SEED, redeal=redeal) for w in range(n_workers)])
+        flat.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        momentum.mul_(MOMENTUM).add_(torch.from_numpy(flat.grads))
+        flat.params -= LR * momentum.numpy()
+    return flat.params
+
+
+def _fresh_difference(world, tmp) -> float:
+    """How far apart a fresh 1-shard and 2-shard run of the same 3 workers end (float rounding only)."""
+    two, _ = train(tmp / "fresh-two.h5", servers=2, **COMMON)
+    comm, diff = _sub(world, 4), None
+    if comm != MPI.COMM_NULL:
+        one, _ = train(tmp / "fresh-one.h5", comm=comm, servers=1, **COMMON)
+        comm.Free()
+    if world.rank == 0:
+        diff = float(np.abs(one.params - two.params).max())
+    return world.bcast(diff)
+
+
+@pytest.mark.timeout(120)
+def test_a_two_shard_checkpoint_resumes_on_one_shard_as_on_two(world, mpi_tmp_path):
+    """The same 3 workers on 1 shard (4 ranks) and on the checkpoint's 2 (5 ranks): the same parameters but for
+    float rounding (torch's vectorised kernels round the elements at a slice's edges differently, so a
+    fresh 1-shard and 2-shard run differ as much), so the parameters and the momentum were cut again
+    right; the file says what changed."""
+    path = _checkpoint(world, mpi_tmp_path)
+    two, _ = train(mpi_tmp_path / "two.h5", servers=2, resume=path, **COMMON)
+    comm, facts = _sub(world, 4), None
+    if comm != MPI.COMM_NULL:
+        one, t = train(mpi_tmp_path / "one.h5", comm=comm, servers=1, resume=path, **COMMON)
+        if comm.rank == 0:
+            facts = {"params": one.params, "shape": t["attrs"]["resumed_shape"],
+                     "pushed": int(t["summary"]["gradients_pushed"]),
+                     "steps": sorted(set(t["workers/iterations"]["step"].tolist()))}
+        comm.Free()
+    facts = share(world, facts)
+    diff = world.bcast(float(np.abs(facts["params"] - two.params).max()) if world.rank == 0 else None)
+    fresh = _fresh_difference(world, mpi_tmp_path)
+    assert diff <= max(2 * fresh, 1e-6), (diff, fresh)
+    assert facts["shape"] == "2 shard(s) -> 1" and facts["pushed"] == 3 * 10
+    assert facts["steps"] == list(range(10, STEPS))
+
+
+@pytest.mark.timeout(120)
+def test_a_three_worker_checkpoint_resumes_on_two_workers_as_that_shape_would_train(world, mpi_tmp_path):
+    """2 workers (and the checkpoint's 2 shards, 4 ranks) from round 10: the parameters equal a one-process
+    replay of 2 workers on the re-dealt data from the checkpoint's parameters and momentum."""
+    path = _checkpoint(world, mpi_tmp_path)
+    comm, facts = _sub(world, 4), None
+    if comm != MPI.COMM_NULL:
+        result, t = train(mpi_tmp_path / "fewer.h5", comm=comm, servers=2, resume=path, **COMMON)
+        if comm.rank == 0:
+            reference = _replay(path, n_workers=2)
+            facts = {"diff": float(np.abs(result.params - reference).max()),
+                     "moved": float(np.abs(reference - read_checkpoint(path).params).max()),
+                     "shape": t["attrs"]["resumed_shape"], "pushed": int(t["summary"]["gradients_pushed"])}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["moved"] > 1e-3 and facts["diff"] < 1e-5
+    assert facts["shape"] == "3 worker(s) at clocks [10, 10, 10] -> 2 at clock 10" and facts["pushed"] == 2 * 10

@@ -59,3 +59,41 @@ def test_missing_and_corrupt_files(tmp_path):
     junk.write_bytes(b"not hdf5 at all")
     with pytest.raises(UserError, match=r"not a readable HDF5 file"):
         load_dataset(str(junk))
+
+
+@pytest.mark.parametrize("old_clocks,new_workers", [((10, 12, 9, 14), 3), ((7, 7, 7), 5), ((40, 3), 4)])
+def test_the_interrupted_epoch_is_dealt_again_without_a_sample_twice_or_skipped(old_clocks, new_workers):
+    """Workers that stopped at ``old_clocks`` (bsp's equal clocks in the second case; in the third, worker 0
+    an epoch ahead of worker 1, 31 batches an epoch): the new workers' re-dealt batches hold exactly what
+    the old ones had not taken of their current epochs (a sample left in two epochs comes twice, once for
+    each), all of it but less than a batch per new worker, as many batches each; with one interrupted
+    epoch no sample comes twice or was taken already; then the new schedule goes on at the next epoch."""
+    from hpcps.data.sharding import Redeal, _epoch_order, batches_per_epoch, redealt_batches, resumed_batch_indices
+
+    n, b, seed, old_n = 1000, 16, 3, len(old_clocks)
+    per_old = batches_per_epoch(n, batch_size=b, n_workers=old_n)
+    redeal = Redeal(old_clocks, min(old_clocks))
+    taken, dealt = [], []
+    for w, clock in enumerate(old_clocks):
+        epoch, k = divmod(clock, per_old)
+        share = _epoch_order(n, seed, epoch)[w::old_n][:per_old * b]
+        taken.append(share[:k * b])
+        dealt.append(share)
+    new = [redealt_batches(n, batch_size=b, redeal=redeal, n_workers=new_workers, worker=w, seed=seed)
+           for w in range(new_workers)]
+    from collections import Counter
+
+    again = Counter(np.concatenate([x for pre, _ in new for x in pre]).tolist())
+    rest = Counter(np.concatenate([d[len(t):] for d, t in zip(dealt, taken)]).tolist())
+    assert not again - rest  # only what the old workers had not taken, each as often as it was left
+    assert 0 <= (rest - again).total() < new_workers * b  # and all of it but less than a batch per worker
+    if len({c // per_old for c in old_clocks}) == 1:  # one interrupted epoch: no sample twice in it
+        assert max(again.values()) == 1 and not set(again) & set(np.concatenate(taken).tolist())
+    assert len({len(pre) for pre, _ in new}) == 1  # every new worker takes as many batches
+    pre, epoch = new[0]
+    after = resumed_batch_indices(n, batch_size=b, n_workers=new_workers, worker=0, step=redeal.start + len(pre),
+                                  seed=seed, redeal=redeal)
+    assert epoch == max(c // per_old for c in old_clocks) + 1
+    assert np.array_equal(after, batch_indices(n, batch_size=b, n_workers=new_workers, worker=0,
+                                               step=epoch * batches_per_epoch(n, batch_size=b, n_workers=new_workers),
+                                               seed=seed))

@@ -21,7 +21,14 @@ Updates: the shard's slice of trainable parameters is stepped by its
 scheduled by version and multiplied by the update's factors; see
 :mod:`hpcps.training.optim`). The rest of the slice holds model buffers (BatchNorm
 statistics): there the update adds the mean of the pushed changes, so after
-a BSP round the buffers are the mean of the workers' buffers.
+a BSP round the buffers are the mean of the workers' buffers. A change pushed
+from buffers ``s`` versions old is added times ``1/(1+s)``: each change is
+``m x (batch statistic - buffer when pulled)``, and added undamped to buffers
+that moved on since, it made a delayed feedback loop that grows without
+bound once ``m`` times the staleness is large (running means of +-8000 under
+asp); damped, the loop is stable for every BatchNorm momentum up to 1 at any
+fixed staleness (``m/(1+s)`` is below the delayed loop's bound,
+``2 sin(pi/(2(2s+1)))``).
 
 Order of one step, and why: apply the updates the policy names, publish the
 new parameters, *then* send receipts and grants. A granted worker pulls
@@ -271,7 +278,9 @@ class ShardServer:
                 at = self._update([self.round_sum.acc], [1.0 / (n * factor)], weight * factor, means=[1.0 / n])
             elif finite:
                 coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
-                at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor)
+                # each buffer change damped by its staleness (1 for a gradient computed on this version)
+                means = [1.0 / (len(finite) * (1 + max(self.version - p.version, 0))) for p in finite]
+                at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor, means=means)
             lr = self._rate(at, weight * update_terms([p.lr / self.unit_lr for p in finite])[1]) if finite else math.nan
             for p in pushes:
                 applied = p in finite

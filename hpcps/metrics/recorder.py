@@ -101,12 +101,14 @@ class FileRecorder(_Recorder):
         self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)
         self.open_ranks = set(range(1, comm.size))
         self.interval = interval
-        self.watchers: dict[str, list] = {}  # table -> callables given every batch of its rows as it arrives
+        self.watchers: dict[str, list] = {}  # table -> callables given every batch of its rows (any rank's)
         self._flushed = time.monotonic()
 
     def flush(self) -> None:
         for table, rows in self.buffer.take().items():
             self.file.append(table, rows)
+            for watch in self.watchers.get(table, ()):  # rank 0's own rows (shard 0's), as the others'
+                watch(rows)
         self.file.flush()
 
     def drain(self, limit: int | None = DRAIN_LIMIT) -> bool:

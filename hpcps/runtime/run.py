@@ -62,7 +62,7 @@ from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
 from hpcps.metrics.timeline import NullTimeline, Timeline
-from hpcps.training.divergence import DivergenceWatch
+from hpcps.training.divergence import DivergenceWatch, NonFiniteStart
 from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
 from hpcps.training.paramgroups import resolve_groups, shard_groups
 from hpcps.policies import Policy, make_policy, policy_class
@@ -605,6 +605,7 @@ class _Run:
             side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
             if cfg.divergence == "stop":
                 recorder.watchers.setdefault("workers/iterations", []).append(self._divergence_watch(window))
+                recorder.watchers.setdefault("servers/updates", []).append(self._nonfinite_start_watch(window))
         snapshots = None
         if (cfg.checkpoint_every or cfg.checkpoint_interval) and policy.applies_on_arrival and not grouped:
             snapshots = self._snapshots(window, optimizer, policy)  # a consistent cut while the run goes on
@@ -649,7 +650,7 @@ class _Run:
 
         def on_rows(rows: np.ndarray) -> None:
             reason = watch.observe(rows)
-            if reason is None:
+            if reason is None or self.diverged is not None:
                 return
             self.diverged = reason
             if per_step > 1 and cfg.lr_scaling == "none":
@@ -663,6 +664,21 @@ class _Run:
                 how = f"one update per round at {rate:g} (--lr {cfg.lr:g}): try a smaller --lr, or --clip-norm"
             log.error("training diverged under %s: %s; %s, or --divergence ignore to train on; stopping",
                       cfg.paradigm, reason, how)
+            window.set_stop()
+        return on_rows
+
+    def _nonfinite_start_watch(self, window: ParamWindow):
+        """Rank 0: the shards' rows as they arrive; if the run's first gradients were all non-finite, one line
+        saying so, and every shard's stop flag up (stopped by divergence: nothing worth resuming)."""
+        watch = NonFiniteStart()
+
+        def on_rows(rows: np.ndarray) -> None:
+            reason = watch.observe(rows)
+            if reason is None or self.diverged is not None:
+                return
+            self.diverged = reason
+            log.error("training cannot start under %s: %s; stopping (--divergence ignore trains on)",
+                      self.cfg.paradigm, reason)
             window.set_stop()
         return on_rows
 

@@ -68,3 +68,36 @@ class DivergenceWatch:
                                f"{start:.4g} at the start (each worker's first), more than {self.factor:g} times")
                 return self.reason
         return None
+
+
+#: gradients of a run's start, all non-finite, that mean its data or model make NaN from the first step
+NONFINITE_START = 20
+
+
+class NonFiniteStart:
+    """Feed it the ``servers/updates`` rows as they arrive: :attr:`reason` says so once the first
+    :data:`NONFINITE_START` gradients (shard 0's rows) were all dropped as non-finite and none was
+    applied. A run whose every batch makes NaN (NaN in the data, a model that divides by zero) would
+    otherwise "train" to its end applying nothing; the loss rule above cannot see it, as such a run never
+    reports a finite loss (nor does a loop that reports none)."""
+
+    def __init__(self, limit: int = NONFINITE_START) -> None:
+        self.limit, self.dropped, self.done = limit, 0, False
+        self.reason: str | None = None
+
+    def observe(self, rows: np.ndarray) -> str | None:
+        if self.done:
+            return None
+        for applied, reason in zip(rows["applied"][rows["shard"] == 0].tolist(),
+                                   rows["reason"][rows["shard"] == 0].tolist()):
+            if applied or reason != 1:
+                self.done = True  # a gradient was applied (or skipped by its loop): the data can make one
+                return None
+            self.dropped += 1
+            if self.dropped >= self.limit:
+                self.done = True
+                self.reason = (f"the first {self.limit} gradients were all non-finite (NaN or Inf) and none was "
+                               f"applied: the data or the model makes NaN from the first step (is there NaN "
+                               f"or Inf in the data?)")
+                return self.reason
+        return None

@@ -111,3 +111,25 @@ def test_batchnorm_statistics_under_asp_stay_near_bsps(world, mpi_tmp_path):
     (bsp_mean, bsp_var, _), (asp_mean, asp_var, stale) = facts["bsp"], facts["asp"]
     assert stale >= 3  # the gradients really were stale
     assert asp_mean <= 3 * bsp_mean + 0.1 and asp_var <= 3 * bsp_var
+
+
+@pytest.mark.timeout(90)
+def test_all_nan_data_stops_the_run_saying_so(world, mpi_tmp_path):
+    """An HDF5 data set whose samples are all NaN: every gradient is non-finite and dropped. The run stops
+    early as diverged, saying the data makes NaN, instead of "training" to its end with exit 0 and 0 of 120
+    gradients applied."""
+    import h5py
+
+    from mpitest import share, train
+
+    path = mpi_tmp_path / "nan.h5"
+    if world.rank == 0:
+        with h5py.File(path, "w") as f:
+            f["x"] = np.full((400, 1, 8, 8), np.nan, np.float32)
+            f["y"] = np.arange(400) % 10
+    world.Barrier()
+    _, t = train(mpi_tmp_path / "nan-run.h5", dataset=str(path), paradigm="asp", steps=300, compute_time=0.002)
+    facts = share(world, {k: (str(v) if k == "stopped_by" else int(v)) for k, v in t["summary"].items()
+                          if k in ("stopped_by", "gradients_pushed", "gradients_applied")} if world.rank == 0 else None)
+    assert facts["stopped_by"] == "diverged" and facts["gradients_applied"] == 0
+    assert facts["gradients_pushed"] < 4 * 300 // 2  # long before its last step

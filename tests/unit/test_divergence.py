@@ -59,3 +59,22 @@ def test_bad_steps_of_different_workers_do_not_add_up_and_an_unreported_loss_is_
         assert watch.observe(_rows([math.nan], rank=2)) is None
     # a loop that never reports its loss (ps.step() without loss=) records NaN from the first step on
     assert watch.observe(_rows([math.nan] * 100, rank=4)) is None
+
+
+def test_a_run_whose_first_gradients_are_all_non_finite_cannot_start():
+    from hpcps.metrics.schema import UPDATE
+    from hpcps.training.divergence import NonFiniteStart
+
+    def rows(n, applied=0, reason=1, shard=0):
+        r = np.zeros(n, UPDATE)
+        r["applied"], r["reason"], r["shard"] = applied, reason, shard
+        return r
+
+    watch = NonFiniteStart(limit=20)
+    assert watch.observe(rows(19)) is None and watch.observe(rows(30, shard=1)) is None  # shard 0's rows count
+    assert "the first 20 gradients were all non-finite" in watch.observe(rows(1))
+    assert watch.observe(rows(5)) is None  # said once
+    healthy = NonFiniteStart(limit=20)
+    assert healthy.observe(rows(1, applied=1, reason=0)) is None and healthy.observe(rows(40)) is None
+    skipped = NonFiniteStart(limit=20)  # a GradScaler's skipped step (reason 2) is the loop's, not NaN data
+    assert skipped.observe(rows(1, reason=2)) is None and skipped.observe(rows(40)) is None

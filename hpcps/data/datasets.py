@@ -39,7 +39,7 @@ import torch
 
 from hpcps.data.batches import ArrayData, BatchSource, IndexedBatches, Slices
 from hpcps.data.sharding import SPLIT_SEED, Dataset, Redeal, load_dataset, split_indices
-from hpcps.errors import UserError
+from hpcps.errors import RunAborted, UserError
 
 MNIST1D_SAMPLES = 5000  # the package's (and the paper's) standard: 4000 training, 1000 held-out
 _SYNTHETIC = re.compile(r"^synthetic:(\d+(?:x\d+)*):(\d+):(\d+)$")
@@ -203,7 +203,12 @@ class H5Data:
 
             self._file = h5py.File(self.path, "r", locking=False)
         order = np.argsort(rows, kind="stable")
-        x = self._file[self.x_name][rows[order]]
+        try:
+            x = self._file[self.x_name][rows[order]]
+        except OSError as exc:  # a damaged chunk, a file truncated or changed under the run
+            raise RunAborted(f"--dataset {self.name}: cannot read samples {int(rows.min())}-{int(rows.max())} "
+                             f"of /{self.x_name} in {self.path} (HDF5: {str(exc).strip()}); is the file damaged, "
+                             f"or was it changed during the run?") from None
         back = np.empty_like(order)
         back[order] = np.arange(len(order))
         self.samples_read += len(rows)

@@ -111,3 +111,25 @@ def test_torchvision_models_need_a_working_torchvision():
         pytest.skip(f"torchvision does not import here ({type(exc).__name__}: {exc}); checked the error instead")
     model = torchvision_model("resnet18")((3, 32, 32), 7)
     assert model.fc.out_features == 7
+
+
+def test_a_damaged_chunk_is_one_error_naming_the_file_and_the_samples(tmp_path):
+    """A gzip chunk of /x overwritten with garbage: the read that meets it raises RunAborted (one line on the
+    failing rank, no traceback) naming the file, the data set and the samples (it was a bare OSError)."""
+    from hpcps.data.datasets import H5Data
+    from hpcps.errors import RunAborted
+
+    path = tmp_path / "damaged.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.random.default_rng(0).random((200, 16), dtype=np.float32), chunks=(50, 16),
+                         compression="gzip")
+        f["y"] = np.arange(200) % 4
+    with h5py.File(path, "r") as f:
+        info = f["x"].id.get_chunk_info(1)  # samples 50-99
+    with open(path, "r+b") as raw:
+        raw.seek(info.byte_offset)
+        raw.write(b"\xff" * info.size)
+    data = H5Data(str(path), test_fraction=0.2, spec=str(path))
+    data.read(np.arange(0, 40))  # an intact chunk reads
+    with pytest.raises(RunAborted, match=rf"--dataset {path}: cannot read samples 60-70 of /x in {path} \(HDF5: "):
+        data.read(np.arange(60, 71))

@@ -138,17 +138,13 @@ class TrainConfig(BaseModel):
     @field_validator("slowdown", mode="before")
     @classmethod
     def _parse_slowdown(cls, value: Any) -> Any:
-        if isinstance(value, (list, tuple)):
-            return dict(parse_slowdown(item) for item in value)
-        return value
+        return _as_dict(value, parse_slowdown)
 
     @field_validator("paradigm_option", mode="before")
     @classmethod
     def _parse_paradigm_options(cls, value: Any) -> Any:
         """``--paradigm-option backups=1`` (repeatable): a number, true/false or a string each."""
-        if isinstance(value, (list, tuple)):
-            return dict(parse_paradigm_option(item) for item in value)
-        return value
+        return _as_dict(value, parse_paradigm_option)
 
     @field_validator("straggler_episodes", mode="before")
     @classmethod
@@ -252,6 +248,12 @@ class TrainConfig(BaseModel):
 
     def as_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def _as_dict(value: Any, parse) -> Any:
+    """A repeatable ``NAME=VALUE`` option (a list of strings from the command line) as a dict, each item
+    through ``parse``; a dict (TOML's table, a Python caller's) as it is."""
+    return dict(parse(item) for item in value) if isinstance(value, (list, tuple)) else value
 
 
 def parse_slowdown(spec: str) -> tuple[int, float]:

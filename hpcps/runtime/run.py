@@ -42,8 +42,8 @@ from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.box import cluster_record, node_label
 from hpcps.runtime.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path,
-                              read_checkpoint, read_optimizer_state, read_policy_state, reshaped, write_checkpoint,
-                              write_optimizer_state, write_user_state)
+                              optimizer_state_path, read_checkpoint, read_optimizer_state, read_policy_state,
+                              reshaped, write_checkpoint, write_optimizer_state, write_user_state)
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
@@ -865,18 +865,22 @@ class _Run:
         def write_part(path: str) -> None:
             write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
 
-        def write_main(path: str, clocks: list[int], versions: list[int]) -> None:
+        def write_main(staging: str, clocks: list[int], versions: list[int]) -> str:
             buf = np.empty(self.flat.size, np.float32)
             got, _ = window.pull(buf, Backoff(), exact=True)
             while got.tolist() != versions:  # a shard's publish of the cut's version may have been deferred
                 window.publish_held()
                 got, _ = window.pull(buf, Backoff(), exact=True)
+            path = checkpoint_path(self.ckpt_dir, versions[0])
+            for shard in range(self.layout.n_servers):  # the parts beside it; the main file last, so a
+                os.replace(optimizer_state_path(staging, shard), optimizer_state_path(path, shard))  # whole one
             write_checkpoint(path, buf, version=versions[0], worker_clocks=clocks, config=self.ran_config(),
                              n_servers=self.layout.n_servers, shard_versions=versions)
+            return path
 
         return Snapshots(self.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
                          write_part=write_part, write_main=write_main,
-                         path_for=lambda version: checkpoint_path(self.ckpt_dir, version))
+                         path_for=lambda epoch: os.path.join(self.ckpt_dir, f"cut-{epoch:06d}.h5"))
 
     def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
         """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.

@@ -62,8 +62,9 @@ class Snapshots:
     ``comm``: the shards' communicator (shard s is its rank s); ``server``: this shard's
     :class:`~hpcps.runtime.server.ShardServer` (its inbox, handled clocks, pending gradients, version);
     ``write_part(path)``: write this shard's part of checkpoint ``path``; ``write_main(path, clocks,
-    versions)`` (shard 0): read every shard's parameters at ``versions`` and write the checkpoint;
-    ``path_for(version)``: where the checkpoint of shard 0's ``version`` goes.
+    versions)`` (shard 0): read every shard's parameters at ``versions``, write the checkpoint (named
+    after shard 0's version, the parts moved beside it) and return its path; ``path_for(epoch)``: where the
+    parts of the ``epoch``-th checkpoint are written meanwhile (its versions are known only once written).
     """
 
     def __init__(self, comm: MPI.Comm, *, every: int | None, interval: float | None,
@@ -146,7 +147,7 @@ class Snapshots:
         if len(self.clocks) < self.n_shards:
             return
         cut = np.max(np.array([self.clocks[s] for s in range(self.n_shards)]), axis=0).tolist()
-        self.path = self.path_for(self.server.version)
+        self.path = self.path_for(self.epoch)
         for s in range(1, self.n_shards):
             self.comm.send(("cut", self.epoch, cut, self.path), dest=s, tag=TAG_TO_SHARD)
         self._start_draining(cut)
@@ -174,14 +175,14 @@ class Snapshots:
         if len(self.versions) < self.n_shards or self.state != "written":
             return
         versions = [self.versions[s] for s in range(self.n_shards)]
-        self.write_main(self.path, self.cut, versions)
+        written = self.write_main(self.path, self.cut, versions)
         for s in range(1, self.n_shards):
             self.comm.send(("resume", self.epoch), dest=s, tag=TAG_TO_SHARD)
         self._resume()
         pause = self.clock() - self.paused_at
         self.pauses.append(pause)
         log.info("checkpoint of version %d written to %s (pushes past the cut held for %.1f ms)",
-                 versions[0], self.path, pause * 1e3)
+                 versions[0], written, pause * 1e3)
 
     def _resume(self) -> None:
         self.server.inbox.hold_after(None)

@@ -14,23 +14,33 @@ from launching import MPIEXEC, needs_mpiexec
 pytestmark = needs_mpiexec
 
 
-def test_ctrl_c_under_mpiexec_ends_every_rank_cleanly_with_summary_and_checkpoint(tmp_path):
-    out = tmp_path / "dssp.h5"
-    proc = subprocess.Popen([MPIEXEC, "-n", "5", sys.executable, "-m", "hpcps", "train", "--paradigm", "dssp",
-                             "--steps", "100000", "--compute-time", "0.005", "--out", str(out)],
+def _start(n: int, tmp_path, *train_args: str) -> subprocess.Popen:
+    """``mpiexec -n N python -m hpcps train ARGS`` in its own session (so the test can kill the whole job)."""
+    return subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "hpcps", "train", *train_args],
                             env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _ended(proc: subprocess.Popen, after: str) -> str:
+    """The job's stderr once it has ended, 120 s at most after ``after``; one that does not end is killed and
+    fails the test."""
     try:
-        deadline = time.monotonic() + 120
-        while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        time.sleep(2.0)  # training is under way
-        proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends mpiexec
-        stdout, stderr = proc.communicate(timeout=120)
+        return proc.communicate(timeout=120)[1]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the job did not end after Ctrl-C\n{stderr[-3000:]}")
+        raise AssertionError(f"the job did not end after {after}\n{proc.communicate()[1][-3000:]}") from None
+
+
+def test_ctrl_c_under_mpiexec_ends_every_rank_cleanly_with_summary_and_checkpoint(tmp_path):
+    out = tmp_path / "dssp.h5"
+    proc = _start(5, tmp_path, "--paradigm", "dssp", "--steps", "100000", "--compute-time", "0.005", "--out",
+                  str(out))
+    deadline = time.monotonic() + 120
+    while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(2.0)  # training is under way
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends mpiexec
+    stderr = _ended(proc, "Ctrl-C")
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr and "Error" not in stderr, stderr[-3000:]
     assert stderr.count("hpcps: SIGINT received: stopping after the current step") == 1  # one line, rank 0's
@@ -79,27 +89,21 @@ def test_sigusr1_during_start_up_stops_the_run_at_its_first_step_with_a_checkpoi
         import pytest
         pytest.skip("needs /proc to see when the ranks have installed their handlers")
     out = tmp_path / "early.h5"
-    proc = subprocess.Popen([MPIEXEC, "-n", "5", sys.executable, "-m", "hpcps", "train", "--paradigm", "asp",
-                             "--steps", "100000", "--dataset", "mnist1d", "--out", str(out)],
-                            env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline, sent = time.monotonic() + 60, False
-        while time.monotonic() < deadline and proc.poll() is None:
-            ranks = _ranks_of(out)
-            if len(ranks) == 5 and all(_caught(pid, signal.SIGUSR1) for pid in ranks):
-                assert not out.exists(), "start-up was over before the signal could be sent"
-                for pid in ranks:
-                    os.kill(pid, signal.SIGUSR1)  # as Slurm's --signal reaches every task
-                sent = True
-                break
-            time.sleep(0.01)
-        assert sent, "the ranks never installed their handlers"
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
+    proc = _start(5, tmp_path, "--paradigm", "asp", "--steps", "100000", "--dataset", "mnist1d", "--out", str(out))
+    deadline, sent = time.monotonic() + 60, False
+    while time.monotonic() < deadline and proc.poll() is None:
+        ranks = _ranks_of(out)
+        if len(ranks) == 5 and all(_caught(pid, signal.SIGUSR1) for pid in ranks):
+            assert not out.exists(), "start-up was over before the signal could be sent"
+            for pid in ranks:
+                os.kill(pid, signal.SIGUSR1)  # as Slurm's --signal reaches every task
+            sent = True
+            break
+        time.sleep(0.01)
+    if not sent:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the job did not end after SIGUSR1\n{stderr[-3000:]}")
+        raise AssertionError("the ranks never installed their handlers")
+    stderr = _ended(proc, "SIGUSR1")
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     with h5py.File(out) as f:
@@ -120,9 +124,7 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
     out, ckdir = tmp_path / "killed.h5", tmp_path / "killed-checkpoints"
     options = ["--paradigm", "dssp", "--servers", "2", "--steps", "300", "--compute-time", "0.01",
                "--checkpoint-every", "100"]
-    proc = subprocess.Popen([MPIEXEC, "-n", "6", sys.executable, "-m", "hpcps", "train", *options, "--out", str(out)],
-                            env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _start(6, tmp_path, *options, "--out", str(out))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not list(ckdir.glob("step-*.h5")):
         time.sleep(0.05)

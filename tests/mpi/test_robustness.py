@@ -31,6 +31,8 @@ def _configuration(rng: random.Random) -> dict:
         cfg["staleness_max"] = cfg["staleness"] + rng.randint(0, 3)
     if cfg["paradigm"] == "hsp":
         cfg["hsp_max_stale"] = rng.randint(0, 2)
+    if cfg["paradigm"] in ("bsp", "asp", "ssp", "dssp", "eager"):  # periodic checkpoints, now and then
+        cfg["checkpoint_every"] = rng.choice([None, None, 3, 7])
     return cfg
 
 
@@ -40,14 +42,30 @@ def test_random_configurations_end_lose_nothing_and_keep_their_bounds(world, mpi
     failures = []
     for i in range(RUNS):
         cfg = _configuration(rng)
-        _, t = train(mpi_tmp_path / f"r{i}.h5", **cfg)
+        ckdir = mpi_tmp_path / f"r{i}-checkpoints"
+        _, t = train(mpi_tmp_path / f"r{i}.h5", checkpoint_dir=str(ckdir), **cfg)
         problems = None
         if world.rank == 0:
-            problems = _check(cfg, t)
+            problems = _check(cfg, t) + _check_checkpoints(cfg, ckdir)
         problems = share(world, problems)
         if problems:
             failures.append((cfg, problems))
     assert not failures, failures
+
+
+def _check_checkpoints(cfg: dict, ckdir) -> list[str]:
+    """Every periodic checkpoint is a consistent cut: each shard applied exactly the cut's gradients (its
+    version is the sum of the workers' clocks: no gradient is dropped in these runs), bsp's between rounds."""
+    from hpcps.runtime.checkpoint import read_checkpoint
+
+    problems = []
+    for path in sorted(ckdir.glob("step-*.h5")) if cfg.get("checkpoint_every") else ():
+        c = read_checkpoint(str(path), complete=True)
+        total = int(c.worker_clocks.sum())
+        expected = total // len(c.worker_clocks) if cfg["paradigm"] == "bsp" else total
+        if [c.shard_version(s) for s in range(cfg["servers"])] != [expected] * cfg["servers"]:
+            problems.append(f"{path.name}: shard versions {c.shard_versions} for clocks {c.worker_clocks}")
+    return problems
 
 
 def _check(cfg: dict, t: dict) -> list[str]:

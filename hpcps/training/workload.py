@@ -25,7 +25,7 @@ from hpcps.data.batches import DataSource, FactoryData, TorchData, is_dataset
 from hpcps.config import TrainConfig
 from hpcps.data.sharding import split_indices
 from hpcps.data.datasets import builtin_dataset, is_builtin_name
-from hpcps.errors import UserError
+from hpcps.errors import RunAborted, UserError
 from hpcps.training.models import MODELS, torchvision_model
 from hpcps.training.optim import OptimizerFactory, Schedule, builtin_optimizer
 from hpcps.training.plugins import call_with_accepted, is_plugin, load_plugin
@@ -39,7 +39,20 @@ EvalFn = Callable[[torch.nn.Module, Iterable[Any]], Mapping[str, float]]
 def cross_entropy(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The default loss: cross-entropy of ``model(x)`` against integer labels ``y`` of an ``(x, y)`` batch."""
     x, y = batch
-    return F.cross_entropy(model(x), y)
+    return _labelled_cross_entropy(model(x), y)
+
+
+def _labelled_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy``, where a label beyond the model's outputs is one line saying so (torch's
+    ``IndexError`` named neither the label nor the model's width)."""
+    try:
+        return F.cross_entropy(out, y)
+    except IndexError:
+        if y.numel() and out.ndim >= 2 and int(y.max()) >= out.shape[1]:
+            raise RunAborted(f"a label of the batch is {int(y.max())}, beyond the model's {out.shape[1]} outputs "
+                             f"(labels must be 0 to {out.shape[1] - 1}): the data has more classes than the "
+                             f"data set says, or the model was built for fewer") from None
+        raise
 
 
 def mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -60,7 +73,7 @@ def default_evaluate(loss: LossFn) -> EvalFn:
         for batch in batches:
             classify = isinstance(batch, (tuple, list)) and len(batch) == 2 and _labels(batch[1])
             out = model(batch[0]) if classify else None
-            value = F.cross_entropy(out, batch[1]) if loss is cross_entropy else loss(model, batch)
+            value = _labelled_cross_entropy(out, batch[1]) if loss is cross_entropy else loss(model, batch)
             size = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
             loss_sum, n = loss_sum + float(value.detach()) * size, n + size
             if classify and out.ndim == 2:

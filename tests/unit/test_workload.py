@@ -232,3 +232,21 @@ def test_a_batch_size_with_a_batch_factory_is_refused_in_python_spelling():
     with pytest.raises(UserError, match="unknown keyword argument 'batchsize' \\(did you mean 'batch_size'\\?\\)"):
         hpcps.train(model=lambda: torch.nn.Linear(3, 2), data=factory, batchsize=8, comm=MPI.COMM_SELF,
                     exit_on_error=False)
+
+
+def test_a_label_beyond_the_models_outputs_is_one_line_saying_so():
+    """Labels up to 11 for a model of 10 outputs (a data set that says 10 classes): RunAborted naming the
+    label and the width, on the training loss and on the evaluation alike (it was torch's bare IndexError)."""
+    import torch
+
+    from hpcps.errors import RunAborted
+    from hpcps.training.workload import cross_entropy, default_evaluate
+
+    model = torch.nn.Linear(4, 10)
+    batch = (torch.zeros(3, 4), torch.tensor([1, 11, 2]))
+    with pytest.raises(RunAborted, match=r"a label of the batch is 11, beyond the model's 10 outputs \(labels must "
+                                         r"be 0 to 9\)"):
+        cross_entropy(model, batch)
+    with pytest.raises(RunAborted, match="beyond the model's 10 outputs"):
+        default_evaluate(cross_entropy)(model, [batch])
+    assert float(cross_entropy(model, (torch.zeros(3, 4), torch.tensor([1, 9, 2])))) > 0

@@ -20,7 +20,11 @@ worker released. Two things differ:
 
 The policy counts versions itself (one per update it names), so it knows
 ``s`` when it decides; a resumed run starts counting at its checkpoint's
-version (:meth:`resume_at`).
+version (:meth:`resume_at`). Extras are versions too, in numbers nobody
+knows ahead, so a shard runs an hsp run's learning-rate schedule on the
+gradients applied over the workers instead of the version
+(:meth:`hpcps.runtime.server.ShardServer.position`): it reaches ``--steps``
+with the run's last gradient.
 """
 
 from __future__ import annotations

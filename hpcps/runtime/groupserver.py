@@ -35,9 +35,13 @@ class GroupServer(ShardServer):
     """
 
     def __init__(self, *, central_pusher: Pusher, central_notices: NoticeBox, central_window: ParamWindow,
-                 agg: np.ndarray, weight: float = 1.0, **kwargs) -> None:
+                 agg: np.ndarray, weight: float = 1.0, central_rate: float | None = None,
+                 central_schedule=None, **kwargs) -> None:
+        """``central_rate``, ``central_schedule``: the central optimizer's own rate and its schedule by
+        version, for the rate this group's workers are told their gradients were applied at."""
         super().__init__(**kwargs)
         self.weight = weight
+        self.central_rate, self.central_schedule = central_rate, central_schedule
         self.central_pusher, self.central_notices, self.central_window = central_pusher, central_notices, central_window
         self.agg_t = torch.from_numpy(agg)
         self.central_versions = np.zeros(len(central_window.shard_ranks), np.int64)
@@ -55,9 +59,12 @@ class GroupServer(ShardServer):
 
         wait_until(said_bye, self.backoff)
 
-    def _rate(self, version: int, factor: float) -> float:
-        """A group update goes to the central shards at ``--lr`` x the factor x this group's weight."""
-        return super()._rate(version, factor * self.weight)
+    def _rate(self, version: float, factor: float) -> float:
+        """A group update goes to the central shards at ``--lr`` x the factor x this group's weight, where
+        the central optimizer's rate and schedule (at the central version it was applied at) apply."""
+        if self.central_schedule is None:
+            return super()._rate(version, factor * self.weight)
+        return self.central_rate * self.central_schedule(version) * factor * self.weight
 
     def _pull_central(self) -> None:
         versions, stop = self.central_window.pull(self.master, self.backoff)

@@ -627,6 +627,7 @@ class _Run:
         )
         if self.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
             server.clocks = [int(c) for c in self.ckpt.worker_clocks]
+            server.gradients_applied = int(sum(server.clocks))  # where hsp's schedule resumes
         if snapshots is not None:
             snapshots.server, snapshots.last_version = server, start_version
         server.run()
@@ -793,6 +794,7 @@ class _Run:
             backoff=self.backoff, central_pusher=central_pusher, central_notices=central_notices,
             side_tasks=[("other", self._spread_signal(central, own=window))],
             central_window=central, agg=agg, weight=len(members) * self.layout.n_groups / self.layout.n_workers,
+            central_rate=self.rate, central_schedule=self.schedule(self.rate),
             timeline=self.timeline(recorder),
         ).run()
         inbox.free()
@@ -831,7 +833,6 @@ class _Run:
                      blocks=policy.worker_blocks, recorder=recorder,
                      clock=self.clock, steps=self.steps, lr=cfg.lr * self.lr_scale(),
                      lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
-                     schedule=self.schedule(self.rate), rate=self.rate * self.lr_scale(),
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,

@@ -140,6 +140,7 @@ class ShardServer:
         self.on_published = on_published
         self.table = table
         self.pending: dict[int, PushEvent] = {}
+        self.gradients_applied = 0  # by this shard (a resumed run: its workers' clocks, all together)
         self.round_sum = round_sum
         self.tl = timeline or NullTimeline()
         self.codec = codec or Codec()
@@ -183,7 +184,7 @@ class ShardServer:
                 self.backoff.pause()
                 continue
             self.backoff.reset()
-            notices: dict[int, list[int]] = {}
+            notices: dict[int, list] = {}
             version_before = self.version
             for event in events:
                 self._handle(event, notices)
@@ -194,8 +195,8 @@ class ShardServer:
                 if self.on_published is not None:  # before any grant: every blocked worker still waits
                     self.on_published(self.version)
             tl.enter("notify")
-            for worker, (flags, clock, version, staleness) in notices.items():
-                self.notifier.send(worker, flags, clock, version, staleness)
+            for worker, (flags, clock, version, staleness, lr) in notices.items():
+                self.notifier.send(worker, flags, clock, version, staleness, lr)
             tl.enter("wait")
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
@@ -210,7 +211,7 @@ class ShardServer:
             self.recorder.add("servers/transfers", (self.rank, self.shard, self.worker_ranks[worker], began, ended))
         self.inbox.transfers.clear()
 
-    def _handle(self, event: PushEvent | LeaveEvent, notices: dict[int, list[int]]) -> None:
+    def _handle(self, event: PushEvent | LeaveEvent, notices: dict[int, list]) -> None:
         now = self.clock()
         self.heard[event.worker] = now
         if isinstance(event, PushEvent):
@@ -249,7 +250,7 @@ class ShardServer:
             self.inbox.free_buffer(worker)
         self.tl.enter("other")
 
-    def _carry_out(self, decision: Decision, notices: dict[int, list[int]]) -> None:
+    def _carry_out(self, decision: Decision, notices: dict[int, list]) -> None:
         named = [w for group in decision.updates for w in group] + list(decision.drops)
         if len(set(named)) != len(named) or not self.pending.keys() >= set(named):
             raise RuntimeError(f"paradigm {self.policy.name or type(self.policy).__name__!r} decided {decision}, but "
@@ -258,7 +259,7 @@ class ShardServer:
         for w in decision.drops:  # discarded by the paradigm (a round's late gradient): never applied
             push = self.pending.pop(w)
             self._row(push, self.version, applied=False, reason=3, lr=math.nan)
-            _note(notices, w, wire.RECEIPT | wire.DROPPED, push.clock, self.version, -1)
+            _note(notices, w, wire.RECEIPT | wire.DROPPED, push.clock, self.version, -1, math.nan)
             self.inbox.release(w)
             if self.on_applied is not None:
                 self.on_applied(1)
@@ -270,7 +271,7 @@ class ShardServer:
             else:
                 finite = [p for p in pushes if self._finite(p)]
                 self.tl.enter("other")
-            at = self.version
+            at, position = self.version, self.position()
             weight = decision.weights[k] if decision.weights else 1.0
             if finite and summed:
                 _, factor = update_terms([p.lr / self.unit_lr for p in finite])
@@ -281,13 +282,16 @@ class ShardServer:
                 # each buffer change damped by its staleness (1 for a gradient computed on this version)
                 means = [1.0 / (len(finite) * (1 + max(self.version - p.version, 0))) for p in finite]
                 at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor, means=means)
-            lr = self._rate(at, weight * update_terms([p.lr / self.unit_lr for p in finite])[1]) if finite else math.nan
+            where = position if self.policy.extra_gradients else at  # a group server's: the central version
+            lr = self._rate(where, weight * update_terms([p.lr / self.unit_lr for p in finite])[1]) \
+                if finite else math.nan
+            self.gradients_applied += len(finite)
             for p in pushes:
                 applied = p in finite
                 staleness = at - p.version if applied else -1
                 self._row(p, at, applied=applied, reason=0 if applied else 2 if p.skip else 1, lr=lr)
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
-                _note(notices, p.worker, flags, p.clock, at, staleness)
+                _note(notices, p.worker, flags, p.clock, at, staleness, lr if applied else math.nan)
                 self.inbox.release(p.worker)
             if summed:
                 self.round_sum.close()
@@ -304,7 +308,15 @@ class ShardServer:
             self.rank, self.shard, self.clock(), self.worker_ranks[push.worker], push.clock, version,
             version - push.version if applied else -1, self.policy.threshold(push.worker), int(applied), reason, lr))
 
-    def _rate(self, version: int, factor: float) -> float:
+    def position(self) -> float:
+        """Where the learning-rate schedule is: the version, or for a paradigm with extra gradients (hsp,
+        whose extras are versions too, in numbers nobody knows ahead) the gradients applied over the
+        clients, so that the run's last gradient is at ``--steps``, the schedule's horizon."""
+        if self.policy.extra_gradients:
+            return self.gradients_applied / len(self.worker_ranks)
+        return self.version
+
+    def _rate(self, version: float, factor: float) -> float:
         """The learning rate an update at ``version`` with factor ``factor`` is applied at (the optimizer's
         own rate, or its first param group's, x the schedule x the factor; a group server: ``--lr`` x
         the factor, the central shards' schedule applying on top)."""
@@ -320,7 +332,7 @@ class ShardServer:
         p = self.n_params
         means = means or [1.0 / len(grads)] * len(grads)
         self.tl.enter("step")
-        self.optimizer.step([g[:p] for g in grads], coeffs, version=self.version, factor=factor,
+        self.optimizer.step([g[:p] for g in grads], coeffs, version=self.position(), factor=factor,
                             progress=self.progress)
         if p < len(self.master):
             apply_update(self.master_t[p:], [g[p:] for g in grads], [-m for m in means], progress=self.progress)
@@ -385,9 +397,10 @@ class ShardServer:
         return False
 
 
-def _note(notices: dict[int, list[int]], worker: int, flag: int, *fields: int) -> None:
-    """Merge ``flag`` (and receipt fields) into the one notice ``worker`` gets this step."""
-    entry = notices.setdefault(worker, [0, -1, -1, -1])
+def _note(notices: dict[int, list], worker: int, flag: int, *fields) -> None:
+    """Merge ``flag`` (and receipt fields: clock, version, staleness, rate) into the one notice ``worker``
+    gets this step."""
+    entry = notices.setdefault(worker, [0, -1, -1, -1, math.nan])
     entry[0] |= flag
     if fields:
         entry[1:] = fields

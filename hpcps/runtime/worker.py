@@ -79,7 +79,6 @@ class Worker:
                  window: ParamWindow, pusher: Pusher, notices: NoticeBox, blocks: bool, recorder,
                  clock: Callable[[], float], steps: int, lr: float, lr_staleness: str = "none",
                  faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
-                 schedule: Callable[[int], float] | None = None, rate: float | None = None,
                  stall_abort: float | None = None, backoff: Backoff | None = None,
                  take_signal: Callable[[], str | None] | None = None, timeline=None,
                  stage: Callable[[np.ndarray, bool], None] | None = None) -> None:
@@ -93,10 +92,7 @@ class Worker:
         self.blocks = blocks
         self.recorder = recorder
         self.clock = clock
-        self.steps, self.lr = steps, lr
-        # the row's lr is the rate applied: the optimizer's own ``rate`` x the schedule at the version the
-        # gradient was applied to x the worker's staleness factor (filled in when the receipt comes)
-        self.schedule, self.rate = schedule or (lambda v: 1.0), rate if rate is not None else lr
+        self.steps, self.lr = steps, lr  # the row's lr becomes the rate applied, from shard 0's receipt
         self.lr_staleness = lr_staleness
         self.extra_scale = 1.0  # an extra gradient's rate over a round's (HSPWorker)
         self.faults = {f.step: f for f in faults}
@@ -275,16 +271,16 @@ class Worker:
                 self.grants[note.shard] += 1
             if note.flags & wire.RECEIPT:
                 self.receipts.setdefault(note.clock, []).append((note.staleness, bool(note.flags & wire.DROPPED),
-                                                                  note.version))
+                                                                  note.shard, note.lr))
                 if not note.flags & wire.DROPPED:
                     self.known[note.shard] = max(self.known[note.shard], note.version + 1)
         for clock in [c for c, got in self.receipts.items() if len(got) == n_shards and c in self.rows]:
             got = self.receipts.pop(clock)
             row = self.rows.pop(clock)
-            dropped = any(d for _, d, _ in got)
-            row["staleness"] = -1 if dropped else max(s for s, _, _ in got)
-            # the rate applied (shard 0's version; NaN for a gradient never applied)
-            row["lr"] = math.nan if dropped else row["lr"] * (self.rate / self.lr) * self.schedule(min(v for _, _, v in got))
+            dropped = any(d for _, d, _, _ in got)
+            row["staleness"] = -1 if dropped else max(s for s, _, _, _ in got)
+            # the rate shard 0 applied it at, as its receipt says (NaN for a gradient never applied)
+            row["lr"] = math.nan if dropped else min(got, key=lambda r: r[2])[3]
             self.recorder.add("workers/iterations", tuple(row[name] for name in ITERATION.names))
 
 

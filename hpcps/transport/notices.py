@@ -31,8 +31,11 @@ class Notifier:
         self.max_pending = max_pending
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
 
-    def send(self, worker: int, flags: int, clock: int = -1, version: int = -1, staleness: int = -1) -> None:
-        buf = np.array([flags, clock, version, staleness], np.int64)
+    def send(self, worker: int, flags: int, clock: int = -1, version: int = -1, staleness: int = -1,
+             lr: float = float("nan")) -> None:
+        """One notice to ``worker``; a receipt carries the rate its gradient was applied at (``lr``)."""
+        buf = np.array([flags, clock, version, staleness, 0], np.int64)
+        buf[4:5].view(np.float64)[0] = lr
         req = self.comm.Isend(buf, dest=self.worker_ranks[worker], tag=wire.TAG_NOTICE)
         self._pending.append((req, buf))
         if len(self._pending) >= self.max_pending:
@@ -57,6 +60,7 @@ class Notice:
     clock: int
     version: int
     staleness: int
+    lr: float = float("nan")  # a receipt's: the learning rate the gradient was applied at
 
 
 class NoticeBox:
@@ -73,8 +77,8 @@ class NoticeBox:
     def poll(self) -> list[Notice]:
         out = []
         for s in MPI.Request.Testsome(self.reqs) or ():
-            flags, clock, version, staleness = (int(v) for v in self.bufs[s])
-            out.append(Notice(s, flags, clock, version, staleness))
+            flags, clock, version, staleness = (int(v) for v in self.bufs[s, :4])
+            out.append(Notice(s, flags, clock, version, staleness, float(self.bufs[s, 4:5].view(np.float64)[0])))
             if flags & wire.BYE:
                 self.open -= 1
             else:

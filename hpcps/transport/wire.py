@@ -24,10 +24,11 @@ last push.
 
 Notice (server shard -> worker)::
 
-    tag NOTICE        int64[4]  flags, clock, version, staleness
+    tag NOTICE        int64[5]  flags, clock, version, staleness, lr (float64 bits)
 
 ``flags`` is a bit set: ``RECEIPT`` (the push with that clock was applied,
-at server ``version``, with that ``staleness``; or ``DROPPED`` with it),
+at server ``version``, with that ``staleness``, at learning rate ``lr``; or
+``DROPPED`` with it, ``lr`` NaN),
 ``GRANT`` (the worker may start its next iteration), ``BYE`` (answer to
 ``DONE``; the last notice the shard sends that worker), ``TRANSFER`` (serial
 transfers: send the payload of your oldest waiting push now).
@@ -65,7 +66,7 @@ HEADER_LEN = 6
 KIND_PUSH = 1
 KIND_DONE = 2
 
-NOTICE_LEN = 4
+NOTICE_LEN = 5
 RECEIPT = 1
 GRANT = 2
 BYE = 4

@@ -133,3 +133,33 @@ def test_all_nan_data_stops_the_run_saying_so(world, mpi_tmp_path):
                           if k in ("stopped_by", "gradients_pushed", "gradients_applied")} if world.rank == 0 else None)
     assert facts["stopped_by"] == "diverged" and facts["gradients_applied"] == 0
     assert facts["gradients_pushed"] < 4 * 300 // 2  # long before its last step
+
+
+@pytest.mark.timeout(90)
+def test_hsps_cosine_schedule_runs_over_the_whole_run(world, mpi_tmp_path):
+    """hsp with a 3x straggler makes extra gradients, which are versions too: the schedule runs on the
+    gradients applied over the workers, so the cosine reaches its end with the run's last gradient (it
+    reached 0 about halfway, and the rest of the run learned nothing). Every update's rate is the cosine at
+    that point, and the workers' rows carry the rates the shard applied, extras' 1/(1+s) included."""
+    from mpitest import share, train
+
+    steps = 40
+    _, t = train(mpi_tmp_path / "hsp-cos.h5", paradigm="hsp", steps=steps, lr=0.1, lr_schedule="cosine",
+                 slowdown=["4=3"], compute_time=0.003, hsp_max_stale=1)
+    facts = None
+    if world.rank == 0:
+        up, it = t["servers/updates"], t["workers/iterations"]
+        applied = up[up["applied"] == 1]
+        versions = int(applied["version"].max()) + 1
+        by_push = {(int(r["worker"]), int(r["worker_clock"])): float(r["lr"]) for r in applied}
+        rows = {(int(r["rank"]), int(r["step"]) + 1): float(r["lr"]) for r in it}
+        facts = {"versions": versions, "extras": versions - steps,
+                 "late_zero": int((applied["lr"][applied["version"] < versions - 4] < 1e-6).sum()),
+                 "last": float(applied["lr"][applied["version"] == versions - 1].max()),
+                 "half": float(applied["lr"][applied["version"] == versions // 2].max()),
+                 "rows_match": all(rows[k] == v for k, v in by_push.items())}
+    facts = share(world, facts)
+    assert facts["extras"] > 5  # extras really were made, and are versions
+    assert facts["late_zero"] == 0  # no update before the last few at a zero rate
+    assert facts["half"] > 0.02 and facts["last"] < 0.01  # half way it still learns; it ends near 0
+    assert facts["rows_match"]

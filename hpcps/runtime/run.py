@@ -607,7 +607,7 @@ class _Run:
                 recorder.watchers.setdefault("workers/iterations", []).append(self._divergence_watch(window))
                 recorder.watchers.setdefault("servers/updates", []).append(self._nonfinite_start_watch(window))
         snapshots = None
-        if (cfg.checkpoint_every or cfg.checkpoint_interval) and policy.applies_on_arrival and not grouped:
+        if (cfg.checkpoint_every or cfg.checkpoint_interval) and policy.applies_on_arrival:
             snapshots = self._snapshots(window, optimizer, policy)  # a consistent cut while the run goes on
             side_tasks.append(("checkpoint", snapshots.tick))
         server = ShardServer(
@@ -866,7 +866,8 @@ class _Run:
         def write_part(path: str) -> None:
             write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
 
-        def write_main(staging: str, clocks: list[int], versions: list[int]) -> str:
+        def write_main(staging: str, cut: list[int], versions: list[int]) -> str:
+            clocks = self._worker_clocks_at(cut)
             buf = np.empty(self.flat.size, np.float32)
             got, _ = window.pull(buf, Backoff(), exact=True)
             while got.tolist() != versions:  # a shard's publish of the cut's version may have been deferred
@@ -882,6 +883,20 @@ class _Run:
         return Snapshots(self.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
                          write_part=write_part, write_main=write_main,
                          path_for=lambda epoch: os.path.join(self.ckpt_dir, f"cut-{epoch:06d}.h5"))
+
+    def _worker_clocks_at(self, cut: list[int]) -> list[int]:
+        """Each worker's clock at a cut of the central shards' clients' clocks: the workers' own, or
+        (grouped) each group's rounds of this run after its members' clock at the start. A group's round in
+        progress at the group server is not in the cut: its members push it again on resume."""
+        layout = self.layout
+        if not layout.n_groups:
+            return list(cut)
+        clocks = [0] * layout.n_workers
+        for g, members in enumerate(layout.group_members()):
+            for rank in members:
+                w = layout.worker_index(rank)
+                clocks[w] = int(cut[g]) + (int(self.ckpt.worker_clocks[w]) if self.ckpt is not None else 0)
+        return clocks
 
     def _checkpointer(self, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
         """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.

@@ -108,3 +108,33 @@ def test_a_periodic_checkpoint_is_a_consistent_cut_and_resumes_with_the_accounti
     assert facts2["lost"] == 0
     assert facts2["pushed"] + sum(facts["clocks"]) == 3 * steps
     assert facts2["starts"] == facts["clocks"]  # each worker resumed at its clock in the cut
+
+
+@pytest.mark.timeout(120)
+def test_grouped_checkpoints_periodically_and_resumes_with_the_accounting_exact(world, mpi_tmp_path):
+    """grouped (1 central shard, 2 group servers of one worker each): a cut every 10 central versions, taken
+    on the central shard with the group servers as its clients; each worker's clock in it is its group's
+    rounds, so the central version is their sum, and the run resumed from the first pushes exactly the rest."""
+    from hpcps.runtime.checkpoint import read_checkpoint
+
+    steps, ckdir = 40, mpi_tmp_path / "periodic-grouped"
+    common = dict(paradigm="grouped", groups=2, steps=steps, seed=2, compute_time=0.002, slowdown=["4=2"],
+                  checkpoint_every=10, checkpoint_dir=str(ckdir))
+    train(mpi_tmp_path / "periodic-grouped.h5", **common)
+    facts = None
+    if world.rank == 0:
+        cuts = [read_checkpoint(str(p)) for p in sorted(ckdir.glob("step-*.h5"))]
+        facts = {"n": len(cuts), "first": str(sorted(ckdir.glob("step-*.h5"))[0]),
+                 "consistent": [c.version == int(c.worker_clocks.sum()) for c in cuts],
+                 "clocks": cuts[0].worker_clocks.tolist()}
+    facts = share(world, facts)
+    assert facts["n"] >= 3 and all(facts["consistent"])
+    _, t = train(mpi_tmp_path / "periodic-grouped-resumed.h5", resume=facts["first"],
+                 **{**common, "checkpoint_dir": str(ckdir / "again")})
+    facts2 = None
+    if world.rank == 0:
+        s = t["summary"]
+        facts2 = {"pushed": int(s["gradients_pushed"]),
+                  "lost": int(s["gradients_pushed"] - s["gradients_applied"] - s["gradients_dropped"])}
+    facts2 = share(world, facts2)
+    assert facts2["lost"] == 0 and facts2["pushed"] + sum(facts["clocks"]) == 2 * steps

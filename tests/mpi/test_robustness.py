@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from hpcps.cluster.layout import Layout
 from mpitest import clocks_at, share, train
 
 pytestmark = pytest.mark.mpi(min_size=5)
@@ -31,7 +32,7 @@ def _configuration(rng: random.Random) -> dict:
         cfg["staleness_max"] = cfg["staleness"] + rng.randint(0, 3)
     if cfg["paradigm"] == "hsp":
         cfg["hsp_max_stale"] = rng.randint(0, 2)
-    if cfg["paradigm"] in ("bsp", "asp", "ssp", "dssp", "eager"):  # periodic checkpoints, now and then
+    if cfg["paradigm"] in ("bsp", "asp", "ssp", "dssp", "eager", "grouped"):  # periodic checkpoints, now and then
         cfg["checkpoint_every"] = rng.choice([None, None, 3, 7])
     return cfg
 
@@ -55,7 +56,8 @@ def test_random_configurations_end_lose_nothing_and_keep_their_bounds(world, mpi
 
 def _check_checkpoints(cfg: dict, ckdir) -> list[str]:
     """Every periodic checkpoint is a consistent cut: each shard applied exactly the cut's gradients (its
-    version is the sum of the workers' clocks: no gradient is dropped in these runs), bsp's between rounds."""
+    version is the sum of the workers' clocks: no gradient is dropped in these runs; grouped's, of the
+    groups' rounds), bsp's between rounds."""
     from hpcps.runtime.checkpoint import read_checkpoint
 
     problems = []
@@ -63,6 +65,10 @@ def _check_checkpoints(cfg: dict, ckdir) -> list[str]:
         c = read_checkpoint(str(path), complete=True)
         total = int(c.worker_clocks.sum())
         expected = total // len(c.worker_clocks) if cfg["paradigm"] == "bsp" else total
+        if cfg["groups"]:  # a central version per group round: each group's rounds are its members' clock
+            layout = Layout(5, cfg["servers"], cfg["groups"])
+            expected = sum(int(c.worker_clocks[layout.worker_index(members[0])])
+                           for members in layout.group_members())
         if [c.shard_version(s) for s in range(cfg["servers"])] != [expected] * cfg["servers"]:
             problems.append(f"{path.name}: shard versions {c.shard_versions} for clocks {c.worker_clocks}")
     return problems

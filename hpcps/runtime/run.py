@@ -171,6 +171,16 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
         return run.end()
 
 
+def _pull_at(window: ParamWindow, buf: np.ndarray, versions: list[int]) -> None:
+    """Pull every shard's fp32 parameters into ``buf`` as published at ``versions`` (one per shard), pulling
+    again while a shard has not published its yet (its publish, or rank 0's own, may have been deferred
+    for a lapped reader): for a checkpoint, taken while no shard steps past those versions."""
+    got, _ = window.pull(buf, Backoff(), exact=True)
+    while got.tolist() != list(versions):
+        window.publish_held()
+        got, _ = window.pull(buf, Backoff(), exact=True)
+
+
 def model_shape(model: torch.nn.Module) -> tuple:
     """What must be the same on every rank: the names and shapes of the model's parameters and buffers."""
     return (tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad),
@@ -869,10 +879,7 @@ class _Run:
         def write_main(staging: str, cut: list[int], versions: list[int]) -> str:
             clocks = self._worker_clocks_at(cut)
             buf = np.empty(self.flat.size, np.float32)
-            got, _ = window.pull(buf, Backoff(), exact=True)
-            while got.tolist() != versions:  # a shard's publish of the cut's version may have been deferred
-                window.publish_held()
-                got, _ = window.pull(buf, Backoff(), exact=True)
+            _pull_at(window, buf, versions)
             path = checkpoint_path(self.ckpt_dir, versions[0])
             for shard in range(self.layout.n_servers):  # the parts beside it; the main file last, so a
                 os.replace(optimizer_state_path(staging, shard), optimizer_state_path(path, shard))  # whole one
@@ -919,10 +926,7 @@ class _Run:
             write_optimizer_state(path, rank, optimizer.state_dict())
             if rank != 0:
                 return
-            versions, _ = window.pull(buf, Backoff(), exact=True)
-            while not (versions == version).all():
-                window.publish_held()  # ours may have been deferred for a lapped reader
-                versions, _ = window.pull(buf, Backoff(), exact=True)
+            _pull_at(window, buf, [version] * self.layout.n_servers)
             write_checkpoint(path, buf, version=version, worker_clocks=list(clocks()),
                              config=self.ran_config(), n_servers=self.layout.n_servers)
             log.info("checkpoint of version %d written to %s", version, path)

@@ -258,7 +258,7 @@ class ShardServer:
                                f"can be applied or dropped once")
         for w in decision.drops:  # discarded by the paradigm (a round's late gradient): never applied
             push = self.pending.pop(w)
-            self._row(push, self.version, applied=False, reason=3, lr=math.nan)
+            self._row(push, self.version, self.clock(), applied=False, reason=3, lr=math.nan)
             _note(notices, w, wire.RECEIPT | wire.DROPPED, push.clock, self.version, -1, math.nan)
             self.inbox.release(w)
             if self.on_applied is not None:
@@ -273,23 +273,22 @@ class ShardServer:
                 self.tl.enter("other")
             at, position = self.version, self.position()
             weight = decision.weights[k] if decision.weights else 1.0
+            coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite]) if finite else ([], 1.0)
             if finite and summed:
-                _, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 n = len(finite)
                 at = self._update([self.round_sum.acc], [1.0 / (n * factor)], weight * factor, means=[1.0 / n])
             elif finite:
-                coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite])
                 # each buffer change damped by its staleness (1 for a gradient computed on this version)
                 means = [1.0 / (len(finite) * (1 + max(self.version - p.version, 0))) for p in finite]
                 at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor, means=means)
             where = position if self.policy.extra_gradients else at  # a group server's: the central version
-            lr = self._rate(where, weight * update_terms([p.lr / self.unit_lr for p in finite])[1]) \
-                if finite else math.nan
+            lr = self._rate(where, weight * factor) if finite else math.nan
             self.gradients_applied += len(finite)
+            t = self.clock()
             for p in pushes:
                 applied = p in finite
                 staleness = at - p.version if applied else -1
-                self._row(p, at, applied=applied, reason=0 if applied else 2 if p.skip else 1, lr=lr)
+                self._row(p, at, t, applied=applied, reason=0 if applied else 2 if p.skip else 1, lr=lr)
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
                 _note(notices, p.worker, flags, p.clock, at, staleness, lr if applied else math.nan)
                 self.inbox.release(p.worker)
@@ -302,10 +301,11 @@ class ShardServer:
             _note(notices, w, wire.GRANT)
 
 
-    def _row(self, push: PushEvent, version: int, *, applied: bool, reason: int, lr: float) -> None:
-        """``push``'s row of this shard's table: applied at ``version`` at rate ``lr``, or dropped for ``reason``."""
+    def _row(self, push: PushEvent, version: int, t: float, *, applied: bool, reason: int, lr: float) -> None:
+        """``push``'s row of this shard's table, at time ``t``: applied at ``version`` at rate ``lr``, or dropped
+        for ``reason``."""
         self.recorder.add(self.table, (
-            self.rank, self.shard, self.clock(), self.worker_ranks[push.worker], push.clock, version,
+            self.rank, self.shard, t, self.worker_ranks[push.worker], push.clock, version,
             version - push.version if applied else -1, self.policy.threshold(push.worker), int(applied), reason, lr))
 
     def position(self) -> float:

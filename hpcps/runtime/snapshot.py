@@ -11,7 +11,7 @@ The protocol (one :class:`Snapshots` per central shard, driven by the
 shard's loop as a side task; messages on the shards' own communicator,
 rank 0 coordinating):
 
-1. **Pause.** When shard 0 publishes a version that is a multiple of
+1. **Pause.** When shard 0's version crosses a multiple of
    ``--checkpoint-every`` (or ``--checkpoint-interval`` seconds have passed),
    it tells every shard. Each holds what it has not taken up yet
    (:meth:`hpcps.transport.push.PushInbox.hold_after` its clocks in hand) and

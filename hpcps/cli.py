@@ -176,9 +176,9 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g = t.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", metavar="VERSIONS",
                    help="write a checkpoint every VERSIONS versions of shard 0 (bsp: rounds), while the run goes "
-                        "on: bsp, asp, ssp, dssp, eager, grouped (HDF5, written atomically)")
+                        "on, under every paradigm (hsp: at the next round's close; HDF5, written atomically)")
     g.add_argument("--checkpoint-interval", type=float, dest="checkpoint_interval", metavar="SECONDS",
-                   help="asp, ssp, dssp, eager, grouped: write a checkpoint every SECONDS seconds (with or instead of "
+                   help="every paradigm but bsp: write a checkpoint every SECONDS seconds (with or instead of "
                         "--checkpoint-every)")
     g.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR",
                    help="where checkpoints go, as step-NNNNNN.h5 (default: the run's own, $HPCPS_RUN_DIR/checkpoints "

@@ -27,10 +27,10 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
                 staleness_max=cfg.s_hi)
     periodic = "--checkpoint-every" if cfg.checkpoint_every else "--checkpoint-interval" if cfg.checkpoint_interval \
         else None
-    if periodic and not (cls.name == "bsp" or cls.applies_on_arrival):
-        raise UserError(f"{periodic}: periodic checkpoints are taken under bsp, grouped and the paradigms that "
-                        f"apply every gradient on arrival (asp, ssp, dssp, eager), not under --paradigm "
-                        f"{cfg.paradigm} yet; every paradigm writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")
+    if periodic and cls.periodic_cut() is None:
+        raise UserError(f"{periodic}: --paradigm {cfg.paradigm} holds gradients its own way, and periodic "
+                        f"checkpoints cut only paradigms that hold rounds or apply every gradient on arrival "
+                        f"(every built-in one); a run of it writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")
     if cfg.checkpoint_interval and cls.name == "bsp":
         raise UserError("--checkpoint-interval: under bsp give --checkpoint-every ROUNDS (a checkpoint between "
                         "two rounds)")

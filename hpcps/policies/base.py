@@ -126,12 +126,24 @@ class Policy(ABC):
         own update: ``--lr / N``). ``extra``: the factor of an extra gradient (``extra_gradients``)."""
         return 1.0 / cls.updates_per_step(n_clients)
 
+    @classmethod
+    def periodic_cut(cls) -> str | None:
+        """Where a periodic checkpoint (``--checkpoint-every``, ``--checkpoint-interval``) can cut a run of
+        this paradigm (hpcps.runtime.snapshot): ``"rounds"``, between two rounds (a paradigm that holds
+        rounds, each over one gradient of every active worker, with extras between them if it has any);
+        ``"clocks"``, anywhere, at a clock per worker (every gradient applied on arrival); None: nowhere
+        yet (a paradigm that holds gradients its own way), and a run asking for one is refused."""
+        if cls.holds_rounds:
+            return "rounds"
+        return "clocks" if cls.applies_on_arrival else None
+
     def resume_at(self, version: int) -> None:
         """The shard resumes at ``version`` (from a checkpoint); policies that count versions start there."""
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this policy beyond its version: numbers, strings and lists in a dict
-        (saved at the end of a run, when every worker has left); ``{}``: nothing."""
+        (saved with each checkpoint: when a signal stops the run, once every worker has left, and at each
+        periodic cut); ``{}``: nothing."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:

@@ -40,6 +40,7 @@ class RoundSum:
         self.arrived: dict[int, None] = {}  # the round's gradients in hand, in arrival order
         self.finite: dict[int, bool] = {}  # summed this round: whether the gradient was added
         self._next = 0
+        self.closed = 0  # rounds applied in this run
 
     def arrive(self, worker: int) -> None:
         """``worker``'s gradient of this round is in hand."""
@@ -79,6 +80,7 @@ class RoundSum:
 
     def close(self) -> None:
         """The round was applied: start the next from zero."""
+        self.closed += 1
         self.acc.zero_()
         self.arrived.clear()
         self.finite.clear()

@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -69,7 +69,7 @@ from hpcps.policies import Policy, make_policy, policy_class
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.signals import StopSignals, announce
-from hpcps.runtime.snapshot import Snapshots
+from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport import wire
 from hpcps.transport.compress import make_codec
@@ -616,9 +616,13 @@ class _Run:
             if cfg.divergence == "stop":
                 recorder.watchers.setdefault("workers/iterations", []).append(self._divergence_watch(window))
                 recorder.watchers.setdefault("servers/updates", []).append(self._nonfinite_start_watch(window))
+        periodic = policy.periodic_cut() if cfg.checkpoint_every or cfg.checkpoint_interval else None
+        # every bsp worker waits at a round's close: bsp checkpoints there, from the publish hook; the others
+        # take a consistent cut while the run goes on (hpcps.runtime.snapshot)
+        at_publish = periodic == "rounds" and policy.worker_blocks and not policy.extra_gradients
         snapshots = None
-        if (cfg.checkpoint_every or cfg.checkpoint_interval) and policy.applies_on_arrival:
-            snapshots = self._snapshots(window, optimizer, policy)  # a consistent cut while the run goes on
+        if periodic and not at_publish:
+            snapshots = self._snapshots(window, optimizer, policy, RoundCut() if periodic == "rounds" else ClockCut())
             side_tasks.append(("checkpoint", snapshots.tick))
         server = ShardServer(
             shard=topo.rank, rank=topo.rank, policy=policy,
@@ -628,8 +632,7 @@ class _Run:
             abort_on_nonfinite=cfg.nonfinite == "abort",
             version=start_version,
             stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-            on_published=self._checkpointer(window, optimizer, lambda: server.clocks)
-            if cfg.checkpoint_every and policy.holds_rounds else None,
+            on_published=self._checkpointer(window, optimizer, lambda: server.clocks) if at_publish else None,
             worker_ranks=workers, recorder=recorder, clock=self.clock,
             progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=self.backoff,
@@ -867,17 +870,18 @@ class _Run:
         for transfer in self._transfers:
             transfer.free()
 
-    def _snapshots(self, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy) -> Snapshots:
-        """This shard's side of the periodic checkpoints of a paradigm that applies on arrival
-        (:mod:`hpcps.runtime.snapshot`): its part is its optimizer and paradigm state; shard 0 also reads
-        every shard's parameters at the cut's versions and writes the checkpoint."""
+    def _snapshots(self, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
+                   cut: ClockCut | RoundCut) -> Snapshots:
+        """This shard's side of the periodic checkpoints taken as a consistent cut (:mod:`hpcps.runtime.snapshot`):
+        its part is its optimizer and paradigm state; shard 0 also reads every shard's parameters at the
+        cut's versions and writes the checkpoint."""
         cfg, rank = self.cfg, self.topo.rank
 
         def write_part(path: str) -> None:
             write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
 
-        def write_main(staging: str, cut: list[int], versions: list[int]) -> str:
-            clocks = self._worker_clocks_at(cut)
+        def write_main(staging: str, cut_clocks: list[int], versions: list[int]) -> str:
+            clocks = self._worker_clocks_at(cut_clocks)
             buf = np.empty(self.flat.size, np.float32)
             _pull_at(window, buf, versions)
             path = checkpoint_path(self.ckpt_dir, versions[0])
@@ -887,8 +891,13 @@ class _Run:
                              n_servers=self.layout.n_servers, shard_versions=versions)
             return path
 
+        def discard(staging: str) -> None:
+            for shard in range(self.layout.n_servers):
+                with suppress(FileNotFoundError):
+                    os.remove(optimizer_state_path(staging, shard))
+
         return Snapshots(self.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
-                         write_part=write_part, write_main=write_main,
+                         write_part=write_part, write_main=write_main, discard=discard, cut=cut,
                          path_for=lambda epoch: os.path.join(self.ckpt_dir, f"cut-{epoch:06d}.h5"))
 
     def _worker_clocks_at(self, cut: list[int]) -> list[int]:

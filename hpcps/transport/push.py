@@ -167,6 +167,8 @@ class PushInbox:
         self.header_req.Start()
         self.listening = set(range(n))  # workers whose next header is taken up as it comes
         self.cut: list[int] | None = None  # a checkpoint's cut: the last clock taken up per worker (hold_after)
+        self.regulars = [0] * n  # pushes not flagged EXTRA taken up per worker in this run (a round's, hsp)
+        self.round_cut: int | None = None  # a checkpoint's cut: the regular pushes taken up per worker
         self.open = n  # workers whose leave poll() has not returned yet
 
     @property
@@ -208,6 +210,7 @@ class PushInbox:
         if header[0] != wire.KIND_PUSH:
             events.append(LeaveEvent(i, int(header[2])))
         else:
+            self.regulars[i] += int(not header[5] & wire.EXTRA)
             self.awaiting_buffer[i] = None
             self._give_buffers()
 
@@ -278,9 +281,10 @@ class PushInbox:
             self._take_up(worker, queued.popleft(), self.early)
 
     def _admits(self, i: int, header: np.ndarray) -> bool:
-        """Whether worker ``i``'s message ``header`` may be taken up: always, unless a cut (:meth:`hold_after`)
-        holds its messages past the cut's clock."""
-        return self.cut is None or int(header[2]) <= self.cut[i]
+        """Whether worker ``i``'s message ``header`` may be taken up: always, unless a cut holds its messages
+        past the cut's clock (:meth:`hold_after`) or past its cut's regular push (:meth:`hold_after_regulars`)."""
+        return (self.cut is None or int(header[2]) <= self.cut[i]) and \
+            (self.round_cut is None or self.regulars[i] < self.round_cut)
 
     def clocks_in_hand(self, clocks: Sequence[int]) -> list[int]:
         """Each worker's clock counting the push whose header is taken up but not yet handled (its payload
@@ -293,6 +297,16 @@ class PushInbox:
         ``cut[i]``; later ones wait (their headers here, their payloads at the senders) until
         ``hold_after(None)``, which takes them up again."""
         self.cut = None if cut is None else [int(c) for c in cut]
+        self._admit_held()
+
+    def hold_after_regulars(self, n: int | None) -> None:
+        """A consistent cut between rounds (hsp; hpcps.runtime.snapshot): take up worker ``i``'s messages only
+        up to its ``n``-th push not flagged ``EXTRA`` in this run, the gradient it pushed for round ``n-1``
+        (the extras it computed before it come first); later ones wait until ``hold_after_regulars(None)``."""
+        self.round_cut = n
+        self._admit_held()
+
+    def _admit_held(self) -> None:
         for worker in list(self.backlog):  # what the new cut (or none) admits
             self._take_up_queued(worker)
 

@@ -49,9 +49,9 @@ def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     (["--lr", "-1"], "--lr: Input should be greater than 0"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--groups", "1"], "--groups 1: paradigm 'dssp' does not use group servers"),
-    (["--paradigm", "hsp", "--checkpoint-every", "5"], "--checkpoint-every: periodic checkpoints are taken under bsp, "
-                                                       "grouped and the paradigms that apply every gradient on "
-                                                       "arrival"),
+    (["--paradigm", f"{EXAMPLES}/backup_workers.py:BackupWorkers", "--checkpoint-every", "5"],
+     "holds gradients its own way, and periodic checkpoints cut only paradigms that hold rounds or apply every "
+     "gradient on arrival"),
     (["--paradigm", "bsp", "--resume", "/nonexistent/ck.h5"], "--resume /nonexistent/ck.h5: no such file"),
     (["--fault", "nan@0:3"], "--fault nan@0:3: rank 0 is not a worker"),
     (["--paradigm", "grouped"], "--paradigm grouped needs --groups G"),

@@ -138,3 +138,55 @@ def test_grouped_checkpoints_periodically_and_resumes_with_the_accounting_exact(
                   "lost": int(s["gradients_pushed"] - s["gradients_applied"] - s["gradients_dropped"])}
     facts2 = share(world, facts2)
     assert facts2["lost"] == 0 and facts2["pushed"] + sum(facts["clocks"]) == 2 * steps
+
+
+@pytest.mark.timeout(120)
+def test_hsp_checkpoints_periodically_between_rounds_and_resumes_with_the_accounting_exact(world, mpi_tmp_path):
+    """hsp on 2 shards, extras from the fast workers while rank 4 (3x slower) finishes each round: a cut
+    every 10 versions of shard 0. Each cut falls at a round's close: every worker's last gradient in it
+    belongs to one update, the same on both shards; on each shard the gradients applied below its version
+    are exactly the cut's (extras included, some of them alone); and the run resumed from the first
+    pushes exactly the rest, each worker from its clock in the cut."""
+    from hpcps.runtime.checkpoint import read_checkpoint
+
+    steps, ckdir = 30, mpi_tmp_path / "periodic-hsp"
+    common = dict(paradigm="hsp", hsp_max_stale=2, steps=steps, servers=2, seed=2, compute_time=0.002,
+                  slowdown=["4=3"], checkpoint_every=10, checkpoint_dir=str(ckdir))
+    _, t = train(mpi_tmp_path / "periodic-hsp.h5", **common)
+    facts = None
+    if world.rank == 0:
+        up = t["servers/updates"]
+        cuts = [read_checkpoint(str(p)) for p in sorted(ckdir.glob("step-*.h5"))]
+        checks = []
+        for c in cuts:
+            clocks = dict(zip((2, 3, 4), c.worker_clocks.tolist()))
+            for shard in (0, 1):
+                mine = up[up["shard"] == shard]
+                below = mine[mine["version"] < c.shard_version(shard)]
+                in_cut = sorted((int(r["worker"]), int(r["worker_clock"])) for r in below)
+                last = {int(mine["version"][(mine["worker"] == w) & (mine["worker_clock"] == k)][0])
+                        for w, k in clocks.items()}
+                checks.append({
+                    "exact": in_cut == sorted((w, k) for w, n in clocks.items() for k in range(1, n + 1)),
+                    "one_update_each": len(set(below["version"].tolist())) == c.shard_version(shard),
+                    "between_rounds": len(last) == 1,
+                    "extras": int((np.unique(below["version"], return_counts=True)[1] == 1).sum()),
+                })
+        facts = {"n": len(cuts), "checks": checks, "first": str(sorted(ckdir.glob("step-*.h5"))[0]),
+                 "clocks": cuts[0].worker_clocks.tolist() if cuts else []}
+    facts = share(world, facts)
+    assert facts["n"] >= 2
+    assert all(c["exact"] and c["one_update_each"] and c["between_rounds"] for c in facts["checks"]), facts
+    assert max(c["extras"] for c in facts["checks"]) > 0  # the cuts hold extras applied alone, not only rounds
+    _, t = train(mpi_tmp_path / "periodic-hsp-resumed.h5", resume=facts["first"],
+                 **{**common, "checkpoint_dir": str(ckdir / "again")})
+    facts2 = None
+    if world.rank == 0:
+        it, s = t["workers/iterations"], t["summary"]
+        facts2 = {"pushed": int(s["gradients_pushed"]), "lost": int(s["gradients_pushed"] - s["gradients_applied"]
+                                                                    - s["gradients_dropped"]),
+                  "starts": [int(it["step"][it["rank"] == r].min()) for r in (2, 3, 4)]}
+    facts2 = share(world, facts2)
+    assert facts2["lost"] == 0
+    assert facts2["pushed"] + sum(facts["clocks"]) == 3 * steps
+    assert facts2["starts"] == facts["clocks"]

@@ -32,8 +32,7 @@ def _configuration(rng: random.Random) -> dict:
         cfg["staleness_max"] = cfg["staleness"] + rng.randint(0, 3)
     if cfg["paradigm"] == "hsp":
         cfg["hsp_max_stale"] = rng.randint(0, 2)
-    if cfg["paradigm"] in ("bsp", "asp", "ssp", "dssp", "eager", "grouped"):  # periodic checkpoints, now and then
-        cfg["checkpoint_every"] = rng.choice([None, None, 3, 7])
+    cfg["checkpoint_every"] = rng.choice([None, None, 3, 7])  # periodic checkpoints, now and then
     return cfg
 
 
@@ -47,30 +46,45 @@ def test_random_configurations_end_lose_nothing_and_keep_their_bounds(world, mpi
         _, t = train(mpi_tmp_path / f"r{i}.h5", checkpoint_dir=str(ckdir), **cfg)
         problems = None
         if world.rank == 0:
-            problems = _check(cfg, t) + _check_checkpoints(cfg, ckdir)
+            problems = _check(cfg, t) + _check_checkpoints(cfg, ckdir, t["servers/updates"])
         problems = share(world, problems)
         if problems:
             failures.append((cfg, problems))
     assert not failures, failures
 
 
-def _check_checkpoints(cfg: dict, ckdir) -> list[str]:
-    """Every periodic checkpoint is a consistent cut: each shard applied exactly the cut's gradients (its
-    version is the sum of the workers' clocks: no gradient is dropped in these runs; grouped's, of the
-    groups' rounds), bsp's between rounds."""
+def _check_checkpoints(cfg: dict, ckdir, updates: np.ndarray) -> list[str]:
+    """Every periodic checkpoint is a consistent cut: each shard applied exactly the cut's gradients (the
+    gradients it applied below its version are each worker's first ``clock``, one update per version; no
+    gradient is dropped in these runs), bsp's and hsp's between rounds (every worker's last gradient in
+    the cut in one update); grouped's central version is the groups' rounds."""
     from hpcps.runtime.checkpoint import read_checkpoint
 
     problems = []
     for path in sorted(ckdir.glob("step-*.h5")) if cfg.get("checkpoint_every") else ():
         c = read_checkpoint(str(path), complete=True)
-        total = int(c.worker_clocks.sum())
-        expected = total // len(c.worker_clocks) if cfg["paradigm"] == "bsp" else total
+        versions = [c.shard_version(s) for s in range(cfg["servers"])]
         if cfg["groups"]:  # a central version per group round: each group's rounds are its members' clock
             layout = Layout(5, cfg["servers"], cfg["groups"])
             expected = sum(int(c.worker_clocks[layout.worker_index(members[0])])
                            for members in layout.group_members())
-        if [c.shard_version(s) for s in range(cfg["servers"])] != [expected] * cfg["servers"]:
-            problems.append(f"{path.name}: shard versions {c.shard_versions} for clocks {c.worker_clocks}")
+            if versions != [expected] * cfg["servers"]:
+                problems.append(f"{path.name}: shard versions {versions} for clocks {c.worker_clocks}")
+            continue
+        workers = range(cfg["servers"], 5)
+        clocks = dict(zip(workers, c.worker_clocks.tolist()))
+        cut = sorted((w, k) for w, n in clocks.items() for k in range(1, n + 1))
+        for shard, version in enumerate(versions):
+            mine = updates[updates["shard"] == shard]
+            below = mine[mine["version"] < version]
+            if sorted(zip(below["worker"].tolist(), below["worker_clock"].tolist())) != cut or \
+                    len(set(below["version"].tolist())) != version:
+                problems.append(f"{path.name}: shard {shard} at version {version} applied other gradients than "
+                                f"the cut's, clocks {c.worker_clocks}")
+            last = {int(mine["version"][(mine["worker"] == w) & (mine["worker_clock"] == k)][0])
+                    for w, k in clocks.items() if k > 0 and k < cfg["steps"]}
+            if cfg["paradigm"] in ("bsp", "hsp") and len(last) > 1:
+                problems.append(f"{path.name}: shard {shard} cut inside a round (last updates {sorted(last)})")
     return problems
 
 

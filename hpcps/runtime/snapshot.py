@@ -156,7 +156,7 @@ class Snapshots:
         self.answers: dict[int, tuple[int, list[int]] | None] = {}  # shard 0: (version, clocks) or None: abandoned
         self.last_version = 0  # shard 0's version at the last checkpoint (a resumed run's: its start)
         self.last_time = clock()
-        self.paused_at = 0.0
+        self.paused_at, self.paused_version = 0.0, 0
         self.pauses: list[float] = []  # shard 0: seconds from each pause to its resume
         self.loop_over = False  # this shard's loop has ended: a cut not reached by now never will be
         self.final = False  # a shard: shard 0 said no checkpoint will follow
@@ -208,7 +208,7 @@ class Snapshots:
     def _pause(self) -> None:
         """Shard 0: start a checkpoint; hold this shard's later pushes; ask every shard for its position."""
         self.epoch += 1
-        self.paused_at = self.clock()
+        self.paused_at, self.paused_version = self.clock(), self.server.version
         self.positions = {0: self.how.hold_in_hand(self.server)}
         self.answers = {}
         self.state = "pausing"
@@ -255,7 +255,8 @@ class Snapshots:
         answers = [self.answers[s] for s in range(self.n_shards)]
         if any(a is None for a in answers):
             self.discard(self.path)
-            log.info("checkpoint abandoned: the run ended before its cut (the close of round %s)", self.cut)
+            log.info("the checkpoint begun at version %d is not written: the run ended before its cut (the close "
+                     "of round %s of this run)", self.paused_version, self.cut)
         else:
             versions, clocks = [a[0] for a in answers], answers[0][1]
             if any(a[1] != clocks for a in answers):

@@ -141,6 +141,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-time", type=float, dest="compute_time", metavar="SECONDS",
                    help="emulate compute: each iteration takes SECONDS x the worker's --slowdown factor (a sleep "
                         "after the real pass), so many workers fit on few cores")
+    g.add_argument("--compute-forward", type=float, dest="compute_forward", metavar="SHARE",
+                   help="spend SHARE (0-1) of --compute-time inside the forward pass, layer by layer (each "
+                        "module with parameters its share by parameter count, before its forward), the rest after "
+                        "the pass as before; default 0")
     g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default none)")
     g.add_argument("--jitter-cv", type=float, dest="jitter_cv", metavar="CV",
                    help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")
@@ -159,6 +163,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
                         "half the bytes; the servers keep fp32 weights and optimizer state); topk:RATIO (pushes "
                         "carry the RATIO largest-magnitude values of each shard's slice, the rest fed back into "
                         "the worker's next gradient; pulls stay fp32)")
+    g.add_argument("--partition-mb", type=float, dest="partition_mb", metavar="MB",
+                   help="pull in partitions of MB megabytes, in the order the forward pass uses the layers, and "
+                        "start each layer as soon as its own have arrived (CPU workers; not eager, which pulls "
+                        "behind its computation); default 0: whole pulls")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default skip)")

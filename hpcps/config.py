@@ -69,6 +69,7 @@ class TrainConfig(BaseModel):
     hsp_max_stale: int = Field(1, ge=0)
     slowdown: dict[int, float] = Field(default_factory=dict)
     compute_time: float | None = Field(None, gt=0)
+    compute_forward: float = Field(0.0, ge=0, le=1)  # the share of compute_time spent in the forward pass
     jitter: Literal["none", "uniform", "exponential", "lognormal"] = "none"
     jitter_cv: float = Field(0.1, ge=0)
     straggler_episodes: tuple[float, float] | None = None  # (FACTOR, SECONDS)
@@ -88,6 +89,7 @@ class TrainConfig(BaseModel):
     progress: bool = True
     progress_every: float = Field(30.0, gt=0)
     compress: str = "none"  # none, bf16, fp16, topk:RATIO (hpcps.transport.compress)
+    partition_mb: float = Field(0.0, ge=0)  # 0: whole pulls; else partitioned pulls (hpcps.runtime.partitions)
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     nonfinite: Literal["skip", "abort"] = "skip"
     divergence: Literal["stop", "ignore"] = "stop"  # hpcps.training.divergence
@@ -201,6 +203,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--staleness-max {self.staleness_max} must be >= --staleness {self.s_lo}")
         if self.jitter != "none" and self.compute_time is None:
             raise ValueError("--jitter needs --compute-time (it varies the emulated compute time)")
+        if self.compute_forward and self.compute_time is None:
+            raise ValueError("--compute-forward needs --compute-time (it is a share of the emulated compute)")
         if self.straggler_episodes is not None and self.compute_time is None:
             raise ValueError("--straggler-episodes needs --compute-time (it slows the emulated compute)")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum <= 0):

@@ -13,6 +13,14 @@ Two modes, both per worker:
   dozens of emulated workers behave like a real cluster on a small machine.
   If the real pass takes longer than the sample, no sleep is added.
 
+``--compute-forward SHARE`` spends SHARE of the mean compute time (times the
+worker's factor) inside the forward pass instead, layer by layer: before each
+module with parameters runs, a sleep of its share by parameter count. The
+sleep after the pass makes up the rest of the iteration's sampled time. It
+matters where something overlaps the forward pass: partitioned pulls
+(``--partition-mb``) start a layer once its own parameters have come, so the
+layers' compute hides the pull of the later layers' parameters.
+
 Stragglers that come and go (``--straggler-episodes FACTOR:SECONDS``): one
 worker at a time is FACTOR times slower (on top of its ``--slowdown``), and
 the role moves to the next worker, round-robin, every SECONDS of the run's
@@ -28,6 +36,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from hpcps.metrics.timeline import PHASES
 
 JITTERS = ("none", "uniform", "exponential", "lognormal")
 POKE_EVERY = 1e-3  # seconds between pokes of an emulated computation (see emulated_sleep)
@@ -49,6 +59,28 @@ def emulated_sleep(seconds: float, poke: Callable[[], object] | None = None) -> 
     while (left := end - time.perf_counter()) > 0:
         time.sleep(min(left, POKE_EVERY))
         poke()
+
+
+def forward_compute(model, seconds: Callable[[], float], sleep: Callable[[float], object],
+                    timeline=None) -> list:
+    """Install ``--compute-forward``'s hooks (module docstring) on ``model``: before each module with
+    parameters, ``sleep(seconds() x its share of the parameters)`` (``seconds()``: the forward pass's whole
+    emulated time now; ``timeline``: the sleep is its phase ``emulated``). Returns the hook handles."""
+    modules = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    counts = [sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in modules]
+    total = sum(counts)
+
+    def hook_of(fraction: float):
+        def before_forward(_module, _args) -> None:
+            was = getattr(timeline, "phase", None)
+            if was is not None:
+                timeline.enter("emulated")
+            sleep(seconds() * fraction)
+            if was is not None:
+                timeline.enter(PHASES[was])
+        return before_forward
+
+    return [m.register_forward_pre_hook(hook_of(n / total)) for m, n in zip(modules, counts)]
 
 
 @dataclass(frozen=True)
@@ -83,6 +115,10 @@ class ComputeTime:
             return float(rng.exponential(1.0))
         sigma = math.sqrt(math.log1p(self.cv ** 2))
         return float(rng.lognormal(-sigma ** 2 / 2.0, sigma))
+
+    def forward_seconds(self, share: float, now: float | None = None) -> float:
+        """The emulated time of a forward pass: ``share`` of the mean compute time x the factor at ``now``."""
+        return 0.0 if self.mean is None else share * self.mean * self.factor_at(now)
 
     def sleep_after(self, real_s: float, rng: np.random.Generator, now: float | None = None) -> float:
         """Seconds to sleep after a real pass of ``real_s`` seconds that began at ``now`` (run clock)."""

@@ -31,6 +31,9 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
         raise UserError(f"{periodic}: --paradigm {cfg.paradigm} holds gradients its own way, and periodic "
                         f"checkpoints cut only paradigms that hold rounds or apply every gradient on arrival "
                         f"(every built-in one); a run of it writes one when SIGUSR1, SIGTERM or Ctrl-C stops it")
+    if cfg.partition_mb and cls.eager_pull:
+        raise UserError(f"--partition-mb: --paradigm {cfg.paradigm} pulls behind its computation already (and "
+                        f"swaps the whole pull in); partitioned pulls are for paradigms that pull between steps")
     if cfg.checkpoint_interval and cls.name == "bsp":
         raise UserError("--checkpoint-interval: under bsp give --checkpoint-every ROUNDS (a checkpoint between "
                         "two rounds)")

@@ -22,7 +22,8 @@ SCHEMA_VERSION = 6  # 2: workers/iterations.lag, servers/transfers; 3: eval_metr
 #: ``push_s``: in push calls and waiting for a push to leave; ``pull_s``: the
 #: pull's own duration; ``pull_wait_s``: the part of it the worker waited for
 #: (equal to ``pull_s`` unless the pull overlapped compute, as in eager, where it is
-#: the wait for a fresh enough snapshot plus taking it into the model: a pointer swap on the CPU, a copy on a GPU);
+#: the wait for a fresh enough snapshot plus taking it into the model: a pointer swap on the CPU, a copy on a GPU;
+#: with ``--partition-mb`` both also count the pass's waits for its pull's partitions, which ``compute_s`` does not);
 #: ``lag``: when computing started, the newest version the worker knew of
 #: minus ``version`` (largest over shards; eager's ``--staleness`` bounds it).
 ITERATION = np.dtype([

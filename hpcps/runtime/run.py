@@ -69,6 +69,7 @@ from hpcps.policies import Policy, make_policy, policy_class
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.signals import StopSignals, announce
+from hpcps.runtime.partitions import PartitionedPulls
 from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport import wire
@@ -822,7 +823,15 @@ class _Run:
         codec = self.codec
         new_buffer = self.flat.new_push_buffer if codec.identity_push else lambda: codec.new_push_buffer(self.bounds)
         extra, buffers = {}, [self.flat.push_grads if codec.identity_push else new_buffer()]
-        if policy.eager_pull or policy.extra_gradients:
+        timeline = self.timeline(recorder)
+        if cfg.partition_mb and self.flat.transfer == "shared":
+            extra["partitions"] = PartitionedPulls(self.model, self.flat._spans, max(1, int(cfg.partition_mb * 2**18)),
+                                                   timeline=timeline)
+        elif cfg.partition_mb and topo.rank == self.layout.first_worker:
+            log.warning("--partition-mb: pulls land in host memory and go to the GPU whole; pulling whole")
+        # pushes from a copy, so that a push leaves while the next pass computes: eager and hsp compute
+        # while they wait; a partitioned pull's pass begins while the pull (and the push) are in flight
+        if policy.eager_pull or policy.extra_gradients or "partitions" in extra:
             buffers = extra["send_buffers"] = [new_buffer() for _ in range(2)]
         if not codec.identity_push:  # the gradient is encoded into the push buffer (hpcps.transport.compress)
             extra["stage"] = lambda out, keep: codec.encode(self.flat.grads_t, out, self.bounds, keep=keep)
@@ -849,8 +858,7 @@ class _Run:
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-                     backoff=self.backoff, take_signal=self.signals.take, timeline=self.timeline(recorder),
-                     **extra)
+                     backoff=self.backoff, take_signal=self.signals.take, timeline=timeline, **extra)
 
     def _wire_record(self) -> dict:
         """What one push and one pull move (payload bytes, all shards together), for the run file."""

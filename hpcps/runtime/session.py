@@ -29,7 +29,7 @@ import torch
 
 from hpcps.data.batches import BatchSource, to_device
 from hpcps.runtime.checkpoint import checkpoint_path, read_user_state, write_user_state
-from hpcps.cluster.emulation import ComputeTime, emulated_sleep
+from hpcps.cluster.emulation import ComputeTime, emulated_sleep, forward_compute
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
 
@@ -72,6 +72,11 @@ class Session:
             self.state = read_user_state(cfg.resume)
         self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
         self.worker = run.make_worker()
+        self._hooks = []
+        if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
+            self._hooks = forward_compute(
+                self.model, lambda: self.compute_time.forward_seconds(cfg.compute_forward, self.run.clock()),
+                lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
         self.worker.begin()
         self.open = False
         self._open()
@@ -112,10 +117,11 @@ class Session:
         if not self.running:
             return False
         self.flat.adopt_grads()
-        end_pass(self.flat, self.t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
+        t0 = self.t0 + self.worker.pass_waited  # a partitioned pull's waits in the pass are not compute
+        end_pass(self.flat, t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
                  poke=self.worker.poke, timeline=self.worker.tl)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self.worker.close_step(value, time.perf_counter() - self.t0, skip=skip)
+        self.worker.close_step(value, time.perf_counter() - t0, skip=skip)
         self._open()
         return self.open
 
@@ -177,10 +183,17 @@ class Session:
             try:
                 self.worker.finish()
             finally:
+                self._remove_hooks()
                 self.run.free_worker(self.worker)
             self.result = self.run.end(user_state=self.state if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
         return self.result
+
+    def _remove_hooks(self) -> None:
+        """The model leaves the run as it came: without the emulation's hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def __enter__(self) -> "Session":
         return self
@@ -190,6 +203,7 @@ class Session:
             self.close()
             return
         if self.is_worker:
+            self._remove_hooks()
             self.worker.close()
         if self.abort_on_error and not isinstance(exc, (KeyboardInterrupt,)):
             from hpcps.runtime.agree import end_job

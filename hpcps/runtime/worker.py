@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from hpcps.runtime.faults import Fault, InjectedFault
+from hpcps.runtime.partitions import PartitionedPulls
 from hpcps.training.flat import FlatParameters
 from hpcps.training.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
@@ -81,9 +82,16 @@ class Worker:
                  faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
                  stall_abort: float | None = None, backoff: Backoff | None = None,
                  take_signal: Callable[[], str | None] | None = None, timeline=None,
-                 stage: Callable[[np.ndarray, bool], None] | None = None) -> None:
+                 stage: Callable[[np.ndarray, bool], None] | None = None,
+                 partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None) -> None:
         """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
-        where compression encodes it (hpcps.transport.compress); by default the flat buffer's own."""
+        where compression encodes it (hpcps.transport.compress); by default the flat buffer's own;
+        ``partitions``: pull in partitions, the pass starting before the last has come
+        (:mod:`hpcps.runtime.partitions`); ``send_buffers``: push from a copy of the gradient in one of
+        these two (the pusher's slots), so that the push may leave while the next pass computes."""
+        self.send_buffers = send_buffers
+        self.parts = partitions
+        self.pass_pull = 0.0  # partitioned pulls: seconds the last pass waited for its pull, and its settling
         self.rank = rank
         self.stage = stage or (lambda out, keep: self.flat.stage_grads(out))
         self.tl = timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
@@ -139,6 +147,7 @@ class Worker:
         ``--fault`` due at this step, then the paradigm's exchange (:meth:`_exchange`: push, wait,
         pull). ``skip``: push the gradient flagged ``SKIP`` (counted in its round, never applied)."""
         self.row["loss"], self.row["compute_s"] = loss, compute_s
+        self._settle_pull()
         if self.step in self.faults:
             self._inject(self.faults[self.step])
         self._exchange(self.row, wire.SKIP if skip else 0)
@@ -148,15 +157,20 @@ class Worker:
         tl = self.tl
         tl.enter("push")
         t = time.perf_counter()
-        self.stage(self.pusher.buffers[0], not flags & wire.SKIP)
+        slotted = self.send_buffers is not None
+        if not slotted:
+            self.stage(self.pusher.buffers[0], not flags & wire.SKIP)
         # a worker that never waits for a grant begins its pull before its push: over a network the
         # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
         early, begun = None, 0.0
         if not self.blocks:
             tl.enter("pull")
-            early, begun = self._timed(self.window.begin_pull, self.flat.params, self.backoff)
+            early, begun = self._timed(self._begin_pull)
             tl.enter("push")
-        self._push(self.versions, row, flags=flags)
+        if slotted:
+            self._push_copy(self.step, self.versions, row, flags)
+        else:
+            self._push(self.versions, row, flags=flags)
         row["push_s"] = time.perf_counter() - t - begun
         tl.enter("grant")
         row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
@@ -165,8 +179,9 @@ class Worker:
         t = time.perf_counter()
         self.versions, self.stop = self._pull(early)
         row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
-        tl.enter("push")
-        row["push_s"] += self._wait(self.pusher.test, "its push to leave")
+        if not slotted:  # the gradient buffer is the push's: it must have left before the next pass
+            tl.enter("push")
+            row["push_s"] += self._wait(self.pusher.test, "its push to leave")
         tl.enter("other")
         self._finish_row(row)
         self.step += 1
@@ -175,21 +190,33 @@ class Worker:
     def finish(self) -> int:
         """Leave (``DONE``, then every shard's ``BYE``); return the number of gradients pushed."""
         self.tl.enter("other")
+        self._settle_pull()
         self._leave()
         self.tl.close()
         return self.clock_count
 
     def close(self) -> None:
-        """Release what the worker holds beyond its transfers (eager's helper thread); idempotent."""
+        """Release what the worker holds beyond its transfers (eager's helper thread, the partitioned pulls'
+        hooks on the model); idempotent."""
+        if self.parts is not None:
+            self.parts.remove()
 
     @staticmethod
     def _timed(fn, *args):
         t = time.perf_counter()
         return fn(*args), time.perf_counter() - t
 
+    def _begin_pull(self) -> Pull:
+        """Start a pull into the model's parameters (in partitions, with ``partitions``)."""
+        if self.parts is not None:
+            return self.parts.begin(self.window, self.flat.params, self.backoff)
+        return self.window.begin_pull(self.flat.params, self.backoff)
+
     def _pull(self, begun: Pull | None = None) -> tuple[np.ndarray, bool]:
-        """Finish the pull ``begun`` (or pull now) into the model's parameters."""
-        versions, stop = (begun or self.window.begin_pull(self.flat.params, self.backoff)).wait()
+        """Finish the pull ``begun`` (or pull now) into the model's parameters; with ``partitions``, only
+        its versions and what the pass needs before it starts: the pass waits for the rest layer by layer."""
+        pull = begun or self._begin_pull()
+        versions, stop = self.parts.start(pull) if self.parts is not None else pull.wait()
         self.flat.upload()
         self._seen(versions)
         return versions, stop
@@ -217,7 +244,37 @@ class Worker:
         """How far ``versions`` are behind the newest the worker knows of (largest over shards)."""
         return int((self.known - versions).max())
 
+    @property
+    def pass_waited(self) -> float:
+        """Seconds the pass under way has waited for its pull's partitions (0 without partitions)."""
+        return self.parts.waited if self.parts is not None else 0.0
+
+    def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
+        """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
+        slot = step % 2
+        self.tl.enter("push")
+        t = time.perf_counter()
+        self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
+        self.stage(self.send_buffers[slot], not flags & wire.SKIP)
+        self._push(versions, row, slot, flags)
+        row["push_s"] = time.perf_counter() - t
+        return slot
+
+    def _settle_pull(self) -> None:
+        """Partitioned pulls: the rest of the pull in flight, before the gradient goes (``pass_pull``: the
+        pass's waits for it and this one, which its row counts as pull time, not compute)."""
+        if self.parts is None:
+            return
+        t = time.perf_counter()
+        waited = self.parts.waited
+        self.parts.settle()
+        self.parts.waited = 0.0
+        self.pass_pull = waited + time.perf_counter() - t
+
     def _finish_row(self, row: dict) -> None:
+        row["pull_s"] = row.get("pull_s", 0.0) + self.pass_pull
+        row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + self.pass_pull
+        self.pass_pull = 0.0
         row["t_end"] = self.clock()
         row["staleness"] = -1
         self.rows[self.clock_count] = row
@@ -228,6 +285,8 @@ class Worker:
         turns, grants, receipts) as a worker's free CPU thread would."""
         self._read_notices()
         self.pusher.test()
+        if self.parts is not None:
+            self.parts.poke()
 
     def _inject(self, fault: Fault) -> None:
         """``--fault``: poison the gradient, raise, or die (see hpcps.runtime.faults)."""
@@ -285,23 +344,11 @@ class Worker:
 
 
 class _SlottedWorker(Worker):
-    """A worker that pushes from a copy of its gradient in one of two ``send_buffers`` (the pusher's
+    """A worker that always pushes from a copy of its gradient in one of two ``send_buffers`` (the pusher's
     slots), so a push may still be in flight while the next gradient is computed."""
 
     def __init__(self, *, send_buffers: list[np.ndarray], **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.send_buffers = send_buffers
-
-    def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
-        """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
-        slot = step % 2
-        self.tl.enter("push")
-        t = time.perf_counter()
-        self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
-        self.stage(self.send_buffers[slot], not flags & wire.SKIP)
-        self._push(versions, row, slot, flags)
-        row["push_s"] = time.perf_counter() - t
-        return slot
+        super().__init__(send_buffers=send_buffers, **kwargs)
 
 
 class EagerWorker(_SlottedWorker):
@@ -372,6 +419,7 @@ class EagerWorker(_SlottedWorker):
         self.tl.at(self.step)
 
     def close(self) -> None:
+        super().close()
         self.puller.close()
 
     def _take(self) -> tuple[np.ndarray, bool, float]:

@@ -325,17 +325,22 @@ class ParamWindow:
             buf = self._staging.buf = np.empty(len(out), self.codec.pull_dtype)
         return buf
 
-    def begin_pull(self, out: np.ndarray, backoff: Backoff | None = None) -> "Pull":
+    def begin_pull(self, out: np.ndarray, backoff: Backoff | None = None,
+                   parts: Sequence[Sequence[tuple[int, int]]] | None = None) -> "Pull":
         """Start a pull: put every request it sends on the wire, return a :class:`Pull` to wait on.
 
         Over a network (TCP), a rank's messages to a shard leave in order: a small request sent
         after a large push waits until the whole push has gone (40 ms for 4.9 MB at 1 Gbit/s).
         A worker that pulls while its push is in flight therefore begins the pull first, then
         starts the push, and the two move at once, one each way on the full-duplex link.
+
+        ``parts`` (pinned): the flat vector in partitions, each a list of ``(lo, hi)`` ranges, in the
+        order they are wanted (:mod:`hpcps.runtime.partitions`): the versions are read first, then
+        each partition's copies are sent in that order, and :meth:`Pull.wait_part` waits for one.
         """
         if self.protocol == "locked":
             return Pull(self, out, None, self._read_locked(out, backoff), backoff)
-        return self._begin_pinned(out, backoff)
+        return self._begin_pinned(out, backoff, parts)
 
     def peek(self, backoff: Backoff | None = None) -> np.ndarray:
         """The newest published version of every shard (headers only: 64 bytes per shard)."""
@@ -361,9 +366,11 @@ class ParamWindow:
                                         (8 * (wire.WIN_PINS + int(slots[s])), 1, _I64), MPI.SUM) for s in shards]
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
 
-    def _begin_pinned(self, out: np.ndarray, backoff: Backoff | None) -> "Pull":
+    def _begin_pinned(self, out: np.ndarray, backoff: Backoff | None,
+                      parts: Sequence[Sequence[tuple[int, int]]] | None = None) -> "Pull":
         """Pin each shard's newest slot (a slot claimed meanwhile means: read the newest again), then
-        start the copies of the pinned slots with their versions."""
+        start the copies of the pinned slots with their versions (the versions first, then the data:
+        each shard's whole slice, or ``parts`` in their order)."""
         win = self._live()
         n = len(self.shard_ranks)
         heads = np.zeros((n, _HEADER_WORDS), np.int64)
@@ -382,14 +389,33 @@ class ParamWindow:
                 retry.pause()
             pending = claimed
         versions = np.zeros((n, 1), np.int64)
-        requests = []
-        land, t = self._landing(out), self.mpi_type
-        for s, (lo, hi) in enumerate(self.bounds):
-            offset = wire.WINDOW_HEADER_BYTES + self.item * (hi - lo) * int(slots[s])
-            requests.append(win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t)))
-            requests.append(win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s], 1, _I64], self.shard_ranks[s],
-                                                (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP))
-        return Pull(self, out, requests, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots)
+        heard = [win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s], 1, _I64], self.shard_ranks[s],
+                                     (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP)
+                 for s in range(n)]
+        if parts is not None:
+            # the versions before any copy starts: an atomic read may be answered only after the copies
+            # queued before it (MPICH over TCP serves it as a message behind them), and a partitioned
+            # pull's pass must know its versions before the last partition has come
+            wait_until(lambda: MPI.Request.Testall(heard), backoff)
+        land = self._landing(out)
+        if parts is None:
+            parts = [[bounds] for bounds in self.bounds]  # one partition per shard: its whole slice
+        copies = [[self._get_range(win, land, lo, hi, slots) for lo, hi in ranges for lo, hi in self._split(lo, hi)]
+                  for ranges in parts]
+        return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
+                    copies, [ranges for ranges in parts])
+
+    def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` of the flat vector cut at the shards' bounds."""
+        return [(max(lo, a), min(hi, b)) for a, b in self.bounds if max(lo, a) < min(hi, b)]
+
+    def _get_range(self, win: MPI.Win, land: np.ndarray, lo: int, hi: int, slots: np.ndarray) -> MPI.Request:
+        """Start the copy of ``[lo, hi)`` (within one shard's slice) out of that shard's pinned slot."""
+        s = next(k for k, (a, b) in enumerate(self.bounds) if a <= lo < b)
+        a, b = self.bounds[s]
+        offset = wire.WINDOW_HEADER_BYTES + self.item * ((b - a) * int(slots[s]) + lo - a)
+        t = self.mpi_type
+        return win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t))
 
     def _read_locked(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
         win = self._live()
@@ -411,31 +437,58 @@ class ParamWindow:
 
 class Pull:
     """A pull in flight (:meth:`ParamWindow.begin_pull`): it owns ``out``, and pins one slot of every
-    shard, until :meth:`wait` returns."""
+    shard, until :meth:`wait` returns. Its copies come as partitions (one per shard unless the pull
+    was given ``parts``): :meth:`wait_part` waits for one, and a 16-bit window's values are widened
+    into ``out`` partition by partition, as each is waited for."""
 
-    __slots__ = ("window", "out", "requests", "result", "backoff", "slots")
+    __slots__ = ("window", "out", "heard", "result", "backoff", "slots", "copies", "ranges", "done")
 
-    def __init__(self, window: ParamWindow, out: np.ndarray, requests, result, backoff: Backoff | None,
-                 slots: np.ndarray | None = None) -> None:
-        self.window, self.out, self.requests, self.result = window, out, requests, result
+    def __init__(self, window: ParamWindow, out: np.ndarray, heard, result, backoff: Backoff | None,
+                 slots: np.ndarray | None = None, copies: list | None = None, ranges: list | None = None) -> None:
+        self.window, self.out, self.heard, self.result = window, out, heard, result
         self.backoff, self.slots = backoff, slots
+        self.copies, self.ranges = copies or [], ranges or []
+        self.done = [False] * len(self.copies)  # partitions waited for (and widened)
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.copies)
 
     def test(self) -> bool:
-        """Whether the copies have arrived (drives MPI progress)."""
-        return not self.requests or MPI.Request.Testall(self.requests)
+        """Whether every copy has arrived (drives MPI progress)."""
+        return self.heard is None or (MPI.Request.Testall(self.heard) and
+                                      all(self.done[k] or MPI.Request.Testall(c) for k, c in enumerate(self.copies)))
+
+    def versions(self) -> tuple[np.ndarray, bool]:
+        """Wait politely for the versions of the pinned slots only (they are read first); return them and
+        whether any stop flag was raised."""
+        if self.heard is not None and self.slots is not None:
+            wait_until(lambda: MPI.Request.Testall(self.heard), self.backoff)
+        versions, stop = self.result
+        return (versions[:, 0].copy() if versions.ndim == 2 else versions), stop
+
+    def wait_part(self, k: int) -> None:
+        """Wait politely for partition ``k``'s copies; its values are then in ``out``."""
+        if k >= self.n_parts or self.done[k]:  # (a locked window's pull has arrived whole already)
+            return
+        wait_until(lambda: MPI.Request.Testall(self.copies[k]), self.backoff)
+        self.done[k] = True
+        land = self.window._landing(self.out)
+        if land is not self.out:  # a 16-bit window: widen what came into fp32
+            for lo, hi in self.ranges[k]:
+                self.window.codec.decode_params(land[lo:hi], self.out[lo:hi])
 
     def wait(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the copies, unpin, and return (shard versions, any stop flag raised)."""
-        if self.requests is not None:
+        if self.heard is not None:
             try:
-                wait_until(self.test, self.backoff)
+                for k in range(self.n_parts):
+                    self.wait_part(k)
+                wait_until(lambda: MPI.Request.Testall(self.heard), self.backoff)
             finally:
                 shards = list(range(len(self.slots)))
                 self.window._pin(shards, self.slots, np.zeros(len(shards), np.int64), -1, self.backoff)
-            self.requests = None
+            self.heard = None
             versions, stop = self.result
             self.result = (versions[:, 0].copy(), stop)
-            land = self.window._landing(self.out)
-            if land is not self.out:  # a 16-bit window: widen what came into fp32
-                self.window.codec.decode_params(land, self.out)
         return self.result

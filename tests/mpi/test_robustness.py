@@ -33,6 +33,8 @@ def _configuration(rng: random.Random) -> dict:
     if cfg["paradigm"] == "hsp":
         cfg["hsp_max_stale"] = rng.randint(0, 2)
     cfg["checkpoint_every"] = rng.choice([None, None, 3, 7])  # periodic checkpoints, now and then
+    partition = rng.choice([0.0, 0.0, 0.004])  # partitioned pulls, now and then (not eager's: it pulls behind)
+    cfg["partition_mb"] = 0.0 if paradigm == "eager" else partition
     return cfg
 
 

@@ -1,0 +1,51 @@
+"""``--partition-mb``: partitioned, prioritised pulls end to end (mpiexec -n 5). The pass starts before the
+pull is complete, so what it computes on must still be exactly the version pulled: bsp with partitions ends
+with the very parameters (and BatchNorm statistics) of bsp without, on 1 and 2 shards, in fp32 and bf16;
+and the paradigms that pull between steps lose nothing with them."""
+
+import numpy as np
+import pytest
+
+from mpitest import share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model,dataset,servers,compress", [
+    ("mlp", "digits", 1, "none"),
+    ("resnet18", "synthetic:3x8x8:10:64", 2, "none"),  # BatchNorm, slices over 2 shards
+    ("mlp", "digits", 2, "bf16"),  # 16-bit pulls widened partition by partition
+])
+def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, model, dataset, servers,
+                                                                compress):
+    common = dict(paradigm="bsp", model=model, dataset=dataset, servers=servers, compress=compress, steps=6,
+                  batch_size=8, seed=4, lr=0.05, eval_every=1000)
+    whole, _ = train(mpi_tmp_path / f"whole-{model}-{compress}.h5", **common)
+    # a few KB per partition: dozens of partitions, some cut inside a layer, some across the shards' bound
+    parted, t = train(mpi_tmp_path / f"parted-{model}-{compress}.h5", partition_mb=0.004, **common)
+    facts = None
+    if world.rank == 0:
+        facts = {"same": np.array_equal(whole.params, parted.params),  # parameters, then the float buffers
+                 "pushed": int(t["summary"]["gradients_pushed"]), "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts["same"]
+    assert facts["pushed"] == facts["applied"] == (5 - servers) * 6
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "hsp", "grouped"])
+def test_the_paradigms_that_pull_between_steps_lose_nothing_with_partitions(world, mpi_tmp_path, paradigm):
+    steps = 12
+    _, t = train(mpi_tmp_path / f"parts-{paradigm}.h5", paradigm=paradigm, partition_mb=0.004, steps=steps,
+                 seed=1, compute_time=0.002, compute_forward=0.5, slowdown=["4=2"],
+                 **({"groups": 1} if paradigm == "grouped" else {}))
+    facts = None
+    if world.rank == 0:
+        s, it = t["summary"], t["workers/iterations"]
+        facts = {"pushed": int(s["gradients_pushed"]), "handled": int(s["gradients_applied"] + s["gradients_dropped"]),
+                 "pull_s": bool((it["pull_s"] >= it["pull_wait_s"] - 1e-12).all() and (it["pull_s"] >= 0).all())}
+    facts = share(world, facts)
+    workers = 3 if paradigm == "grouped" else 4
+    assert facts["pushed"] == facts["handled"] == workers * steps
+    assert facts["pull_s"]

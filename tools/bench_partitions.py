@@ -71,8 +71,8 @@ def main() -> None:
         print(f"| {name} | {fmt(col['iter_ms'], 1)} | {fmt(col['pull_wait_ms'], 1)} | {fmt(col['compute_ms'], 1)} | "
               f"{fmt(col['acc'], 3)} |")
     ratios = [q["iter_ms"] / w["iter_ms"] for q, w in zip(results["partitioned"], results["whole"])]
-    print(f"\npartitioned / whole iteration time: {np.mean(ratios):.2f} "
-          f"(seed by seed: {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"\npartitioned / whole iteration time: {np.mean(ratios):.3f} "
+          f"(seed by seed: {', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 if __name__ == "__main__":

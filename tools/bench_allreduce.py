@@ -17,8 +17,9 @@ evaluate only at their start and end (``--eval-interval 1e9``), as the data-para
 
 With ``--link RATE`` every run goes into a cluster in a box (``hpcps emulate``, root or a user
 namespace) whose links run at RATE: allreduce on N nodes of one rank; hpcps bsp *colocated*, a
-shard beside the worker on each of the N nodes (S=N, as BytePS places them); and hpcps bsp with
-*dedicated* server nodes, S=1 and S=2 extra nodes holding only a shard. DDP over gloo is left out
+shard beside the worker on each of the N nodes (S=N, as BytePS places them); the same with one
+extra node holding only a shard (S=N+1, BytePS's spare server); and hpcps bsp with *dedicated*
+server nodes, S=1 and S=2 extra nodes holding only a shard. DDP over gloo is left out
 there (gloo's rendezvous address would be each node's own loopback). Both sides emulate
 ``--compute-time`` the same way (a sleep after the real pass).
 
@@ -154,7 +155,9 @@ def main() -> None:
         rows["DDP (gloo)"] = (n, [_run_inner("ddp", n, a.steps, o) for o in seeded])
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
     runs = ([(f"hpcps bsp S={s}", s, None) for s in sorted({1, 2, n})] if a.link is None else
-            [(f"hpcps bsp colocated S={n}", n, _box(n, a, ranks_per_node=2))] +
+            [(f"hpcps bsp colocated S={n}", n, _box(n, a, ranks_per_node=2)),
+             (f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
+              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1")] +
             [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a)) for s in (1, 2)])
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,10 +36,13 @@ class GroupServer(ShardServer):
 
     def __init__(self, *, central_pusher: Pusher, central_notices: NoticeBox, central_window: ParamWindow,
                  agg: np.ndarray, weight: float = 1.0, central_rate: float | None = None,
-                 central_schedule=None, **kwargs) -> None:
+                 central_schedule=None, encode=None, **kwargs) -> None:
         """``central_rate``, ``central_schedule``: the central optimizer's own rate and its schedule by
-        version, for the rate this group's workers are told their gradients were applied at."""
+        version, for the rate this group's workers are told their gradients were applied at; ``encode()``:
+        put ``agg`` into ``central_pusher``'s buffer as the wire carries it (``--compress``; by default
+        ``agg`` is that buffer)."""
         super().__init__(**kwargs)
+        self.encode = encode
         self.weight = weight
         self.central_rate, self.central_schedule = central_rate, central_schedule
         self.central_pusher, self.central_notices, self.central_window = central_pusher, central_notices, central_window
@@ -84,6 +87,8 @@ class GroupServer(ShardServer):
             self.agg_t[:p].add_(g[:p], alpha=c)
             self.agg_t[p:].add_(g[p:], alpha=m)
         self.rounds += 1
+        if self.encode is not None:
+            self.encode()
         self.central_pusher.start(self.rounds, self.central_versions, self.unit_lr * self.weight * factor)
         applied_at: list[int] = []
 

@@ -228,9 +228,6 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
-    if cfg.compress != "none" and layout.n_groups:
-        agree(comm, lambda: _raise(UserError(f"--compress {cfg.compress}: not available with group servers yet "
-                                             "(their pushes and windows are fp32); drop it, or --groups")))
     agree(comm, lambda: _check_threads(cfg))
     if workload is None:
         workload = agree(comm, lambda: workload_from_config(cfg))
@@ -266,10 +263,6 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     signals = stack.enter_context(StopSignals(announce(comm.rank)))
     return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals,
                 world_ranks, stack)
-
-
-def _raise(exc: Exception):
-    raise exc
 
 
 #: how far apart the seeds of a resumed run's workers are from the first run's, per step done
@@ -405,7 +398,7 @@ class _Run:
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
             n = self.flat.size
             group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
-                                       local_len=n if topo.role is Role.GROUP else 0)
+                                       local_len=n if topo.role is Role.GROUP else 0, codec=self.codec)
             self.group_window = group_window
         if window.master is not None:  # a 16-bit window keeps the fp32 master weights (exact pulls read them)
             master = window.master
@@ -791,17 +784,24 @@ class _Run:
         members = self.layout.group_members()[self.layout.group_of(topo.rank)]
         local = list(range(1, topo.group.size))  # the workers' ranks in the group communicator
         agg = np.zeros(n, np.float32)
-        central_pusher = Pusher(topo.ps, buffers=[agg], shard_ranks=self.shards, bounds=self.bounds,
-                                worker_rank=topo.rank)
+        # the round's update goes to the central shards as the wire carries it (--compress), with this group
+        # server's own top-k residual; its workers push to it, and pull from its window, the same way
+        codec, encode = make_codec(cfg.compress), None
+        send = agg if codec.identity_push else codec.new_push_buffer(self.bounds)
+        if not codec.identity_push:
+            encode = lambda: codec.encode(torch.from_numpy(agg), send, self.bounds)  # noqa: E731
+        central_pusher = Pusher(topo.ps, buffers=[send], shard_ranks=self.shards,
+                                bounds=codec.push_bounds(self.bounds), worker_rank=topo.rank)
         central_notices = NoticeBox(topo.ps, shard_ranks=self.shards)
         policy = make_policy(policy_class(cfg.paradigm).group_policy, len(members))
         rounds = RoundSum(n, self.flat.n_params, len(members), policy.active)  # the group's rounds, summed
-        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=n, pool=RECEIVE_POOL,
-                          reserve=rounds.expected)
+        inbox = PushInbox(topo.group, worker_ranks=local, shard_len=self.codec.push_len(n), pool=RECEIVE_POOL,
+                          reserve=rounds.expected, dtype=self.codec.push_dtype)
         GroupServer(
             shard=0, rank=topo.rank, policy=policy, round_sum=rounds,
             inbox=inbox, notifier=Notifier(topo.group, worker_ranks=local), window=window,
-            master=np.zeros(n, np.float32), n_params=self.flat.n_params, unit_lr=cfg.lr,
+            master=window.master if window.master is not None else np.zeros(n, np.float32),
+            n_params=self.flat.n_params, unit_lr=cfg.lr, codec=self.codec, encode=encode,
             worker_ranks=members, recorder=recorder, clock=self.clock,
             progress=lambda: topo.group.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
             abort_on_nonfinite=cfg.nonfinite == "abort", stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
@@ -821,7 +821,9 @@ class _Run:
         topo, cfg, recorder, window = self.topo, self.cfg, self.recorder, self.group_window or self.window
         policy = policy_class(cfg.paradigm)
         codec = self.codec
-        new_buffer = self.flat.new_push_buffer if codec.identity_push else lambda: codec.new_push_buffer(self.bounds)
+        grouped = topo.group != MPI.COMM_NULL  # then it pushes the whole vector to its group server
+        bounds = [(0, self.flat.size)] if grouped else self.bounds
+        new_buffer = self.flat.new_push_buffer if codec.identity_push else lambda: codec.new_push_buffer(bounds)
         extra, buffers = {}, [self.flat.push_grads if codec.identity_push else new_buffer()]
         timeline = self.timeline(recorder)
         if cfg.partition_mb and self.flat.transfer == "shared":
@@ -834,18 +836,16 @@ class _Run:
         if policy.eager_pull or policy.extra_gradients or "partitions" in extra:
             buffers = extra["send_buffers"] = [new_buffer() for _ in range(2)]
         if not codec.identity_push:  # the gradient is encoded into the push buffer (hpcps.transport.compress)
-            extra["stage"] = lambda out, keep: codec.encode(self.flat.grads_t, out, self.bounds, keep=keep)
+            extra["stage"] = lambda out, keep: codec.encode(self.flat.grads_t, out, bounds, keep=keep)
         if policy.eager_pull:
             extra["bound"] = cfg.staleness  # None: never wait for fresher parameters
         if policy.extra_gradients:
             extra["max_extra"] = cfg.hsp_max_stale
             extra["extra_scale"] = self.lr_scale(extra=True) / self.lr_scale()
-        if topo.group != MPI.COMM_NULL:  # grouped: talk to the group server, rank 0 of the group communicator
-            comm, shards, bounds = topo.group, [0], [(0, self.flat.size)]
-        else:
-            comm, shards, bounds = topo.ps, self.shards, codec.push_bounds(self.bounds)
-        pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=bounds, worker_rank=topo.rank,
-                        serial=policy.serial_transfers)
+        # grouped: talk to the group server, rank 0 of the group communicator
+        comm, shards = (topo.group, [0]) if grouped else (topo.ps, self.shards)
+        pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=codec.push_bounds(bounds),
+                        worker_rank=topo.rank, serial=policy.serial_transfers)
         notices = NoticeBox(comm, shard_ranks=shards)
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         self.model.train()
@@ -863,7 +863,8 @@ class _Run:
     def _wire_record(self) -> dict:
         """What one push and one pull move (payload bytes, all shards together), for the run file."""
         codec = self.codec
-        push = codec.push_bounds(self.bounds)[-1][1] * codec.push_dtype.itemsize
+        bounds = [(0, self.flat.size)] if self.layout.n_groups else self.bounds  # a worker's push: its group server's
+        push = codec.push_bounds(bounds)[-1][1] * codec.push_dtype.itemsize
         return {**codec.describe(), "push_bytes": push, "pull_bytes": self.flat.size * codec.pull_dtype.itemsize,
                 "fp32_bytes": 4 * self.flat.size}
 

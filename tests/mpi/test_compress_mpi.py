@@ -136,3 +136,27 @@ def test_a_bf16_checkpoint_holds_the_fp32_masters_and_resumes_bit_for_bit(world,
                  "fp32": bool((torch.from_numpy(saved).bfloat16().float().numpy() != saved).any())}
     facts = share(world, facts)
     assert facts["equal"] and facts["fp32"]
+
+
+@pytest.mark.parametrize("compress", ["bf16", "topk:0.1"])
+def test_group_servers_carry_compressed_pushes_and_pulls_and_lose_nothing(world, mpi_tmp_path, compress):
+    """grouped (1 central shard, 2 group servers of 1 worker each): every worker gradient and every group
+    round is applied, the file records the compressed bytes, and the run trains as the fp32 one does."""
+    common = dict(paradigm="grouped", groups=2, steps=20, seed=2, lr=0.2)
+    _, t = train(mpi_tmp_path / f"grouped-{compress}.h5", compress=compress, **common)
+    _, t32 = train(mpi_tmp_path / "grouped-fp32.h5", **common)
+    facts = None
+    if world.rank == 0:
+        s, wire = t["summary"], json.loads(t["attrs"]["compress"])
+        facts = {"counts": (int(s["gradients_pushed"]), int(s["gradients_applied"]), int(s["gradients_dropped"])),
+                 "group_rounds": len(t["groups/updates"]), "ratio": wire["push_bytes"] / wire["fp32_bytes"],
+                 "pull": wire["pull_bytes"] / wire["fp32_bytes"],
+                 "accuracy": (float(s["final_accuracy"]), float(t32["summary"]["final_accuracy"]))}
+    facts = share(world, facts)
+    assert facts["counts"] == (2 * 20, 2 * 20, 0)
+    assert facts["group_rounds"] == 2 * 20
+    if compress == "bf16":
+        assert facts["ratio"] == facts["pull"] == 0.5
+    else:  # 10% of the values, an index and a value each: a fifth of the bytes; pulls fp32
+        assert abs(facts["ratio"] - 0.2) < 1e-3 and facts["pull"] == 1.0
+    assert facts["accuracy"][0] > facts["accuracy"][1] - 0.1  # trains about as the fp32 run does

@@ -265,6 +265,7 @@ class Worker:
         pass's waits for it and this one, which its row counts as pull time, not compute)."""
         if self.parts is None:
             return
+        self.tl.enter("pull")
         t = time.perf_counter()
         waited = self.parts.waited
         self.parts.settle()

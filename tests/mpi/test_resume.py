@@ -96,18 +96,24 @@ def test_a_periodic_checkpoint_is_a_consistent_cut_and_resumes_with_the_accounti
                  "clocks": cuts[0].worker_clocks.tolist()}
     facts = share(world, facts)
     assert facts["n"] >= 2 and all(facts["consistent"])  # 3 workers x 40 = 120 gradients: cuts near 25, 50, ...
-    _, t = train(mpi_tmp_path / f"periodic-resumed-{paradigm}.h5", resume=facts["first"],
-                 **{**common, "checkpoint_dir": str(ckdir / "again")})
-    facts2 = None
+    _resumed_pushes_the_rest(world, mpi_tmp_path / f"periodic-resumed-{paradigm}.h5", facts["first"],
+                             facts["clocks"], **{**common, "checkpoint_dir": str(ckdir / "again")})
+
+
+def _resumed_pushes_the_rest(world, out, checkpoint: str, clocks: list[int], **options) -> None:
+    """The run resumed from a periodic ``checkpoint`` (workers ranks 2-4 at ``clocks`` in its cut) loses
+    nothing and pushes exactly the rest, each worker from its clock in the cut."""
+    _, t = train(out, resume=checkpoint, **options)
+    facts = None
     if world.rank == 0:
         it, s = t["workers/iterations"], t["summary"]
-        facts2 = {"pushed": int(s["gradients_pushed"]), "lost": int(s["gradients_pushed"] - s["gradients_applied"]
-                                                                    - s["gradients_dropped"]),
-                  "starts": [int(it["step"][it["rank"] == r].min()) for r in (2, 3, 4)]}
-    facts2 = share(world, facts2)
-    assert facts2["lost"] == 0
-    assert facts2["pushed"] + sum(facts["clocks"]) == 3 * steps
-    assert facts2["starts"] == facts["clocks"]  # each worker resumed at its clock in the cut
+        facts = {"pushed": int(s["gradients_pushed"]), "lost": int(s["gradients_pushed"] - s["gradients_applied"]
+                                                                   - s["gradients_dropped"]),
+                 "starts": [int(it["step"][it["rank"] == r].min()) for r in (2, 3, 4)]}
+    facts = share(world, facts)
+    assert facts["lost"] == 0
+    assert facts["pushed"] + sum(clocks) == 3 * options["steps"]
+    assert facts["starts"] == clocks  # each worker resumed at its clock in the cut
 
 
 @pytest.mark.timeout(120)
@@ -178,15 +184,5 @@ def test_hsp_checkpoints_periodically_between_rounds_and_resumes_with_the_accoun
     assert facts["n"] >= 2
     assert all(c["exact"] and c["one_update_each"] and c["between_rounds"] for c in facts["checks"]), facts
     assert max(c["extras"] for c in facts["checks"]) > 0  # the cuts hold extras applied alone, not only rounds
-    _, t = train(mpi_tmp_path / "periodic-hsp-resumed.h5", resume=facts["first"],
-                 **{**common, "checkpoint_dir": str(ckdir / "again")})
-    facts2 = None
-    if world.rank == 0:
-        it, s = t["workers/iterations"], t["summary"]
-        facts2 = {"pushed": int(s["gradients_pushed"]), "lost": int(s["gradients_pushed"] - s["gradients_applied"]
-                                                                    - s["gradients_dropped"]),
-                  "starts": [int(it["step"][it["rank"] == r].min()) for r in (2, 3, 4)]}
-    facts2 = share(world, facts2)
-    assert facts2["lost"] == 0
-    assert facts2["pushed"] + sum(facts["clocks"]) == 3 * steps
-    assert facts2["starts"] == facts["clocks"]
+    _resumed_pushes_the_rest(world, mpi_tmp_path / "periodic-hsp-resumed.h5", facts["first"], facts["clocks"],
+                             **{**common, "checkpoint_dir": str(ckdir / "again")})

@@ -99,12 +99,14 @@ def hpcps_loop(comm, out, **options):
     return ps
 
 
-@pytest.mark.parametrize("servers", [1, 3])
-def test_one_worker_bsp_on_the_step_api_is_the_plain_torch_loop(world, mpi_tmp_path, servers):
+@pytest.mark.parametrize("servers,partition_mb", [(1, 0.0), (3, 0.0), (3, 0.0005)])
+def test_one_worker_bsp_on_the_step_api_is_the_plain_torch_loop(world, mpi_tmp_path, servers, partition_mb):
+    """(With ``partition_mb``: 512-byte partitions, the loop's forward passes starting before the pull is in.)"""
     comm = sub(world, servers + 1)
     facts = None
     if comm != MPI.COMM_NULL:
-        ps = hpcps_loop(comm, mpi_tmp_path / f"step-{servers}.h5", servers=servers)
+        ps = hpcps_loop(comm, mpi_tmp_path / f"step-{servers}-{partition_mb}.h5", servers=servers,
+                        partition_mb=partition_mb)
         if comm.rank == 0:
             ref = torch_loop()
             got = torch.from_numpy(ps.result.params[:len(ref)])

@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcps.metrics.timeline import PHASES
+from hpcps.metrics.timeline import NullTimeline
 
 JITTERS = ("none", "uniform", "exponential", "lognormal")
 POKE_EVERY = 1e-3  # seconds between pokes of an emulated computation (see emulated_sleep)
@@ -62,7 +62,7 @@ def emulated_sleep(seconds: float, poke: Callable[[], object] | None = None) -> 
 
 
 def forward_compute(model, seconds: Callable[[], float], sleep: Callable[[float], object],
-                    timeline=None) -> list:
+                    timeline=NullTimeline()) -> list:
     """Install ``--compute-forward``'s hooks (module docstring) on ``model``: before each module with
     parameters, ``sleep(seconds() x its share of the parameters)`` (``seconds()``: the forward pass's whole
     emulated time now; ``timeline``: the sleep is its phase ``emulated``). Returns the hook handles."""
@@ -72,12 +72,8 @@ def forward_compute(model, seconds: Callable[[], float], sleep: Callable[[float]
 
     def hook_of(fraction: float):
         def before_forward(_module, _args) -> None:
-            was = getattr(timeline, "phase", None)
-            if was is not None:
-                timeline.enter("emulated")
-            sleep(seconds() * fraction)
-            if was is not None:
-                timeline.enter(PHASES[was])
+            with timeline.within("emulated"):
+                sleep(seconds() * fraction)
         return before_forward
 
     return [m.register_forward_pre_hook(hook_of(n / total)) for m, n in zip(modules, counts)]

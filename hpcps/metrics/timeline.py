@@ -19,7 +19,8 @@ stands in, whose ``enter`` does nothing. (Pure: no MPI.)
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
 
 #: phase codes of ``/timeline``; shard phases, then worker phases, then shared ones
 PHASES = {
@@ -82,6 +83,18 @@ class Timeline:
         if self.phase is not None:
             self.phase = CODES[phase]
 
+    @contextmanager
+    def within(self, phase: str) -> Iterator[None]:
+        """``phase`` for the ``with`` block, then back to the phase that was open (a wait or a sleep
+        inside another phase: a layer's wait for its parameters inside the pass)."""
+        was = self.phase
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            if was is not None:
+                self.enter(PHASES[was])
+
     def close(self) -> None:
         """Close the open span (at the end of the rank's run)."""
         if self.phase is not None:
@@ -104,6 +117,9 @@ class NullTimeline:
 
     def relabel(self, phase: str) -> None:
         pass
+
+    def within(self, phase: str):
+        return nullcontext()
 
     def close(self) -> None:
         pass

@@ -29,7 +29,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from hpcps.metrics.timeline import PHASES, NullTimeline
+from hpcps.metrics.timeline import NullTimeline
 
 FIRST = "first"  # the plan's key of what a pass wants before it starts
 
@@ -155,12 +155,9 @@ class PartitionedPulls:
         if not needs:
             return
         t = self.clock()
-        was = getattr(self.tl, "phase", None)
-        self.tl.enter("pull")
-        for k in needs:
-            pull.wait_part(k)
-        if was is not None:
-            self.tl.enter(PHASES[was])
+        with self.tl.within("pull"):
+            for k in needs:
+                pull.wait_part(k)
         self.waited += self.clock() - t
 
     def settle(self) -> None:

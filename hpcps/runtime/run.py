@@ -821,8 +821,8 @@ class _Run:
         topo, cfg, recorder, window = self.topo, self.cfg, self.recorder, self.group_window or self.window
         policy = policy_class(cfg.paradigm)
         codec = self.codec
-        grouped = topo.group != MPI.COMM_NULL  # then it pushes the whole vector to its group server
-        bounds = [(0, self.flat.size)] if grouped else self.bounds
+        grouped = topo.group != MPI.COMM_NULL  # then it pushes to its group server
+        bounds = self._push_slices()
         new_buffer = self.flat.new_push_buffer if codec.identity_push else lambda: codec.new_push_buffer(bounds)
         extra, buffers = {}, [self.flat.push_grads if codec.identity_push else new_buffer()]
         timeline = self.timeline(recorder)
@@ -860,11 +860,15 @@ class _Run:
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
                      backoff=self.backoff, take_signal=self.signals.take, timeline=timeline, **extra)
 
+    def _push_slices(self) -> list[tuple[int, int]]:
+        """The slices of the flat vector a worker's push is cut into: one per shard, or (grouped) the whole
+        vector, for its group server."""
+        return [(0, self.flat.size)] if self.layout.n_groups else self.bounds
+
     def _wire_record(self) -> dict:
         """What one push and one pull move (payload bytes, all shards together), for the run file."""
         codec = self.codec
-        bounds = [(0, self.flat.size)] if self.layout.n_groups else self.bounds  # a worker's push: its group server's
-        push = codec.push_bounds(bounds)[-1][1] * codec.push_dtype.itemsize
+        push = codec.push_bounds(self._push_slices())[-1][1] * codec.push_dtype.itemsize
         return {**codec.describe(), "push_bytes": push, "pull_bytes": self.flat.size * codec.pull_dtype.itemsize,
                 "fp32_bytes": 4 * self.flat.size}
 

@@ -388,8 +388,8 @@ class ParamWindow:
                 self.retries += len(claimed)
                 retry.pause()
             pending = claimed
-        versions = np.zeros((n, 1), np.int64)
-        heard = [win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s], 1, _I64], self.shard_ranks[s],
+        versions = np.zeros(n, np.int64)
+        heard = [win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s:s + 1], 1, _I64], self.shard_ranks[s],
                                      (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP)
                  for s in range(n)]
         if parts is not None:
@@ -400,18 +400,17 @@ class ParamWindow:
         land = self._landing(out)
         if parts is None:
             parts = [[bounds] for bounds in self.bounds]  # one partition per shard: its whole slice
-        copies = [[self._get_range(win, land, lo, hi, slots) for lo, hi in ranges for lo, hi in self._split(lo, hi)]
+        copies = [[self._get_range(win, land, s, a, b, slots) for lo, hi in ranges for s, a, b in self._split(lo, hi)]
                   for ranges in parts]
         return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
-                    copies, [ranges for ranges in parts])
+                    copies, list(parts))
 
-    def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """``[lo, hi)`` of the flat vector cut at the shards' bounds."""
-        return [(max(lo, a), min(hi, b)) for a, b in self.bounds if max(lo, a) < min(hi, b)]
+    def _split(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``[lo, hi)`` of the flat vector cut at the shards' bounds: ``(shard, lo, hi)`` each."""
+        return [(s, max(lo, a), min(hi, b)) for s, (a, b) in enumerate(self.bounds) if max(lo, a) < min(hi, b)]
 
-    def _get_range(self, win: MPI.Win, land: np.ndarray, lo: int, hi: int, slots: np.ndarray) -> MPI.Request:
-        """Start the copy of ``[lo, hi)`` (within one shard's slice) out of that shard's pinned slot."""
-        s = next(k for k, (a, b) in enumerate(self.bounds) if a <= lo < b)
+    def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, lo: int, hi: int, slots: np.ndarray) -> MPI.Request:
+        """Start the copy of ``[lo, hi)``, within shard ``s``'s slice, out of its pinned slot."""
         a, b = self.bounds[s]
         offset = wire.WINDOW_HEADER_BYTES + self.item * ((b - a) * int(slots[s]) + lo - a)
         t = self.mpi_type
@@ -462,10 +461,10 @@ class Pull:
     def versions(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the versions of the pinned slots only (they are read first); return them and
         whether any stop flag was raised."""
-        if self.heard is not None and self.slots is not None:
+        if self.heard is not None:
             wait_until(lambda: MPI.Request.Testall(self.heard), self.backoff)
         versions, stop = self.result
-        return (versions[:, 0].copy() if versions.ndim == 2 else versions), stop
+        return versions, stop  # (each pull reads into an array of its own)
 
     def wait_part(self, k: int) -> None:
         """Wait politely for partition ``k``'s copies; its values are then in ``out``."""
@@ -489,6 +488,4 @@ class Pull:
                 shards = list(range(len(self.slots)))
                 self.window._pin(shards, self.slots, np.zeros(len(shards), np.int64), -1, self.backoff)
             self.heard = None
-            versions, stop = self.result
-            self.result = (versions[:, 0].copy(), stop)
         return self.result

@@ -43,6 +43,21 @@ def test_an_explicit_time_closes_the_span_there_and_empty_spans_are_not_kept():
     assert rows == [(0, CODES["wait"], 0, 1.0, 3.0), (0, CODES["other"], 0, 3.0, 5.0)]
 
 
+def test_a_phase_within_another_returns_to_it_after_the_block():
+    rows, now = [], [0.0]
+    tl = Timeline(0, lambda table, row: rows.append(row), lambda: now[0])
+    tl.enter("compute")
+    now[0] = 1.0
+    with tl.within("pull"):  # a layer waits for its parameters inside the pass
+        now[0] = 1.5
+    now[0] = 2.0
+    tl.close()
+    assert rows == [(0, CODES["compute"], 0, 0.0, 1.0), (0, CODES["pull"], 0, 1.0, 1.5),
+                    (0, CODES["compute"], 0, 1.5, 2.0)]
+    with NullTimeline().within("pull"):  # and without the timeline, nothing
+        pass
+
+
 def test_a_run_without_the_timeline_records_nothing():
     tl = NullTimeline()
     tl.at(3)

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 import hpcps
+from hpcps.cluster.slices import stripe_elements
 from hpcps.errors import UserError
 
 FORMAT = 2
@@ -69,6 +70,8 @@ class Checkpoint:
     #: written with (None: the same shape)
     written_servers: int | None = None
     written_clocks: np.ndarray | None = None
+    #: and the stripe its shards' slices were dealt in (None: contiguous; see hpcps.cluster.slices)
+    written_stripe: int | None = None
 
     def shard_version(self, shard: int) -> int:
         """The version shard ``shard`` resumes at."""
@@ -85,26 +88,30 @@ class Checkpoint:
     def describe_shape(self) -> str:
         """What changed from the checkpoint's shape to this run's ('' for nothing), for the log and run file."""
         changes = []
-        if self.resharded:
+        if self.resharded and self.written_servers != self.n_servers:
             changes.append(f"{self.written_servers} shard(s) -> {self.n_servers}")
+        elif self.resharded:
+            changes.append("the shards' slices dealt again (--partition-mb)")
         if self.redealt:
             changes.append(f"{len(self.written_clocks)} worker(s) at clocks {self.written_clocks.tolist()} -> "
                            f"{len(self.worker_clocks)} at clock {int(self.worker_clocks[0])}")
         return "; ".join(changes)
 
 
-def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int) -> Checkpoint:
+def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int, stripe: int | None = None) -> Checkpoint:
     """``ckpt`` as a run of ``n_servers`` shards and ``n_workers`` workers resumes it.
 
     Another shard count: every shard resumes at shard 0's version, and its optimizer state is cut from
     the written shards' (:func:`resliced_optimizer_state`). Another worker count: every worker starts at
     the slowest written worker's clock, and the data of the interrupted epochs is dealt again
     (:func:`hpcps.data.sharding.redealt_batches`). A paradigm's own state (clocks per worker, per shard)
-    starts afresh on either change.
+    starts afresh on either change. ``stripe``: the run's shard slices are striped so (``--partition-mb``,
+    :mod:`hpcps.cluster.slices`); slices cut otherwise than the checkpoint's count as another shard count.
     """
     changes = {}
-    if n_servers != ckpt.n_servers:
-        changes.update(written_servers=ckpt.n_servers, n_servers=n_servers,
+    written_stripe = stripe_elements(ckpt.config.get("partition_mb")) if ckpt.n_servers > 1 else None
+    if n_servers != ckpt.n_servers or written_stripe != (stripe if n_servers > 1 else None):
+        changes.update(written_servers=ckpt.n_servers, n_servers=n_servers, written_stripe=written_stripe,
                        shard_versions=np.full(n_servers, ckpt.version, np.int64))
     if n_workers != len(ckpt.worker_clocks):
         changes.update(written_clocks=ckpt.worker_clocks,

@@ -53,7 +53,8 @@ from hpcps.runtime.evaluator import Evaluator
 from hpcps.training.flat import FlatParameters
 from hpcps.cluster.grouping import speed_groups
 from hpcps.runtime.groupserver import GroupServer
-from hpcps.cluster.layout import Layout, Role, shard_bounds
+from hpcps.cluster.layout import Layout, Role
+from hpcps.cluster.slices import Slices, stripe_elements
 from hpcps.cluster.placement import place
 from hpcps.cluster.planning import plan
 from hpcps.runtime.progress import Progress
@@ -324,7 +325,8 @@ def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout) -> Checkpo
     if layout.n_workers != len(ckpt.worker_clocks) and layout.n_groups:
         raise UserError(f"--resume {cfg.resume}: grouped runs resume on their checkpoint's worker count "
                         f"({len(ckpt.worker_clocks)}), not {layout.n_workers}")
-    return reshaped(ckpt, n_servers=layout.n_servers, n_workers=layout.n_workers)
+    return reshaped(ckpt, n_servers=layout.n_servers, n_workers=layout.n_workers,
+                    stripe=stripe_elements(cfg.partition_mb))
 
 
 class _Run:
@@ -352,7 +354,8 @@ class _Run:
         self.policy: Policy | None = None  # a central shard: its paradigm (state saved with a checkpoint)
         self.devices = devices  # per rank, as DevicePlan.describe() says
         self.layout = topo.layout
-        self.bounds = shard_bounds(flat.size, self.layout.n_servers)
+        # which values each central shard holds: contiguous blocks, striped with --partition-mb
+        self.slices = Slices.plan(flat.size, flat.n_params, self.layout.n_servers, stripe_elements(cfg.partition_mb))
         self.codec = make_codec(cfg.compress)  # what moves on the wire (a worker's: with its top-k residual)
         self.groups = resolve_groups(model, workload.param_groups)  # checked at start-up (_prepare)
         self.shards = list(range(self.layout.n_servers))
@@ -390,9 +393,9 @@ class _Run:
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
         if comm.rank != 0:  # a rank that fails sends rank 0 the rows it still holds before the job ends
             agree_module.last_words.append(recorder.flush)
-        lo, hi = self.bounds[comm.rank] if topo.role is Role.SERVER else (0, 0)
-        window = ParamWindow(topo.ps, shard_ranks=self.shards, bounds=self.bounds, local_len=hi - lo,
-                             codec=self.codec)
+        shard = comm.rank if topo.role is Role.SERVER else None
+        window = ParamWindow(topo.ps, shard_ranks=self.shards, slices=self.slices,
+                             local_len=self.slices.length(shard) if shard is not None else 0, codec=self.codec)
         self.window = window  # freed by __exit__ if start() goes no further
         group_window = None
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
@@ -400,11 +403,10 @@ class _Run:
             group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
                                        local_len=n if topo.role is Role.GROUP else 0, codec=self.codec)
             self.group_window = group_window
+        master = self.slices.take(shard, self.flat.params) if shard is not None else np.zeros(0, np.float32)
         if window.master is not None:  # a 16-bit window keeps the fp32 master weights (exact pulls read them)
+            window.master[:] = master
             master = window.master
-            master[:] = self.flat.params[lo:hi]
-        else:
-            master = self.flat.params[lo:hi].copy()
         optimizer = None
         if topo.role is Role.SERVER:
             # a resumed shard is at its checkpoint's version from its first publish: a worker's first pull
@@ -412,7 +414,7 @@ class _Run:
             window.publish(master, self.ckpt.shard_version(comm.rank) if self.ckpt else 0)
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
-            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(lo, hi)], lo)
+            optimizer = self.optimizer = self._shard_optimizer(master[:self._n_params(shard)], shard)
         # the rate the servers' optimizer has of its own (a factory's, or --lr): rows record rates applied
         self.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
         if comm.rank == 0:
@@ -560,9 +562,10 @@ class _Run:
             return [layout.group_server_rank(g) for g in range(layout.n_groups)]
         return list(layout.worker_ranks())
 
-    def _n_params(self, lo: int, hi: int) -> int:
-        """Trainable values in the shard slice [lo, hi); the rest of it is buffers (BatchNorm statistics)."""
-        return int(np.clip(self.flat.n_params - lo, 0, hi - lo))
+    def _n_params(self, shard: int) -> int:
+        """Trainable values at the start of central shard ``shard``'s slice; the rest of it is buffers
+        (BatchNorm statistics)."""
+        return self.slices.trainable(shard, self.flat.n_params)
 
     def _serve(self, window: ParamWindow, master, optimizer: ShardOptimizer, recorder) -> None:
         topo, layout, cfg = self.topo, self.layout, self.cfg
@@ -570,7 +573,7 @@ class _Run:
         workers = self._clients()
         notifier = Notifier(topo.ps, worker_ranks=workers)
         serial = policy_class(cfg.paradigm).serial_transfers and not grouped
-        n_params = self._n_params(*self.bounds[topo.rank])
+        n_params = self._n_params(topo.rank)
         policy = make_policy(cfg.paradigm, len(workers), cfg.paradigm_option, staleness=cfg.s_lo,
                              staleness_max=cfg.s_hi)
         start_version = self.ckpt.shard_version(topo.rank) if self.ckpt else 0
@@ -704,46 +707,51 @@ class _Run:
                 spread = True
         return task
 
-    def _shard_optimizer(self, params: np.ndarray, lo: int) -> ShardOptimizer:
-        """The optimizer of this shard's trainable slice (starting at ``lo`` of the flat vector), cut into
-        the run's param groups, its schedule over the run's updates, resumed state."""
+    def _shard_optimizer(self, params: np.ndarray, shard: int) -> ShardOptimizer:
+        """The optimizer of central shard ``shard``'s trainable values ``params``, cut into the run's param
+        groups, its schedule over the run's updates, resumed state."""
         cfg = self.cfg
-        groups = shard_groups(self.groups, lo, lo + len(params))
+        groups = shard_groups(self.groups, self.slices.pieces[shard])
         optimizer = ShardOptimizer(torch.from_numpy(params), self.workload.optimizer_factory(cfg), lambda v: 1.0,
                                    groups=groups)
         # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
         optimizer.schedule = self.schedule(optimizer.default_lr or cfg.lr)
         if self.ckpt is not None and self.ckpt.resharded:
-            optimizer.load_state_dict(self._resliced_optimizer_state(optimizer, lo))
+            optimizer.load_state_dict(self._resliced_optimizer_state(optimizer, shard))
         elif self.ckpt is not None:
             optimizer.load_state_dict(read_optimizer_state(cfg.resume, self.topo.rank))
         return optimizer
 
-    def _resliced_optimizer_state(self, optimizer: ShardOptimizer, lo: int) -> dict:
-        """This shard's optimizer state, cut from a checkpoint written by another shard count: each written
-        shard's per-value state (momentum, Adam's moments) laid out over the flat vector, then cut at this
-        shard's chunks; per-chunk scalars (Adam's step count, the same on every chunk) carried over."""
-        cfg, ckpt, n_params = self.cfg, self.ckpt, self.flat.n_params
+    def _resliced_optimizer_state(self, optimizer: ShardOptimizer, shard: int) -> dict:
+        """This shard's optimizer state, cut from a checkpoint written by shards sliced otherwise (another
+        count, or another stripe): each written shard's per-value state (momentum, Adam's moments) laid out
+        over the flat vector, then cut at this shard's chunks; per-chunk scalars (Adam's step count, the
+        same on every chunk) carried over."""
+        cfg, ckpt, n_params, size = self.cfg, self.ckpt, self.flat.n_params, self.flat.size
+        written = Slices.plan(size, n_params, ckpt.written_servers, ckpt.written_stripe)
         flat_state: dict[str, torch.Tensor] = {}
         scalars: dict[str, Any] = {}
-        for s, (olo, ohi) in enumerate(shard_bounds(self.flat.size, ckpt.written_servers)):
-            n = self._n_params(olo, ohi)
+        for s in range(written.n_shards):
+            n = written.trainable(s, n_params)
             state = read_optimizer_state(cfg.resume, s) if n else {}
             if not state.get("state"):
                 continue
-            written = ShardOptimizer(torch.zeros(n), self.workload.optimizer_factory(cfg), lambda v: 1.0,
-                                     groups=shard_groups(self.groups, olo, olo + n))
-            for k, (a, b) in enumerate(written.spans):
+            shard_optimizer = ShardOptimizer(torch.zeros(n), self.workload.optimizer_factory(cfg), lambda v: 1.0,
+                                             groups=shard_groups(self.groups, written.pieces[s]))
+            local: dict[str, torch.Tensor] = {}
+            for k, (a, b) in enumerate(shard_optimizer.spans):
                 for key, value in state["state"].get(k, {}).items():
                     if torch.is_tensor(value) and value.numel() == b - a and value.dim() == 1:
-                        flat = flat_state.setdefault(key, torch.zeros(n_params, dtype=value.dtype))
-                        flat[olo + a:olo + b] = value
+                        local.setdefault(key, torch.zeros(written.length(s), dtype=value.dtype))[a:b] = value
                     else:
                         scalars[key] = value
+            for key, values in local.items():
+                written.put(s, values, flat_state.setdefault(key, torch.zeros(size, dtype=values.dtype)))
         if optimizer.optimizer is None or not (flat_state or scalars):
             return {}
+        mine = {key: self.slices.take(shard, v) for key, v in flat_state.items()}
         state = optimizer.state_dict()
-        state["state"] = {k: {**{key: v[lo + a:lo + b].clone() for key, v in flat_state.items()},
+        state["state"] = {k: {**{key: v[a:b].clone() for key, v in mine.items()},
                               **{key: v.clone() if torch.is_tensor(v) else v for key, v in scalars.items()}}
                           for k, (a, b) in enumerate(optimizer.spans)}
         return state
@@ -786,12 +794,15 @@ class _Run:
         agg = np.zeros(n, np.float32)
         # the round's update goes to the central shards as the wire carries it (--compress), with this group
         # server's own top-k residual; its workers push to it, and pull from its window, the same way
+        # (in the central shards' wire order when their slices are striped)
         codec, encode = make_codec(cfg.compress), None
-        send = agg if codec.identity_push else codec.new_push_buffer(self.bounds)
-        if not codec.identity_push:
-            encode = lambda: codec.encode(torch.from_numpy(agg), send, self.bounds)  # noqa: E731
+        bounds = self.slices.wire_bounds
+        send = agg if codec.identity_push and not self.slices.striped else codec.new_push_buffer(bounds)
+        if send is not agg:
+            stage = self._stager(codec, torch.from_numpy(agg), bounds, striped=self.slices.striped)
+            encode = lambda: stage(send, True)  # noqa: E731
         central_pusher = Pusher(topo.ps, buffers=[send], shard_ranks=self.shards,
-                                bounds=codec.push_bounds(self.bounds), worker_rank=topo.rank)
+                                bounds=codec.push_bounds(bounds), worker_rank=topo.rank)
         central_notices = NoticeBox(topo.ps, shard_ranks=self.shards)
         policy = make_policy(policy_class(cfg.paradigm).group_policy, len(members))
         rounds = RoundSum(n, self.flat.n_params, len(members), policy.active)  # the group's rounds, summed
@@ -823,8 +834,9 @@ class _Run:
         codec = self.codec
         grouped = topo.group != MPI.COMM_NULL  # then it pushes to its group server
         bounds = self._push_slices()
+        striped = self.slices.striped and not grouped  # then the push leaves in the shards' wire order
         new_buffer = self.flat.new_push_buffer if codec.identity_push else lambda: codec.new_push_buffer(bounds)
-        extra, buffers = {}, [self.flat.push_grads if codec.identity_push else new_buffer()]
+        extra, buffers = {}, [self.flat.push_grads if codec.identity_push and not striped else new_buffer()]
         timeline = self.timeline(recorder)
         if cfg.partition_mb and self.flat.transfer == "shared":
             extra["partitions"] = PartitionedPulls(self.model, self.flat._spans, max(1, int(cfg.partition_mb * 2**18)),
@@ -835,8 +847,9 @@ class _Run:
         # while they wait; a partitioned pull's pass begins while the pull (and the push) are in flight
         if policy.eager_pull or policy.extra_gradients or "partitions" in extra:
             buffers = extra["send_buffers"] = [new_buffer() for _ in range(2)]
-        if not codec.identity_push:  # the gradient is encoded into the push buffer (hpcps.transport.compress)
-            extra["stage"] = lambda out, keep: codec.encode(self.flat.grads_t, out, bounds, keep=keep)
+        if striped or not codec.identity_push:  # reordered, encoded (hpcps.transport.compress) into the push buffer
+            stage = self._stager(codec, self.flat.grads_t, bounds, striped=striped)
+            extra["stage"] = lambda out, keep: (stage(out, keep), self.flat.synchronize())
         if policy.eager_pull:
             extra["bound"] = cfg.staleness  # None: never wait for fresher parameters
         if policy.extra_gradients:
@@ -861,9 +874,26 @@ class _Run:
                      backoff=self.backoff, take_signal=self.signals.take, timeline=timeline, **extra)
 
     def _push_slices(self) -> list[tuple[int, int]]:
-        """The slices of the flat vector a worker's push is cut into: one per shard, or (grouped) the whole
-        vector, for its group server."""
-        return [(0, self.flat.size)] if self.layout.n_groups else self.bounds
+        """The slices of a worker's push buffer, one per shard (the shards' wire order,
+        :mod:`hpcps.cluster.slices`), or (grouped) the whole flat vector, for its group server."""
+        return [(0, self.flat.size)] if self.layout.n_groups else self.slices.wire_bounds
+
+    def _stager(self, codec, grads: torch.Tensor, bounds: list[tuple[int, int]], *,
+                striped: bool) -> Callable[[Any, bool], None]:
+        """``stage(out, keep)``: put the flat-order gradient ``grads`` into push buffer ``out`` (cut at
+        ``bounds``) as the wire carries it: in the central shards' wire order where their slices are
+        striped, encoded under ``--compress`` (``keep``: the gradient is to be applied, see
+        hpcps.transport.compress)."""
+        if codec.identity_push:
+            return lambda out, keep: self.slices.gather(grads, out)
+        if not striped:
+            return lambda out, keep: codec.encode(grads, out, bounds, keep=keep)
+        ordered = torch.empty_like(grads)
+
+        def stage(out, keep: bool) -> None:
+            self.slices.gather(grads, ordered)
+            codec.encode(ordered, out, bounds, keep=keep)
+        return stage
 
     def _wire_record(self) -> dict:
         """What one push and one pull move (payload bytes, all shards together), for the run file."""

@@ -83,23 +83,32 @@ def resolve_groups(model: torch.nn.Module, spec: GroupsSpec | None) -> list[Grou
             for options, names in groups]
 
 
-def shard_groups(groups: Sequence[Group], lo: int, hi: int) -> list[tuple[dict[str, Any], list[tuple[int, int]],
-                                                                          list[tuple[str, int, int]]]]:
-    """The groups' pieces in the shard slice ``[lo, hi)``: per group with any, its options, its segments
-    in slice coordinates (``0`` is ``lo``), and the ``(name, lo, hi)`` parts of its parameters the
-    shard holds (in the parameter's own flattened coordinates)."""
+def shard_groups(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> list[
+        tuple[dict[str, Any], list[tuple[int, int]], list[tuple[str, int, int]]]]:
+    """The groups' pieces in a shard's slice, which holds the flat vector's ranges ``pieces`` one after
+    the other (one range ``[(lo, hi)]``, or a striped shard's several: :mod:`hpcps.cluster.slices`): per
+    group with any, its options, its segments in slice coordinates (``0`` is the first piece's start),
+    and the ``(name, lo, hi)`` parts of its parameters the shard holds (in the parameter's own
+    flattened coordinates)."""
     out = []
     for group in groups:
         segments, parts = [], []
-        for name, a, b in group.ranges:
-            s, e = max(a, lo), min(b, hi)
-            if s >= e:
-                continue
-            if segments and segments[-1][1] == s - lo:  # adjacent parameters: one segment
-                segments[-1] = (segments[-1][0], e - lo)
-            else:
-                segments.append((s - lo, e - lo))
-            parts.append((name, s - a, e - a))
+        at = 0
+        for lo, hi in pieces:
+            for name, a, b in group.ranges:
+                s, e = max(a, lo), min(b, hi)
+                if s >= e:
+                    continue
+                x, y = at + s - lo, at + e - lo
+                if segments and segments[-1][1] == x:  # adjacent parameters: one segment
+                    segments[-1] = (segments[-1][0], y)
+                else:
+                    segments.append((x, y))
+                if parts and parts[-1][0] == name and parts[-1][2] == s - a:  # a parameter on adjacent pieces
+                    parts[-1] = (name, parts[-1][1], e - a)
+                else:
+                    parts.append((name, s - a, e - a))
+            at += hi - lo
         if segments:
             out.append((group.options, segments, parts))
     return out

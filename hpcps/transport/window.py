@@ -67,6 +67,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from hpcps.cluster.slices import Slices
 from hpcps.errors import UserError
 from hpcps.transport import wire
 from hpcps.transport.compress import Codec
@@ -115,7 +116,9 @@ class ParamWindow:
     """The run's parameter window (collective over ``comm`` to create and free).
 
     ``shard_ranks[s]`` is the rank (in ``comm``) of shard ``s``, whose
-    parameters are the block ``bounds[s]`` of the flat vector. The calling
+    parameters are the block ``bounds[s]`` of the flat vector, or (``slices``,
+    :mod:`hpcps.cluster.slices`) the ranges ``slices.pieces[s]``, one after the
+    other in the shard's memory. The calling
     rank exposes ``local_len`` values (0 unless it is a shard) per slot.
     ``protocol`` is ``auto``, ``pinned`` or ``locked`` (module docstring);
     None reads ``HPCPS_WINDOW``.
@@ -127,8 +130,10 @@ class ParamWindow:
     """
 
     def __init__(self, comm: MPI.Comm, *, shard_ranks: Sequence[int],
-                 bounds: Sequence[tuple[int, int]], local_len: int = 0, protocol: str | None = None,
-                 codec: Codec | None = None) -> None:
+                 bounds: Sequence[tuple[int, int]] | None = None, slices: Slices | None = None,
+                 local_len: int = 0, protocol: str | None = None, codec: Codec | None = None) -> None:
+        if (bounds is None) == (slices is None):
+            raise ValueError("a window is given either bounds or slices")
         self.protocol = choose_protocol(comm, protocol)
         self.n_slots = SLOTS if self.protocol == "pinned" else 1
         self.codec = codec or Codec()
@@ -141,7 +146,8 @@ class ParamWindow:
             self.win.Lock_all(MPI.MODE_NOCHECK)  # shared, for the window's lifetime; nobody locks exclusively
         self.rank = comm.rank
         self.shard_ranks = list(shard_ranks)
-        self.bounds = list(bounds)
+        self.slices = slices or Slices.contiguous(bounds)
+        self.lengths = [self.slices.length(s) for s in range(self.slices.n_shards)]
         self.header = None
         self.slots: list[np.ndarray] = []
         self.master: np.ndarray | None = None  # a 16-bit window: the shard's fp32 master weights
@@ -305,11 +311,13 @@ class ParamWindow:
         win = self._live()
         versions, stop = self.peek(backoff), False
         requests = []
-        for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, self.bounds)):
+        for s, rank in enumerate(self.shard_ranks):
             if self.protocol == "locked":
                 win.Lock(rank, MPI.LOCK_SHARED)
-            offset = wire.WINDOW_HEADER_BYTES + self.item * (hi - lo) * self.n_slots
-            requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], rank, (offset, hi - lo, MPI.FLOAT)))
+            offset = wire.WINDOW_HEADER_BYTES + self.item * self.lengths[s] * self.n_slots
+            for at, lo, hi in self.slices.local_ranges(s):
+                requests.append(win.Rget([out[lo:hi], hi - lo, MPI.FLOAT], rank,
+                                         (offset + 4 * at, hi - lo, MPI.FLOAT)))
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
         if self.protocol == "locked":
             for rank in self.shard_ranks:
@@ -399,20 +407,17 @@ class ParamWindow:
             wait_until(lambda: MPI.Request.Testall(heard), backoff)
         land = self._landing(out)
         if parts is None:
-            parts = [[bounds] for bounds in self.bounds]  # one partition per shard: its whole slice
-        copies = [[self._get_range(win, land, s, a, b, slots) for lo, hi in ranges for s, a, b in self._split(lo, hi)]
+            parts = [list(ranges) for ranges in self.slices.pieces]  # one partition per shard: its whole slice
+        copies = [[self._get_range(win, land, *piece, slots) for lo, hi in ranges for piece in self.slices.split(lo, hi)]
                   for ranges in parts]
         return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
                     copies, list(parts))
 
-    def _split(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """``[lo, hi)`` of the flat vector cut at the shards' bounds: ``(shard, lo, hi)`` each."""
-        return [(s, max(lo, a), min(hi, b)) for s, (a, b) in enumerate(self.bounds) if max(lo, a) < min(hi, b)]
-
-    def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, lo: int, hi: int, slots: np.ndarray) -> MPI.Request:
-        """Start the copy of ``[lo, hi)``, within shard ``s``'s slice, out of its pinned slot."""
-        a, b = self.bounds[s]
-        offset = wire.WINDOW_HEADER_BYTES + self.item * ((b - a) * int(slots[s]) + lo - a)
+    def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, at: int, lo: int, hi: int,
+                   slots: np.ndarray) -> MPI.Request:
+        """Start the copy of ``[lo, hi)`` of the flat vector, at ``at`` of shard ``s``'s slice, out of its
+        pinned slot."""
+        offset = wire.WINDOW_HEADER_BYTES + self.item * (self.lengths[s] * int(slots[s]) + at)
         t = self.mpi_type
         return win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t))
 
@@ -421,11 +426,12 @@ class ParamWindow:
         heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
         requests = []
         land, t = (self._landing(out), self.mpi_type) if out is not None else (None, None)
-        for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, self.bounds)):
+        for s, rank in enumerate(self.shard_ranks):
             win.Lock(rank, MPI.LOCK_SHARED)
             requests.append(win.Rget([heads[s], _HEADER_WORDS, _I64], rank, (0, _HEADER_WORDS, _I64)))
-            if out is not None:
-                requests.append(win.Rget([land[lo:hi], hi - lo, t], rank, (wire.WINDOW_HEADER_BYTES, hi - lo, t)))
+            for at, lo, hi in (self.slices.local_ranges(s) if out is not None else ()):
+                requests.append(win.Rget([land[lo:hi], hi - lo, t], rank,
+                                         (wire.WINDOW_HEADER_BYTES + self.item * at, hi - lo, t)))
         wait_until(lambda: MPI.Request.Testall(requests), backoff)
         for rank in self.shard_ranks:
             win.Unlock(rank)

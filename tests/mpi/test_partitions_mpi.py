@@ -12,25 +12,33 @@ pytestmark = pytest.mark.mpi(min_size=5)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("model,dataset,servers,compress", [
-    ("mlp", "digits", 1, "none"),
-    ("resnet18", "synthetic:3x8x8:10:64", 2, "none"),  # BatchNorm, slices over 2 shards
-    ("mlp", "digits", 2, "bf16"),  # 16-bit pulls widened partition by partition
-])
+@pytest.mark.parametrize("model,dataset,servers,compress,extra", [
+    ("mlp", "digits", 1, "none", {}),
+    ("resnet18", "synthetic:3x8x8:10:64", 2, "none", {}),  # BatchNorm, slices striped over 2 shards
+    ("mlp", "digits", 2, "bf16", {}),  # 16-bit pulls widened partition by partition
+    # striped slices cut AdamW's param groups (decay on matrices only) otherwise than contiguous ones
+    ("mlp", "digits", 3, "none", {"optimizer": "adamw", "weight_decay": 0.1}),
+    # one group: its server is the central shards' only client, and pushes to them in their wire order
+    ("mlp", "digits", 2, "none", {"paradigm": "grouped", "groups": 1}),
+], ids=["mlp-1", "resnet18-2", "bf16-2", "adamw-3", "grouped-2"])
 def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, model, dataset, servers,
-                                                                compress):
-    common = dict(paradigm="bsp", model=model, dataset=dataset, servers=servers, compress=compress, steps=6,
-                  batch_size=8, seed=4, lr=0.05, eval_every=1000)
-    whole, _ = train(mpi_tmp_path / f"whole-{model}-{compress}.h5", **common)
+                                                                compress, extra):
+    """With several shards, partitions also stripe the shards' slices (hpcps.cluster.slices): the same values
+    are stepped the same way, only held elsewhere."""
+    common = {"paradigm": "bsp", "model": model, "dataset": dataset, "servers": servers, "compress": compress,
+              "steps": 6, "batch_size": 8, "seed": 4, "lr": 0.05, "eval_every": 1000, **extra}
+    name = f"{model}-{compress}-{servers}-{len(extra)}"
+    whole, _ = train(mpi_tmp_path / f"whole-{name}.h5", **common)
     # a few KB per partition: dozens of partitions, some cut inside a layer, some across the shards' bound
-    parted, t = train(mpi_tmp_path / f"parted-{model}-{compress}.h5", partition_mb=0.004, **common)
+    parted, t = train(mpi_tmp_path / f"parted-{name}.h5", partition_mb=0.004, **common)
     facts = None
     if world.rank == 0:
         facts = {"same": np.array_equal(whole.params, parted.params),  # parameters, then the float buffers
                  "pushed": int(t["summary"]["gradients_pushed"]), "applied": int(t["summary"]["gradients_applied"])}
     facts = share(world, facts)
     assert facts["same"]
-    assert facts["pushed"] == facts["applied"] == (5 - servers) * 6
+    workers = 5 - servers - extra.get("groups", 0)
+    assert facts["pushed"] == facts["applied"] == workers * 6
 
 
 @pytest.mark.timeout(180)

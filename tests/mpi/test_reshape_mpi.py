@@ -23,10 +23,11 @@ def _sub(world, n):
     return world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
 
 
-def _checkpoint(world, tmp) -> str:
+def _checkpoint(world, tmp, name: str = "ck", **extra) -> str:
     """A bsp run of 2 shards and 3 workers with momentum, checkpointed at round 10 of 20."""
-    train(tmp / "written.h5", servers=2, checkpoint_every=10, checkpoint_dir=str(tmp / "ck"), **COMMON)
-    return str(tmp / "ck" / "step-000010.h5")
+    train(tmp / f"written-{name}.h5", servers=2, checkpoint_every=10, checkpoint_dir=str(tmp / name), **COMMON,
+          **extra)
+    return str(tmp / name / "step-000010.h5")
 
 
 def _replay(path: str, n_workers: int) -> np.ndarray:
@@ -103,3 +104,28 @@ def test_a_three_worker_checkpoint_resumes_on_two_workers_as_that_shape_would_tr
     facts = share(world, facts)
     assert facts["moved"] > 1e-3 and facts["diff"] < 1e-5
     assert facts["shape"] == "3 worker(s) at clocks [10, 10, 10] -> 2 at clock 10" and facts["pushed"] == 2 * 10
+
+
+@pytest.mark.timeout(180)
+def test_striped_and_contiguous_slices_resume_each_others_checkpoints(world, mpi_tmp_path):
+    """Slices striped (``--partition-mb`` on 2 shards) when the checkpoint was written and contiguous at the
+    resume, and the other way: the parameters and the momentum are cut again, and the run ends where the
+    resume on the checkpoint's own slices ends (but for float rounding at the slices' edges)."""
+    parts = {"partition_mb": 0.004}  # about 1000 values per chunk: the MLP's values dealt in 6 or more
+    plain = _checkpoint(world, mpi_tmp_path)
+    striped = _checkpoint(world, mpi_tmp_path, "striped", **parts)
+    runs = {"same": (plain, {}), "striped->plain": (striped, {}), "plain->striped": (plain, parts),
+            "striped->striped": (striped, parts)}
+    facts = {}
+    for name, (path, extra) in runs.items():
+        result, t = train(mpi_tmp_path / f"{name}.h5", servers=2, resume=path, **COMMON, **extra)
+        if world.rank == 0:
+            facts[name] = (result.params, t["attrs"]["resumed_shape"], int(t["summary"]["gradients_pushed"]))
+    facts = share(world, facts if world.rank == 0 else None)
+    fresh = _fresh_difference(world, mpi_tmp_path)
+    reference = facts["same"][0]
+    for name, (params, shape, pushed) in facts.items():
+        assert float(np.abs(params - reference).max()) <= max(2 * fresh, 1e-6), name
+        assert pushed == 3 * 10
+        assert shape == ("the shards' slices dealt again (--partition-mb)" if name in ("striped->plain",
+                                                                                      "plain->striped") else ""), name

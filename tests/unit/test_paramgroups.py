@@ -4,6 +4,7 @@ torch optimizer with those groups on the whole model."""
 import pytest
 import torch
 
+from hpcps.cluster.slices import Slices
 from hpcps.training.optim import ShardOptimizer, builtin_optimizer, describe_optimizer
 from hpcps.training.paramgroups import decay_groups, resolve_groups, shard_groups
 
@@ -34,14 +35,30 @@ def test_groups_become_flat_ranges_and_unnamed_parameters_a_last_group():
 
 def test_a_shard_slice_is_cut_at_group_boundaries_and_says_which_parts_it_holds():
     groups = resolve_groups(_model(), decay_groups(_model(), 0.1))
-    pieces = shard_groups(groups, 30, 50)  # the end of 0.weight, 1.*, the start of 2.weight
+    pieces = shard_groups(groups, [(30, 50)])  # the end of 0.weight, 1.*, the start of 2.weight
     assert pieces[0] == ({"weight_decay": 0.1}, [(0, 5), (15, 20)], [("0.weight", 30, 35), ("2.weight", 0, 5)])
     assert pieces[1] == ({"weight_decay": 0.0}, [(5, 15)], [("1.weight", 0, 5), ("1.bias", 0, 5)])
 
 
-@pytest.mark.parametrize("cuts", [[0, 63], [0, 30, 50, 63], [0, 7, 40, 41, 63]])
-def test_shards_with_groups_step_as_adamw_with_those_groups_on_the_whole_model(cuts):
-    """Any cut of the flat vector into shards, chunks of 4: AdamW with decay on matrices only, 5 steps."""
+def test_a_striped_slice_holds_its_ranges_one_after_the_other():
+    groups = resolve_groups(_model(), decay_groups(_model(), 0.1))
+    pieces = shard_groups(groups, [(30, 35), (40, 50)])  # the end of 0.weight; 1.bias and the start of 2.weight
+    assert pieces[0] == ({"weight_decay": 0.1}, [(0, 5), (10, 15)], [("0.weight", 30, 35), ("2.weight", 0, 5)])
+    assert pieces[1] == ({"weight_decay": 0.0}, [(5, 10)], [("1.bias", 0, 5)])
+    # one parameter over two ranges that follow each other: one segment, one part
+    assert shard_groups(groups, [(45, 47), (47, 50)]) == [({"weight_decay": 0.1}, [(0, 5)], [("2.weight", 0, 5)])]
+
+
+@pytest.mark.parametrize("slices", [
+    Slices.contiguous([(0, 63)]),
+    Slices.contiguous([(0, 30), (30, 50), (50, 63)]),
+    Slices.contiguous([(0, 7), (7, 40), (40, 41), (41, 63)]),
+    Slices.plan(63, 63, 3, stripe=5),  # striped: each shard holds pieces of several parameters
+    Slices.plan(63, 63, 2, stripe=7),
+], ids=["one", "three", "four", "striped3", "striped2"])
+def test_shards_with_groups_step_as_adamw_with_those_groups_on_the_whole_model(slices):
+    """Any cut of the flat vector into shards, contiguous or striped, chunks of 4: AdamW with decay on
+    matrices only, 5 steps."""
     model = _model()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert len(flat) == 63
@@ -52,22 +69,24 @@ def test_shards_with_groups_step_as_adamw_with_those_groups_on_the_whole_model(c
                             lr=0.01, fused=True)  # as the built-in adamw runs on the shards
     groups = resolve_groups(model, decay_groups(model, 0.1))
     shards = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        part = flat[lo:hi].clone()
-        shards.append((lo, hi, part, ShardOptimizer(part, builtin_optimizer("adamw", lr=0.01), lambda v: 1.0,
-                                                    chunk=4, groups=shard_groups(groups, lo, hi))))
+    for s in range(slices.n_shards):
+        part = torch.from_numpy(slices.take(s, flat.numpy()))
+        shards.append((s, part, ShardOptimizer(part, builtin_optimizer("adamw", lr=0.01), lambda v: 1.0,
+                                               chunk=4, groups=shard_groups(groups, slices.pieces[s]))))
     for g in grads:
         at = 0
         for p in reference.parameters():
             p.grad = g[at:at + p.numel()].view_as(p).clone()
             at += p.numel()
         opt.step()
-        for lo, hi, _, shard in shards:
-            shard.step([g[lo:hi]], [1.0], version=0, factor=1.0)
+        for s, _, shard in shards:
+            shard.step([torch.from_numpy(slices.take(s, g.numpy()))], [1.0], version=0, factor=1.0)
     expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
-    got = torch.cat([part for _, _, part, _ in shards])
+    got = torch.zeros(63)
+    for s, part, _ in shards:
+        slices.put(s, part, got)
     assert torch.equal(got, expected)
-    first = shards[0][3]
+    first = shards[0][2]
     names = [n for g in first.optimizer.param_groups for n in g["names"]]
     assert names and all(n in dict(model.named_parameters()) for n in names)  # a factory learns what it holds
 
@@ -77,7 +96,7 @@ def test_the_record_of_what_ran_names_the_class_its_options_and_the_groups():
     groups = resolve_groups(model, decay_groups(model, 0.1))
     flat = torch.zeros(63)
     opt = ShardOptimizer(flat, lambda g: torch.optim.AdamW(g, lr=3e-4), lambda v: 1.0,
-                         groups=shard_groups(groups, 0, 63))
+                         groups=shard_groups(groups, [(0, 63)]))
     ran = describe_optimizer(opt, groups)
     assert ran["class"] == "torch.optim.adamw.AdamW" and ran["defaults"]["lr"] == 3e-4
     assert ran["defaults"]["weight_decay"] == 0.01  # AdamW's own default: what ran, not --weight-decay

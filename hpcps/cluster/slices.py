@@ -1,0 +1,155 @@
+"""Which values of the flat vector each shard holds, and in which order (pure arithmetic, no MPI).
+
+By default shard ``s`` holds one contiguous block of the flat vector (:func:`~hpcps.cluster.layout.shard_bounds`).
+With partitioned pulls over several shards that is the wrong cut: a pull asks for the first layers first,
+they all live on shard 0, and every worker reads shard 0 at once while the other shards idle. So with
+``--partition-mb`` the trainable values are *striped*: cut into ``S * m`` near-equal chunks of at most a
+partition, dealt round-robin (shard ``s`` holds chunks ``s, s + S, s + 2S, ...``), as BytePS deals its
+partitions to its servers. A pull in forward order then reads from every shard at once.
+
+A shard keeps its chunks one after the other in its own memory (its *local* vector, whose ``[0, n)``
+are trainable and the rest buffers, as every shard expects), and a push to it is its local vector's
+values: the worker's push buffer holds every shard's local vector in shard order (the *wire* order),
+``wire_bounds[s]`` being shard ``s``'s part. :meth:`Slices.gather` copies a flat-order vector into wire
+order; the pulls copy each piece from its shard straight into place (:meth:`Slices.split`).
+
+The float buffers (BatchNorm's statistics, ``[n_params, size)``) are never striped: they are cut into
+``S`` contiguous blocks, one at the end of each shard's local vector.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hpcps.cluster.layout import shard_bounds
+
+
+def stripe_elements(partition_mb: float | None) -> int | None:
+    """The stripe (float32 values) that ``--partition-mb`` asks for: None for contiguous slices."""
+    return max(1, int(partition_mb * 2**18)) if partition_mb else None
+
+
+@dataclass(frozen=True)
+class Slices:
+    """``pieces[s]``: the ``(lo, hi)`` ranges of the flat vector shard ``s`` holds, in its local order."""
+
+    pieces: tuple[tuple[tuple[int, int], ...], ...]
+
+    @classmethod
+    def contiguous(cls, bounds: Sequence[tuple[int, int]]) -> "Slices":
+        return cls(tuple(((int(lo), int(hi)),) for lo, hi in bounds))
+
+    @classmethod
+    def plan(cls, size: int, n_params: int, n_shards: int, stripe: int | None = None) -> "Slices":
+        """The slices of a ``size``-value vector whose first ``n_params`` are trainable over ``n_shards``
+        shards: contiguous blocks, or (``stripe`` values, several shards) the trainable values striped."""
+        if not stripe or n_shards == 1:
+            return cls.contiguous(shard_bounds(size, n_shards))
+        rounds = -(-n_params // (n_shards * stripe))
+        chunks = shard_bounds(n_params, n_shards * max(1, rounds))
+        tails = shard_bounds(size - n_params, n_shards)
+        return cls(tuple(tuple((lo, hi) for lo, hi in chunks[s::n_shards] if hi > lo)
+                         + (((n_params + tails[s][0], n_params + tails[s][1]),) if tails[s][1] > tails[s][0] else ())
+                         for s in range(n_shards)))
+
+    # -- sizes -----------------------------------------------------------------------------------------
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def striped(self) -> bool:
+        """Whether some shard holds more than one range (pushes then leave from a wire-order copy)."""
+        return any(len(p) > 1 for p in self.pieces)
+
+    def length(self, s: int) -> int:
+        """Values shard ``s`` holds."""
+        return sum(hi - lo for lo, hi in self.pieces[s])
+
+    def trainable(self, s: int, n_params: int) -> int:
+        """Trainable values at the start of shard ``s``'s local vector (the rest are buffers)."""
+        return sum(max(0, min(hi, n_params) - lo) for lo, hi in self.pieces[s])
+
+    @property
+    def wire_bounds(self) -> list[tuple[int, int]]:
+        """Each shard's part of a wire-order vector (every shard's local vector, in shard order)."""
+        out, at = [], 0
+        for s in range(self.n_shards):
+            out.append((at, at + self.length(s)))
+            at += self.length(s)
+        return out
+
+    def flat_bounds(self) -> list[tuple[int, int]] | None:
+        """Each shard's ``(lo, hi)`` when every shard holds one range (None when striped)."""
+        return None if self.striped else [p[0] if p else (0, 0) for p in self.pieces]
+
+    # -- where values are -------------------------------------------------------------------------------
+
+    def _index(self) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+        cached = self.__dict__.get("_sorted")
+        if cached is None:
+            rows = []
+            for s, ranges in enumerate(self.pieces):
+                at = 0
+                for lo, hi in ranges:
+                    rows.append((lo, hi, s, at))
+                    at += hi - lo
+            rows.sort()
+            cached = ([r[0] for r in rows], rows)
+            object.__setattr__(self, "_sorted", cached)
+        return cached
+
+    def split(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """``[lo, hi)`` of the flat vector cut where it changes shard or range: ``(shard, local, lo, hi)``
+        each, ``local`` being where ``lo`` is in the shard's local vector."""
+        starts, rows = self._index()
+        out = []
+        k = max(0, bisect.bisect_right(starts, lo) - 1)
+        while k < len(rows) and rows[k][0] < hi:
+            a, b, s, at = rows[k]
+            x, y = max(lo, a), min(hi, b)
+            if x < y:
+                out.append((s, at + x - a, x, y))
+            k += 1
+        return out
+
+    def local_ranges(self, s: int) -> list[tuple[int, int, int]]:
+        """``(local, lo, hi)`` of each range shard ``s`` holds: ``[lo, hi)`` of the flat vector is at
+        ``local`` of its local vector."""
+        out, at = [], 0
+        for lo, hi in self.pieces[s]:
+            out.append((at, lo, hi))
+            at += hi - lo
+        return out
+
+    # -- copies ---------------------------------------------------------------------------------------
+
+    def take(self, s: int, flat):
+        """Shard ``s``'s local vector, copied out of the flat-order ``flat`` (a numpy array or a tensor)."""
+        if not self.pieces[s]:
+            return flat[:0].copy() if isinstance(flat, np.ndarray) else flat[:0].clone()
+        cat = np.concatenate if isinstance(flat, np.ndarray) else torch.cat
+        return cat([flat[lo:hi] for lo, hi in self.pieces[s]])
+
+    def put(self, s: int, local, flat) -> None:
+        """Write shard ``s``'s local vector ``local`` into its places in the flat-order ``flat``."""
+        for at, lo, hi in self.local_ranges(s):
+            flat[lo:hi] = local[at:at + hi - lo]
+
+    def gather(self, flat, wire) -> None:
+        """Copy the flat-order ``flat`` into ``wire`` in wire order (numpy arrays or torch tensors, any
+        device: a push's gradient into its send buffer)."""
+        src, dst = _tensor(flat), _tensor(wire)
+        for (w, _), s in zip(self.wire_bounds, range(self.n_shards)):
+            for at, lo, hi in self.local_ranges(s):
+                dst[w + at:w + at + hi - lo].copy_(src[lo:hi])
+
+
+def _tensor(x) -> torch.Tensor:
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x

@@ -143,6 +143,9 @@ def main() -> None:
     p.add_argument("--link", metavar="RATE", help="run everything in a cluster in a box with links of RATE "
                                                   "(e.g. 1gbit): colocated and dedicated server nodes")
     p.add_argument("--buffer", default="512kb", help="with --link: the switch's queue per port (default 512kb)")
+    p.add_argument("--placements", nargs="+", choices=["colocated", "spare", "dedicated"],
+                   default=["colocated", "spare", "dedicated"],
+                   help="with --link: which server placements to run (default all three)")
     p.add_argument("options", nargs="*", help="after --: hpcps train options shared by every run (model, batch)")
     a = p.parse_args()
     if a.inner:
@@ -155,10 +158,10 @@ def main() -> None:
         rows["DDP (gloo)"] = (n, [_run_inner("ddp", n, a.steps, o) for o in seeded])
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
     runs = ([(f"hpcps bsp S={s}", s, None) for s in sorted({1, 2, n})] if a.link is None else
-            [(f"hpcps bsp colocated S={n}", n, _box(n, a, ranks_per_node=2)),
-             (f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
-              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1")] +
-            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a)) for s in (1, 2)])
+            [(f"hpcps bsp colocated S={n}", n, _box(n, a, ranks_per_node=2))] * ("colocated" in a.placements) +
+            [(f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
+              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1")] * ("spare" in a.placements) +
+            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a)) for s in (1, 2)] * ("dedicated" in a.placements))
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, s, box in runs:

@@ -145,6 +145,10 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
                    help="spend SHARE (0-1) of --compute-time inside the forward pass, layer by layer (each "
                         "module with parameters its share by parameter count, before its forward), the rest after "
                         "the pass as before; default 0")
+    g.add_argument("--compute-backward", type=float, dest="compute_backward", metavar="SHARE",
+                   help="spend SHARE (0-1) of --compute-time inside the backward pass, layer by layer (each "
+                        "parameter's gradient is ready once its share by parameter count has passed, last layers "
+                        "first); default 0")
     g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default none)")
     g.add_argument("--jitter-cv", type=float, dest="jitter_cv", metavar="CV",
                    help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")

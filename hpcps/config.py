@@ -70,6 +70,7 @@ class TrainConfig(BaseModel):
     slowdown: dict[int, float] = Field(default_factory=dict)
     compute_time: float | None = Field(None, gt=0)
     compute_forward: float = Field(0.0, ge=0, le=1)  # the share of compute_time spent in the forward pass
+    compute_backward: float = Field(0.0, ge=0, le=1)  # and in the backward pass
     jitter: Literal["none", "uniform", "exponential", "lognormal"] = "none"
     jitter_cv: float = Field(0.1, ge=0)
     straggler_episodes: tuple[float, float] | None = None  # (FACTOR, SECONDS)
@@ -205,6 +206,11 @@ class TrainConfig(BaseModel):
             raise ValueError("--jitter needs --compute-time (it varies the emulated compute time)")
         if self.compute_forward and self.compute_time is None:
             raise ValueError("--compute-forward needs --compute-time (it is a share of the emulated compute)")
+        if self.compute_backward and self.compute_time is None:
+            raise ValueError("--compute-backward needs --compute-time (it is a share of the emulated compute)")
+        if self.compute_forward + self.compute_backward > 1:
+            raise ValueError(f"--compute-forward {self.compute_forward} and --compute-backward "
+                             f"{self.compute_backward} add up to more than the whole compute time (1)")
         if self.straggler_episodes is not None and self.compute_time is None:
             raise ValueError("--straggler-episodes needs --compute-time (it slows the emulated compute)")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum <= 0):

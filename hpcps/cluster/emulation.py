@@ -79,6 +79,41 @@ def forward_compute(model, seconds: Callable[[], float], sleep: Callable[[float]
     return [m.register_forward_pre_hook(hook_of(n / total)) for m, n in zip(modules, counts)]
 
 
+class BackwardCompute:
+    """``--compute-backward``'s hooks: a parameter's gradient is ready (the hooks after it run) once its
+    share of the backward pass's emulated time (``seconds()``), by parameter count, has passed since
+    backward began, counting the parameters in the order backward reaches them. Each hook sleeps until
+    that deadline (``sleep(seconds)``), so the sleeps' overshoots do not add up. :meth:`begin` before
+    each pass."""
+
+    def __init__(self, model, seconds: Callable[[], float], sleep: Callable[[float], object],
+                 timeline=NullTimeline(), clock: Callable[[], float] = time.perf_counter) -> None:
+        params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+        self.total = sum(p.numel() for p in params)
+        self.seconds, self.sleep, self.timeline, self.clock = seconds, sleep, timeline, clock
+        self.started: float | None = None
+        self.done = 0  # parameters' values whose gradient backward has produced in this pass
+        self.budget = 0.0
+        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
+
+    def begin(self) -> None:
+        self.started, self.done = None, 0
+
+    def _accumulated(self, param) -> None:
+        if self.started is None:  # the pass's first gradient: backward began (its own time is real)
+            self.started, self.budget = self.clock(), self.seconds()
+        self.done += param.numel()
+        left = self.started + self.budget * self.done / self.total - self.clock()
+        if left > 0:
+            with self.timeline.within("emulated"):
+                self.sleep(left)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 @dataclass(frozen=True)
 class ComputeTime:
     """Target compute time per iteration for one worker."""

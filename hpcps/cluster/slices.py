@@ -4,8 +4,11 @@ By default shard ``s`` holds one contiguous block of the flat vector (:func:`~hp
 With partitioned pulls over several shards that is the wrong cut: a pull asks for the first layers first,
 they all live on shard 0, and every worker reads shard 0 at once while the other shards idle. So with
 ``--partition-mb`` the trainable values are *striped*: cut into ``S * m`` near-equal chunks of at most a
-partition, dealt round-robin (shard ``s`` holds chunks ``s, s + S, s + 2S, ...``), as BytePS deals its
-partitions to its servers. A pull in forward order then reads from every shard at once.
+partition (at most :data:`MAX_CHUNKS` per shard), dealt round-robin (shard ``s`` holds chunks ``s, s + S,
+s + 2S, ...``), as BytePS deals its partitions to its servers. A pull in forward order then reads from
+every shard at once. Each chunk is a message of every push, so that a push may send the last layers'
+chunks while backward computes the rest (:mod:`hpcps.runtime.backward`); one shard holds its chunks
+in the flat order.
 
 A shard keeps its chunks one after the other in its own memory (its *local* vector, whose ``[0, n)``
 are trainable and the rest buffers, as every shard expects), and a push to it is its local vector's
@@ -29,6 +32,11 @@ import torch
 from hpcps.cluster.layout import shard_bounds
 
 
+#: at most this many chunks per shard, whatever the stripe: each is a message of every push (a few KB per
+#: partition on a large model would make thousands, and their cost per message would outweigh the gain)
+MAX_CHUNKS = 64
+
+
 def stripe_elements(partition_mb: float | None) -> int | None:
     """The stripe (float32 values) that ``--partition-mb`` asks for: None for contiguous slices."""
     return max(1, int(partition_mb * 2**18)) if partition_mb else None
@@ -47,10 +55,12 @@ class Slices:
     @classmethod
     def plan(cls, size: int, n_params: int, n_shards: int, stripe: int | None = None) -> "Slices":
         """The slices of a ``size``-value vector whose first ``n_params`` are trainable over ``n_shards``
-        shards: contiguous blocks, or (``stripe`` values, several shards) the trainable values striped."""
-        if not stripe or n_shards == 1:
+        shards: contiguous blocks, or (``stripe`` values) the trainable values striped. One shard holds its
+        chunks in the flat order: its slice is the whole vector, as without a stripe, in pieces (each
+        pushed as it is ready, see :meth:`send_order`)."""
+        if not stripe:
             return cls.contiguous(shard_bounds(size, n_shards))
-        rounds = -(-n_params // (n_shards * stripe))
+        rounds = min(-(-n_params // (n_shards * stripe)), MAX_CHUNKS)
         chunks = shard_bounds(n_params, n_shards * max(1, rounds))
         tails = shard_bounds(size - n_params, n_shards)
         return cls(tuple(tuple((lo, hi) for lo, hi in chunks[s::n_shards] if hi > lo)
@@ -65,8 +75,18 @@ class Slices:
 
     @property
     def striped(self) -> bool:
-        """Whether some shard holds more than one range (pushes then leave from a wire-order copy)."""
+        """Whether some shard holds more than one range (pushes then leave from a wire-order copy, in
+        pieces)."""
         return any(len(p) > 1 for p in self.pieces)
+
+    def send_order(self, s: int, n_params: int) -> list[tuple[int, int, int]]:
+        """``(local, lo, hi)`` of shard ``s``'s ranges in the order a push sends them, one message each:
+        the trainable ones last first (backward produces the last layers' gradients first), then the
+        buffers' (their change is known only after the pass). Every client and the shard's inbox agree
+        on it: MPI matches one sender's messages in the order they were sent."""
+        ranges = self.local_ranges(s)
+        trainable = [r for r in ranges if r[2] <= n_params]
+        return trainable[::-1] + [r for r in ranges if r[2] > n_params]
 
     def length(self, s: int) -> int:
         """Values shard ``s`` holds."""

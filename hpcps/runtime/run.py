@@ -70,6 +70,7 @@ from hpcps.policies import Policy, make_policy, policy_class
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.signals import StopSignals, announce
+from hpcps.runtime.backward import BackwardPushes
 from hpcps.runtime.partitions import PartitionedPulls
 from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
 from hpcps.cluster.topology import Topology, node_local_index
@@ -593,7 +594,8 @@ class _Run:
                           dtype=self.codec.push_dtype, clock=self.clock,
                           on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                           pool=RECEIVE_POOL if pooled else None,
-                          reserve=rounds.expected if rounds and rounds.ordered else None)
+                          reserve=rounds.expected if rounds and rounds.ordered else None,
+                          pieces=self._send_pieces(self.codec)[topo.rank])
         side_tasks, bar, evaluator = [("other", self._spread_signal(window))], None, None
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (pinned window, THREAD_MULTIPLE)
@@ -802,7 +804,8 @@ class _Run:
             stage = self._stager(codec, torch.from_numpy(agg), bounds, striped=self.slices.striped)
             encode = lambda: stage(send, True)  # noqa: E731
         central_pusher = Pusher(topo.ps, buffers=[send], shard_ranks=self.shards,
-                                bounds=codec.push_bounds(bounds), worker_rank=topo.rank)
+                                bounds=codec.push_bounds(bounds), worker_rank=topo.rank,
+                                pieces=self._send_pieces(codec, wire_order=True))
         central_notices = NoticeBox(topo.ps, shard_ranks=self.shards)
         policy = make_policy(policy_class(cfg.paradigm).group_policy, len(members))
         rounds = RoundSum(n, self.flat.n_params, len(members), policy.active)  # the group's rounds, summed
@@ -858,8 +861,15 @@ class _Run:
         # grouped: talk to the group server, rank 0 of the group communicator
         comm, shards = (topo.group, [0]) if grouped else (topo.ps, self.shards)
         pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=codec.push_bounds(bounds),
-                        worker_rank=topo.rank, serial=policy.serial_transfers)
+                        worker_rank=topo.rank, serial=policy.serial_transfers,
+                        pieces=None if grouped else self._send_pieces(codec, wire_order=True))
         notices = NoticeBox(comm, shard_ranks=shards)
+        if self._pushes_during_backward(policy, striped, bool(extra.get("send_buffers"))):
+            extra["backward_pushes"] = BackwardPushes(
+                self.model, self.flat._spans,
+                order=[self.slices.send_order(s, self.flat.n_params) for s in range(self.slices.n_shards)],
+                bases=[w for w, _ in self.slices.wire_bounds], n_params=self.flat.n_params, grads=self.flat.grads,
+                buffers=buffers, send=pusher.start_piece)
         worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
         self.model.train()
         self._transfers = (pusher, notices)
@@ -877,6 +887,29 @@ class _Run:
         """The slices of a worker's push buffer, one per shard (the shards' wire order,
         :mod:`hpcps.cluster.slices`), or (grouped) the whole flat vector, for its group server."""
         return [(0, self.flat.size)] if self.layout.n_groups else self.slices.wire_bounds
+
+    def _pushes_during_backward(self, policy, striped: bool, slotted: bool) -> bool:
+        """Whether a worker pushes each piece of its gradient as backward produces it (in hpcps's own loop,
+        :mod:`hpcps.runtime.backward`): its push goes in pieces (striped slices), from a copy, unencoded,
+        unclipped, from a CPU worker's flat buffer, under a paradigm that waits for its grant (and whose
+        learning rate is known before the pass)."""
+        cfg = self.cfg
+        return (striped and slotted and self.codec.identity_push and cfg.clip_norm is None
+                and self.flat.transfer == "shared" and policy.worker_blocks and not policy.serial_transfers
+                and not policy.eager_pull and not policy.extra_gradients
+                and (cfg.lr_staleness or policy.default_lr_staleness) == "none")
+
+    def _send_pieces(self, codec, *, wire_order: bool = False) -> list[list[tuple[int, int]]]:
+        """Per central shard, the ranges of a push to it, one message each, in the order they are sent
+        (:meth:`hpcps.cluster.slices.Slices.send_order`): in the shard's own slice, or (``wire_order``) in
+        a client's push buffer. An encoded push (``--compress``) goes whole."""
+        wire_bounds = codec.push_bounds(self.slices.wire_bounds)
+        out = []
+        for s, (w, end) in enumerate(wire_bounds):
+            base = w if wire_order else 0
+            out.append([(base + at, base + at + hi - lo) for at, lo, hi in self.slices.send_order(s, self.flat.n_params)]
+                       if codec.identity_push else [(base, base + end - w)])
+        return out
 
     def _stager(self, codec, grads: torch.Tensor, bounds: list[tuple[int, int]], *,
                 striped: bool) -> Callable[[Any, bool], None]:

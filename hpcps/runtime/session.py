@@ -29,7 +29,7 @@ import torch
 
 from hpcps.data.batches import BatchSource, to_device
 from hpcps.runtime.checkpoint import checkpoint_path, read_user_state, write_user_state
-from hpcps.cluster.emulation import ComputeTime, emulated_sleep, forward_compute
+from hpcps.cluster.emulation import BackwardCompute, ComputeTime, emulated_sleep, forward_compute
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
 
@@ -76,6 +76,11 @@ class Session:
         if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
             self._hooks = forward_compute(
                 self.model, lambda: self.compute_time.forward_seconds(cfg.compute_forward, self.run.clock()),
+                lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
+        self._backward = None
+        if cfg.compute_backward:  # before the backward pushes' hooks (put on at the first push): compute, then send
+            self._backward = BackwardCompute(
+                self.model, lambda: self.compute_time.forward_seconds(cfg.compute_backward, self.run.clock()),
                 lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
         self.worker.begin()
         self.open = False
@@ -145,6 +150,8 @@ class Session:
         if not self.open:
             return
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
+        if self._backward is not None:
+            self._backward.begin()
         version = self.version
         if (self.checkpoint_every and self.worker_index == 0 and self.state and version
                 and version % self.checkpoint_every == 0 and version != self._saved_at):
@@ -169,6 +176,7 @@ class Session:
             batch = to_device(batches.batch(self.iteration), self.flat.device)
             tl.enter("compute")
             value = loss(self.model, batch)
+            self.worker.before_backward()  # one backward per step here: its push may begin now
             value.backward()
             self.step(value)
 
@@ -194,6 +202,8 @@ class Session:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._backward is not None:
+            self._backward.remove()
 
     def __enter__(self) -> "Session":
         return self

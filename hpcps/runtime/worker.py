@@ -52,6 +52,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hpcps.runtime.backward import BackwardPushes
 from hpcps.runtime.faults import Fault, InjectedFault
 from hpcps.runtime.partitions import PartitionedPulls
 from hpcps.training.flat import FlatParameters
@@ -83,13 +84,18 @@ class Worker:
                  stall_abort: float | None = None, backoff: Backoff | None = None,
                  take_signal: Callable[[], str | None] | None = None, timeline=None,
                  stage: Callable[[np.ndarray, bool], None] | None = None,
-                 partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None) -> None:
+                 partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None,
+                 backward_pushes: BackwardPushes | None = None) -> None:
         """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
         where compression encodes it (hpcps.transport.compress); by default the flat buffer's own;
         ``partitions``: pull in partitions, the pass starting before the last has come
         (:mod:`hpcps.runtime.partitions`); ``send_buffers``: push from a copy of the gradient in one of
-        these two (the pusher's slots), so that the push may leave while the next pass computes."""
+        these two (the pusher's slots), so that the push may leave while the next pass computes;
+        ``backward_pushes``: in hpcps's own loop, push each piece of the gradient as backward produces it
+        (:mod:`hpcps.runtime.backward`, :meth:`before_backward`)."""
         self.send_buffers = send_buffers
+        self.early = backward_pushes
+        self.early_push_s = 0.0  # the push's time spent before backward (its slot, its headers)
         self.parts = partitions
         self.pass_pull = 0.0  # partitioned pulls: seconds the last pass waited for its pull, and its settling
         self.rank = rank
@@ -152,12 +158,30 @@ class Worker:
             self._inject(self.faults[self.step])
         self._exchange(self.row, wire.SKIP if skip else 0)
 
+    def before_backward(self) -> None:
+        """hpcps's own loop, before its backward pass: with backward pushes, begin the step's push now (its
+        slot, its headers), so each piece of the gradient leaves as soon as backward has produced it. Not
+        at a step with a ``--fault``, which changes the gradient after the pass."""
+        if self.early is None or not self.running or self.step in self.faults:
+            return
+        self._settle_pull()  # (the pass has what it needed; the rest of the pull before the push, as always)
+        slot = self.step % 2
+        t = time.perf_counter()
+        with self.tl.within("push"):
+            self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago
+            self._push(self.versions, self.row, slot, headers_only=True)
+        self.early_push_s = time.perf_counter() - t
+        self.early.arm(slot)
+
     def _exchange(self, row: dict, flags: int) -> None:
         """Push the step's gradient (with ``flags``), wait for the grant if the paradigm blocks, pull."""
         tl = self.tl
         tl.enter("push")
         t = time.perf_counter()
         slotted = self.send_buffers is not None
+        during_backward = self.early is not None and self.early.armed  # the push began before backward
+        if during_backward and flags:
+            raise RuntimeError("a push begun before backward cannot be flagged after it")
         if not slotted:
             self.stage(self.pusher.buffers[0], not flags & wire.SKIP)
         # a worker that never waits for a grant begins its pull before its push: over a network the
@@ -167,11 +191,13 @@ class Worker:
             tl.enter("pull")
             early, begun = self._timed(self._begin_pull)
             tl.enter("push")
-        if slotted:
+        if during_backward:
+            self.early.finish()  # the pieces backward did not complete, the buffers' change
+        elif slotted:
             self._push_copy(self.step, self.versions, row, flags)
         else:
             self._push(self.versions, row, flags=flags)
-        row["push_s"] = time.perf_counter() - t - begun
+        row["push_s"] = time.perf_counter() - t - begun + (self.early_push_s if during_backward else 0.0)
         tl.enter("grant")
         row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
                          if self.blocks else 0.0)
@@ -200,6 +226,8 @@ class Worker:
         hooks on the model); idempotent."""
         if self.parts is not None:
             self.parts.remove()
+        if self.early is not None:
+            self.early.remove()
 
     @staticmethod
     def _timed(fn, *args):
@@ -225,8 +253,10 @@ class Worker:
         """Shard versions observed somewhere: raise what the worker knows the servers are at."""
         np.maximum(self.known, versions, out=self.known)
 
-    def _push(self, versions: np.ndarray, row: dict, slot: int = 0, flags: int = 0) -> None:
-        """Push the gradient computed on ``versions``, its learning rate scaled by known staleness."""
+    def _push(self, versions: np.ndarray, row: dict, slot: int = 0, flags: int = 0, *,
+              headers_only: bool = False) -> None:
+        """Push the gradient computed on ``versions``, its learning rate scaled by known staleness
+        (``headers_only``: its headers, the payload to follow piece by piece)."""
         self._read_notices()
         if self.lr_staleness != "none" and self.peek_before_push:
             self._seen(self.window.peek(self.backoff))
@@ -234,7 +264,8 @@ class Worker:
         lr = self.lr * self.extra_scale if flags & wire.EXTRA else self.lr
         row["lr"] = scaled_lr(self.lr_staleness, lr, row["lr_staleness"])
         self.clock_count += 1
-        self.pusher.start(self.clock_count, versions, row["lr"], slot, flags)
+        start = self.pusher.start_header if headers_only else self.pusher.start
+        start(self.clock_count, versions, row["lr"], slot, flags)
 
     def _start_row(self, step: int, versions: np.ndarray) -> dict:
         return {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
@@ -247,7 +278,7 @@ class Worker:
     @property
     def pass_waited(self) -> float:
         """Seconds the pass under way has waited for its pull's partitions (0 without partitions)."""
-        return self.parts.waited if self.parts is not None else 0.0
+        return self.pass_pull + (self.parts.waited if self.parts is not None else 0.0)
 
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
         """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
@@ -270,7 +301,7 @@ class Worker:
         waited = self.parts.waited
         self.parts.settle()
         self.parts.waited = 0.0
-        self.pass_pull = waited + time.perf_counter() - t
+        self.pass_pull += waited + time.perf_counter() - t  # (settled before backward, then again before the push)
 
     def _finish_row(self, row: dict) -> None:
         row["pull_s"] = row.get("pull_s", 0.0) + self.pass_pull

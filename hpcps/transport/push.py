@@ -28,51 +28,86 @@ from hpcps.transport import wire
 
 
 class Pusher:
-    """Worker side: sends a slot's buffer (sliced by ``bounds``) to every shard."""
+    """Worker side: sends a slot's buffer (sliced by ``bounds``) to every shard.
+
+    ``pieces[s]``, if given: the ``(lo, hi)`` ranges of the buffer that go to shard ``s``, one message
+    each, in this order (by default one, ``bounds[s]``): its inbox receives them so
+    (:class:`PushInbox`'s ``pieces``). A push may then send its header first (:meth:`start_header`) and
+    each piece as it is ready (:meth:`start_piece`), the rest with :meth:`start_rest`.
+    """
 
     def __init__(self, comm: MPI.Comm, *, buffers: Sequence[np.ndarray], shard_ranks: Sequence[int],
-                 bounds: Sequence[tuple[int, int]], worker_rank: int, serial: bool = False) -> None:
+                 bounds: Sequence[tuple[int, int]], worker_rank: int, serial: bool = False,
+                 pieces: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
         self.comm = comm
         self.serial = serial
         self.waiting: list[deque[int]] = [deque() for _ in shard_ranks]  # serial: slots owed to each shard
         self.worker_rank = worker_rank
         self.shard_ranks = list(shard_ranks)
         self.buffers = list(buffers)
+        self.pieces = [list(p) for p in pieces] if pieces is not None else [[b] for b in bounds]
         self.headers = np.zeros((len(buffers), len(self.shard_ranks), wire.HEADER_LEN), np.int64)
-        self.requests: list[list[MPI.Prequest]] = []
+        self.header_reqs: list[list[MPI.Prequest]] = []  # [slot][shard]
+        self.data_reqs: list[list[list[MPI.Prequest]]] = []  # [slot][shard][piece]
+        self.sent: list[list[list[bool]]] = []  # [slot][shard][piece]: started in the push under way
         for slot, buf in enumerate(buffers):
-            reqs = []
-            for s, (rank, (lo, hi)) in enumerate(zip(self.shard_ranks, bounds)):
-                reqs.append(comm.Send_init(self.headers[slot, s], dest=rank, tag=wire.TAG_PUSH_HEADER))
-                reqs.append(comm.Send_init(buf[lo:hi], dest=rank, tag=wire.TAG_PUSH_DATA))
-            self.requests.append(reqs)
+            self.header_reqs.append([comm.Send_init(self.headers[slot, s], dest=rank, tag=wire.TAG_PUSH_HEADER)
+                                     for s, rank in enumerate(self.shard_ranks)])
+            self.data_reqs.append([[comm.Send_init(buf[lo:hi], dest=rank, tag=wire.TAG_PUSH_DATA)
+                                    for lo, hi in self.pieces[s]] for s, rank in enumerate(self.shard_ranks)])
+            self.sent.append([[True] * len(p) for p in self.pieces])
         self._done: list[tuple[MPI.Request, np.ndarray]] = []
+
+    @property
+    def requests(self) -> list[list[MPI.Prequest]]:
+        """Every persistent send, per slot."""
+        return [[*h, *(r for rs in d for r in rs)] for h, d in zip(self.header_reqs, self.data_reqs)]
 
     def start(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0, flags: int = 0) -> None:
         """Push ``slot``'s buffer as the gradient with ``clock``; ``versions[s]``: shard s's version it used."""
+        self.start_header(clock, versions, lr, slot, flags)
+        if not self.serial:
+            self.start_rest(slot)
+            return
+        for owed in self.waiting:  # serial: payloads wait for TRANSFER
+            owed.append(slot)
+
+    def start_header(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0, flags: int = 0) -> None:
+        """Begin a push from ``slot``: its headers, no payload yet (:meth:`start_piece`, :meth:`start_rest`)."""
         if not self.test(slot):
             raise RuntimeError(f"push slot {slot} started while its previous push is still in flight")
         for s in range(len(self.shard_ranks)):
             wire.encode_header(self.headers[slot, s], wire.KIND_PUSH, self.worker_rank, clock, int(versions[s]), lr,
                                flags)
-        if not self.serial:
-            MPI.Prequest.Startall(self.requests[slot])
-            return
-        MPI.Prequest.Startall(self.requests[slot][0::2])  # headers only; payloads wait for TRANSFER
-        for owed in self.waiting:
-            owed.append(slot)
+            self.sent[slot][s] = [False] * len(self.pieces[s])
+        MPI.Prequest.Startall(self.header_reqs[slot])
+
+    def start_piece(self, slot: int, shard: int, k: int) -> None:
+        """Send piece ``k`` of ``shard`` from ``slot`` (its values are in the buffer); the pieces of a shard
+        must be sent in their order."""
+        if self.sent[slot][shard][k] or (k and not self.sent[slot][shard][k - 1]):
+            raise RuntimeError(f"piece {k} of shard {shard} sent out of order")
+        self.sent[slot][shard][k] = True
+        self.data_reqs[slot][shard][k].Start()
+
+    def start_rest(self, slot: int, shard: int | None = None) -> None:
+        """Send every piece of ``slot`` not sent yet (to ``shard``, or to every shard), in order."""
+        for s in range(len(self.shard_ranks)) if shard is None else (shard,):
+            for k, sent in enumerate(self.sent[slot][s]):
+                if not sent:
+                    self.start_piece(slot, s, k)
 
     def transfer(self, shard: int) -> None:
         """Serial: ``shard`` said TRANSFER; send it the payload of this worker's oldest waiting push."""
-        slot = self.waiting[shard].popleft()
-        self.requests[slot][2 * shard + 1].Start()
+        self.start_rest(self.waiting[shard].popleft(), shard)
 
     def test(self, slot: int | None = None) -> bool:
         """True once ``slot``'s (default: every slot's) buffer may be reused."""
         if any(slot in owed if slot is not None else owed for owed in self.waiting):
             return False
-        slots = self.requests if slot is None else [self.requests[slot]]
-        return all(MPI.Request.Testall(reqs) for reqs in slots)
+        slots = range(len(self.buffers)) if slot is None else (slot,)
+        return all(all(all(row) for row in self.sent[k]) and MPI.Request.Testall(self.header_reqs[k]) and
+                   all(MPI.Request.Testall(reqs) for reqs in self.data_reqs[k]) for k in slots)
 
     def start_done(self, clock: int) -> None:
         """Tell every shard this worker leaves after ``clock`` pushes (after any push in flight)."""
@@ -88,7 +123,7 @@ class Pusher:
         for reqs in self.requests:
             for req in reqs:
                 req.Free()
-        self.requests = []
+        self.header_reqs, self.data_reqs = [], []
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +176,12 @@ class PushInbox:
     def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], shard_len: int,
                  on_transfer: Callable[[int], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
-                 reserve: Callable[[], int | None] | None = None, dtype: np.dtype = np.dtype(np.float32)) -> None:
+                 reserve: Callable[[], int | None] | None = None, dtype: np.dtype = np.dtype(np.float32),
+                 pieces: Sequence[tuple[int, int]] | None = None) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload;
         ``shard_len`` and ``dtype``: a payload's elements and their type (compressed pushes:
-        :mod:`hpcps.transport.compress`)."""
+        :mod:`hpcps.transport.compress`); ``pieces``: the ``(lo, hi)`` ranges of a payload, one message
+        each, in the order the workers send them (:class:`Pusher`'s; by default the whole payload)."""
         n = len(worker_ranks)
         self.comm, self.worker_ranks = comm, list(worker_ranks)
         self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}
@@ -154,6 +191,7 @@ class PushInbox:
         self.transfers: list[tuple[int, float, float]] = []  # serial: (worker, began, ended), to be drained
         self.headers = np.zeros((n, wire.HEADER_LEN), np.int64)  # each worker's header in hand
         self.grads = np.zeros((n if pool is None else min(pool, n), shard_len), dtype)
+        self.pieces = list(pieces) if pieces is not None else [(0, shard_len)]
         self.incoming = np.zeros(wire.HEADER_LEN, np.int64)
         self.header_req: MPI.Prequest | None = comm.Recv_init(self.incoming, source=MPI.ANY_SOURCE,
                                                               tag=wire.TAG_PUSH_HEADER)
@@ -163,7 +201,7 @@ class PushInbox:
         self.free_buffers: deque[int] = deque(range(len(self.grads)))  # buffers nobody holds
         self.buffer_of: dict[int, int] = {}  # worker -> the buffer its gradient is in (or comes to)
         self.awaiting_buffer: dict[int, None] = {}  # workers whose header came, in arrival order
-        self.receiving: dict[int, MPI.Request] = {}  # worker -> its payload's receive, while in flight
+        self.receiving: dict[int, list[MPI.Request]] = {}  # worker -> its payload's receives, while in flight
         self.header_req.Start()
         self.listening = set(range(n))  # workers whose next header is taken up as it comes
         self.cut: list[int] | None = None  # a checkpoint's cut: the last clock taken up per worker (hold_after)
@@ -217,8 +255,9 @@ class PushInbox:
     def _receive(self, i: int) -> None:
         """Start worker ``i``'s payload receive into the buffer just given to it; serial: tell it to
         send, and note the transfer as the one streaming."""
-        self.receiving[i] = self.comm.Irecv(self.grads[self.buffer_of[i]], source=self.worker_ranks[i],
-                                            tag=wire.TAG_PUSH_DATA)
+        buf, source = self.grads[self.buffer_of[i]], self.worker_ranks[i]
+        self.receiving[i] = [self.comm.Irecv(buf[lo:hi], source=source, tag=wire.TAG_PUSH_DATA)
+                             for lo, hi in self.pieces]
         if self.on_transfer is not None:  # the receive is posted before the worker is told to send
             self.streaming = (i, self.clock())
             self.on_transfer(i)
@@ -226,8 +265,7 @@ class PushInbox:
     def _payloads_done(self) -> list[int]:
         if not self.receiving:
             return []
-        workers = list(self.receiving)
-        done = [workers[k] for k in MPI.Request.Testsome([self.receiving[w] for w in workers]) or ()]
+        done = [w for w, reqs in self.receiving.items() if MPI.Request.Testall(reqs)]
         for w in done:
             del self.receiving[w]
         return done
@@ -319,7 +357,8 @@ class PushInbox:
             self.header_req.Free()
             self.header_req = None
         self.listening.clear()
-        for req in self.receiving.values():  # none once every worker has left
-            req.Cancel()
-            req.Wait()
+        for reqs in self.receiving.values():  # none once every worker has left
+            for req in reqs:
+                req.Cancel()
+                req.Wait()
         self.receiving.clear()

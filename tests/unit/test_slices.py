@@ -5,12 +5,15 @@ import pytest
 import torch
 
 from hpcps.cluster.layout import shard_bounds
-from hpcps.cluster.slices import Slices, stripe_elements
+from hpcps.cluster.slices import MAX_CHUNKS, Slices, stripe_elements
 
 
-def test_without_a_stripe_or_with_one_shard_the_slices_are_the_contiguous_blocks():
+def test_without_a_stripe_the_slices_are_the_contiguous_blocks_and_one_shard_holds_its_pieces_in_order():
     assert Slices.plan(103, 90, 4).pieces == tuple((b,) for b in shard_bounds(103, 4))
-    assert Slices.plan(103, 90, 1, stripe=8).pieces == (((0, 103),),)
+    one = Slices.plan(103, 90, 1, stripe=8)
+    assert one.striped and one.pieces[0][0][0] == 0 and one.pieces[0][-1] == (90, 103)
+    assert all(a[1] == b[0] for a, b in zip(one.pieces[0], one.pieces[0][1:]))  # the whole vector, in order
+    assert [lo for _, lo, _ in one.local_ranges(0)] == [at for at, _, _ in one.local_ranges(0)]
     assert not Slices.plan(103, 90, 4).striped and Slices.plan(103, 90, 4).wire_bounds == shard_bounds(103, 4)
     assert stripe_elements(0) is None and stripe_elements(1.0) == 2**18
 
@@ -62,3 +65,19 @@ def test_a_range_splits_into_its_shards_pieces_and_copies_between_orders_agree()
     slices.gather(tensor, out)
     assert np.array_equal(out.numpy(), wire) and torch.equal(slices.take(1, tensor),
                                                              torch.from_numpy(slices.take(1, flat)))
+
+
+def test_a_push_sends_a_shards_trainable_pieces_last_first_then_its_buffers():
+    slices = Slices.plan(97, 90, 3, stripe=7)
+    for s in range(3):
+        order = slices.send_order(s, 90)
+        assert sorted(order) == slices.local_ranges(s)
+        trainable = [r for r in order if r[2] <= 90]
+        assert [lo for _, lo, _ in trainable] == sorted((lo for _, lo, _ in trainable), reverse=True)
+        assert order[len(trainable):] == [r for r in slices.local_ranges(s) if r[1] >= 90]
+    assert Slices.plan(97, 90, 3).send_order(2, 90) == Slices.plan(97, 90, 3).local_ranges(2)  # one piece
+
+
+def test_a_tiny_stripe_on_a_large_vector_makes_at_most_max_chunks_per_shard():
+    slices = Slices.plan(100_000, 99_000, 3, stripe=10)  # 3300 chunks per shard asked for
+    assert all(len([r for r in p if r[1] <= 99_000]) == MAX_CHUNKS for p in slices.pieces)

@@ -84,10 +84,17 @@ class BackwardCompute:
     share of the backward pass's emulated time (``seconds()``), by parameter count, has passed since
     backward began, counting the parameters in the order backward reaches them. Each hook sleeps until
     that deadline (``sleep(seconds)``), so the sleeps' overshoots do not add up. :meth:`begin` before
-    each pass."""
+    each pass.
+
+    ``lead()``, if given, is asked at the first gradient of a pass for seconds to spend before any
+    gradient is ready: the emulated compute that would otherwise come after the pass, when pushes leave
+    during backward (:mod:`hpcps.runtime.backward`) and must not overlap compute that comes before
+    their gradients in a real pass."""
 
     def __init__(self, model, seconds: Callable[[], float], sleep: Callable[[float], object],
-                 timeline=NullTimeline(), clock: Callable[[], float] = time.perf_counter) -> None:
+                 timeline=NullTimeline(), clock: Callable[[], float] = time.perf_counter,
+                 lead: Callable[[], float] | None = None) -> None:
+        self.lead = lead
         params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
         self.total = sum(p.numel() for p in params)
         self.seconds, self.sleep, self.timeline, self.clock = seconds, sleep, timeline, clock
@@ -102,6 +109,8 @@ class BackwardCompute:
     def _accumulated(self, param) -> None:
         if self.started is None:  # the pass's first gradient: backward began (its own time is real)
             self.started, self.budget = self.clock(), self.seconds()
+            if self.lead is not None:
+                self.started += self.lead()
         self.done += param.numel()
         left = self.started + self.budget * self.done / self.total - self.clock()
         if left > 0:
@@ -151,9 +160,14 @@ class ComputeTime:
         """The emulated time of a forward pass: ``share`` of the mean compute time x the factor at ``now``."""
         return 0.0 if self.mean is None else share * self.mean * self.factor_at(now)
 
+    def target(self, rng: np.random.Generator, now: float | None = None) -> float | None:
+        """The compute time of an iteration that begins at ``now``, drawn (None for real compute)."""
+        if self.mean is None:
+            return None
+        return self.mean * self.factor_at(now) * self.jitter_sample(rng)
+
     def sleep_after(self, real_s: float, rng: np.random.Generator, now: float | None = None) -> float:
         """Seconds to sleep after a real pass of ``real_s`` seconds that began at ``now`` (run clock)."""
-        factor = self.factor_at(now)
         if self.mean is None:
-            return (factor - 1.0) * real_s
-        return max(0.0, self.mean * factor * self.jitter_sample(rng) - real_s)
+            return (self.factor_at(now) - 1.0) * real_s
+        return max(0.0, self.target(rng, now) - real_s)

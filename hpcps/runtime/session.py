@@ -78,10 +78,14 @@ class Session:
                 self.model, lambda: self.compute_time.forward_seconds(cfg.compute_forward, self.run.clock()),
                 lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
         self._backward = None
-        if cfg.compute_backward:  # before the backward pushes' hooks (put on at the first push): compute, then send
+        self._target: float | None = None  # the step's emulated compute time, when drawn before the pass ends
+        # before the backward pushes' hooks (put on at the first push): compute, then send. With pushes during
+        # backward, the emulated compute not spent in the forward and backward passes comes before the first
+        # gradient, not after the pass, where the push would overlap it
+        if cfg.compute_backward or (cfg.compute_time is not None and self.worker.early is not None):
             self._backward = BackwardCompute(
                 self.model, lambda: self.compute_time.forward_seconds(cfg.compute_backward, self.run.clock()),
-                lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
+                lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl, lead=self._lead)
         self.worker.begin()
         self.open = False
         self._open()
@@ -124,7 +128,7 @@ class Session:
         self.flat.adopt_grads()
         t0 = self.t0 + self.worker.pass_waited  # a partitioned pull's waits in the pass are not compute
         end_pass(self.flat, t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
-                 poke=self.worker.poke, timeline=self.worker.tl)
+                 poke=self.worker.poke, timeline=self.worker.tl, target=self._target)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.worker.close_step(value, time.perf_counter() - t0, skip=skip)
         self._open()
@@ -152,6 +156,7 @@ class Session:
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
         if self._backward is not None:
             self._backward.begin()
+        self._target = None
         version = self.version
         if (self.checkpoint_every and self.worker_index == 0 and self.state and version
                 and version % self.checkpoint_every == 0 and version != self._saved_at):
@@ -161,6 +166,22 @@ class Session:
             self._saved_at = version
         self.t0 = time.perf_counter()
         self.worker.tl.enter(self._opens_with)
+
+    def _push_may_begin(self) -> bool:
+        """Whether this step's push may leave during backward: not where the compute emulation would add
+        time after the real pass that a push begun in backward would overlap (``--slowdown`` on real
+        compute; emulated compute spends it before the first gradient instead, :meth:`_lead`)."""
+        return self.compute_time.mean is not None or self.compute_time.factor_at(self.run.clock()) == 1.0
+
+    def _lead(self) -> float:
+        """At the first gradient of a pass whose push has begun: draw the step's emulated compute time, and
+        return what is left of it beyond the time spent so far and the backward pass's share."""
+        if not (self.worker.early is not None and self.worker.early.armed) or self.compute_time.mean is None:
+            return 0.0
+        now = self.run.clock()
+        self._target = self.compute_time.target(self.rng, now)
+        spent = time.perf_counter() - self.t0 - self.worker.pass_waited
+        return max(0.0, self._target - spent - self.compute_time.forward_seconds(self.run.cfg.compute_backward, now))
 
     # -- the built-in loop ------------------------------------------------------
     def train_on(self, batches: BatchSource, loss: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
@@ -176,7 +197,8 @@ class Session:
             batch = to_device(batches.batch(self.iteration), self.flat.device)
             tl.enter("compute")
             value = loss(self.model, batch)
-            self.worker.before_backward()  # one backward per step here: its push may begin now
+            if self._push_may_begin():  # one backward per step here: its push may begin now
+                self.worker.before_backward()
             value.backward()
             self.step(value)
 
@@ -223,7 +245,7 @@ class Session:
 
 def end_pass(flat: FlatParameters, started: float, compute_time: ComputeTime, rng: np.random.Generator, *,
              clip_norm: float | None = None, now: float | None = None,
-             poke: Callable[[], object] | None = None, timeline=None) -> float:
+             poke: Callable[[], object] | None = None, timeline=None, target: float | None = None) -> float:
     """After backward: the buffers' change into the gradient vector and clipping
     (:meth:`FlatParameters.end_pass`), the device's queued work done, then the emulated compute
     time on top of what the pass took since ``started`` (``now``: the run's clock, for stragglers
@@ -234,7 +256,8 @@ def end_pass(flat: FlatParameters, started: float, compute_time: ComputeTime, rn
     flat.synchronize()  # a GPU's queued work belongs to this pass's time
     if timeline is not None:
         timeline.enter("emulated")
-    emulated_sleep(compute_time.sleep_after(time.perf_counter() - started, rng, now), poke)
+    real = time.perf_counter() - started
+    emulated_sleep(compute_time.sleep_after(real, rng, now) if target is None else max(0.0, target - real), poke)
     return time.perf_counter() - started
 
 

@@ -107,3 +107,17 @@ def test_with_the_emulated_backward_a_piece_leaves_only_once_its_parameters_time
     clock.now = 5.0
     _pass(model, flat).backward()  # (unarmed) a second pass spends its second again, from its own start
     assert abs(clock.now - 6.0) < 1e-9
+
+
+def test_a_lead_is_spent_before_the_first_gradient_is_ready():
+    """With pushes during backward, emulated compute that would come after the pass comes before the
+    first gradient (the lead), so no piece leaves before it."""
+    model, flat, _, _, _, sent, pushes, _, clock = _setup()
+    leads = []
+    compute = BackwardCompute(model, lambda: 1.0, clock.sleep, clock=clock, lead=lambda: leads.append(1) or 0.5)
+    compute.begin()
+    loss = _pass(model, flat)
+    pushes.arm(0)
+    loss.backward()
+    assert leads == [1] and abs(clock.now - 1.5) < 1e-9  # asked once per pass: the lead, then the pass's share
+    assert sent and min(when for *_, when in sent) > 0.5

@@ -27,6 +27,12 @@ there (gloo's rendezvous address would be each node's own loopback). Both sides 
     python tools/bench_allreduce.py --workers 4 --steps 20 -- --model resnet18 \
         --dataset synthetic:3x32x32:10:2048 --batch-size 16
     python tools/bench_allreduce.py --workers 4 --steps 60 --link 1gbit -- --hidden 16384 --compute-time 0.05
+    python tools/bench_allreduce.py --workers 4 --steps 60 --link 1gbit --placements colocated spare -- \
+        --model tools/bench_partitions.py:deep_mlp --hidden 410 --dataset mnist1d --compute-time 0.05 \
+        --compute-forward 0.33 --compute-backward 0.67 --partition-mb 0.25
+
+(The last: partitioned pulls during the forward pass and pushes during the backward pass, which the
+emulated compute spends layer by layer; the all-reduce runs spend the same compute time, then reduce.)
 """
 
 from __future__ import annotations

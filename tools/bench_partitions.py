@@ -8,7 +8,9 @@ whole is printed last, seed by seed.
 
 The workload should give the pull something to overlap: a model of several layers of like size
 (``--model tools/bench_partitions.py:deep_mlp``, below) and part of the emulated compute time in the
-forward pass (``--compute-forward``), over links slow enough that the pull takes as long as the pass:
+forward pass (``--compute-forward``), over links slow enough that the pull takes as long as the pass
+(and, for the pushes during backward that partitions bring to bsp and the other paradigms that wait for
+their grant, the rest in the backward pass: ``--compute-backward``):
 
     python tools/bench_partitions.py --seeds 0 1 2 --emulate "--nodes {np} --link 1gbit" -- \\
         --paradigm asp --model tools/bench_partitions.py:deep_mlp --hidden 512 --dataset mnist1d \\

@@ -35,6 +35,8 @@ def _configuration(rng: random.Random) -> dict:
     cfg["checkpoint_every"] = rng.choice([None, None, 3, 7])  # periodic checkpoints, now and then
     partition = rng.choice([0.0, 0.0, 0.004])  # partitioned pulls, now and then (not eager's: it pulls behind)
     cfg["partition_mb"] = 0.0 if paradigm == "eager" else partition
+    if rng.random() < 0.3:  # emulated compute, part of it in the passes (pushes during backward overlap it)
+        cfg.update(compute_time=0.002, compute_forward=rng.choice([0.0, 0.3]), compute_backward=rng.choice([0.0, 0.5]))
     return cfg
 
 

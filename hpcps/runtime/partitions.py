@@ -15,8 +15,9 @@ pass on what has come: the rest of the pull moves while the first layers compute
   waits for the partitions holding them. The pull's versions are read before any partition, so the
   step knows what it computes on at once; the worker settles the rest of the pull before it pushes.
 
-Applies to CPU workers, whose flat parameters are the model's own memory (a pull lands in the
-model). A module whose code reads another module's parameters before that module is called (rather
+On a CPU worker a pull lands in the model's own memory. On a GPU a pull lands in pinned host memory,
+and each partition goes up to the device as soon as it has come (``upload``, an asynchronous copy that
+the device's stream orders before the layer's compute). A module whose code reads another module's parameters before that module is called (rather
 than through a shared ``Parameter``) would read them before they arrive: train such a model without
 ``--partition-mb``.
 """
@@ -98,8 +99,12 @@ class PartitionedPulls:
     """
 
     def __init__(self, model: torch.nn.Module, spans, size: int, *, timeline=None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.size, self.clock = size, clock
+                 clock: Callable[[], float] = time.perf_counter,
+                 upload: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
+        """``upload(ranges)``: bring those ranges of the host parameters to the device, once a partition
+        holding them has come (a GPU worker's; None where the pull lands in the model itself)."""
+        self.size, self.clock, self.upload = size, clock, upload
+        self.uploaded: list[bool] = []  # per partition of the pull in flight: gone up to the device
         self.tl = timeline or NullTimeline()
         self.offsets = {id(p): (off, off + n) for p, _, _, off, n in spans if p is not None}
         self.buffers = [(off, off + n) for p, _, _, off, n in spans if p is None]
@@ -138,12 +143,20 @@ class PartitionedPulls:
         self.waited = 0.0
         versions, stop = pull.versions()
         self.pull = pull
+        self.uploaded = [False] * pull.n_parts
         if not self.learned:
             self.settle()
             return versions, stop
         for k in self.plan.first:
-            pull.wait_part(k)
+            self._wait_part(k)
         return versions, stop
+
+    def _wait_part(self, k: int) -> None:
+        """Wait for partition ``k`` of the pull in flight; on a GPU, send it up (once)."""
+        self.pull.wait_part(k)
+        if self.upload is not None and k < len(self.uploaded) and not self.uploaded[k]:
+            self.uploaded[k] = True
+            self.upload(self.pull.ranges[k])
 
     def wait_for(self, key) -> None:
         """Before a module's forward: wait for its partitions (the time goes to ``waited``, and to the
@@ -157,13 +170,15 @@ class PartitionedPulls:
         t = self.clock()
         with self.tl.within("pull"):
             for k in needs:
-                pull.wait_part(k)
+                self._wait_part(k)
         self.waited += self.clock() - t
 
     def settle(self) -> None:
         """Before the worker pushes (or pulls again): the rest of the pull in flight, unpinned. After the
         first pass, the plan follows the order it called the modules in."""
         if self.pull is not None:
+            for k in range(self.pull.n_parts):
+                self._wait_part(k)
             self.pull.wait()
             self.pull = None
         if not self.learned and self.seen:

@@ -841,11 +841,10 @@ class _Run:
         new_buffer = self.flat.new_push_buffer if codec.identity_push else lambda: codec.new_push_buffer(bounds)
         extra, buffers = {}, [self.flat.push_grads if codec.identity_push and not striped else new_buffer()]
         timeline = self.timeline(recorder)
-        if cfg.partition_mb and self.flat.transfer == "shared":
-            extra["partitions"] = PartitionedPulls(self.model, self.flat._spans, max(1, int(cfg.partition_mb * 2**18)),
-                                                   timeline=timeline)
-        elif cfg.partition_mb and topo.rank == self.layout.first_worker:
-            log.warning("--partition-mb: pulls land in host memory and go to the GPU whole; pulling whole")
+        if cfg.partition_mb:  # (on a GPU, each partition goes up to the device as it comes)
+            extra["partitions"] = PartitionedPulls(
+                self.model, self.flat._spans, max(1, int(cfg.partition_mb * 2**18)), timeline=timeline,
+                upload=None if self.flat.transfer == "shared" else self.flat.upload_ranges)
         # pushes from a copy, so that a push leaves while the next pass computes: eager and hsp compute
         # while they wait; a partitioned pull's pass begins while the pull (and the push) are in flight
         if policy.eager_pull or policy.extra_gradients or "partitions" in extra:

@@ -244,8 +244,11 @@ class Worker:
         """Finish the pull ``begun`` (or pull now) into the model's parameters; with ``partitions``, only
         its versions and what the pass needs before it starts: the pass waits for the rest layer by layer."""
         pull = begun or self._begin_pull()
-        versions, stop = self.parts.start(pull) if self.parts is not None else pull.wait()
-        self.flat.upload()
+        if self.parts is not None:  # (on a GPU each partition goes up as it comes)
+            versions, stop = self.parts.start(pull)
+        else:
+            versions, stop = pull.wait()
+            self.flat.upload()
         self._seen(versions)
         return versions, stop
 

@@ -172,6 +172,16 @@ class FlatParameters:
         if self.transfer != "shared":
             self.params_t.copy_(torch.from_numpy(self.params))
 
+    def upload_ranges(self, ranges) -> None:
+        """Those ``(lo, hi)`` ranges of the host :attr:`params` changed (a partition of a pull): bring them
+        up, asynchronously from pinned memory (the device's stream runs the pass after them; the pass's
+        end waits for the device, before the host array is written again)."""
+        if self.transfer == "shared":
+            return
+        host = torch.from_numpy(self.params)
+        for lo, hi in ranges:
+            self.params_t[lo:hi].copy_(host[lo:hi], non_blocking=True)
+
     def stage_grads(self, out: np.ndarray | torch.Tensor | None = None) -> None:
         """Make the last backward's gradient readable by MPI in ``out`` (default :attr:`push_grads`).
 

@@ -3,10 +3,12 @@ pull is complete, so what it computes on must still be exactly the version pulle
 with the very parameters (and BatchNorm statistics) of bsp without, on 1 and 2 shards, in fp32 and bf16;
 and the paradigms that pull between steps lose nothing with them."""
 
+import json
+
 import numpy as np
 import pytest
 
-from mpitest import share, train
+from mpitest import force_transfer, share, train
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -57,3 +59,23 @@ def test_the_paradigms_that_pull_between_steps_lose_nothing_with_partitions(worl
     workers = 3 if paradigm == "grouped" else 4
     assert facts["pushed"] == facts["handled"] == workers * steps
     assert facts["pull_s"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transfer", ["staged", "direct"])
+def test_a_gpu_workers_partitions_go_up_as_they_come_and_bsp_ends_bit_for_bit(world, mpi_tmp_path, monkeypatch,
+                                                                               transfer):
+    """A GPU worker's pull lands in host memory and each partition is uploaded as it comes (the GPU paths,
+    on the CPU): bsp ends with the parameters of whole pulls on CPU workers."""
+    common = {"paradigm": "bsp", "model": "mlp", "dataset": "digits", "servers": 2, "steps": 6, "batch_size": 8,
+              "seed": 4, "lr": 0.05, "eval_every": 1000}
+    whole, _ = train(mpi_tmp_path / f"whole-{transfer}.h5", **common)
+    force_transfer(monkeypatch, transfer)
+    parted, t = train(mpi_tmp_path / f"parted-{transfer}.h5", partition_mb=0.004, **common)
+    facts = None
+    if world.rank == 0:
+        facts = {"same": np.array_equal(whole.params, parted.params), "applied": int(t["summary"]["gradients_applied"]),
+                 "devices": json.loads(t["attrs"]["devices"])}
+    facts = share(world, facts)
+    assert facts["same"] and facts["applied"] == 3 * 6
+    assert all("forced by the test" in d for d in facts["devices"][2:])

@@ -103,3 +103,37 @@ def test_a_pass_waits_for_each_layers_partitions_before_it_runs():
     assert not set(parts.plan.needs[id(model.head)]) <= set(calls[0][1])  # ... and head's only after body ran
     parts.settle()
     assert pull.log[-1] == "rest" and parts.pull is None
+
+
+def test_on_a_gpu_each_partition_goes_up_once_as_it_comes_before_its_layer_runs():
+    model = Swapped()
+    flat = FlatParameters(model)
+    uploads = []
+    parts = PartitionedPulls(model, flat._spans, size=16, upload=lambda ranges: uploads.append(list(ranges)))
+    model(torch.randn(3, 4))
+    parts.settle()
+
+    class FakePull:
+        n_parts = len(parts.plan.parts)
+        ranges = parts.plan.parts
+
+        def __init__(self):
+            self.done = [False] * self.n_parts
+
+        def versions(self):
+            return torch.zeros(1).numpy(), False
+
+        def wait_part(self, k):
+            self.done[k] = True
+
+        def wait(self):
+            pass
+
+    parts.start(FakePull())
+    assert uploads == [parts.plan.parts[k] for k in parts.plan.first]  # what the pass wants first
+    seen = []
+    model.head.register_forward_pre_hook(lambda m, a: seen.append([tuple(map(tuple, u)) for u in uploads]))
+    model(torch.randn(3, 4))
+    assert {tuple(map(tuple, parts.plan.parts[k])) for k in parts.plan.needs[id(model.head)]} <= set(seen[0])
+    parts.settle()  # the rest (the uncalled layer's), each partition once
+    assert sorted(map(str, uploads)) == sorted(map(str, parts.plan.parts))

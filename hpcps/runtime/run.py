@@ -843,7 +843,7 @@ class _Run:
         timeline = self.timeline(recorder)
         if cfg.partition_mb:  # (on a GPU, each partition goes up to the device as it comes)
             extra["partitions"] = PartitionedPulls(
-                self.model, self.flat._spans, max(1, int(cfg.partition_mb * 2**18)), timeline=timeline,
+                self.model, self.flat._spans, stripe_elements(cfg.partition_mb), timeline=timeline,
                 upload=None if self.flat.transfer == "shared" else self.flat.upload_ranges)
         # pushes from a copy, so that a push leaves while the next pass computes: eager and hsp compute
         # while they wait; a partitioned pull's pass begins while the pull (and the push) are in flight

@@ -16,6 +16,11 @@ iteration of :class:`Worker` ``w`` at ``step`` k::
               TCP its requests do not queue behind the gradient)
     settle    the push must have left before backward writes the buffer again
 
+With ``--partition-mb`` the pull comes in partitions that the next pass waits for layer by
+layer (:mod:`hpcps.runtime.partitions`), the push leaves from a copy, and in hpcps's own loop
+under a blocking paradigm the push begins before backward: its headers, then each chunk of the
+gradient as backward completes it (:meth:`Worker.before_backward`, :mod:`hpcps.runtime.backward`).
+
 :class:`EagerWorker` (paradigm ``eager``) decouples both: as it starts a
 computation (once it has taken its parameters, before it pushes the last
 gradient, so that on a TCP link the pull's requests do not queue behind

@@ -17,9 +17,9 @@ pass on what has come: the rest of the pull moves while the first layers compute
 
 On a CPU worker a pull lands in the model's own memory. On a GPU a pull lands in pinned host memory,
 and each partition goes up to the device as soon as it has come (``upload``, an asynchronous copy that
-the device's stream orders before the layer's compute). A module whose code reads another module's parameters before that module is called (rather
-than through a shared ``Parameter``) would read them before they arrive: train such a model without
-``--partition-mb``.
+the device's stream orders before the layer's compute). A module whose code reads another module's
+parameters before that module is called (rather than through a shared ``Parameter``) would read them
+before they arrive: train such a model without ``--partition-mb``.
 """
 
 from __future__ import annotations

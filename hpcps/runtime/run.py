@@ -906,7 +906,8 @@ class _Run:
         out = []
         for s, (w, end) in enumerate(wire_bounds):
             base = w if wire_order else 0
-            out.append([(base + at, base + at + hi - lo) for at, lo, hi in self.slices.send_order(s, self.flat.n_params)]
+            order = self.slices.send_order(s, self.flat.n_params)
+            out.append([(base + at, base + at + hi - lo) for at, lo, hi in order]
                        if codec.identity_push else [(base, base + end - w)])
         return out
 

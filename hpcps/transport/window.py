@@ -408,8 +408,8 @@ class ParamWindow:
         land = self._landing(out)
         if parts is None:
             parts = [list(ranges) for ranges in self.slices.pieces]  # one partition per shard: its whole slice
-        copies = [[self._get_range(win, land, *piece, slots) for lo, hi in ranges for piece in self.slices.split(lo, hi)]
-                  for ranges in parts]
+        copies = [[self._get_range(win, land, *piece, slots)
+                   for lo, hi in ranges for piece in self.slices.split(lo, hi)] for ranges in parts]
         return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
                     copies, list(parts))
 

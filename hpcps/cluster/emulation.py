@@ -86,14 +86,14 @@ class BackwardCompute:
     that deadline (``sleep(seconds)``), so the sleeps' overshoots do not add up. :meth:`begin` before
     each pass.
 
-    ``lead()``, if given, is asked at the first gradient of a pass for seconds to spend before any
-    gradient is ready: the emulated compute that would otherwise come after the pass, when pushes leave
+    ``lead(backward_s)``, if given, is asked at the first gradient of a pass (``backward_s``: the pass's
+    emulated backward time) for seconds to spend before any gradient is ready: the emulated compute that would otherwise come after the pass, when pushes leave
     during backward (:mod:`hpcps.runtime.backward`) and must not overlap compute that comes before
     their gradients in a real pass."""
 
     def __init__(self, model, seconds: Callable[[], float], sleep: Callable[[float], object],
                  timeline=NullTimeline(), clock: Callable[[], float] = time.perf_counter,
-                 lead: Callable[[], float] | None = None) -> None:
+                 lead: Callable[[float], float] | None = None) -> None:
         self.lead = lead
         params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
         self.total = sum(p.numel() for p in params)
@@ -110,7 +110,7 @@ class BackwardCompute:
         if self.started is None:  # the pass's first gradient: backward began (its own time is real)
             self.started, self.budget = self.clock(), self.seconds()
             if self.lead is not None:
-                self.started += self.lead()
+                self.started += self.lead(self.budget)
         self.done += param.numel()
         left = self.started + self.budget * self.done / self.total - self.clock()
         if left > 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -96,7 +97,7 @@ class Slices:
         """Trainable values at the start of shard ``s``'s local vector (the rest are buffers)."""
         return sum(max(0, min(hi, n_params) - lo) for lo, hi in self.pieces[s])
 
-    @property
+    @cached_property
     def wire_bounds(self) -> list[tuple[int, int]]:
         """Each shard's part of a wire-order vector (every shard's local vector, in shard order)."""
         out, at = [], 0
@@ -105,30 +106,18 @@ class Slices:
             at += self.length(s)
         return out
 
-    def flat_bounds(self) -> list[tuple[int, int]] | None:
-        """Each shard's ``(lo, hi)`` when every shard holds one range (None when striped)."""
-        return None if self.striped else [p[0] if p else (0, 0) for p in self.pieces]
-
     # -- where values are -------------------------------------------------------------------------------
 
+    @cached_property
     def _index(self) -> tuple[list[int], list[tuple[int, int, int, int]]]:
-        cached = self.__dict__.get("_sorted")
-        if cached is None:
-            rows = []
-            for s, ranges in enumerate(self.pieces):
-                at = 0
-                for lo, hi in ranges:
-                    rows.append((lo, hi, s, at))
-                    at += hi - lo
-            rows.sort()
-            cached = ([r[0] for r in rows], rows)
-            object.__setattr__(self, "_sorted", cached)
-        return cached
+        """Every range as ``(lo, hi, shard, local)``, sorted by ``lo``, and their starts (for :meth:`split`)."""
+        rows = sorted((lo, hi, s, at) for s in range(self.n_shards) for at, lo, hi in self.local_ranges(s))
+        return [r[0] for r in rows], rows
 
     def split(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """``[lo, hi)`` of the flat vector cut where it changes shard or range: ``(shard, local, lo, hi)``
         each, ``local`` being where ``lo`` is in the shard's local vector."""
-        starts, rows = self._index()
+        starts, rows = self._index
         out = []
         k = max(0, bisect.bisect_right(starts, lo) - 1)
         while k < len(rows) and rows[k][0] < hi:
@@ -166,7 +155,7 @@ class Slices:
         """Copy the flat-order ``flat`` into ``wire`` in wire order (numpy arrays or torch tensors, any
         device: a push's gradient into its send buffer)."""
         src, dst = _tensor(flat), _tensor(wire)
-        for (w, _), s in zip(self.wire_bounds, range(self.n_shards)):
+        for s, (w, _) in enumerate(self.wire_bounds):
             for at, lo, hi in self.local_ranges(s):
                 dst[w + at:w + at + hi - lo].copy_(src[lo:hi])
 

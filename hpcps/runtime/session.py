@@ -82,7 +82,7 @@ class Session:
         # before the backward pushes' hooks (put on at the first push): compute, then send. With pushes during
         # backward, the emulated compute not spent in the forward and backward passes comes before the first
         # gradient, not after the pass, where the push would overlap it
-        if cfg.compute_backward or (cfg.compute_time is not None and self.worker.early is not None):
+        if cfg.compute_backward or (cfg.compute_time is not None and self.worker.backward_pushes is not None):
             self._backward = BackwardCompute(
                 self.model, lambda: self.compute_time.forward_seconds(cfg.compute_backward, self.run.clock()),
                 lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl, lead=self._lead)
@@ -173,15 +173,16 @@ class Session:
         compute; emulated compute spends it before the first gradient instead, :meth:`_lead`)."""
         return self.compute_time.mean is not None or self.compute_time.factor_at(self.run.clock()) == 1.0
 
-    def _lead(self) -> float:
+    def _lead(self, backward_s: float) -> float:
         """At the first gradient of a pass whose push has begun: draw the step's emulated compute time, and
-        return what is left of it beyond the time spent so far and the backward pass's share."""
-        if not (self.worker.early is not None and self.worker.early.armed) or self.compute_time.mean is None:
+        return what is left of it beyond the time spent so far and the backward pass's ``backward_s``.
+        (A BackwardCompute exists only with ``--compute-time``.)"""
+        pushes = self.worker.backward_pushes
+        if pushes is None or not pushes.armed:
             return 0.0
-        now = self.run.clock()
-        self._target = self.compute_time.target(self.rng, now)
+        self._target = self.compute_time.target(self.rng, self.run.clock())
         spent = time.perf_counter() - self.t0 - self.worker.pass_waited
-        return max(0.0, self._target - spent - self.compute_time.forward_seconds(self.run.cfg.compute_backward, now))
+        return max(0.0, self._target - spent - backward_s)
 
     # -- the built-in loop ------------------------------------------------------
     def train_on(self, batches: BatchSource, loss: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:

@@ -99,7 +99,7 @@ class Worker:
         ``backward_pushes``: in hpcps's own loop, push each piece of the gradient as backward produces it
         (:mod:`hpcps.runtime.backward`, :meth:`before_backward`)."""
         self.send_buffers = send_buffers
-        self.early = backward_pushes
+        self.backward_pushes = backward_pushes
         self.early_push_s = 0.0  # the push's time spent before backward (its slot, its headers)
         self.parts = partitions
         self.pass_pull = 0.0  # partitioned pulls: seconds the last pass waited for its pull, and its settling
@@ -167,7 +167,7 @@ class Worker:
         """hpcps's own loop, before its backward pass: with backward pushes, begin the step's push now (its
         slot, its headers), so each piece of the gradient leaves as soon as backward has produced it. Not
         at a step with a ``--fault``, which changes the gradient after the pass."""
-        if self.early is None or not self.running or self.step in self.faults:
+        if self.backward_pushes is None or not self.running or self.step in self.faults:
             return
         self._settle_pull()  # (the pass has what it needed; the rest of the pull before the push, as always)
         slot = self.step % 2
@@ -176,7 +176,7 @@ class Worker:
             self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago
             self._push(self.versions, self.row, slot, headers_only=True)
         self.early_push_s = time.perf_counter() - t
-        self.early.arm(slot)
+        self.backward_pushes.arm(slot)
 
     def _exchange(self, row: dict, flags: int) -> None:
         """Push the step's gradient (with ``flags``), wait for the grant if the paradigm blocks, pull."""
@@ -184,7 +184,7 @@ class Worker:
         tl.enter("push")
         t = time.perf_counter()
         slotted = self.send_buffers is not None
-        during_backward = self.early is not None and self.early.armed  # the push began before backward
+        during_backward = self.backward_pushes is not None and self.backward_pushes.armed  # the push began before backward
         if during_backward and flags:
             raise RuntimeError("a push begun before backward cannot be flagged after it")
         if not slotted:
@@ -197,7 +197,7 @@ class Worker:
             early, begun = self._timed(self._begin_pull)
             tl.enter("push")
         if during_backward:
-            self.early.finish()  # the pieces backward did not complete, the buffers' change
+            self.backward_pushes.finish()  # the pieces backward did not complete, the buffers' change
         elif slotted:
             self._push_copy(self.step, self.versions, row, flags)
         else:
@@ -231,8 +231,8 @@ class Worker:
         hooks on the model); idempotent."""
         if self.parts is not None:
             self.parts.remove()
-        if self.early is not None:
-            self.early.remove()
+        if self.backward_pushes is not None:
+            self.backward_pushes.remove()
 
     @staticmethod
     def _timed(fn, *args):
@@ -285,7 +285,8 @@ class Worker:
 
     @property
     def pass_waited(self) -> float:
-        """Seconds the pass under way has waited for its pull's partitions (0 without partitions)."""
+        """Seconds the pass under way has waited for its pull's partitions, and settled the rest of the pull
+        (0 without partitions)."""
         return self.pass_pull + (self.parts.waited if self.parts is not None else 0.0)
 
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
@@ -304,10 +305,10 @@ class Worker:
         pass's waits for it and this one, which its row counts as pull time, not compute)."""
         if self.parts is None:
             return
-        self.tl.enter("pull")
         t = time.perf_counter()
         waited = self.parts.waited
-        self.parts.settle()
+        with self.tl.within("pull"):  # (before backward, the pass goes on in its own phase after it)
+            self.parts.settle()
         self.parts.waited = 0.0
         self.pass_pull += waited + time.perf_counter() - t  # (settled before backward, then again before the push)
 

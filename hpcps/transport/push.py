@@ -56,12 +56,9 @@ class Pusher:
             self.data_reqs.append([[comm.Send_init(buf[lo:hi], dest=rank, tag=wire.TAG_PUSH_DATA)
                                     for lo, hi in self.pieces[s]] for s, rank in enumerate(self.shard_ranks)])
             self.sent.append([[True] * len(p) for p in self.pieces])
+        # every persistent send of a slot, in one list (a poll tests them at once)
+        self.requests = [[*h, *(r for rs in d for r in rs)] for h, d in zip(self.header_reqs, self.data_reqs)]
         self._done: list[tuple[MPI.Request, np.ndarray]] = []
-
-    @property
-    def requests(self) -> list[list[MPI.Prequest]]:
-        """Every persistent send, per slot."""
-        return [[*h, *(r for rs in d for r in rs)] for h, d in zip(self.header_reqs, self.data_reqs)]
 
     def start(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0, flags: int = 0) -> None:
         """Push ``slot``'s buffer as the gradient with ``clock``; ``versions[s]``: shard s's version it used."""
@@ -106,8 +103,7 @@ class Pusher:
         if any(slot in owed if slot is not None else owed for owed in self.waiting):
             return False
         slots = range(len(self.buffers)) if slot is None else (slot,)
-        return all(all(all(row) for row in self.sent[k]) and MPI.Request.Testall(self.header_reqs[k]) and
-                   all(MPI.Request.Testall(reqs) for reqs in self.data_reqs[k]) for k in slots)
+        return all(all(map(all, self.sent[k])) and MPI.Request.Testall(self.requests[k]) for k in slots)
 
     def start_done(self, clock: int) -> None:
         """Tell every shard this worker leaves after ``clock`` pushes (after any push in flight)."""
@@ -123,7 +119,7 @@ class Pusher:
         for reqs in self.requests:
             for req in reqs:
                 req.Free()
-        self.header_reqs, self.data_reqs = [], []
+        self.requests, self.header_reqs, self.data_reqs = [], [], []
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,3 +51,24 @@ def test_a_run_without_the_option_records_no_span(world, mpi_tmp_path):
     _, t = train(mpi_tmp_path / "plain.h5", paradigm="asp", steps=5)
     n = share(world, len(t["timeline"]) if world.rank == 0 else None)
     assert n == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_push_begun_before_backward_leaves_the_backward_pass_in_its_own_phase(world, mpi_tmp_path):
+    """bsp with partitions pushes during backward: the pull's settling before backward is a pull span, and
+    backward's own time stays compute (the worker's pull spans add up to its rows' pull time)."""
+    steps = 6
+    _, t = train(mpi_tmp_path / "backward.h5", paradigm="bsp", model="resnet18", dataset="synthetic:3x8x8:10:64",
+                 batch_size=8, steps=steps, partition_mb=0.05, timeline=True)
+    facts = None
+    if world.rank == 0:
+        spans, it = t["timeline"], t["workers/iterations"]
+        facts = {}
+        for rank in range(1, world.size):
+            mine = spans[(spans["rank"] == rank) & (spans["phase"] == CODES["pull"])]
+            rows = it[it["rank"] == rank]
+            facts[rank] = (float((mine["t_end"] - mine["t_begin"]).sum()), float(rows["pull_s"].sum()),
+                           float(rows["compute_s"].sum()))
+    facts = share(world, facts)
+    for rank, (in_spans, in_rows, compute) in facts.items():
+        assert in_spans <= in_rows + 0.1 * compute + 0.01, (rank, in_spans, in_rows, compute)

@@ -114,10 +114,11 @@ def test_a_lead_is_spent_before_the_first_gradient_is_ready():
     first gradient (the lead), so no piece leaves before it."""
     model, flat, _, _, _, sent, pushes, _, clock = _setup()
     leads = []
-    compute = BackwardCompute(model, lambda: 1.0, clock.sleep, clock=clock, lead=lambda: leads.append(1) or 0.5)
+    compute = BackwardCompute(model, lambda: 1.0, clock.sleep, clock=clock,
+                              lead=lambda backward_s: leads.append(backward_s) or 0.5)
     compute.begin()
     loss = _pass(model, flat)
     pushes.arm(0)
     loss.backward()
-    assert leads == [1] and abs(clock.now - 1.5) < 1e-9  # asked once per pass: the lead, then the pass's share
+    assert leads == [1.0] and abs(clock.now - 1.5) < 1e-9  # asked once per pass, told the backward time
     assert sent and min(when for *_, when in sent) > 0.5

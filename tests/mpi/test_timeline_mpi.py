@@ -56,7 +56,11 @@ def test_a_run_without_the_option_records_no_span(world, mpi_tmp_path):
 @pytest.mark.timeout(180)
 def test_a_push_begun_before_backward_leaves_the_backward_pass_in_its_own_phase(world, mpi_tmp_path):
     """bsp with partitions pushes during backward: the pull's settling before backward is a pull span, and
-    backward's own time stays compute (the worker's pull spans add up to its rows' pull time)."""
+    backward's own time stays compute (the worker's pull spans within its rows add up to its rows' pull time).
+
+    Only the spans inside a row count: the first pull (before step 0's row starts) and the settling of the
+    pull after the last step are pull spans of no row. In the whole MPI suite a full garbage collection of
+    its larger heap (~0.5 s) once fell in rank 1's first pull, and counting that pull failed this test."""
     steps = 6
     _, t = train(mpi_tmp_path / "backward.h5", paradigm="bsp", model="resnet18", dataset="synthetic:3x8x8:10:64",
                  batch_size=8, steps=steps, partition_mb=0.05, timeline=True)
@@ -67,8 +71,12 @@ def test_a_push_begun_before_backward_leaves_the_backward_pass_in_its_own_phase(
         for rank in range(1, world.size):
             mine = spans[(spans["rank"] == rank) & (spans["phase"] == CODES["pull"])]
             rows = it[it["rank"] == rank]
-            facts[rank] = (float((mine["t_end"] - mine["t_begin"]).sum()), float(rows["pull_s"].sum()),
-                           float(rows["compute_s"].sum()))
+            in_a_row = ((mine["t_begin"][:, None] >= rows["t_start"][None, :])
+                        & (mine["t_end"][:, None] <= rows["t_end"][None, :])).any(axis=1)
+            inside = mine[in_a_row]
+            facts[rank] = (float((inside["t_end"] - inside["t_begin"]).sum()), float(rows["pull_s"].sum()),
+                           float(rows["compute_s"].sum()), int((~in_a_row).sum()))
     facts = share(world, facts)
-    for rank, (in_spans, in_rows, compute) in facts.items():
+    for rank, (in_spans, in_rows, compute, outside) in facts.items():
+        assert outside <= 2, (rank, outside)  # the first pull; the settling of the last one
         assert in_spans <= in_rows + 0.1 * compute + 0.01, (rank, in_spans, in_rows, compute)

@@ -10,6 +10,12 @@ of the same runtime. See README.md and docs/ for the user's view.
 
 __version__ = "0.1.0"
 
+# before anything imports mpi4py's MPI (which starts MPI): Open MPI's settings hpcps chooses where the
+# user chose none (hpcps.cluster.launcher.open_mpi_defaults; os and a folder listing, nothing more)
+from hpcps.cluster.launcher import open_mpi_defaults as _open_mpi_defaults  # noqa: E402
+
+_open_mpi_defaults()
+
 __all__ = ["train", "init", "decay_groups", "Policy", "Decision", "__version__"]
 
 

@@ -1,5 +1,5 @@
-"""``hpcps`` command line: ``hpcps train`` (under mpiexec/srun), ``hpcps report``, ``hpcps simulate``,
-``hpcps jobs render`` and ``hpcps emulate`` (a cluster in a box).
+"""``hpcps`` command line: ``hpcps train`` and ``hpcps check`` (under mpiexec/srun), ``hpcps report``,
+``hpcps simulate``, ``hpcps jobs render`` and ``hpcps emulate`` (a cluster in a box).
 
 Options are parsed before MPI starts; every flag can also come from a TOML
 file (``--config``), and flags given on the command line win. Bad input
@@ -234,6 +234,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_options(t)
     t.set_defaults(func=_train)
 
+    c = sub.add_parser("check", help="is this allocation fit for hpcps? (launch under mpiexec/srun)",
+                       description="Run under the job's launcher on a new allocation (srun -n 8 hpcps check, "
+                                   "mpiexec -n 4 hpcps check). In about a minute it prints the MPI library, thread "
+                                   "level and RMA memory model, whether a pull progresses while its target "
+                                   "computes, the GPUs and CUDA-awareness, ranks per node, and each path's "
+                                   "bandwidth (in --link units) and latency; then one line per problem with what "
+                                   "to do, and a verdict. Exit status 1 where hpcps would not work.")
+    c.add_argument("--seconds", type=float, default=0.5, metavar="S",
+                   help="how long each bandwidth measurement streams (default 0.5; a fan-in three times as "
+                        "long)")
+    c.add_argument("--busy", type=float, default=1.0, metavar="S",
+                   help="how long the pulls' target computes without MPI in the progress test (default 1.0)")
+    c.set_defaults(func=_check)
+
     r = sub.add_parser("report", help="plots and tables comparing runs (no MPI needed)",
                        description="Compare runs from their HDF5 metrics files: PNG plots (accuracy and loss "
                                    "against wall time, iterations/s per worker, time breakdown per worker, "
@@ -368,6 +382,25 @@ def _train(args: argparse.Namespace) -> int:
     if result is not None and result.summary.get("stopped_by") == "diverged":
         return DIVERGED_STATUS
     return status  # rank 0 has logged the run's one summary line
+
+
+def _check(args: argparse.Namespace) -> int:
+    if args.seconds <= 0 or args.busy <= 0:  # (said once: every rank of the job parsed the same flags)
+        return _user_error(UserError("hpcps check: --seconds and --busy take a positive number of seconds"),
+                           show=launcher_rank() == 0)
+    from mpi4py import MPI
+
+    from hpcps.cluster.launcher import check_world
+    from hpcps.runtime.agree import run_or_end
+    from hpcps.runtime.check import run_check
+
+    comm = MPI.COMM_WORLD
+    try:
+        check_world(comm.size)
+    except UserError as exc:
+        return _user_error(exc, show=launcher_rank() == 0)
+    status, failed = run_or_end(comm, lambda: run_check(comm, seconds=args.seconds, busy_s=args.busy))
+    return failed or status
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -91,6 +91,7 @@ def _switch(environ: Mapping[str, str], library: str, variable: str) -> CudaAwar
 
 def detect_cuda_aware(library_version: str, environ: Mapping[str, str], query: bool | None) -> CudaAwareness:
     """Is the MPI library CUDA-aware? ``query``: its ``MPIX_Query_cuda_support()``, None where it has none."""
+    library_version = library_version.replace("\0", "")  # Open MPI ends its string in a NUL
     version = library_version.upper()
     name = " ".join(library_version.strip().splitlines()[0].split()) if library_version.strip() else "unknown MPI"
     if "CRAY MPICH" in version:  # the GPU transport layer is switched on at run time

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 from hpcps.errors import UserError
 
 #: prefixes of the variables a launcher leaves in a rank's environment
-LAUNCHER_VAR_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "SLURM_")
+LAUNCHER_VAR_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "PRTE_", "SLURM_")
+#: ...except these, the user's own settings of Open MPI (its MCA parameters, running as root)
+USER_VAR_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "PMIX_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
+#: ...of which Open MPI's launcher sets these for each job itself
+JOB_MCA_VARS = ("OMPI_MCA_initial_wdir", "OMPI_MCA_num_procs", "OMPI_MCA_cpu_type")
+
+#: where Linux lists RDMA devices (InfiniBand, RoCE, Omni-Path's verbs): what Open MPI's UCX components need
+RDMA_DEVICES = "/sys/class/infiniband"
 
 #: (environment variable, launcher) pairs that announce the number of tasks started
 _TASK_VARS = (
@@ -59,8 +67,60 @@ def find_mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+def launcher_family(mpiexec: str) -> str:
+    """Whose launcher ``mpiexec`` is, from its ``--version``: ``openmpi``, ``intel-mpi``, ``mpich`` (Hydra,
+    which MPICH, MVAPICH and Intel MPI share; Intel's names itself), or ``other``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "other"
+    if "Open MPI" in out or "OpenRTE" in out:
+        return "openmpi"
+    if "Intel(R) MPI" in out:
+        return "intel-mpi"
+    return "mpich" if "HYDRA" in out else "other"
+
+
+def oversubscribing(family: str) -> dict[str, str]:
+    """The environment that lets ``family``'s launcher start more ranks than cores (tests, the box on one
+    machine): Open MPI refuses by default; MPICH's and Intel's launchers allow it."""
+    if family == "openmpi" and "PRTE_MCA_rmaps_default_mapping_policy" not in os.environ:
+        return {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+    return {}
+
+
+def _launchers(name: str) -> bool:
+    """Whether variable ``name`` was set by a launcher for the job it started (not by the user)."""
+    if name.startswith(USER_VAR_PREFIXES):
+        return name in JOB_MCA_VARS
+    return name.startswith(LAUNCHER_VAR_PREFIXES)
+
+
 def clean_environ(**extra: str) -> dict[str, str]:
-    """This process's environment without launcher variables, for starting a new job from inside one."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VAR_PREFIXES)}
+    """This process's environment without the launcher's variables of the job it is in, for starting a new
+    job from inside one; the user's own MPI settings (``OMPI_MCA_*``, ``PRTE_MCA_*``...) stay."""
+    env = {k: v for k, v in os.environ.items() if not _launchers(k)}
     env.update(extra)
     return env
+
+
+def open_mpi_defaults(environ=os.environ, rdma_devices: str = RDMA_DEVICES) -> dict[str, str]:
+    """Settings for Open MPI that hpcps adds to ``environ`` before MPI starts, where the user has set none;
+    returns what it added.
+
+    On a node without RDMA devices, Open MPI 5's UCX one-sided component (``osc/ucx``) has nothing to run
+    on: on every window's creation each rank prints ``OSC UCX component priority set inside component
+    query failed`` and Open MPI goes on with the component that works (``osc/sm`` within a node,
+    ``osc/rdma`` across nodes). Excluding it (``OMPI_MCA_osc=^ucx``) picks the same component without the
+    message. Only in a job that Open MPI's launcher started, and never where the node has RDMA devices,
+    where ``osc/ucx`` is the component to use.
+    """
+    if "OMPI_COMM_WORLD_SIZE" not in environ or "OMPI_MCA_osc" in environ:
+        return {}
+    try:
+        if os.listdir(rdma_devices):
+            return {}
+    except OSError:  # no such folder: no RDMA device
+        pass
+    environ["OMPI_MCA_osc"] = "^ucx"
+    return {"OMPI_MCA_osc": "^ucx"}

@@ -76,7 +76,7 @@ from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport import wire
 from hpcps.transport.compress import make_codec
-from hpcps.transport.mpilib import query_cuda_support
+from hpcps.transport.mpilib import library_version, query_cuda_support
 from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
 from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
@@ -545,7 +545,7 @@ class _Run:
                 "resumed_from": self.cfg.resume or "",
                 "start_version": self.ckpt.version if self.ckpt else 0,
                 "resumed_shape": self.ckpt.describe_shape() if self.ckpt else "",
-                "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                "mpi_library": library_version(),
                 "devices": json.dumps(self.devices),
                 "placement": json.dumps({"mode": self.cfg.placement, "world_rank_of": self.world_ranks}),
                 "cluster": json.dumps(cluster_record() or {"emulated": False}),

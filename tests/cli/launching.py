@@ -8,16 +8,20 @@ import subprocess
 
 import pytest
 
-from hpcps.cluster.launcher import clean_environ, find_mpiexec
+from hpcps.cluster.launcher import clean_environ, find_mpiexec, launcher_family, oversubscribing
 
 MPIEXEC = find_mpiexec()
+#: whose mpiexec it is (the suite runs under MPICH and Open MPI: .ci/run), and what lets it start 5 ranks on 2 cores
+FAMILY = launcher_family(MPIEXEC) if MPIEXEC else None
+OVERSUBSCRIBE = oversubscribing(FAMILY) if FAMILY else {}
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install '.[mpich]' or load your MPI)")
 
 
 def launch(n: int, *args: str, timeout: float, cwd: str | None = None,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n N ARGS`` in a clean environment (plus ``env``); on timeout kill the whole job and fail."""
-    proc = subprocess.Popen([MPIEXEC, "-n", str(n), *args], env=clean_environ(PYTHONUNBUFFERED="1", **(env or {})),
+    environ = clean_environ(PYTHONUNBUFFERED="1", **{**OVERSUBSCRIBE, **(env or {})})
+    proc = subprocess.Popen([MPIEXEC, "-n", str(n), *args], env=environ,
                             cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -25,6 +25,28 @@ def hpcps(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProce
     return launch(n, sys.executable, "-m", "hpcps", *args, timeout=timeout)
 
 
+def test_hpcps_check_prints_the_table_and_the_verdict_of_the_mpi_it_runs_on(tmp_path):
+    from hpcps.transport.mpilib import library_version
+
+    proc = hpcps(5, "check", "--seconds", "0.1", "--busy", "0.5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = dict(line.split(None, 1) if "  " not in line else [x.strip() for x in line.split("  ", 1)]
+                for line in proc.stdout.splitlines()[:8])
+    assert rows["MPI library"] == library_version()  # this venv's mpi4py's MPI, which the job ran
+    assert rows["nodes"] == "1; ranks per node: 5 on 1 node(s)"
+    assert rows["RMA memory model"].startswith(("unified", "separate"))
+    assert "rank 1 pulled from rank 0 while it computed 0.50 s" in proc.stdout
+    assert "within " in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("verdict: hpcps works here")
+    assert proc.stdout.count("verdict:") == 1  # rank 0 alone prints
+
+
+def test_hpcps_check_refuses_a_nonpositive_duration_in_one_line():
+    proc = hpcps(2, "check", "--seconds", "0")
+    assert proc.returncode == 2
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("hpcps")]  # (Open MPI's mpirun adds a block)
+    assert ours == ["hpcps: error: hpcps check: --seconds and --busy take a positive number of seconds"]
+
+
 def test_default_bsp_run_reaches_90_percent_and_writes_a_valid_file(tmp_path):
     out = tmp_path / "bsp.h5"
     proc = hpcps(5, "train", "--paradigm", "bsp", "--out", str(out), "--progress-every", "0.2")

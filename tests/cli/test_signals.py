@@ -10,7 +10,7 @@ import h5py
 import pytest
 
 from hpcps.cluster.launcher import clean_environ
-from launching import MPIEXEC, needs_mpiexec
+from launching import FAMILY, MPIEXEC, OVERSUBSCRIBE, needs_mpiexec
 
 pytestmark = needs_mpiexec
 
@@ -18,8 +18,8 @@ pytestmark = needs_mpiexec
 def _start(n: int, tmp_path, *train_args: str) -> subprocess.Popen:
     """``mpiexec -n N python -m hpcps train ARGS`` in its own session (so the test can kill the whole job)."""
     return subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "hpcps", "train", *train_args],
-                            env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            env=clean_environ(PYTHONUNBUFFERED="1", **OVERSUBSCRIBE), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _ended(proc: subprocess.Popen, after: str) -> str:
@@ -33,6 +33,9 @@ def _ended(proc: subprocess.Popen, after: str) -> str:
 
 
 def test_ctrl_c_under_mpiexec_ends_every_rank_cleanly_with_summary_and_checkpoint(tmp_path):
+    """MPICH's mpiexec forwards Ctrl-C to every rank as SIGINT and their output to the end. Open MPI's sends
+    the ranks SIGTERM, stops forwarding their output and exits 1 (the launcher's doing): there the run's
+    file and checkpoint are what hpcps answers for."""
     out = tmp_path / "dssp.h5"
     proc = _start(5, tmp_path, "--paradigm", "dssp", "--steps", "100000", "--compute-time", "0.005", "--out",
                   str(out))
@@ -42,18 +45,21 @@ def test_ctrl_c_under_mpiexec_ends_every_rank_cleanly_with_summary_and_checkpoin
     time.sleep(2.0)  # training is under way
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends mpiexec
     stderr = _ended(proc, "Ctrl-C")
-    assert proc.returncode == 0, stderr[-3000:]
+    signal_name = "SIGTERM" if FAMILY == "openmpi" else "SIGINT"
     assert "Traceback" not in stderr and "Error" not in stderr, stderr[-3000:]
-    assert stderr.count("hpcps: SIGINT received: stopping after the current step") == 1  # one line, rank 0's
+    if FAMILY != "openmpi":
+        assert proc.returncode == 0, stderr[-3000:]
+        assert stderr.count("hpcps: SIGINT received: stopping after the current step") == 1  # one line, rank 0's
     with h5py.File(out) as f:
         s = f["summary"].attrs
-        assert s["interrupted"] and s["stopped_by"] == "SIGINT"
+        assert s["stopped_by"] == signal_name and s["interrupted"] == (signal_name == "SIGINT")
         assert 0 < s["gradients_pushed"] < 4 * 100000
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"] == len(f["workers/iterations"])
         assert len(f["eval"]) > 0
         checkpoint = s["checkpoint"]
     assert checkpoint.startswith(str(tmp_path / "dssp-checkpoints")) and os.path.exists(checkpoint)
-    assert f"--resume {checkpoint}" in stderr
+    if FAMILY != "openmpi":
+        assert f"--resume {checkpoint}" in stderr
 
 
 def _caught(pid: int, signum: int) -> bool:
@@ -76,7 +82,7 @@ def _ranks_of(out) -> list[int]:
                     cmd = f.read().split(b"\0")
             except OSError:
                 continue
-            launcher = any(arg.endswith((b"mpiexec", b"mpiexec.hydra", b"mpirun")) for arg in cmd)
+            launcher = any(arg.endswith((b"mpiexec", b"mpiexec.hydra", b"mpirun", b"prterun")) for arg in cmd)
             if str(out).encode() in cmd and b"hpcps" in cmd and not launcher:
                 pids.append(int(entry))
     return pids
@@ -144,8 +150,8 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
     resumed = tmp_path / "resumed.h5"
     proc = subprocess.run([MPIEXEC, "-n", "6", sys.executable, "-m", "hpcps", "train", *options, "--out",
                            str(resumed), "--resume", str(newest), "--checkpoint-dir", str(tmp_path / "again")],
-                          env=clean_environ(PYTHONUNBUFFERED="1"), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=180)
+                          env=clean_environ(PYTHONUNBUFFERED="1", **OVERSUBSCRIBE), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with h5py.File(resumed) as f:
         s = f["summary"].attrs

@@ -13,6 +13,7 @@ from hpcps.cluster.layout import shard_bounds
 from hpcps.runtime.server import apply_update
 from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
+from hpcps.transport.mpilib import implementation
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
 from hpcps.transport.window import ParamWindow
 
@@ -148,11 +149,14 @@ def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, 
 
 
 def test_pulls_stay_fast_while_the_server_applies_updates(world):
-    """Pinned pulls need nothing from the server's CPU; locked ones need it inside MPI, hence the chunked apply.
+    """Pinned pulls need nothing from the server's CPU, on every MPI; locked ones need it inside MPI on
+    MPICH, hence the chunked apply.
 
-    Under ``locked``, one monolithic apply (no MPI call inside) holds pulls
-    up and the chunked apply with progress pokes does not; under
-    ``pinned`` even the monolithic apply does not hold pulls up.
+    Under ``pinned`` even one monolithic apply (no MPI call inside) does not hold pulls up. Under
+    ``locked`` with MPICH, which grants a shared lock after an exclusive one only inside the target's MPI
+    calls, the monolithic apply holds pulls up and the chunked apply with progress pokes does not. Open
+    MPI's shared-memory window (osc/sm) takes its locks without the target, so there locked pulls are
+    not held up either, and the two MPICH facts are not asked of it.
     """
     pair = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
     results = None
@@ -164,8 +168,10 @@ def test_pulls_stay_fast_while_the_server_applies_updates(world):
     t = world.bcast(results, root=1)
     print("median pull while busy (ms): " + ", ".join(
         f"{p} {'monolithic' if m else 'chunked'} {v * 1e3:.3f}" for (p, m), v in t.items()))
-    assert t["locked", False] * 3 < t["locked", True]
-    assert t["pinned", True] * 3 < t["locked", True]
+    assert t["pinned", True] < 3 * t["pinned", False]
+    if implementation() == "mpich":
+        assert t["locked", False] * 3 < t["locked", True]
+        assert t["pinned", True] * 3 < t["locked", True]
 
 
 def test_a_freed_inbox_leaves_no_receive_behind(world):

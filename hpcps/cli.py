@@ -385,10 +385,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    # MPI first: its finalisation at exit holds every rank until all are done, so rank 0's line is out before
+    # a launcher (Open MPI's) ends the job on another rank's exit status
+    from mpi4py import MPI
+
     if args.seconds <= 0 or args.busy <= 0:  # (said once: every rank of the job parsed the same flags)
         return _user_error(UserError("hpcps check: --seconds and --busy take a positive number of seconds"),
-                           show=launcher_rank() == 0)
-    from mpi4py import MPI
+                           show=MPI.COMM_WORLD.rank == 0)
 
     from hpcps.cluster.launcher import check_world
     from hpcps.runtime.agree import run_or_end

@@ -4,7 +4,8 @@ Every function is collective over ``comm`` unless it says otherwise. Ranks that 
 measurement wait in a polite barrier, so that on an oversubscribed node they leave the cores to the
 ranks that measure.
 
-* :func:`rank_facts`: the library, the thread level, the GPUs and CUDA-awareness of each rank.
+* :func:`rank_facts`: the library, the thread level, the GPUs and CUDA-awareness of each rank;
+  :func:`memory_model` (:mod:`hpcps.transport.window`'s) and :func:`window_protocol`.
 * :func:`passive_progress`: a :class:`~hpcps.transport.window.ParamWindow` pull, the one hpcps's workers
   make, while the window's owner computes without calling MPI. Where passive-target RMA progresses on its
   own, the pulls complete meanwhile; elsewhere they wait until the owner enters MPI again.
@@ -27,7 +28,7 @@ from hpcps.cluster.device import detect_cuda_aware
 from hpcps.cluster.selfcheck import Link, Progress, RankFacts
 from hpcps.transport.mpilib import implementation, library_version, query_cuda_support
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
-from hpcps.transport.window import ParamWindow, choose_protocol
+from hpcps.transport.window import ParamWindow, choose_protocol, memory_model
 
 THREAD_LEVELS = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
                  MPI.THREAD_SERIALIZED: "SERIALIZED", MPI.THREAD_MULTIPLE: "MULTIPLE"}
@@ -45,16 +46,6 @@ def rank_facts(comm: MPI.Comm) -> list[RankFacts]:
                      implementation=implementation(), thread_level=THREAD_LEVELS.get(MPI.Query_thread(), "?"),
                      gpus=gpus, cuda_aware=aware.aware, cuda_why=aware.reason)
     return comm.allgather(mine)
-
-
-def memory_model(comm: MPI.Comm) -> str:
-    """``unified`` if every rank's MPI gives unified windows, else ``separate``."""
-    probe = MPI.Win.Allocate(8, 1, comm=comm)
-    try:
-        unified = probe.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED
-    finally:
-        probe.Free()
-    return "unified" if comm.allreduce(int(unified), op=MPI.MIN) else "separate"
 
 
 def window_protocol(comm: MPI.Comm) -> str:

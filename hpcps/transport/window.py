@@ -100,12 +100,17 @@ def choose_protocol(comm: MPI.Comm, wanted: str | None = None) -> str:
         raise UserError(f"HPCPS_WINDOW={wanted!r}: expected one of {', '.join(PROTOCOLS)}")
     if wanted != "auto":
         return wanted
+    return "pinned" if memory_model(comm) == "unified" else "locked"
+
+
+def memory_model(comm: MPI.Comm) -> str:
+    """Collective over ``comm``: ``unified`` if every rank's MPI gives unified windows, else ``separate``."""
     probe = MPI.Win.Allocate(8, 1, comm=comm)
     try:
         unified = probe.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED
     finally:
         probe.Free()
-    return "pinned" if comm.allreduce(int(unified), op=MPI.MIN) else "locked"
+    return "unified" if comm.allreduce(int(unified), op=MPI.MIN) else "separate"
 
 
 def _ranges(ranks: list[int]) -> str:

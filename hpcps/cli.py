@@ -316,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a shell line run before the launch, e.g. 'module load openmpi' (repeatable)")
     j.add_argument("--mpi", metavar="PLUGIN", help="Slurm: srun --mpi plugin, e.g. pmi2 (MPICH) or pmix "
                                                   "(Open MPI); default: the site's MpiDefault")
+    j.add_argument("--mpi-family", dest="mpi_family", default="auto", metavar="{auto,mpich,openmpi,intel-mpi}",
+                   help="the MPI the job runs, which picks its launcher: Open MPI's mpirun (or srun --mpi=pmix "
+                        "where Slurm has it), Intel's mpiexec.hydra, MPICH's mpiexec (srun on Slurm); auto "
+                        "(default): the MPI of the mpiexec beside this Python, else on PATH")
     j.add_argument("--name", default="hpcps", help="job name, also in output file names (default hpcps)")
     j.add_argument("--script", metavar="FILE.py",
                    help="launch python FILE.py (your script calling hpcps.train) instead of hpcps train; the "
@@ -466,6 +470,16 @@ def check_train_options(train_args: list[str], ranks: int) -> None:
         raise UserError(f"{exc} [this job: --nodes x --ntasks-per-node = {ranks} ranks]") from None
 
 
+def detect_mpi_family() -> str | None:
+    """The MPI family of the mpiexec beside this Python (else on PATH), where it is one hpcps knows."""
+    from hpcps.cluster.launcher import find_mpiexec, launcher_family
+    from hpcps.jobs.render import MPI_FAMILIES
+
+    mpiexec = find_mpiexec()
+    family = launcher_family(mpiexec) if mpiexec else None
+    return family if family in MPI_FAMILIES else None
+
+
 def _jobs_render(args: argparse.Namespace) -> int:
     import shlex
 
@@ -473,6 +487,12 @@ def _jobs_render(args: argparse.Namespace) -> int:
 
     spec = JobSpec(**{k: v for k, v in vars(args).items()
                       if k not in ("command", "jobs_command", "func", "command_line")})
+    if spec.mpi_family == "auto":
+        spec.mpi_family = detect_mpi_family()
+    if spec.scheduler == "slurm" and spec.mpi_family == "openmpi" and not spec.mpi:
+        from hpcps.cluster.launcher import srun_mpi_plugins
+
+        spec.srun_plugins = srun_mpi_plugins()
     if spec.script is None:  # a script's arguments are its own
         check_train_options(spec.train_args, spec.nodes * spec.ntasks_per_node)
     sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))

@@ -49,6 +49,8 @@ class JobSpec:
     account: str | None = None
     setup: list[str] = field(default_factory=list)
     mpi: str | None = None
+    mpi_family: str | None = None  # mpich, openmpi or intel-mpi: picks the launcher; None: the generic one
+    srun_plugins: tuple[str, ...] | None = None  # what `srun --mpi=list` offers where rendered; None: unknown
     name: str = "hpcps"
     script: str | None = None
     stop_before: int | None = None  # seconds before the time limit to signal hpcps (Slurm, LSF); 0: never
@@ -75,6 +77,8 @@ class JobSpec:
                             f"early); use at most {max(0, limit - SIGNAL_SLACK)} or a longer --time")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise UserError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-'")
+        if self.mpi_family is not None and self.mpi_family not in MPI_FAMILIES:
+            raise UserError(f"--mpi-family {self.mpi_family!r}: expected one of {', '.join(MPI_FAMILIES)} or auto")
         if self.script is not None and not os.path.isfile(self.script):
             raise UserError(f"--script {self.script}: no such file (the job runs it from the directory you submit in)")
 
@@ -100,6 +104,37 @@ def launch_args(train_args: list[str]) -> str:
     return quoted
 
 
+MPI_FAMILIES = ("mpich", "openmpi", "intel-mpi")
+
+
+def launcher(spec: JobSpec) -> tuple[str, str]:
+    """The launch command before what each rank runs, and a comment saying why it fits ``spec.mpi_family``.
+
+    * Slurm: ``srun`` with ``--mpi`` as given; for Open MPI ``srun --mpi=pmix`` where Slurm offers PMIx,
+      else Open MPI's own ``mpirun``, which starts the ranks inside the allocation through Slurm; for
+      Intel MPI its ``mpiexec.hydra``, which does the same; else ``srun`` with the site's ``MpiDefault``.
+    * PBS, LSF and plain scripts: Open MPI's ``mpirun``, Intel's ``mpiexec.hydra``, else ``mpiexec``
+      (``mpirun`` on LSF).
+    """
+    n, family = spec.nodes * spec.ntasks_per_node, spec.mpi_family
+    if spec.scheduler == "slurm":
+        if spec.mpi:
+            return f"srun --mpi={spec.mpi}", ""
+        if family == "openmpi":
+            if spec.srun_plugins is not None and any(p.startswith("pmix") for p in spec.srun_plugins):
+                return "srun --mpi=pmix", "Open MPI under srun: Slurm's PMIx plugin wires it up"
+            return f"mpirun -n {n}", ("Open MPI's mpirun starts the ranks inside the allocation (no PMIx plugin "
+                                      "of srun was seen where this was rendered)")
+        if family == "intel-mpi":
+            return f"mpiexec.hydra -n {n}", "Intel MPI's launcher starts the ranks inside the allocation"
+        return "srun", ""
+    if family == "openmpi":
+        return f"mpirun -n {n}", "Open MPI's launcher"
+    if family == "intel-mpi":
+        return f"mpiexec.hydra -n {n}", "Intel MPI's launcher"
+    return (f"mpirun -n {n}" if spec.scheduler == "lsf" else f"mpiexec -n {n}"), ""
+
+
 def launch_line(spec: JobSpec) -> str:
     """What each rank runs: ``hpcps train OPTIONS``, or ``python SCRIPT ARGS`` (arguments unchanged)."""
     if spec.script is None:
@@ -113,8 +148,10 @@ def render(spec: JobSpec, *, command: str = "hpcps jobs render") -> str:
     spec.validate()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     text = resources.files("hpcps.jobs").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
+    prefix, why = launcher(spec)
     return env.from_string(text).render(
         **{k: v for k, v in vars(spec).items() if k not in ("train_args", "script")},
+        launcher=prefix, launcher_why=why,
         launch=launch_line(spec), lsf_time=lsf_minutes(spec.time), lsf_warning=-(-spec.stop_before // 60),
         script_name=SCHEDULERS[spec.scheduler], command=command,
     )

@@ -8,7 +8,7 @@ import pytest
 
 from hpcps.cli import main
 from hpcps.errors import UserError
-from hpcps.jobs.render import SCHEDULERS, JobSpec, launch_args, lsf_minutes, render
+from hpcps.jobs.render import SCHEDULERS, JobSpec, launch_args, launcher, lsf_minutes, render
 from hpcps.cluster.launcher import check_world, launched_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,32 @@ def test_a_given_out_is_kept_and_no_mpi_plugin_means_the_site_default():
     assert launch_args([]) == '--out "$RUN_DIR/metrics.h5"'
 
 
+@pytest.mark.parametrize("scheduler, family, plugins, mpi, launch", [
+    ("slurm", "openmpi", ("none", "pmi2", "pmix", "pmix_v5"), None, "srun --mpi=pmix hpcps train"),
+    ("slurm", "openmpi", ("none", "pmi2"), None, "mpirun -n 8 hpcps train"),       # Slurm without PMIx
+    ("slurm", "openmpi", None, None, "mpirun -n 8 hpcps train"),                   # rendered without Slurm
+    ("slurm", "openmpi", None, "pmix_v4", "srun --mpi=pmix_v4 hpcps train"),       # the user's plugin stands
+    ("slurm", "intel-mpi", None, None, "mpiexec.hydra -n 8 hpcps train"),
+    ("slurm", "mpich", ("pmi2",), None, "srun hpcps train"),                       # the site's MpiDefault
+    ("pbs", "openmpi", None, None, "mpirun -n 8 hpcps train"),
+    ("lsf", "intel-mpi", None, None, "mpiexec.hydra -n 8 hpcps train"),
+    ("mpiexec", "mpich", None, None, "mpiexec -n 8 hpcps train"),
+    ("lsf", None, None, None, "mpirun -n 8 hpcps train"),
+])
+def test_the_launcher_fits_the_mpi_family(scheduler, family, plugins, mpi, launch):
+    spec = JobSpec(scheduler, nodes=2, ntasks_per_node=4, mpi=mpi, mpi_family=family, srun_plugins=plugins,
+                   train_args=["--paradigm", "bsp"])
+    lines = render(spec).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(launch + " "))
+    assert lines[at] == f'{launch} --paradigm bsp --out "$RUN_DIR/metrics.h5"'
+    why = launcher(spec)[1]  # said in a comment above the line, where the MPI picked the launcher
+    assert bool(why) == (family in ("openmpi", "intel-mpi") and mpi is None)
+    assert not why or lines[at - 1] == f"# {why}"
+
+
 def test_bad_job_options_are_named():
+    with pytest.raises(UserError, match=r"--mpi-family 'lam': expected one of mpich, openmpi, intel-mpi or auto"):
+        render(JobSpec("slurm", mpi_family="lam"))
     with pytest.raises(UserError, match=r"--time '2h': expected HH:MM:SS"):
         render(JobSpec("slurm", time="2h"))
     with pytest.raises(UserError, match=r"--nodes must be at least 1"):
@@ -66,7 +91,8 @@ def test_bad_job_options_are_named():
     assert lsf_minutes("00:00:01") == "0:01" and lsf_minutes("26:59:59") == "27:00"
 
 
-def test_cli_render_passes_everything_after_the_double_dash(capsys):
+def test_cli_render_passes_everything_after_the_double_dash(capsys, monkeypatch):
+    monkeypatch.setattr("hpcps.cli.detect_mpi_family", lambda: "mpich")
     assert main(["jobs", "render", "slurm", "--nodes", "3", "--", "--paradigm", "bsp", "--lr-gamma", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "#SBATCH --nodes=3" in out and "srun hpcps train --paradigm bsp --lr-gamma 0.5 --out" in out
@@ -86,7 +112,8 @@ EXAMPLES = {
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_shipped_examples_are_what_render_prints(name, capsys):
+def test_shipped_examples_are_what_render_prints(name, capsys, monkeypatch):
+    monkeypatch.setattr("hpcps.cli.detect_mpi_family", lambda: "mpich")  # as rendered: whatever MPI this has
     assert main(EXAMPLES[name]) == 0
     assert (ROOT / "jobs" / name).read_text() == capsys.readouterr().out, f"re-render jobs/{name}"
 

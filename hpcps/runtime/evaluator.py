@@ -58,7 +58,7 @@ class Evaluator:
         self.log_every = log_every
         self.last = self.last_log = 0.0
         self.every, self.version = every, version
-        self.last_version = 0  # the version of the last evaluation started
+        self.last_version = 0  # the version of the last evaluation started, then the version it read
         self.reached = False
         self.accuracy = float("nan")
         self.metrics: dict[str, float] = {}
@@ -138,6 +138,9 @@ class Evaluator:
             if name not in ("loss", "accuracy"):
                 self.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
         self.last, self.accuracy, self.metrics = self.clock(), accuracy, metrics
+        # ``every`` counts from the version evaluated: a background evaluation reads its version after it
+        # starts, and counting from the start let the next one read as little as 1 version later
+        self.last_version = max(self.last_version, version)
         if self.last - self.last_log >= self.log_every:
             self.last_log = self.last
             log.info("t=%.1fs version=%d %s", t, version,

@@ -250,3 +250,30 @@ def test_a_label_beyond_the_models_outputs_is_one_line_saying_so():
     with pytest.raises(RunAborted, match="beyond the model's 10 outputs"):
         default_evaluate(cross_entropy)(model, [batch])
     assert float(cross_entropy(model, (torch.zeros(3, 4), torch.tensor([1, 9, 2])))) > 0
+
+
+def test_every_n_versions_counts_from_the_version_a_background_evaluation_read():
+    """The server is at version 10 when an evaluation starts and at 14 when its helper pulls: the next one
+    is due at 19, 5 after the version evaluated, not at 15 (which read 15, one version after 14)."""
+    model = nn.Sequential(nn.Linear(64, 10))
+    flat = FlatParameters(model)
+    data = load_dataset("digits")
+    data = type(data)(data.name, data.x_train.reshape(-1, 64), data.y_train, data.x_test.reshape(-1, 64),
+                      data.y_test, data.n_classes)
+    server = [10]
+
+    def pull(out):
+        server[0] = 14  # the rounds went on between the start and the pull
+        return np.array([server[0]]), False
+
+    ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
+                   evaluate=lambda m, b: {"loss": 1.0}, pull=pull, recorder=_Rows(), clock=lambda: 1.0,
+                   interval=1e9, every=5, version=lambda: server[0], background=True)
+    server[0] = 5
+    assert ev.tick()  # due: 5 versions since 0
+    ev._thread.join(10)
+    assert ev.tick() and ev._thread is None  # recorded (it read 14), none started
+    for version, due in ((15, False), (18, False), (19, True)):
+        server[0] = version
+        assert ev.tick() == due, version
+    ev.close()

@@ -317,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--mpi", metavar="PLUGIN", help="Slurm: srun --mpi plugin, e.g. pmi2 (MPICH) or pmix "
                                                   "(Open MPI); default: the site's MpiDefault")
     j.add_argument("--mpi-family", dest="mpi_family", default="auto", metavar="{auto,mpich,openmpi,intel-mpi}",
-                   help="the MPI the job runs, which picks its launcher: Open MPI's mpirun (or srun --mpi=pmix "
-                        "where Slurm has it), Intel's mpiexec.hydra, MPICH's mpiexec (srun on Slurm); auto "
+                   help="the MPI the job runs, which picks its launcher: Open MPI's mpirun (with --mpi: srun), "
+                        "Intel's mpiexec.hydra, MPICH's mpiexec (srun on Slurm); auto "
                         "(default): the MPI of the mpiexec beside this Python, else on PATH")
     j.add_argument("--name", default="hpcps", help="job name, also in output file names (default hpcps)")
     j.add_argument("--script", metavar="FILE.py",
@@ -489,10 +489,6 @@ def _jobs_render(args: argparse.Namespace) -> int:
                       if k not in ("command", "jobs_command", "func", "command_line")})
     if spec.mpi_family == "auto":
         spec.mpi_family = detect_mpi_family()
-    if spec.scheduler == "slurm" and spec.mpi_family == "openmpi" and not spec.mpi:
-        from hpcps.cluster.launcher import srun_mpi_plugins
-
-        spec.srun_plugins = srun_mpi_plugins()
     if spec.script is None:  # a script's arguments are its own
         check_train_options(spec.train_args, spec.nodes * spec.ntasks_per_node)
     sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))

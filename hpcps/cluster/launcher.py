@@ -81,21 +81,6 @@ def launcher_family(mpiexec: str) -> str:
     return "mpich" if "HYDRA" in out else "other"
 
 
-def srun_mpi_plugins() -> tuple[str, ...] | None:
-    """The MPI plugins ``srun --mpi=list`` offers here (``pmi2``, ``pmix``, ``pmix_v5``...), None without srun."""
-    srun = shutil.which("srun")
-    if srun is None:
-        return None
-    try:
-        out = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:  # no Slurm configuration here (a login node without one, a laptop)
-        return None
-    words = (out.stdout + out.stderr).replace(",", " ").split()
-    return tuple(w for w in words if w.startswith(("pmi", "cray_shasta", "none")))
-
-
 def oversubscribing(family: str) -> dict[str, str]:
     """The environment that lets ``family``'s launcher start more ranks than cores (tests, the box on one
     machine): Open MPI refuses by default; MPICH's and Intel's launchers allow it."""

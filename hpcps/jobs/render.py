@@ -50,7 +50,6 @@ class JobSpec:
     setup: list[str] = field(default_factory=list)
     mpi: str | None = None
     mpi_family: str | None = None  # mpich, openmpi or intel-mpi: picks the launcher; None: the generic one
-    srun_plugins: tuple[str, ...] | None = None  # what `srun --mpi=list` offers where rendered; None: unknown
     name: str = "hpcps"
     script: str | None = None
     stop_before: int | None = None  # seconds before the time limit to signal hpcps (Slurm, LSF); 0: never
@@ -110,9 +109,10 @@ MPI_FAMILIES = ("mpich", "openmpi", "intel-mpi")
 def launcher(spec: JobSpec) -> tuple[str, str]:
     """The launch command before what each rank runs, and a comment saying why it fits ``spec.mpi_family``.
 
-    * Slurm: ``srun`` with ``--mpi`` as given; for Open MPI ``srun --mpi=pmix`` where Slurm offers PMIx,
-      else Open MPI's own ``mpirun``, which starts the ranks inside the allocation through Slurm; for
-      Intel MPI its ``mpiexec.hydra``, which does the same; else ``srun`` with the site's ``MpiDefault``.
+    * Slurm: ``srun`` with ``--mpi`` as given; else for Open MPI its own ``mpirun``, which starts the ranks
+      inside the allocation through Slurm (``srun --mpi=pmix`` needs Slurm's PMIx plugin to load, and
+      ``srun --mpi=list`` lists it also where it cannot: seen with Debian's Slurm); for Intel MPI its
+      ``mpiexec.hydra``, which does the same; else ``srun`` with the site's ``MpiDefault``.
     * PBS, LSF and plain scripts: Open MPI's ``mpirun``, Intel's ``mpiexec.hydra``, else ``mpiexec``
       (``mpirun`` on LSF).
     """
@@ -121,10 +121,8 @@ def launcher(spec: JobSpec) -> tuple[str, str]:
         if spec.mpi:
             return f"srun --mpi={spec.mpi}", ""
         if family == "openmpi":
-            if spec.srun_plugins is not None and any(p.startswith("pmix") for p in spec.srun_plugins):
-                return "srun --mpi=pmix", "Open MPI under srun: Slurm's PMIx plugin wires it up"
-            return f"mpirun -n {n}", ("Open MPI's mpirun starts the ranks inside the allocation (no PMIx plugin "
-                                      "of srun was seen where this was rendered)")
+            return f"mpirun -n {n}", ("Open MPI's mpirun starts the ranks inside the allocation (or render with "
+                                      "--mpi pmix to launch with srun, where Slurm's PMIx plugin loads)")
         if family == "intel-mpi":
             return f"mpiexec.hydra -n {n}", "Intel MPI's launcher starts the ranks inside the allocation"
         return "srun", ""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpcps.cluster.launcher import clean_environ
+from launching import FAMILY
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slurm
@@ -35,8 +36,11 @@ def cluster():
 
 
 def _env():
-    """The job must find this Python environment's hpcps and mpiexec."""
-    return clean_environ(PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    """The job must find this Python environment's hpcps and mpiexec (Open MPI's mpirun may bind and map
+    more ranks than the test cluster's CPUs: a real allocation has a core per task)."""
+    loose = {"PRTE_MCA_hwloc_default_binding_policy": "none",
+             "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"} if FAMILY == "openmpi" else {}
+    return clean_environ(PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **loose)
 
 
 def test_rendered_slurm_job_runs_and_writes_a_valid_run_file(cluster, tmp_path):
@@ -110,3 +114,20 @@ def test_a_job_run_into_its_time_limit_checkpoints_on_the_signal_and_a_new_job_r
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
         second_steps = np.bincount(f["workers/iterations"]["rank"], minlength=5)[1:]
     assert (first_steps + second_steps).tolist() == [steps] * 4  # every worker finished, nothing twice
+
+
+def test_an_open_mpi_job_runs_on_slurm_through_mpirun_inside_the_allocation(cluster, tmp_path):
+    """Under Open MPI (.ci/openmpi's environment) the rendered script launches with mpirun, which starts
+    the ranks through Slurm; every gradient is applied. This test cluster gives 5 tasks 2 CPUs, which Open
+    MPI's mpirun refuses to bind and map unless told (a real allocation has a core per task)."""
+    if FAMILY != "openmpi":
+        pytest.skip(f"the mpiexec beside this Python is {FAMILY}'s: .ci/openmpi runs this under Open MPI")
+    job, logs = _render_and_wait(tmp_path, "ompi", ["--time", "00:10:00"],
+                                 ["--paradigm", "bsp", "--steps", "40", "--out", "X.h5"], timeout=600)
+    assert job.returncode == 0, job.stderr + logs
+    script = (tmp_path / "ompi.sbatch").read_text()
+    assert "\nmpirun -n 5 hpcps train --paradigm bsp" in script
+    with h5py.File(tmp_path / "X.h5") as f:
+        s = f["summary"].attrs
+        assert f.attrs["mpi_library"].startswith("Open MPI") and f.attrs["world_size"] == 5
+        assert s["gradients_pushed"] == s["gradients_applied"] == 4 * 40

@@ -58,20 +58,18 @@ def test_a_given_out_is_kept_and_no_mpi_plugin_means_the_site_default():
     assert launch_args([]) == '--out "$RUN_DIR/metrics.h5"'
 
 
-@pytest.mark.parametrize("scheduler, family, plugins, mpi, launch", [
-    ("slurm", "openmpi", ("none", "pmi2", "pmix", "pmix_v5"), None, "srun --mpi=pmix hpcps train"),
-    ("slurm", "openmpi", ("none", "pmi2"), None, "mpirun -n 8 hpcps train"),       # Slurm without PMIx
-    ("slurm", "openmpi", None, None, "mpirun -n 8 hpcps train"),                   # rendered without Slurm
-    ("slurm", "openmpi", None, "pmix_v4", "srun --mpi=pmix_v4 hpcps train"),       # the user's plugin stands
-    ("slurm", "intel-mpi", None, None, "mpiexec.hydra -n 8 hpcps train"),
-    ("slurm", "mpich", ("pmi2",), None, "srun hpcps train"),                       # the site's MpiDefault
-    ("pbs", "openmpi", None, None, "mpirun -n 8 hpcps train"),
-    ("lsf", "intel-mpi", None, None, "mpiexec.hydra -n 8 hpcps train"),
-    ("mpiexec", "mpich", None, None, "mpiexec -n 8 hpcps train"),
-    ("lsf", None, None, None, "mpirun -n 8 hpcps train"),
+@pytest.mark.parametrize("scheduler, family, mpi, launch", [
+    ("slurm", "openmpi", None, "mpirun -n 8 hpcps train"),              # inside the allocation
+    ("slurm", "openmpi", "pmix", "srun --mpi=pmix hpcps train"),        # the user's plugin stands
+    ("slurm", "intel-mpi", None, "mpiexec.hydra -n 8 hpcps train"),
+    ("slurm", "mpich", None, "srun hpcps train"),                       # the site's MpiDefault
+    ("pbs", "openmpi", None, "mpirun -n 8 hpcps train"),
+    ("lsf", "intel-mpi", None, "mpiexec.hydra -n 8 hpcps train"),
+    ("mpiexec", "mpich", None, "mpiexec -n 8 hpcps train"),
+    ("lsf", None, None, "mpirun -n 8 hpcps train"),
 ])
-def test_the_launcher_fits_the_mpi_family(scheduler, family, plugins, mpi, launch):
-    spec = JobSpec(scheduler, nodes=2, ntasks_per_node=4, mpi=mpi, mpi_family=family, srun_plugins=plugins,
+def test_the_launcher_fits_the_mpi_family(scheduler, family, mpi, launch):
+    spec = JobSpec(scheduler, nodes=2, ntasks_per_node=4, mpi=mpi, mpi_family=family,
                    train_args=["--paradigm", "bsp"])
     lines = render(spec).splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith(launch + " "))

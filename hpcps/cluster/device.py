@@ -36,6 +36,7 @@ from typing import Literal, Mapping
 
 import torch
 
+from hpcps.cluster.launcher import library_name
 from hpcps.errors import UserError
 
 Transfer = Literal["shared", "staged", "direct"]
@@ -91,9 +92,8 @@ def _switch(environ: Mapping[str, str], library: str, variable: str) -> CudaAwar
 
 def detect_cuda_aware(library_version: str, environ: Mapping[str, str], query: bool | None) -> CudaAwareness:
     """Is the MPI library CUDA-aware? ``query``: its ``MPIX_Query_cuda_support()``, None where it has none."""
-    library_version = library_version.replace("\0", "")  # Open MPI ends its string in a NUL
     version = library_version.upper()
-    name = " ".join(library_version.strip().splitlines()[0].split()) if library_version.strip() else "unknown MPI"
+    name = library_name(library_version)
     if "CRAY MPICH" in version:  # the GPU transport layer is switched on at run time
         return _switch(environ, "Cray MPICH", "MPICH_GPU_SUPPORT_ENABLED")
     if "MVAPICH" in version:  # MVAPICH2-GDR: device buffers only with MV2_USE_CUDA=1

@@ -5,6 +5,9 @@ launcher is the classic mis-wiring: the launcher started several tasks but
 MPI sees a world of one (``srun`` without the PMI plugin the MPI library
 needs, or an ``mpiexec`` from a different MPI than mpi4py's). Without the
 check that job would run N independent single-rank trainings.
+
+Also here, pure: which MPI family a library's version string or a launcher's ``--version`` names, and the
+environment a new job started from inside one gets (the user's MPI settings kept, the launcher's dropped).
 """
 
 from __future__ import annotations
@@ -67,18 +70,34 @@ def find_mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+#: (what a library's version string or its launcher's ``--version`` contains, upper case; the MPI's family),
+#: the first that matches: Hydra is MPICH's launcher (MVAPICH's too; Intel's names itself first)
+_FAMILIES = (("CRAY MPICH", "cray-mpich"), ("INTEL(R) MPI", "intel-mpi"), ("INTEL MPI", "intel-mpi"),
+             ("MVAPICH", "mvapich"), ("OPEN MPI", "openmpi"), ("OPENRTE", "openmpi"), ("MPICH", "mpich"),
+             ("HYDRA", "mpich"))
+
+
+def mpi_family(text: str) -> str:
+    """The MPI's family (``openmpi``, ``mpich``, ``intel-mpi``, ``cray-mpich``, ``mvapich``, else ``other``)
+    from ``MPI_Get_library_version`` or from its launcher's ``--version``."""
+    text = text.upper()
+    return next((name for key, name in _FAMILIES if key in text), "other")
+
+
+def library_name(text: str) -> str:
+    """The first line of an ``MPI_Get_library_version`` string, printable: Open MPI ends its string in a
+    NUL, which HDF5's strings cannot hold, and MPICH spreads its over many lines."""
+    lines = text.replace("\0", "").strip().splitlines()
+    return " ".join(lines[0].split()) if lines else "unknown MPI"
+
+
 def launcher_family(mpiexec: str) -> str:
-    """Whose launcher ``mpiexec`` is, from its ``--version``: ``openmpi``, ``intel-mpi``, ``mpich`` (Hydra,
-    which MPICH, MVAPICH and Intel MPI share; Intel's names itself), or ``other``."""
+    """Whose launcher ``mpiexec`` is (:func:`mpi_family` of its ``--version``)."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return "other"
-    if "Open MPI" in out or "OpenRTE" in out:
-        return "openmpi"
-    if "Intel(R) MPI" in out:
-        return "intel-mpi"
-    return "mpich" if "HYDRA" in out else "other"
+    return mpi_family(out)
 
 
 def oversubscribing(family: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from hpcps.cluster import selfcheck
 from hpcps.transport import probe
+from hpcps.transport.window import choose_protocol, memory_model
 
 
 def _say(comm: MPI.Comm, text: str) -> None:
@@ -29,12 +30,12 @@ def measure(comm: MPI.Comm, *, seconds: float = 0.5, busy_s: float = 1.0) -> sel
     nodes = selfcheck.nodes_of(ranks)
     names, leaders = list(nodes), [members[0] for members in nodes.values()]
     _say(comm, f"{comm.size} ranks on {len(nodes)} node(s); {ranks[0].library}")
-    report = selfcheck.Report(ranks=ranks, memory_model=probe.memory_model(comm),
-                              protocol=probe.window_protocol(comm))
+    report = selfcheck.Report(ranks=ranks, memory_model=memory_model(comm), protocol=choose_protocol(comm))
     readers = nodes[names[0]][1:2] + leaders[1:2]  # one on rank 0's node, one on another node
     for reader in readers:
         _say(comm, f"pulling from rank 0 while it computes for {busy_s:g} s (reader: rank {reader})")
-        report.progress.append(probe.passive_progress(comm, 0, reader, busy_s=busy_s))
+        report.progress.append(probe.passive_progress(comm, 0, reader, same_node=reader in nodes[names[0]],
+                                                      busy_s=busy_s))
     pairs = selfcheck.pair_plan(len(nodes))
     if len(nodes) == 1 and comm.size > 1:  # one node: the path between its first two ranks
         pairs, leaders, names = [(0, 1)], nodes[names[0]][:2], [names[0], names[0]]
@@ -52,8 +53,13 @@ def measure(comm: MPI.Comm, *, seconds: float = 0.5, busy_s: float = 1.0) -> sel
 
 def run_check(comm: MPI.Comm, *, seconds: float = 0.5, busy_s: float = 1.0, out=sys.stdout) -> int:
     """Collective: measure, print the table, one line per finding and the verdict (rank 0); return the exit
-    status, the same on every rank (1 where hpcps would not work)."""
-    report = measure(comm, seconds=seconds, busy_s=busy_s)
+    status, the same on every rank (1 where hpcps would not work). The measurements talk on a duplicate of
+    ``comm``, so their messages never meet the caller's."""
+    own = comm.Dup()
+    try:
+        report = measure(own, seconds=seconds, busy_s=busy_s)
+    finally:
+        own.Free()
     found = selfcheck.findings(report)
     line, status = selfcheck.verdict(found)
     if comm.rank == 0:

@@ -7,25 +7,17 @@ import ctypes
 
 from mpi4py import MPI
 
-
-def library_version(text: str | None = None) -> str:
-    """The first line of ``MPI_Get_library_version`` (or of ``text``), printable: Open MPI ends its string
-    in a NUL, which HDF5's strings cannot hold, and MPICH spreads its over many lines."""
-    text = MPI.Get_library_version() if text is None else text
-    lines = text.replace("\0", "").strip().splitlines()
-    return " ".join(lines[0].split()) if lines else "unknown MPI"
+from hpcps.cluster.launcher import library_name, mpi_family
 
 
-#: (what the version string contains, upper case; the implementation's short name), the first that matches
-_IMPLEMENTATIONS = (("CRAY MPICH", "cray-mpich"), ("INTEL(R) MPI", "intel-mpi"), ("INTEL MPI", "intel-mpi"),
-                    ("MVAPICH", "mvapich"), ("OPEN MPI", "openmpi"), ("MPICH", "mpich"))
+def library_version() -> str:
+    """The first line of this MPI's ``MPI_Get_library_version``, printable (:func:`library_name`)."""
+    return library_name(MPI.Get_library_version())
 
 
-def implementation(text: str | None = None) -> str:
-    """The implementation's short name (``openmpi``, ``mpich``, ``intel-mpi``, ``cray-mpich``, ``mvapich``,
-    else ``other``) from ``MPI_Get_library_version`` (or ``text``)."""
-    version = (MPI.Get_library_version() if text is None else text).upper()
-    return next((name for key, name in _IMPLEMENTATIONS if key in version), "other")
+def implementation() -> str:
+    """This MPI's family: ``openmpi``, ``mpich``, ``intel-mpi``, ``cray-mpich``, ``mvapich`` or ``other``."""
+    return mpi_family(MPI.Get_library_version())
 
 
 def query_cuda_support() -> bool | None:

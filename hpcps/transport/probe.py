@@ -4,8 +4,7 @@ Every function is collective over ``comm`` unless it says otherwise. Ranks that 
 measurement wait in a polite barrier, so that on an oversubscribed node they leave the cores to the
 ranks that measure.
 
-* :func:`rank_facts`: the library, the thread level, the GPUs and CUDA-awareness of each rank;
-  :func:`memory_model` (:mod:`hpcps.transport.window`'s) and :func:`window_protocol`.
+* :func:`rank_facts`: the library, the thread level, the GPUs and CUDA-awareness of each rank.
 * :func:`passive_progress`: a :class:`~hpcps.transport.window.ParamWindow` pull, the one hpcps's workers
   make, while the window's owner computes without calling MPI. Where passive-target RMA progresses on its
   own, the pulls complete meanwhile; elsewhere they wait until the owner enters MPI again.
@@ -28,7 +27,7 @@ from hpcps.cluster.device import detect_cuda_aware
 from hpcps.cluster.selfcheck import Link, Progress, RankFacts
 from hpcps.transport.mpilib import implementation, library_version, query_cuda_support
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
-from hpcps.transport.window import ParamWindow, choose_protocol, memory_model
+from hpcps.transport.window import ParamWindow
 
 THREAD_LEVELS = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
                  MPI.THREAD_SERIALIZED: "SERIALIZED", MPI.THREAD_MULTIPLE: "MULTIPLE"}
@@ -48,11 +47,6 @@ def rank_facts(comm: MPI.Comm) -> list[RankFacts]:
     return comm.allgather(mine)
 
 
-def window_protocol(comm: MPI.Comm) -> str:
-    """The protocol hpcps's parameter window picks on this job (``HPCPS_WINDOW`` honoured)."""
-    return choose_protocol(comm)
-
-
 def _busy(seconds: float) -> None:
     """Compute for ``seconds`` without calling MPI (numpy releases no lock MPI would need)."""
     a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
@@ -61,10 +55,11 @@ def _busy(seconds: float) -> None:
         a = np.tanh(a @ a.T * 1e-3)
 
 
-def passive_progress(comm: MPI.Comm, target: int, reader: int, *, busy_s: float = 1.0,
+def passive_progress(comm: MPI.Comm, target: int, reader: int, *, same_node: bool, busy_s: float = 1.0,
                      n: int = 1 << 20) -> Progress | None:
     """Pulls of ``n`` floats by ``reader`` from ``target``'s window while ``target`` computes ``busy_s``
-    seconds without MPI; on every rank, the :class:`Progress` (None if the two ranks are one)."""
+    seconds without MPI; on every rank, the :class:`Progress` (None if the two ranks are one). ``same_node``:
+    whether the two share a node (as :func:`rank_facts` says)."""
     if target == reader:
         return None
     window = ParamWindow(comm, shard_ranks=[target], bounds=[(0, n)], local_len=n if comm.rank == target else 0)
@@ -88,24 +83,23 @@ def passive_progress(comm: MPI.Comm, target: int, reader: int, *, busy_s: float 
         polite_barrier(comm)
     finally:
         window.free()
-    measured = comm.bcast((times, intact) if comm.rank == reader else None, root=reader)
-    times, intact = measured
-    same_node = comm.bcast(node_label(socket.gethostname()) if comm.rank == target else None, root=target) == \
-        comm.bcast(node_label(socket.gethostname()) if comm.rank == reader else None, root=reader)
+    times, intact = comm.bcast((times, intact) if comm.rank == reader else None, root=reader)
     if not times:  # the first pull outlasted the whole computation
         times = [busy_s]
     return Progress(target=target, reader=reader, same_node=same_node, busy_s=busy_s,
                     slowest_pull_s=float(max(times)), median_pull_s=float(np.median(times)), intact=intact)
 
 
-def _stream(comm: MPI.Comm, src: int, dst: int, buf: np.ndarray, count: int) -> float:
-    """``count`` messages of ``buf`` from ``src`` to ``dst`` (the only two callers); seconds, at ``dst``,
-    from its start signal (a zero-byte message, once its receives are posted) to its last receive completed.
-    The receives share one buffer, as the OSU bandwidth test's do: only the time is wanted."""
+def _stream(comm: MPI.Comm, senders: list[int], dst: int, buf: np.ndarray, count: int) -> float:
+    """``count`` messages of ``buf`` from each of ``senders`` to ``dst``, at once (only those ranks call);
+    seconds, at ``dst``, from its start signals (zero-byte messages, once its receives are posted) to its
+    last receive completed; 0 on the senders. The receives share one buffer, as the OSU bandwidth test's
+    do: only the time is wanted."""
     backoff = Backoff(first=1e-6, cap=1e-4)
     if comm.rank == dst:
-        reqs = [comm.Irecv(buf, source=src, tag=_TAG) for _ in range(count)]
-        comm.Send(b"", dest=src, tag=_TAG + 1)
+        reqs = [comm.Irecv(buf, source=s, tag=_TAG) for s in senders for _ in range(count)]
+        for s in senders:
+            comm.Send(b"", dest=s, tag=_TAG + 1)
         t = time.perf_counter()
         wait_until(lambda: MPI.Request.Testall(reqs), backoff)
         return time.perf_counter() - t
@@ -119,10 +113,10 @@ def _bandwidth(comm: MPI.Comm, src: int, dst: int, *, seconds: float, cap_bytes:
     """Bits per second from ``src`` to ``dst`` (both call): messages of 4 MiB, as many as take about
     ``seconds`` at the rate a first short stream showed; the best of two."""
     chunk = np.zeros(1 << 22, np.uint8)
-    first = _stream(comm, src, dst, chunk, 2)
+    first = _stream(comm, [src], dst, chunk, 2)
     rate = _exchange(comm, src, dst, chunk.nbytes * 2 / max(first, 1e-6) if comm.rank == dst else None)  # bytes/s
     count = int(max(2, min(cap_bytes // chunk.nbytes, rate * seconds // chunk.nbytes)))
-    best = min(_stream(comm, src, dst, chunk, count) or float("inf") for _ in range(2))
+    best = min(_stream(comm, [src], dst, chunk, count) or float("inf") for _ in range(2))
     return _exchange(comm, src, dst, count * chunk.nbytes * 8 / best if comm.rank == dst else None)
 
 
@@ -173,20 +167,8 @@ def fan_in(comm: MPI.Comm, into: int, senders: list[int], name: str, *, seconds:
     count = 2
     rate = None
     for _ in range(2):  # a short round sizes the measured one
-        t = None
         polite_barrier(comm)
-        if comm.rank == into:
-            bufs = [np.empty_like(chunk) for _ in senders]
-            reqs = [comm.Irecv(bufs[i], source=s, tag=_TAG + 4) for i, s in enumerate(senders) for _ in range(count)]
-            for s in senders:
-                comm.Send(b"", dest=s, tag=_TAG + 5)
-            start = time.perf_counter()
-            wait_until(lambda: MPI.Request.Testall(reqs), Backoff(first=1e-6, cap=1e-4))
-            t = time.perf_counter() - start
-        elif comm.rank in senders:
-            comm.Recv(bytearray(0), source=into, tag=_TAG + 5)
-            reqs = [comm.Isend(chunk, dest=into, tag=_TAG + 4) for _ in range(count)]
-            wait_until(lambda: MPI.Request.Testall(reqs), Backoff(first=1e-6, cap=1e-4))
+        t = _stream(comm, senders, into, chunk, count) if comm.rank == into or comm.rank in senders else None
         rate = comm.bcast(len(senders) * count * chunk.nbytes * 8 / t if comm.rank == into else None, root=into)
         count = int(max(2, min(cap_bytes // (chunk.nbytes * len(senders)),
                                rate / 8 * 3 * seconds // (chunk.nbytes * len(senders)))))

@@ -4,8 +4,7 @@ kept apart from the user's MPI settings; the Open MPI settings hpcps adds before
 import h5py
 import pytest
 
-from hpcps.cluster.launcher import clean_environ, open_mpi_defaults
-from hpcps.transport.mpilib import implementation, library_version
+from hpcps.cluster.launcher import clean_environ, library_name, mpi_family, open_mpi_defaults
 
 OPEN_MPI = ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11, "
             "repo rev: v5.0.11rc1, Sep 16, 2026\x00")
@@ -22,8 +21,18 @@ CRAY = "MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)\nMPI BUILD
     ("", "unknown MPI", "other"),
 ])
 def test_the_library_is_named_on_one_printable_line(text, first, name):
-    assert library_version(text) == first
-    assert implementation(text) == name
+    assert library_name(text) == first
+    assert mpi_family(text) == name
+
+
+@pytest.mark.parametrize("text, name", [
+    ("mpiexec (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/", "openmpi"),
+    ("HYDRA build details:\n    Version:  5.0.2\n", "mpich"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.18.1 Build 20260626\n", "intel-mpi"),
+    ("usage: something else", "other"),
+])
+def test_a_launchers_version_names_its_family(text, name):
+    assert mpi_family(text) == name
 
 
 def test_open_mpis_version_string_fits_an_hdf5_attribute(tmp_path):
@@ -31,7 +40,7 @@ def test_open_mpis_version_string_fits_an_hdf5_attribute(tmp_path):
     with h5py.File(tmp_path / "f.h5", "w") as f:
         with pytest.raises(ValueError, match="NUL"):
             f.attrs["raw"] = OPEN_MPI
-        f.attrs["mpi_library"] = library_version(OPEN_MPI)
+        f.attrs["mpi_library"] = library_name(OPEN_MPI)
         assert f.attrs["mpi_library"].startswith("Open MPI v5.0.11")
 
 

@@ -14,9 +14,14 @@ Rank 0 is a server shard, rank 1 a worker. For each size, both measure:
 With ``--device cuda`` (or ``--transfer staged|direct`` on the CPU, to
 see what the copies cost without a GPU) the worker's vectors live where a
 GPU worker's do: hpcps's push includes staging the gradient
-(``FlatParameters.stage_grads``) and its pull the upload to the device,
-while the raw baselines still move host memory, so the ratio is the whole
-price of the GPU path against MPI at its best.
+(``FlatParameters.stage_grads``) and its pull the upload to the device.
+On the CPU the raw baselines still move host memory, so the ratio is the
+whole price of the staged path against MPI at its best; on a GPU they move
+the device's memory as a hand-written transfer would (one blocking copy to
+pinned host memory, then ``Send``; ``Get`` into pinned memory, then one
+copy up), so the ratio is hpcps's own price. ``--pipeline-mb C`` (GPU)
+also times that raw push in chunks of C MiB, the copy of chunk k+1
+overlapping the send of chunk k.
 
 Times are the worker's, the median over repetitions that alternate hpcps
 and raw. Printed per size: GB/s of each and ``raw time / hpcps time`` for
@@ -46,7 +51,8 @@ MIB = 1 << 20
 
 def _relaunch(argv: list[str]) -> int:
     from hpcps.cluster.launcher import clean_environ, find_mpiexec
-    cmd = [find_mpiexec(), "-n", "2", sys.executable, os.path.abspath(__file__), *argv]
+    # python -m mpi4py: an exception on one rank aborts both, instead of leaving the other waiting
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", os.path.abspath(__file__), *argv]
     return subprocess.run(cmd, env=clean_environ()).returncode
 
 
@@ -85,13 +91,15 @@ def _worker_vectors(n: int, device: str, transfer: str | None):
     return flat
 
 
-def measure(comm, nbytes: int, reps: int, device: str = "cpu", transfer: str | None = None) -> dict[str, float]:
+def measure(comm, nbytes: int, reps: int, device: str = "cpu", transfer: str | None = None,
+            pipeline_bytes: int = 0) -> dict[str, float]:
     from mpi4py import MPI
 
     from hpcps.transport.push import Pusher, PushInbox
     from hpcps.transport.window import ParamWindow
 
     n = nbytes // 4
+    pipeline = pipeline_bytes // 4
     server = comm.rank == 0
     grad = np.ones(n, np.float32)
     out = np.empty(n, np.float32)
@@ -117,11 +125,41 @@ def measure(comm, nbytes: int, reps: int, device: str = "cpu", transfer: str | N
             while not pusher.test():
                 pass
 
+    # on a GPU the raw twins move the worker's device memory too: one blocking copy to (from) pinned host
+    # memory, then the plain MPI call, the least a hand-written staged transfer does
+    on_gpu = flat is not None and flat.device.type == "cuda"
+    if on_gpu:
+        import torch
+        pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        grad = pinned.numpy()
+    chunks = [(lo, min(lo + pipeline, n)) for lo in range(0, n, pipeline)] if pipeline else []
+
     def raw_push():
         if server:
             comm.Recv(out, source=1, tag=77)
         else:
+            if on_gpu:
+                pinned.copy_(flat.grads_t)  # device to pinned host memory: returns when done
             comm.Send(grad, dest=0, tag=77)
+
+    def pipelined_push():
+        """The raw push in chunks: chunk k+1 is copied to the host while chunk k is sent."""
+        if server:
+            MPI.Request.Waitall([comm.Irecv(out[lo:hi], source=1, tag=78) for lo, hi in chunks])
+            return
+        import torch
+        stream = torch.cuda.current_stream(flat.device)
+        done = []
+        for lo, hi in chunks:
+            pinned[lo:hi].copy_(flat.grads_t[lo:hi], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            done.append(event)
+        requests = []
+        for (lo, hi), event in zip(chunks, done):
+            event.synchronize()
+            requests.append(comm.Isend(grad[lo:hi], dest=0, tag=78))
+        MPI.Request.Waitall(requests)
 
     # pulls: the run's window protocol, and a plain window with a shared lock around each Get
     window = ParamWindow(comm, shard_ranks=[0], bounds=bounds, local_len=n if server else 0)
@@ -135,15 +173,21 @@ def measure(comm, nbytes: int, reps: int, device: str = "cpu", transfer: str | N
         if not server:
             window.pull(flat.params)
             flat.upload()
+            flat.synchronize()
 
     def raw_pull():
         if not server:
             raw_win.Lock(0, MPI.LOCK_SHARED)
-            raw_win.Get(out, 0)
+            raw_win.Get(grad if on_gpu else out, 0)
             raw_win.Unlock(0)
+            if on_gpu:
+                flat.params_t.copy_(pinned)
+                flat.synchronize()
 
+    pushes = (("push", "push_raw", "push_pipelined"), (hpcps_push, raw_push, pipelined_push)) if chunks else \
+        (("push", "push_raw"), (hpcps_push, raw_push))
     results = {}
-    for names, fns in ((("push", "push_raw"), (hpcps_push, raw_push)), (("pull", "pull_raw"), (hpcps_pull, raw_pull))):
+    for names, fns in (pushes, (("pull", "pull_raw"), (hpcps_pull, raw_pull))):
         for fn in fns:
             fn()  # warm: first-touch, lazy connection set-up
         results.update(zip(names, _timed_pair(comm, fns, reps)))
@@ -173,6 +217,9 @@ def main() -> int:
     p.add_argument("--transfer", choices=["shared", "staged", "direct"],
                    help="how the worker's tensors reach MPI (default: shared on the CPU, staged on a GPU; "
                         "direct needs a CUDA-aware MPI on a GPU)")
+    p.add_argument("--pipeline-mb", type=float, default=0.0,
+                   help="on a GPU, also time the raw push in chunks of this many MiB, chunk k+1 copied to the host "
+                        "while chunk k is sent (printed as the pipelined push's speed-up over the raw one)")
     a = p.parse_args()
     from mpi4py import MPI
 
@@ -187,7 +234,8 @@ def main() -> int:
     rows, worst = [], None
     for mib in a.sizes:
         sub = comm.Dup()  # a communicator per size: nothing of one size can meet the next
-        r = sub.bcast(measure(sub, mib * MIB, a.reps, a.device, a.transfer), root=1)  # the worker's timings
+        pipeline = int(a.pipeline_mb * MIB) if a.device.startswith("cuda") else 0
+        r = sub.bcast(measure(sub, mib * MIB, a.reps, a.device, a.transfer, pipeline), root=1)  # the worker's timings
         sub.Free()
         both = (r["push_raw"] + r["pull_raw"]) / (r["push"] + r["pull"])
         if mib >= 16:
@@ -209,6 +257,9 @@ def main() -> int:
             mib, r, _ = next(row for row in rows if row[0] >= 16)
             print(f"\nat {mib} MiB, of the link's rate ({rate / 1e9:.3f} GB/s): push "
                   f"{mib * MIB / r['push'] / rate:.2f}, pull {mib * MIB / r['pull'] / rate:.2f}")
+        if any("push_pipelined" in r for _, r, _ in rows):
+            print(f"\nraw push pipelined in {a.pipeline_mb:g} MiB chunks, speed-up over the raw push (copy, then send): "
+                  + ", ".join(f"{mib} MiB {r['push_raw'] / r['push_pipelined']:.2f}" for mib, r, _ in rows))
         if worst is not None:
             print(f"\nratio vs raw: {worst:.2f}")
     return 0

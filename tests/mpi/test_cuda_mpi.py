@@ -1,0 +1,78 @@
+"""The CUDA path on a real GPU (skipped without one): 4 workers sharing the GPUs, 1 server on the CPU.
+
+Every other MPI test also runs its workers on ``cuda:<i>`` where a GPU is visible (``--device auto``);
+these compare the GPU's runs with the same runs on the CPU, where the two must agree within float32
+rounding, and check the features that touch the device copies (partitions, compression).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mpitest import share, train
+
+pytestmark = [pytest.mark.mpi(min_size=5),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+COMMON = dict(paradigm="bsp", steps=15, batch_size=16, lr=0.2, seed=6)
+
+
+def _facts(world, cpu, gpu, t):
+    facts = None
+    if world.rank == 0:
+        facts = {"max_diff": float(np.abs(cpu.params - gpu.params).max()),
+                 "moved": float(np.abs(cpu.params).max()),
+                 "devices": json.loads(t["attrs"]["devices"]),
+                 "counts": (int(t["summary"]["gradients_pushed"]), int(t["summary"]["gradients_applied"]),
+                            int(t["summary"]["gradients_dropped"]))}
+    return share(world, facts)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_bsp_on_the_gpu_ends_as_on_the_cpu_within_rounding(world, mpi_tmp_path, servers):
+    cpu, _ = train(mpi_tmp_path / "cpu.h5", device="cpu", servers=servers, **COMMON)
+    gpu, t = train(mpi_tmp_path / "gpu.h5", device="cuda", servers=servers, **COMMON)
+    facts = _facts(world, cpu, gpu, t)
+    n_workers = 5 - servers
+    assert facts["counts"] == (n_workers * 15, n_workers * 15, 0)
+    assert facts["max_diff"] < 1e-4, facts
+    assert all(d.startswith("cuda:") for d in facts["devices"][servers:]), facts["devices"]
+    assert facts["devices"][:servers] == ["cpu"] * servers
+
+
+def test_partitioned_pulls_and_pushes_on_the_gpu_end_as_whole_ones_on_the_cpu(world, mpi_tmp_path):
+    cpu, _ = train(mpi_tmp_path / "cpu.h5", device="cpu", **COMMON)
+    gpu, t = train(mpi_tmp_path / "gpu.h5", device="cuda", partition_mb=0.004, **COMMON)
+    facts = _facts(world, cpu, gpu, t)
+    assert facts["counts"] == (60, 60, 0)
+    assert facts["max_diff"] < 1e-4, facts
+
+
+@pytest.mark.parametrize("compress", ["bf16", "topk:0.1"])
+def test_compressed_pushes_from_the_gpu_end_as_on_the_cpu(world, mpi_tmp_path, compress):
+    cpu, _ = train(mpi_tmp_path / "cpu.h5", device="cpu", compress=compress, **COMMON)
+    gpu, t = train(mpi_tmp_path / "gpu.h5", device="cuda", compress=compress, **COMMON)
+    facts = _facts(world, cpu, gpu, t)
+    assert facts["counts"] == (60, 60, 0)
+    # bf16 rounds each gradient to 8 bits of mantissa: values a rounding apart on the two devices can round
+    # one bf16 step apart; top-k can pick another of two near-equal entries
+    assert facts["max_diff"] < 5e-3, facts
+
+
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp", "eager", "hsp"])
+def test_every_paradigm_on_the_gpu_loses_nothing_and_keeps_its_bound(world, mpi_tmp_path, paradigm):
+    steps = 20
+    _, t = train(mpi_tmp_path / f"{paradigm}.h5", device="cuda", paradigm=paradigm, steps=steps, staleness=2,
+                 slowdown=["4=2"])
+    facts = None
+    if world.rank == 0:
+        it, s = t["workers/iterations"], t["summary"]
+        facts = {"counts": (int(s["gradients_pushed"]), int(s["gradients_applied"]), int(s["gradients_dropped"])),
+                 "lag": int(it["lag"].max()), "finite": bool(np.isfinite(it["loss"]).all())}
+    facts = share(world, facts)
+    assert facts["counts"] == (4 * steps, 4 * steps, 0)
+    assert facts["finite"]
+    if paradigm == "eager":
+        assert facts["lag"] <= 2  # --staleness 2 bounds how far behind a worker computes

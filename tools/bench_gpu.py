@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Parameter-server training on one GPU shared by N workers against DDP on the same GPU and data.
+
+For each ``--models`` (ResNet-18, ResNet-50 on synthetic CIFAR-shaped data by default), measured in one
+invocation:
+
+* ``hpcps <paradigm>`` for each ``--paradigms``: ``hpcps train --device cuda`` on 1 server shard + N
+  workers, every worker on ``cuda:0``;
+* ``DDP (nccl) 1 rank``: ``DistributedDataParallel`` over NCCL on one rank whose batch is the N workers'
+  batches together: one GPU trained as well as PyTorch does it, the ceiling for N workers sharing it;
+* ``DDP (nccl) N ranks``: N ranks on the one GPU. NCCL refuses two ranks on one device; the row then
+  says so instead of a number;
+* ``DDP (gloo) N ranks``: N ranks on the one GPU, gradients all-reduced by gloo through host memory:
+  the data-parallel peer of N PS workers on one GPU.
+
+Per row: samples per second over the steps after ``--warmup`` (all ranks together; a DDP step is N
+batches, an hpcps iteration one), the ratio to ``DDP (nccl) 1 rank``, and for hpcps the share of a
+worker's iteration spent moving parameters and gradients (push + the pull it waited for, with the staging
+copies) and blocked on the paradigm (wait).
+
+    python tools/bench_gpu.py                                   # resnet18 resnet50 x bsp asp eager, 4 workers
+    python tools/bench_gpu.py --models resnet18 --steps 60 --batch-size 64
+    python tools/bench_gpu.py --device cpu --models mlp --dataset digits   # the same on the CPU (gloo only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchlib import launch_argv, train
+
+
+def _inner(kind: str, a: argparse.Namespace) -> None:
+    """Under mpiexec -n R: DDP over ``kind`` (nccl, gloo); rank 0 prints samples per second after the warm-up."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcps.config import make_config
+    from hpcps.data.batches import to_device
+    from hpcps.training.workload import data_shape, workload_from_config
+
+    comm = MPI.COMM_WORLD
+    cfg = make_config({"model": a.model, "dataset": a.dataset, "batch_size": a.batch, "seed": 0, "lr": 0.05})
+    workload = workload_from_config(cfg)
+    if workload.prepare is not None and comm.rank == 0:
+        workload.prepare()
+    comm.Barrier()
+    source = workload.data()
+    in_shape, n_classes = data_shape(source)
+    device = torch.device(a.device)
+    model = workload.build_model(seed=0, in_shape=in_shape, n_classes=n_classes, hidden=cfg.hidden).to(device)
+    batches = source.for_worker(comm.rank, comm.size, batch_size=a.batch, seed=0, device=torch.device("cpu"),
+                                steps=a.steps)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None))
+    try:
+        dist.init_process_group(kind, rank=comm.rank, world_size=comm.size,
+                                device_id=device if kind == "nccl" else None)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
+        comm.Barrier()
+        t0 = None
+        for step in range(a.steps):
+            if step == a.warmup:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                comm.Barrier()
+                t0 = time.perf_counter()
+            batch = to_device(batches.batch(step), device)
+            opt.zero_grad(set_to_none=False)
+            workload.loss(ddp, batch).backward()
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        comm.Barrier()
+        seconds = time.perf_counter() - t0
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - NCCL's refusal of two ranks on one GPU is a result to print
+        if comm.rank == 0:
+            print(f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", flush=True)
+        os._exit(0)  # a half-made process group can hang at exit
+    if comm.rank == 0:
+        print(f"SAMPLES_PER_S {(a.steps - a.warmup) * a.batch * comm.size / seconds}")
+
+
+def _ddp(kind: str, ranks: int, batch: int, a: argparse.Namespace, model: str) -> tuple[float | None, str]:
+    """Samples per second of DDP over ``kind`` on ``ranks`` ranks (None and the reason where it failed)."""
+    from hpcps.cluster.launcher import clean_environ
+    cmd = launch_argv(ranks, [sys.executable, os.path.abspath(__file__), "--inner", kind, "--model", model,
+                              "--dataset", a.dataset, "--batch", str(batch), "--steps", str(a.steps),
+                              "--warmup", str(a.warmup), "--device", a.device])
+    proc = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SAMPLES_PER_S"):
+            return float(line.split()[1]), ""
+        if line.startswith("FAILED"):
+            return None, line[len("FAILED "):]
+    return None, f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:160]}"
+
+
+def _hpcps(paradigm: str, a: argparse.Namespace, model: str, out: Path) -> dict[str, float]:
+    """Samples per second of an hpcps run, and the shares of a worker's iteration in transfers and waits."""
+    t = train(1 + a.workers, out, ["--paradigm", paradigm, "--model", model, "--dataset", a.dataset,
+                                   "--batch-size", str(a.batch_size), "--steps", str(a.steps),
+                                   "--device", a.device, "--eval-interval", "1e9", "--lr", "0.05", *a.train_args],
+              timeout=600)
+    it = t["it"]
+    if int(t["summary"]["gradients_applied"]) + int(t["summary"]["gradients_dropped"]) != len(it):
+        raise SystemExit(f"hpcps {paradigm}: gradients lost: {len(it)} pushed, {t['summary']}")
+    late = it[it["step"] >= a.warmup]
+    seconds = float(late["t_end"].max() - late["t_start"].min())
+    span = late["t_end"] - late["t_start"]
+    return {"samples_per_s": len(late) * a.batch_size / seconds,
+            "transfer": float(np.sum(late["push_s"] + late["pull_wait_s"]) / np.sum(span)),
+            "wait": float(np.sum(late["wait_s"]) / np.sum(span))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["resnet18", "resnet50"])
+    p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "eager"])
+    p.add_argument("--dataset", default="synthetic:3x32x32:10:8192", help="default: synthetic CIFAR-shaped data")
+    p.add_argument("--workers", type=int, default=4, help="N workers / DDP ranks (default 4)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--steps", type=int, default=40, help="iterations per worker (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="first iterations left out of the rates (default 10)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--inner", choices=["nccl", "gloo"], help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("train_args", nargs="*", help="after --: more hpcps train options")
+    a = p.parse_args()
+    if a.inner:
+        _inner(a.inner, a)
+        return 0
+    n = a.workers
+    gpu = a.device.startswith("cuda")
+    name = ""
+    if gpu:
+        import torch
+        name = f" on {torch.cuda.get_device_name(0)}"
+    print(f"{n} workers{name}, batch {a.batch_size} per worker, {a.steps} steps ({a.warmup} warm-up), "
+          f"data {a.dataset}\n", flush=True)
+    print("| model | method | ranks | samples/s | vs DDP 1 rank | transfer share | wait share |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in a.models:
+            ddp = [("DDP (nccl) 1 rank", "nccl", 1, n * a.batch_size), (f"DDP (nccl) {n} ranks", "nccl", n, a.batch_size),
+                   (f"DDP (gloo) {n} ranks", "gloo", n, a.batch_size)] if gpu else \
+                [(f"DDP (gloo) 1 rank", "gloo", 1, n * a.batch_size), (f"DDP (gloo) {n} ranks", "gloo", n, a.batch_size)]
+            base = None
+            for label, kind, ranks, batch in ddp:
+                rate, why = _ddp(kind, ranks, batch, a, model)
+                base = rate if base is None else base
+                shown = f"{rate:.0f} | {rate / base:.2f}" if rate and base else f"failed: {why} | "
+                print(f"| {model} | {label} | {ranks} | {shown} | | |", flush=True)
+            for paradigm in a.paradigms:
+                r = _hpcps(paradigm, a, model, Path(tmp) / f"{model}-{paradigm}.h5")
+                vs = f"{r['samples_per_s'] / base:.2f}" if base else ""
+                print(f"| {model} | hpcps {paradigm} | {1 + n} | {r['samples_per_s']:.0f} | {vs} "
+                      f"| {r['transfer']:.2f} | {r['wait']:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

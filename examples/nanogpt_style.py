@@ -89,24 +89,27 @@ def load_text(path: str | None) -> str:
     return codecs.decode(this.s, "rot13")
 
 
-def get_batch(data: torch.Tensor, block_size: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """nanoGPT's get_batch: random windows of the split (torch's RNG: hpcps gives every worker its own)."""
+def get_batch(data: torch.Tensor, block_size: int, batch_size: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: random windows of the split (torch's RNG: hpcps gives every worker its own),
+    on the model's device."""
     ix = torch.randint(len(data) - block_size - 1, (batch_size,))
     x = torch.stack([data[i:i + block_size] for i in ix])
     y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
-    return x, y
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 @torch.no_grad()
 def estimate_loss(model: nn.Module, splits: dict[str, torch.Tensor], block_size: int, batch_size: int,
                   eval_iters: int, autocast) -> dict[str, float]:
+    device = next(model.parameters()).device
     model.eval()
     out = {}
     for name, data in splits.items():
         losses = []
         for _ in range(eval_iters):
             with autocast():
-                losses.append(float(model(*get_batch(data, block_size, batch_size))))
+                losses.append(float(model(*get_batch(data, block_size, batch_size, device))))
         out[name] = sum(losses) / len(losses)
     model.train()
     return out
@@ -139,14 +142,13 @@ def main() -> None:
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     n = int(0.9 * len(data))
     splits = {"train": data[:n], "val": data[n:]}
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731  ("cuda" on a GPU)
-
     ps = hpcps.init(lambda: GPT(len(chars), args.block_size, n_layer=args.n_layer, n_embd=args.n_embd),
                     optimizer="adamw", lr=args.learning_rate, betas=(0.9, 0.99),
                     param_groups=lambda model: hpcps.decay_groups(model, args.weight_decay),
                     lr_schedule="cosine", warmup_steps=args.warmup_iters, min_lr=args.min_lr,
                     paradigm=args.paradigm, steps=args.max_iters, checkpoint_every=args.checkpoint_every,
                     resume=args.resume, out=args.out)
+    autocast = lambda: torch.autocast(ps.device.type, dtype=torch.bfloat16)  # noqa: E731  (cuda on a GPU worker)
     with ps:
         if ps.is_worker and ps.iteration == 0:
             ps.state.update(iter_num=0, best_val_loss=math.inf)  # the loop's own checkpoint fields
@@ -160,7 +162,7 @@ def main() -> None:
                       f"val loss {losses['val']:.4f}", flush=True)
             for _ in range(args.accumulation):
                 with autocast():
-                    loss = ps.model(*get_batch(splits["train"], args.block_size, args.batch_size))
+                    loss = ps.model(*get_batch(splits["train"], args.block_size, args.batch_size, ps.device))
                 (loss / args.accumulation).backward()
             torch.nn.utils.clip_grad_norm_(ps.model.parameters(), args.grad_clip)
             ps.state["iter_num"] = ps.iteration + 1

@@ -221,9 +221,8 @@ def main() -> int:
                    help="on a GPU, also time the raw push in chunks of this many MiB, chunk k+1 copied to the host "
                         "while chunk k is sent (printed as the pipelined push's speed-up over the raw one)")
     a = p.parse_args()
+    from hpcps.box import cluster_record  # hpcps before MPI starts: its Open MPI settings (docs/internals.md)
     from mpi4py import MPI
-
-    from hpcps.box import cluster_record
     comm = MPI.COMM_WORLD
     if comm.size == 1:
         return _relaunch(sys.argv[1:])

@@ -59,6 +59,8 @@ class Session:
         self.worker_index = layout.worker_index(rank) if self.is_worker else None
         self.model = run.model
         self._optimizer = None
+        #: where the model lives (``cuda:<i>`` on a GPU worker): the loop puts its batches there
+        self.device = run.flat.device if self.is_worker else torch.device("cpu")
         if not self.is_worker:
             return
         cfg = run.cfg

@@ -179,8 +179,12 @@ class FlatParameters:
         if self.transfer == "shared":
             return
         host = torch.from_numpy(self.params)
+        # through .data: the pass under way has saved parameters for its backward, which share params_t's
+        # version counter, and autograd would take a write to any range for a change of theirs. Only ranges
+        # of modules whose forward has not yet run come here, as a pull into shared memory writes them
+        target = self.params_t.data
         for lo, hi in ranges:
-            self.params_t[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            target[lo:hi].copy_(host[lo:hi], non_blocking=True)
 
     def stage_grads(self, out: np.ndarray | torch.Tensor | None = None) -> None:
         """Make the last backward's gradient readable by MPI in ``out`` (default :attr:`push_grads`).

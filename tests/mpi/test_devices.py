@@ -26,7 +26,7 @@ pytestmark = pytest.mark.mpi(min_size=5)
 @pytest.mark.parametrize("transfer", ["staged", "direct"])
 def test_bsp_ends_bit_for_bit_as_with_shared_buffers(world, mpi_tmp_path, monkeypatch, transfer):
     common = dict(paradigm="bsp", steps=15, servers=2, batch_size=16, lr=0.2, seed=6)
-    shared, _ = train(mpi_tmp_path / "shared.h5", **common)
+    shared, _ = train(mpi_tmp_path / "shared.h5", device="cpu", **common)  # on the CPU where a GPU is visible too
     force_transfer(monkeypatch, transfer)
     moved, t = train(mpi_tmp_path / f"{transfer}.h5", **common)
     facts = None

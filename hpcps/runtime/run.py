@@ -65,7 +65,7 @@ from hpcps.metrics.schema import RANK, summarize
 from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.training.divergence import DivergenceWatch, NonFiniteStart
 from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
-from hpcps.training.paramgroups import resolve_groups, shard_groups
+from hpcps.training.paramgroups import resolve_groups, shard_group_indices, shard_groups
 from hpcps.policies import Policy, make_policy, policy_class
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
@@ -715,7 +715,7 @@ class _Run:
         cfg = self.cfg
         groups = shard_groups(self.groups, self.slices.pieces[shard])
         optimizer = ShardOptimizer(torch.from_numpy(params), self.workload.optimizer_factory(cfg), lambda v: 1.0,
-                                   groups=groups)
+                                   groups=groups, indices=shard_group_indices(self.groups, self.slices.pieces[shard]))
         # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
         optimizer.schedule = self.schedule(optimizer.default_lr or cfg.lr)
         if self.ckpt is not None and self.ckpt.resharded:

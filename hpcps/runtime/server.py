@@ -129,6 +129,9 @@ class ShardServer:
         self.optimizer, self.unit_lr = optimizer, unit_lr
         self.n_params = len(master) if n_params is None else n_params
         self.worker_ranks = list(worker_ranks)
+        #: each worker's optimizer hyperparameters as its loop last set them (hpcps.training.hyper), by index
+        self.hypers: dict[int, list[dict]] = {}
+        self._mixed_hypers_told = False
         self.recorder = recorder
         self.clock = clock
         self.progress = progress
@@ -215,6 +218,9 @@ class ShardServer:
         now = self.clock()
         self.heard[event.worker] = now
         if isinstance(event, PushEvent):
+            if event.hyper:  # sent before the header: here or on its way
+                self.hypers[event.worker] = self.inbox.comm.recv(source=self.inbox.worker_ranks[event.worker],
+                                                                 tag=wire.TAG_HYPER)
             self.pushed.add(event.worker)
             self.clocks[event.worker] = event.clock
             if self.policy.worker_blocks:
@@ -274,6 +280,8 @@ class ShardServer:
             at, position = self.version, self.position()
             weight = decision.weights[k] if decision.weights else 1.0
             coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite]) if finite else ([], 1.0)
+            if finite:
+                self._use_hypers(finite)
             if finite and summed:
                 n = len(finite)
                 at = self._update([self.round_sum.acc], [1.0 / (n * factor)], weight * factor, means=[1.0 / n])
@@ -301,6 +309,23 @@ class ShardServer:
             _note(notices, w, wire.GRANT)
 
 
+    def _use_hypers(self, pushes: list[PushEvent]) -> None:
+        """Set the optimizer's hyperparameters to those the update's first worker's loop held when it pushed
+        (those it was built with, for a worker whose loop never set any, once another's did); say once if
+        the update's workers held different ones."""
+        if not self.hypers or self.optimizer is None:
+            return
+        values = self.hypers.get(pushes[0].worker)
+        if any(self.hypers.get(p.worker) != values for p in pushes[1:]) and not self._mixed_hypers_told:
+            self._mixed_hypers_told = True
+            log.warning("shard %d: one update sums gradients whose workers' loops set different optimizer "
+                        "hyperparameters; it is applied with worker rank %d's (said once)", self.shard,
+                        self.worker_ranks[pushes[0].worker])
+        if values is None:
+            self.optimizer.reset_hyper()
+        else:
+            self.optimizer.set_hyper(values)
+
     def _row(self, push: PushEvent, version: int, t: float, *, applied: bool, reason: int, lr: float) -> None:
         """``push``'s row of this shard's table, at time ``t``: applied at ``version`` at rate ``lr``, or dropped
         for ``reason``."""
@@ -320,9 +345,9 @@ class ShardServer:
         """The learning rate an update at ``version`` with factor ``factor`` is applied at (the optimizer's
         own rate, or its first param group's, x the schedule x the factor; a group server: ``--lr`` x
         the factor, the central shards' schedule applying on top)."""
-        if self.optimizer is None or self.optimizer.default_lr is None:
+        if self.optimizer is None or self.optimizer.recorded_lr is None:
             return self.unit_lr * factor
-        return self.optimizer.default_lr * self.optimizer.schedule(version) * factor
+        return self.optimizer.recorded_lr * self.optimizer.schedule(version) * factor
 
     def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float,
                 means: list[float] | None = None) -> int:

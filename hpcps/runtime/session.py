@@ -20,18 +20,23 @@ hpcps's built-in loop (:meth:`Session.train_on`, behind ``hpcps.train`` and
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
 from hpcps.runtime.checkpoint import checkpoint_path, read_user_state, write_user_state
 from hpcps.cluster.emulation import BackwardCompute, ComputeTime, emulated_sleep, forward_compute
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
+from hpcps.training.hyper import EditTracker, servers_template
+
+log = logging.getLogger("hpcps")
 
 
 class Session:
@@ -111,10 +116,11 @@ class Session:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """A stand-in for the optimizer that now lives on the servers, for code that wants one:
-        ``GradScaler`` (``scaler.unscale_(ps.optimizer)``, ``scaler.step(ps.optimizer)``: its
-        ``step`` is this session's :meth:`step`, skipped when the scaler found Inf or NaN),
-        ``zero_grad``."""
+        """The servers' optimizer as the loop sees it: their param groups and hyperparameters, which the
+        loop may edit by hand or through any ``torch.optim.lr_scheduler`` (each edit travels with the next
+        push: :mod:`hpcps.training.hyper`); ``GradScaler`` (``scaler.unscale_(ps.optimizer)``,
+        ``scaler.step(ps.optimizer)``: its ``step`` is this session's :meth:`step`, skipped when the
+        scaler found Inf or NaN); ``zero_grad``."""
         if self._optimizer is None:
             self._optimizer = StepOptimizer(self)
         return self._optimizer
@@ -127,6 +133,8 @@ class Session:
         step as skipped: it counts in its round (nobody waits for it) and is never applied."""
         if not self.running:
             return False
+        if self._optimizer is not None:  # this is ps.optimizer's step: torch's schedulers check that it ran
+            self._optimizer._opt_called = True
         self.flat.adopt_grads()
         t0 = self.t0 + self.worker.pass_waited  # a partitioned pull's waits in the pass are not compute
         end_pass(self.flat, t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
@@ -265,8 +273,9 @@ def end_pass(flat: FlatParameters, started: float, compute_time: ComputeTime, rn
 
 
 class StepOptimizer(torch.optim.Optimizer):
-    """The stand-in optimizer of :attr:`Session.optimizer`: the model's trainable parameters, no
-    update rule of its own (the servers have it). ``step()`` is the session's step; ``GradScaler``
+    """The optimizer of :attr:`Session.optimizer`: the model's trainable parameters in the servers'
+    param groups, with the hyperparameters the servers' optimizer has (an edit reaches them with the
+    next push), and no update rule of its own (the servers have it). ``step()`` is the session's step; ``GradScaler``
     calls it whatever it found (``_step_supports_amp_scaling``), with ``found_inf`` and
     ``grad_scale`` set, so a step the scaler skips is pushed as skipped and gradients it did not
     unscale are unscaled here. ``zero_grad`` zeroes the flat buffer in place."""
@@ -274,9 +283,31 @@ class StepOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, session: Session) -> None:
-        params = [p for p in session.model.parameters() if p.requires_grad]
-        super().__init__(params, {"lr": session.run.cfg.lr})
+        run = session.run
+        hyper, name = servers_template(run.workload.optimizer_factory(run.cfg), run.groups, run.flat.n_params)
+        named = dict(run.model.named_parameters())
+        super().__init__([{"params": [named[n] for n, _, _ in group.ranges], **values}
+                          for group, values in zip(run.groups, hyper)], dict(hyper[0]))
         self.session = session
+        # grouped: a worker's push goes to its group server, which sums its group's round for the central
+        # shards; an edit cannot travel with one worker's gradient there
+        self.grouped = run.topo.group != MPI.COMM_NULL
+        self.tracker = EditTracker(hyper, lambda message: log.warning("%s", message), name)
+        self._grouped_told = False
+        if session.is_worker:
+            session.worker.hyper_edits = self._edits
+
+    def _edits(self) -> list[dict] | None:
+        """The param groups' hyperparameters if the loop changed them since the last push (the worker sends
+        them to the shards ahead of this push), else None."""
+        edits = self.tracker.edits(self.param_groups)
+        if edits is not None and self.grouped:
+            if not self._grouped_told:
+                self._grouped_told = True
+                log.warning("ps.optimizer: under the grouped paradigm the loop's edits of its param groups "
+                            "do not reach the central shards, which apply --lr and its schedule (said once)")
+            return None
+        return edits
 
     @torch.no_grad()
     def step(self, closure=None, loss: torch.Tensor | float | None = None):  # noqa: D102

@@ -114,6 +114,10 @@ class Worker:
         self.steps, self.lr = steps, lr  # the row's lr becomes the rate applied, from shard 0's receipt
         self.lr_staleness = lr_staleness
         self.extra_scale = 1.0  # an extra gradient's rate over a round's (HSPWorker)
+        #: the loop's optimizer edits since the last push, or None (the step API's ps.optimizer:
+        #: hpcps.training.hyper); they go to every shard ahead of the next push
+        self.hyper_edits: Callable[[], list[dict] | None] | None = None
+        self._hyper_sends: list = []  # their sends, completed by the time the worker leaves
         self.faults = {f.step: f for f in faults}
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
         # (and gives up) only at twice the limits, when the server itself may be what is stuck
@@ -272,6 +276,11 @@ class Worker:
         lr = self.lr * self.extra_scale if flags & wire.EXTRA else self.lr
         row["lr"] = scaled_lr(self.lr_staleness, lr, row["lr_staleness"])
         self.clock_count += 1
+        edits = self.hyper_edits() if self.hyper_edits is not None else None
+        if edits is not None:  # ahead of the header that says they came
+            self._hyper_sends += [self.pusher.comm.isend(edits, dest=rank, tag=wire.TAG_HYPER)
+                                  for rank in self.pusher.shard_ranks]
+            flags |= wire.HYPER
         start = self.pusher.start_header if headers_only else self.pusher.start
         start(self.clock_count, versions, row["lr"], slot, flags)
 
@@ -347,6 +356,9 @@ class Worker:
     def _leave(self) -> None:
         self.pusher.start_done(self.clock_count)
         self._wait(lambda: self.notices.open == 0 and self.pusher.test_done(), "the servers' goodbye")
+        for request in self._hyper_sends:  # each shard took them with their push, before its goodbye
+            request.wait()
+        self._hyper_sends = []
         if self.rows:
             raise RuntimeError(f"worker rank {self.rank}: no receipt for pushes {sorted(self.rows)}")
 

@@ -126,11 +126,13 @@ class ShardOptimizer:
     """
 
     def __init__(self, params: torch.Tensor, make: OptimizerFactory, schedule: Schedule, *,
-                 chunk: int = APPLY_CHUNK, groups: list | None = None) -> None:
+                 chunk: int = APPLY_CHUNK, groups: list | None = None, indices: Sequence[int] | None = None) -> None:
         n = params.numel()
         self.chunk = chunk
         if groups is None:
             groups = [({}, [(0, n)], [])] if n else []
+        #: each of this shard's groups' index among the run's groups (a shard may hold some groups only)
+        self.indices = list(indices) if indices is not None else list(range(len(groups)))
         param_groups = []
         self.spans: list[tuple[int, int]] = []  # each chunk's place in the slice, group by group
         for options, segments, parts in groups:
@@ -147,7 +149,36 @@ class ShardOptimizer:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
         #: the rate the factory gave its optimizer (torch.optim's ``defaults``), the same on every shard
         self.default_lr = float(self.optimizer.defaults["lr"]) if self.optimizer else None
+        #: the base rate the run file records an update at: ``default_lr``, or the rate of the run's first
+        #: group as the loop last set it (:meth:`set_hyper`)
+        self.recorded_lr = self.default_lr
+        self._built = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+                       if self.optimizer else [], list(self.base_lrs))  # for reset_hyper
         self._sum: torch.Tensor | None = None  # the combined gradient of multi-gradient updates
+
+    def reset_hyper(self) -> None:
+        """Back to the hyperparameters the optimizer was built with (for a worker whose loop never set any,
+        while another's did)."""
+        groups, base_lrs = self._built
+        for group, values in zip(self.optimizer.param_groups if self.optimizer else [], groups):
+            group.update(values)
+        self.base_lrs = list(base_lrs)
+        self.recorded_lr = self.default_lr
+
+    def set_hyper(self, values: Sequence[dict[str, Any]]) -> None:
+        """The hyperparameters of the run's groups as a worker's loop set them (:mod:`hpcps.training.hyper`),
+        for the next steps: ``lr`` becomes each group's base rate (the schedule and the factors still
+        multiply it), every other key is set on the torch group as it is."""
+        if self.optimizer is None:
+            return
+        for t, group in enumerate(self.optimizer.param_groups):
+            for key, value in values[self.indices[t]].items():
+                if key == "lr":
+                    self.base_lrs[t] = float(value)
+                else:
+                    group[key] = value
+        if values and "lr" in values[0]:
+            self.recorded_lr = float(values[0]["lr"])
 
     def step(self, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *, version: int, factor: float,
              progress: Callable[[], object] = lambda: None) -> int:

@@ -114,6 +114,11 @@ def shard_groups(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> 
     return out
 
 
+def shard_group_indices(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> list[int]:
+    """The index in ``groups`` of each group :func:`shard_groups` gives for these pieces."""
+    return [k for k, group in enumerate(groups) if shard_groups([group], pieces)]
+
+
 def describe_groups(groups: Sequence[Group]) -> list[dict[str, Any]]:
     """What the run file records of the groups: each one's options and how many values it holds."""
     return [{**{k: v for k, v in g.options.items() if isinstance(v, (int, float, str, bool, list, tuple))},

@@ -12,7 +12,11 @@ Push (worker -> every server shard), two messages in this order::
 
 ``kind`` is ``PUSH`` (a payload follows) or ``DONE`` (the worker leaves; no
 payload). Push flags: ``EXTRA`` marks an hsp gradient computed while the
-worker waited for its round to close.
+worker waited for its round to close; ``HYPER``, that the worker's loop
+changed its optimizer's hyperparameters since its last push: it sent them
+before the header, as a pickled list (one dict per param group) with tag
+``HYPER``, and the gradient is applied with them
+(:mod:`hpcps.training.hyper`).
 
 *Serial transfers* (hsp): the worker sends the header alone; each shard
 answers ``TRANSFER`` to one ready worker at a time, and only then does that
@@ -61,6 +65,7 @@ TAG_CLOCK_PONG = 32
 TAG_PUSH_HEADER = 11
 TAG_PUSH_DATA = 12
 TAG_NOTICE = 13
+TAG_HYPER = 14  # a worker's optimizer hyperparameters, before the push header flagged HYPER
 
 HEADER_LEN = 6
 KIND_PUSH = 1
@@ -75,6 +80,7 @@ TRANSFER = 16
 
 EXTRA = 1  # push flags (header field 5)
 SKIP = 2  # the worker skipped this step (a GradScaler found Inf/NaN): count it, never apply it
+HYPER = 4  # new hyperparameters came before this header (tag HYPER): apply the gradient with them
 
 WINDOW_HEADER_BYTES = 128
 WIN_MAX_SLOTS = 4

@@ -1021,7 +1021,8 @@ class _Run:
     def _finish(self, runfile: RunFile, wall_s: float, path: str, ranks: list[tuple], stopped_by: str | None,
                 saved_ckpt: str | None) -> RunResult:
         runfile.append("ranks", np.array(ranks, dtype=RANK))
-        summary = summarize(runfile.read("workers/iterations"), runfile.read("servers/updates"),
+        iterations = runfile.read("workers/iterations")
+        summary = summarize(iterations, runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.stop_target,
                             eval_metrics=runfile.read("eval_metrics"))
         summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
@@ -1032,9 +1033,12 @@ class _Run:
         runfile.set_attrs(saved_model=saved or "")
         runfile.close()
         final = ", ".join(f"{k} {v:.4f}" for k, v in self.final_metrics.items() if not math.isnan(v))
-        log.info("done in %.1f s: %s%d of %d gradients applied; metrics in %s%s", summary["wall_s"],
-                 f"final evaluation {final}; " if final else "", summary["gradients_applied"],
-                 summary["gradients_pushed"], runfile.path, f", model in {saved}" if saved else "")
+        reached = (int(iterations["step"].max()) + 1 if len(iterations) else
+                   int(max(self.ckpt.worker_clocks)) if self.ckpt is not None else 0)
+        log.info("done in %.1f s after %d of %d steps: %s%d of %d gradients applied; metrics in %s%s",
+                 summary["wall_s"], reached, self.steps, f"final evaluation {final}; " if final else "",
+                 summary["gradients_applied"], summary["gradients_pushed"], runfile.path,
+                 f", model in {saved}" if saved else "")
         if stopped_by == "diverged":
             log.warning("stopped because the training diverged: %s", self.diverged)
         elif stopped_by:

@@ -144,10 +144,14 @@ class Session:
         self._open()
         return self.open
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "") -> None:
         """End the run for every worker (early stopping): each shard's stop flag goes up, and every
-        worker's :attr:`running` turns False once its current step is done, as after a signal."""
+        worker's :attr:`running` turns False once its current step is done, as after a signal. The run
+        is recorded as stopped by the loop (``stopped_by`` ``loop``, or ``loop: <reason>``) and writes a
+        checkpoint to resume from, as a signal's stop does."""
         if self.is_worker:
+            signals = self.run.signals
+            signals.acted = signals.acted or ("loop: " + reason if reason else "loop")
             self.worker.window.request_stop()
 
     def log(self, **scalars: float) -> None:

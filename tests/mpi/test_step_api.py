@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import h5py
 import numpy as np
@@ -327,3 +328,30 @@ def test_the_users_loop_runs_under_every_paradigm(world, mpi_tmp_path, paradigm,
     assert [t for w, t in counts if w] == [steps] * n_workers
     assert facts["workers"] == n_workers and facts["rows"] == steps * n_workers == facts["applied"]
     assert facts["steps"] == list(range(steps))
+
+
+def test_a_stop_by_the_loop_says_so_writes_a_checkpoint_and_counts_its_steps(world, mpi_tmp_path, capsys):
+    """``ps.stop("plateau")`` at step 5 of 12: ``stopped_by`` names the loop and its reason, a checkpoint to
+    resume from is written as for a signal, and the end line says how many of the planned steps ran."""
+    steps = 12
+    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=steps, progress=False,
+                    out=str(mpi_tmp_path / "stop.h5"), exit_on_error=False, comm=world)
+    with ps:
+        while ps.running:
+            ps.model(*batch(ps.iteration, 0, ps.worker_index)).backward()
+            if ps.iteration == 5 and ps.worker_index == 0:
+                ps.stop("plateau")
+            ps.step()
+    facts = None
+    if world.rank == 0:
+        with h5py.File(ps.result.path) as f:
+            summary, it = dict(f["summary"].attrs), f["workers/iterations"][()]
+        facts = {"stopped_by": str(summary["stopped_by"]), "checkpoint": str(summary["checkpoint"]),
+                 "reached": int(it["step"].max()) + 1,
+                 "lines": [line for line in capsys.readouterr().err.splitlines() if "INFO: done in" in line]}
+        facts["exists"] = bool(facts["checkpoint"]) and os.path.exists(facts["checkpoint"])
+    facts = share(world, facts)
+    assert facts["stopped_by"] == "loop: plateau"
+    assert facts["exists"], facts
+    assert 6 <= facts["reached"] < steps  # the step it was asked at, and at most the one under way after it
+    assert len(facts["lines"]) == 1 and f"after {facts['reached']} of {steps} steps" in facts["lines"][0], facts

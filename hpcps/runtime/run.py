@@ -227,9 +227,13 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None)
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
              stack: ExitStack) -> "_Run":
+    before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
+    if before != cfg.threads:  # the user's own setting (torch.set_num_threads, OMP_NUM_THREADS) is replaced
+        log.info("torch threads per rank: %d, not %d (--threads / threads= sets it; one rank per core is the "
+                 "usual layout)", cfg.threads, before)
     agree(comm, lambda: _check_threads(cfg))
     if workload is None:
         workload = agree(comm, lambda: workload_from_config(cfg))

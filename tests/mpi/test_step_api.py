@@ -355,3 +355,26 @@ def test_a_stop_by_the_loop_says_so_writes_a_checkpoint_and_counts_its_steps(wor
     assert facts["exists"], facts
     assert 6 <= facts["reached"] < steps  # the step it was asked at, and at most the one under way after it
     assert len(facts["lines"]) == 1 and f"after {facts['reached']} of {steps} steps" in facts["lines"][0], facts
+
+
+@pytest.mark.parametrize("threads", [None, 3])
+def test_the_loops_torch_thread_count_is_kept_or_changed_with_a_line_saying_so(world, mpi_tmp_path, capsys, threads):
+    """The script set 3 torch threads: ``threads=3`` keeps them silently; without it the run's default (1)
+    replaces them, and rank 0 says so."""
+    torch.set_num_threads(3)
+    options = {} if threads is None else {"threads": threads}
+    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=2, progress=False,
+                    out=str(mpi_tmp_path / "threads.h5"), exit_on_error=False, comm=world, **options)
+    with ps:
+        while ps.running:
+            ps.model(*batch(ps.iteration, 0, ps.worker_index)).backward()
+            ps.step()
+    now = torch.get_num_threads()
+    torch.set_num_threads(1)
+    said = [line for line in capsys.readouterr().err.splitlines() if "torch threads per rank" in line]
+    facts = share(world, said if world.rank == 0 else None)
+    assert now == (threads or 1)
+    if threads is None:
+        assert len(facts) == 1 and "torch threads per rank: 1, not 3" in facts[0], facts
+    else:
+        assert facts == []

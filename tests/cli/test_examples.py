@@ -157,3 +157,26 @@ def test_the_backup_workers_paradigm_runs_from_its_file_and_says_what_it_dropped
     errors = [x for x in proc.stderr.splitlines() if x.startswith("hpcps: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "backups must be 0 to 3 with 4 workers; got 4" in errors[0]
+
+
+def test_the_horovod_style_loop_applies_its_per_batch_schedule_on_the_servers(tmp_path):
+    """The loop edits ps.optimizer's param groups before every batch (warm-up over the first epoch, a
+    tenth from epoch 2): every gradient is applied at the rate the loop set for its batch."""
+    out = tmp_path / "hvd.h5"
+    proc = launch(5, sys.executable, str(EXAMPLES / "horovod_style.py"), "--epochs", "3", "--out", str(out),
+                  timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    example = _module("horovod_style")
+    with h5py.File(out) as f:
+        up, scalars = f["servers/updates"][()], f["workers/scalars"][()]
+    n, per_epoch, scaled = 4, 4, 0.0125 * 4 * 2  # 512 samples / 4 workers / (16 x 2) per step
+    step = up["worker_clock"] - 1
+    want = [scaled * example.warmup_then_steps(int(k) // per_epoch, (int(k) % per_epoch + 1) / per_epoch,
+                                               warmup=1.0, n_workers=n, cuts=(2,)) for k in step]
+    assert len(up) == 4 * 3 * per_epoch and up["applied"].all()
+    assert max(abs(a - b) / b for a, b in zip(up["lr"], want)) < 1e-12
+    assert sorted(set(round(x, 9) for x in up["lr"])) == [round(scaled * 0.1, 9), round(scaled * 0.4375, 9),
+                                                          round(scaled * 0.625, 9), round(scaled * 0.8125, 9),
+                                                          round(scaled, 9)]
+    assert list(scalars["name"]).count(b"val_loss") == 4 * 3  # each worker, each epoch
+    assert "epoch 2: validation loss" in proc.stdout

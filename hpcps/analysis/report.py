@@ -18,7 +18,12 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
   one lane per rank, coloured by phase
 * ``timeline-RUN.json`` (runs with ``--timeline``): every span as a Chrome trace, for
   ``chrome://tracing`` or https://ui.perfetto.dev (the format of Horovod's timeline)
-* ``summary.md`` and ``summary.csv``: time-to-target, final accuracy and loss, iterations/s, mean wait per run
+* ``scalars.png``, ``scalars.md`` and ``scalars.csv`` (runs whose loop logged its own numbers, ``ps.log``):
+  each name's values against wall time, one line per worker of each run, and per run and name the
+  count, first, last, lowest and highest value
+* ``summary.md`` and ``summary.csv``: time-to-target, final accuracy and loss, iterations/s, mean wait per
+  run (``-`` where a run evaluated nothing, as a step-API loop without test data: ``never`` is only for
+  a target its evaluations never reached)
 * ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
   resident memory, samples read, clock offset to rank 0 and its uncertainty, device; also how a stopped
   run ended (``stopped_by``) and, for a run in a cluster in a box (``hpcps emulate``), the
@@ -41,7 +46,7 @@ from hpcps.box.spec import describe_record
 from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
 from hpcps.analysis.timeline import PHASE_ORDER, chrome_trace, explained, phase_totals, window
-from hpcps.metrics.schema import RANK, TIMELINE, TRANSFER
+from hpcps.metrics.schema import RANK, SCALAR, TIMELINE, TRANSFER
 from hpcps.metrics.timeline import PHASES
 
 #: transfers drawn in transfers.png (a whole run's are too many bars to read)
@@ -62,6 +67,7 @@ class Run:
     transfers: np.ndarray = field(default_factory=lambda: np.zeros(0, TRANSFER))
     ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, RANK))
     timeline: np.ndarray = field(default_factory=lambda: np.zeros(0, TIMELINE))
+    scalars: np.ndarray = field(default_factory=lambda: np.zeros(0, SCALAR))  # the loop's own (ps.log)
     cluster: dict = field(default_factory=dict)  # the emulated cluster (hpcps emulate), {} or emulated=False
 
     @property
@@ -119,6 +125,7 @@ def load_run(path: str | os.PathLike) -> Run:
                        **({"transfers": f["servers/transfers"][()]} if "servers/transfers" in f else {}),
                        **({"ranks": f["ranks"][()]} if "ranks" in f else {}),
                        **({"timeline": f["timeline"][()]} if "timeline" in f else {}),
+                       **({"scalars": f["workers/scalars"][()]} if "workers/scalars" in f else {}),
                        cluster=json.loads(f.attrs.get("cluster", "{}")))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
@@ -132,11 +139,12 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
         it = r.iterations
         applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
         rates = r.worker_rates()
+        evaluated = len(r.evals) > 0  # a step-API loop without test data evaluates nothing: "-", not "never"
         rows.append({
             "run": r.name, "paradigm": r.paradigm, "workers": len(rates),
-            f"time_to_{target:g}_s": round(r.time_to(target), 3),
-            "final_accuracy": round(float(r.summary.get("final_accuracy", float("nan"))), 4),
-            "final_loss": round(float(r.summary.get("final_loss", float("nan"))), 4),
+            f"time_to_{target:g}_s": round(r.time_to(target), 3) if evaluated else "-",
+            "final_accuracy": round(float(r.summary.get("final_accuracy", float("nan"))), 4) if evaluated else "-",
+            "final_loss": round(float(r.summary.get("final_loss", float("nan"))), 4) if evaluated else "-",
             "wall_s": round(float(r.summary.get("wall_s", float("nan"))), 3),
             "iterations_per_s_per_worker": round(float(np.mean(list(rates.values()))) if rates else float("nan"), 1),
             "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),
@@ -158,6 +166,20 @@ def rank_rows(runs: list[Run]) -> list[dict]:
              "clock_uncertainty_ms": round(float(x["clock_uncertainty_s"]) * 1e3, 3),
              "device": x["device"].decode() if "device" in x.dtype.names else "-"}
             for r in runs for x in np.sort(r.ranks, order="rank")]
+
+
+def scalar_rows(runs: list[Run]) -> list[dict]:
+    """Per run and name of the loop's own numbers (``ps.log``): how many, the first and last logged, the
+    lowest and highest."""
+    rows = []
+    for r in runs:
+        s = np.sort(r.scalars, order="t")
+        for name in dict.fromkeys(s["name"].tolist()):  # in the order first logged
+            v = s["value"][s["name"] == name]
+            rows.append({"run": r.name, "name": name.decode(), "count": len(v), "first": round(float(v[0]), 6),
+                         "last": round(float(v[-1]), 6), "min": round(float(np.nanmin(v)), 6),
+                         "max": round(float(np.nanmax(v)), 6)})
+    return rows
 
 
 def phase_rows(runs: list[Run]) -> list[dict]:
@@ -195,8 +217,11 @@ def write_tables(rows: list[dict], out: Path, name: str = "summary") -> list[Pat
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join("never" if isinstance(v, float) and np.isnan(v) else str(v)
-                                for v in row.values()) + " |" for row in rows]
+    def shown(key: str, v) -> str:  # NaN: a target never reached; elsewhere nothing to show
+        if isinstance(v, float) and np.isnan(v):
+            return "never" if key.startswith("time_to_") else "-"
+        return str(v)
+    lines += ["| " + " | ".join(shown(k, v) for k, v in row.items()) + " |" for row in rows]
     md.write_text("\n".join(lines) + "\n")
     return [md, cs]
 
@@ -225,6 +250,25 @@ def plot_accuracy(runs: list[Run], out: Path, target: float) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return _save(plt, fig, out / "accuracy.png")
+
+
+def plot_scalars(runs: list[Run], out: Path) -> Path | None:
+    """The loop's own numbers (``ps.log``) against wall time: one panel per name, one line per worker of
+    each run (None when no run logged any)."""
+    names = list(dict.fromkeys(n for r in runs for n in r.scalars["name"].tolist()))
+    if not names:
+        return None
+    plt, fig, axes = _figure(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for r in runs:
+            rows = np.sort(r.scalars[r.scalars["name"] == name], order="t")
+            for rank in np.unique(rows["rank"]):
+                mine = rows[rows["rank"] == rank]
+                ax.plot(mine["t"], mine["value"], marker=".", label=f"{r.label} rank {int(rank)}")
+        ax.set(xlabel="wall time (s)", ylabel=name.decode(), title=f"{name.decode()} (ps.log)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _save(plt, fig, out / "scalars.png")
 
 
 def slowdowns(config: dict) -> dict[int, float]:
@@ -415,10 +459,14 @@ def make_report(paths: list[str], out: str | os.PathLike, *, target: float = 0.9
     ranks = rank_rows(runs)
     if ranks:
         written += write_tables(ranks, out, "ranks")
+    scalars = scalar_rows(runs)
+    if scalars:
+        written += write_tables(scalars, out, "scalars")
     phases = phase_rows(runs)
     if phases:
         written += write_tables(phases, out, "phases") + write_traces(runs, out)
     written += [plot_accuracy(runs, out, target), plot_throughput(runs, out), plot_breakdown(runs, out),
                 plot_staleness(runs, out)]
-    optional = [plot_thresholds(runs, out), plot_transfers(runs, out), plot_timeline(runs, out)]
+    optional = [plot_thresholds(runs, out), plot_transfers(runs, out), plot_timeline(runs, out),
+                plot_scalars(runs, out)]
     return written + [p for p in optional if p is not None]

@@ -10,7 +10,7 @@ import pytest
 from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
-from hpcps.metrics.schema import EVAL, ITERATION, RANK, TRANSFER, UPDATE
+from hpcps.metrics.schema import EVAL, ITERATION, RANK, SCALAR, TRANSFER, UPDATE
 from hpcps.analysis.report import Run, load_run, make_report, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -228,3 +228,30 @@ def test_a_run_that_never_wrote_its_summary_is_not_shown_as_a_finished_one(runs,
             del f["summary"].attrs[key]
     table = summary_rows([load_run(p) for p in runs], 0.9)
     assert [r["stopped_by"] for r in table] == ["SIGUSR1", "no summary (crashed?)", "-"]
+
+
+def test_the_loops_own_numbers_are_plotted_and_tabled_and_no_evaluation_is_not_never(tmp_path):
+    """A step-API run: no evaluation (no test data), the loop logged val_loss per worker with ps.log."""
+    path = tmp_path / "loop.h5"
+    it = np.zeros(4, ITERATION)
+    for k in range(4):
+        it[k]["rank"], it[k]["step"], it[k]["t_start"], it[k]["t_end"] = 1 + k % 2, k // 2, k * 0.1, k * 0.1 + 0.1
+    scalars = np.array([(1, 0, 0.1, b"val_loss", 2.0), (2, 0, 0.12, b"val_loss", 2.2), (1, 1, 0.3, b"val_loss", 1.5),
+                        (2, 1, 0.31, b"val_loss", 1.7), (1, 1, 0.32, b"lr", 0.01)], SCALAR)
+    with RunFile(path, {"paradigm": "bsp", "config": "{}"}) as rf:
+        rf.append("workers/iterations", it)
+        rf.append("workers/scalars", scalars)
+        rf.write_summary({"wall_s": 0.5, "gradients_applied": 4, "stopped_by": "loop: plateau"})
+    out = tmp_path / "report"
+    written = {p.name for p in make_report([str(path)], out)}
+    assert {"scalars.png", "scalars.md", "scalars.csv"} <= written
+    assert (out / "scalars.png").read_bytes()[:8] == PNG
+    with open(out / "scalars.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["name"], r["count"], r["first"], r["last"], r["min"], r["max"]) for r in rows] == [
+        ("val_loss", "4", "2.0", "1.7", "1.5", "2.2"), ("lr", "1", "0.01", "0.01", "0.01", "0.01")]
+    summary = (out / "summary.md").read_text()
+    assert "never" not in summary and "loop: plateau" in summary
+    with open(out / "summary.csv") as f:
+        row = next(csv.DictReader(f))
+    assert (row["time_to_0.9_s"], row["final_accuracy"], row["final_loss"]) == ("-", "-", "-")

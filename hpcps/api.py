@@ -20,6 +20,7 @@ the options are the same, under the same names (``batch_size`` for
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Callable, Iterable
 
@@ -149,7 +150,10 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     and ``exit_on_error`` are as :func:`train` takes them; ``options`` are
     :func:`train`'s, less the data's (the loop brings its own batches):
     ``steps`` is required (the most steps a worker takes: schedules and the
-    progress line count on it; the loop may stop sooner).
+    progress line count on it; the loop may stop sooner), a number or a
+    function of the worker count (``steps=lambda n_workers: epochs * math.ceil(
+    len(data) / (n_workers * batch))``), for a loop whose steps follow from its
+    share of the data.
     """
     from mpi4py import MPI
 
@@ -173,7 +177,20 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
                         optimizer=_object(optimizer), lr_schedule=_object(lr_schedule), model_name=cfg.model,
                         param_groups=param_groups)
 
+    steps_of = flags.pop("steps") if callable(flags.get("steps")) else None
+
     def start() -> Session:
+        if steps_of is not None:  # the steps of the worker count, which the layout knows before anything starts
+            from hpcps.cluster.planning import plan
+
+            def count() -> int:
+                layout = plan(make_config({**flags, "steps": 1}, config_file=config, python=True), comm.size)
+                steps = steps_of(layout.n_workers)
+                if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+                    raise UserError(f"steps: the function of the worker count returned {steps!r} for "
+                                    f"{layout.n_workers} workers, not a positive whole number")
+                return int(steps)
+            flags["steps"] = agree(comm, count)
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
         run = open_run(cfg, comm, agree(comm, lambda: check(cfg)))
         try:

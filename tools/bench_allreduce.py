@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import fmt, train
+from benchlib import data_parallel_replica, fmt, train
 
 
 #: hpcps evaluates only at the start and the end, as the data-parallel runs do not evaluate at all: rank 0's
@@ -69,22 +69,13 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
     from hpcps.config import make_config
     from hpcps.cluster.emulation import ComputeTime
     from hpcps.training.flat import FlatParameters
-    from hpcps.training.workload import data_shape, workload_from_config
 
     comm = MPI.COMM_WORLD
     flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
     cfg = make_config(flags)
     torch.set_num_threads(cfg.threads)
-    workload = workload_from_config(cfg)
-    if workload.prepare is not None and comm.rank == 0:
-        workload.prepare()
-    comm.Barrier()
-    source = workload.data()
-    in_shape, n_classes = data_shape(source)
-    model = workload.build_model(seed=cfg.seed, in_shape=in_shape, n_classes=n_classes, hidden=cfg.hidden)
+    workload, model, batches = data_parallel_replica(cfg, comm, steps)
     flat = FlatParameters(model)
-    batches = source.for_worker(comm.rank, comm.size, batch_size=cfg.batch_size, seed=cfg.seed,
-                                device=torch.device("cpu"), steps=steps)
     ddp = None
     if kind == "ddp":
         import torch.distributed as dist

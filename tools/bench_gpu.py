@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import launch_argv, train
+from benchlib import data_parallel_replica, launch_argv, train
 
 
 def _inner(kind: str, a: argparse.Namespace) -> None:
@@ -46,22 +46,14 @@ def _inner(kind: str, a: argparse.Namespace) -> None:
 
     from hpcps.config import make_config
     from hpcps.data.batches import to_device
-    from hpcps.training.workload import data_shape, workload_from_config
 
     comm = MPI.COMM_WORLD
     cfg = make_config({"model": a.model, "dataset": a.dataset, "batch_size": a.batch, "seed": 0, "lr": 0.05})
-    workload = workload_from_config(cfg)
-    if workload.prepare is not None and comm.rank == 0:
-        workload.prepare()
-    comm.Barrier()
-    source = workload.data()
-    in_shape, n_classes = data_shape(source)
+    workload, model, batches = data_parallel_replica(cfg, comm, a.steps)
     device = torch.device(a.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)  # NCCL's eager start wants the index
-    model = workload.build_model(seed=0, in_shape=in_shape, n_classes=n_classes, hidden=cfg.hidden).to(device)
-    batches = source.for_worker(comm.rank, comm.size, batch_size=a.batch, seed=0, device=torch.device("cpu"),
-                                steps=a.steps)
+    model.to(device)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None))
     try:
@@ -162,9 +154,10 @@ def main() -> int:
     refused = False
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.models:
-            ddp = [("DDP (nccl) 1 rank", "nccl", 1, n * a.batch_size), (f"DDP (nccl) {n} ranks", "nccl", n, a.batch_size),
-                   (f"DDP (gloo) {n} ranks", "gloo", n, a.batch_size)] if gpu else \
-                [(f"DDP (gloo) 1 rank", "gloo", 1, n * a.batch_size), (f"DDP (gloo) {n} ranks", "gloo", n, a.batch_size)]
+            one = ("DDP (nccl) 1 rank", "nccl", 1, n * a.batch_size) if gpu else \
+                ("DDP (gloo) 1 rank", "gloo", 1, n * a.batch_size)
+            ddp = [one, *([(f"DDP (nccl) {n} ranks", "nccl", n, a.batch_size)] if gpu else []),
+                   (f"DDP (gloo) {n} ranks", "gloo", n, a.batch_size)]
             base = None
             for label, kind, ranks, batch in ddp:
                 if kind == "gloo" and a.gloo_models is not None and model not in a.gloo_models:

@@ -257,7 +257,8 @@ def main() -> int:
             print(f"\nat {mib} MiB, of the link's rate ({rate / 1e9:.3f} GB/s): push "
                   f"{mib * MIB / r['push'] / rate:.2f}, pull {mib * MIB / r['pull'] / rate:.2f}")
         if any("push_pipelined" in r for _, r, _ in rows):
-            print(f"\nraw push pipelined in {a.pipeline_mb:g} MiB chunks, speed-up over the raw push (copy, then send): "
+            print(f"\nraw push pipelined in {a.pipeline_mb:g} MiB chunks, speed-up over the raw push "
+                  "(copy, then send): "
                   + ", ".join(f"{mib} MiB {r['push_raw'] / r['push_pipelined']:.2f}" for mib, r, _ in rows))
         if worst is not None:
             print(f"\nratio vs raw: {worst:.2f}")

@@ -41,6 +41,25 @@ def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: di
                 "cluster": str(f.attrs.get("cluster", "{}"))}
 
 
+def data_parallel_replica(cfg, comm, steps: int):
+    """A data-parallel rank's share of ``hpcps train``'s workload under ``cfg`` (collective over ``comm``):
+    the workload, the model ``hpcps train`` would build and this rank's batches, on the CPU."""
+    import torch
+
+    from hpcps.training.workload import data_shape, workload_from_config
+
+    workload = workload_from_config(cfg)
+    if workload.prepare is not None and comm.rank == 0:
+        workload.prepare()
+    comm.Barrier()
+    source = workload.data()
+    in_shape, n_classes = data_shape(source)
+    model = workload.build_model(seed=cfg.seed, in_shape=in_shape, n_classes=n_classes, hidden=cfg.hidden)
+    batches = source.for_worker(comm.rank, comm.size, batch_size=cfg.batch_size, seed=cfg.seed,
+                                device=torch.device("cpu"), steps=steps)
+    return workload, model, batches
+
+
 def parser(doc: str, *, seeds: list[int]) -> argparse.ArgumentParser:
     """The options every benchmark shares: ``--seeds`` and the hpcps train options after ``--``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

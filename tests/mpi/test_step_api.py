@@ -378,3 +378,21 @@ def test_the_loops_torch_thread_count_is_kept_or_changed_with_a_line_saying_so(w
         assert len(facts) == 1 and "torch threads per rank: 1, not 3" in facts[0], facts
     else:
         assert facts == []
+
+
+def test_steps_may_follow_from_the_worker_count(world, mpi_tmp_path):
+    """``steps=lambda n: ...``: 2 shards leave 3 workers, each takes 24 // 3 steps; a function that returns
+    no positive whole number ends every rank with one line naming it."""
+    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="asp", servers=2, steps=lambda n: 24 // n,
+                    progress=False, out=str(mpi_tmp_path / "steps.h5"), exit_on_error=False, comm=world)
+    taken = 0
+    with ps:
+        while ps.running:
+            ps.model(*batch(ps.iteration, 0, ps.worker_index)).backward()
+            ps.step()
+            taken += 1
+    counts = world.allgather(taken if ps.is_worker else None)
+    assert [c for c in counts if c is not None] == [8, 8, 8]
+    with pytest.raises(UserError, match=r"steps: the function of the worker count returned 0.0 for 4 workers"):
+        hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=lambda n: 0.0, progress=False,
+                   out=str(mpi_tmp_path / "bad.h5"), exit_on_error=False, comm=world)

@@ -117,7 +117,7 @@ class Worker:
         #: the loop's optimizer edits since the last push, or None (the step API's ps.optimizer:
         #: hpcps.training.hyper); they go to every shard ahead of the next push
         self.hyper_edits: Callable[[], list[dict] | None] | None = None
-        self._hyper_sends: list = []  # their sends, completed by the time the worker leaves
+        self._hyper_sends: list = []  # their sends not yet known complete (all are by the time it leaves)
         self.faults = {f.step: f for f in faults}
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
         # (and gives up) only at twice the limits, when the server itself may be what is stuck
@@ -277,7 +277,8 @@ class Worker:
         row["lr"] = scaled_lr(self.lr_staleness, lr, row["lr_staleness"])
         self.clock_count += 1
         edits = self.hyper_edits() if self.hyper_edits is not None else None
-        if edits is not None:  # ahead of the header that says they came
+        if edits is not None:  # ahead of the header that says they came; the sends done since, let go
+            self._hyper_sends = [r for r in self._hyper_sends if not r.Test()]
             self._hyper_sends += [self.pusher.comm.isend(edits, dest=rank, tag=wire.TAG_HYPER)
                                   for rank in self.pusher.shard_ranks]
             flags |= wire.HYPER

@@ -12,7 +12,7 @@ gradients; an update that sums several workers' gradients (a bsp round) is appli
 and a warning says once if they differ.
 
 The learning rate is the group's base rate: ``--lr-schedule`` and the staleness factor still multiply it
-(keep ``lr_schedule`` at ``none`` when the loop schedules its own rate).
+(keep ``lr_schedule`` at ``constant``, the default, when the loop schedules its own rate).
 """
 
 from __future__ import annotations

@@ -65,8 +65,10 @@ from hpcps.metrics.schema import RANK, summarize
 from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.training.divergence import DivergenceWatch, NonFiniteStart
 from hpcps.training.optim import Schedule, ShardOptimizer, describe_optimizer, make_schedule
+from hpcps.training.optstate import cut, from_shard, join, to_shard
 from hpcps.training.paramgroups import resolve_groups, shard_group_indices, shard_groups
 from hpcps.policies import Policy, make_policy, policy_class
+from hpcps.runtime.optstate import StateDesk
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.signals import StopSignals, announce
@@ -601,6 +603,7 @@ class _Run:
                           reserve=rounds.expected if rounds and rounds.ordered else None,
                           pieces=self._send_pieces(self.codec)[topo.rank])
         side_tasks, bar, evaluator = [("other", self._spread_signal(window))], None, None
+        side_tasks.append(("other", StateDesk(topo.ps, optimizer, len(master))))  # ps.optimizer's state
         if topo.rank == 0:
             # evaluate in a helper thread where the pull may run beside the loop (pinned window, THREAD_MULTIPLE)
             # (HPCPS_EVAL_BACKGROUND=0 forces the loop's thread: tools/bench_eval_latency.py compares both)
@@ -730,37 +733,21 @@ class _Run:
 
     def _resliced_optimizer_state(self, optimizer: ShardOptimizer, shard: int) -> dict:
         """This shard's optimizer state, cut from a checkpoint written by shards sliced otherwise (another
-        count, or another stripe): each written shard's per-value state (momentum, Adam's moments) laid out
-        over the flat vector, then cut at this shard's chunks; per-chunk scalars (Adam's step count, the
-        same on every chunk) carried over."""
+        count, or another stripe): each written shard's state laid over the flat vector, then cut at this
+        shard's chunks (:mod:`hpcps.training.optstate`)."""
         cfg, ckpt, n_params, size = self.cfg, self.ckpt, self.flat.n_params, self.flat.size
         written = Slices.plan(size, n_params, ckpt.written_servers, ckpt.written_stripe)
-        flat_state: dict[str, torch.Tensor] = {}
-        scalars: dict[str, Any] = {}
+        parts = []
         for s in range(written.n_shards):
             n = written.trainable(s, n_params)
             state = read_optimizer_state(cfg.resume, s) if n else {}
-            if not state.get("state"):
-                continue
-            shard_optimizer = ShardOptimizer(torch.zeros(n), self.workload.optimizer_factory(cfg), lambda v: 1.0,
-                                             groups=shard_groups(self.groups, written.pieces[s]))
-            local: dict[str, torch.Tensor] = {}
-            for k, (a, b) in enumerate(shard_optimizer.spans):
-                for key, value in state["state"].get(k, {}).items():
-                    if torch.is_tensor(value) and value.numel() == b - a and value.dim() == 1:
-                        local.setdefault(key, torch.zeros(written.length(s), dtype=value.dtype))[a:b] = value
-                    else:
-                        scalars[key] = value
-            for key, values in local.items():
-                written.put(s, values, flat_state.setdefault(key, torch.zeros(size, dtype=values.dtype)))
-        if optimizer.optimizer is None or not (flat_state or scalars):
+            spans = ShardOptimizer(torch.zeros(n), self.workload.optimizer_factory(cfg), lambda v: 1.0,
+                                   groups=shard_groups(self.groups, written.pieces[s])).spans if state else []
+            parts.append(from_shard(state, spans, written.length(s)))
+        flat = join(parts, written.put, size)
+        if optimizer.optimizer is None or not flat:
             return {}
-        mine = {key: self.slices.take(shard, v) for key, v in flat_state.items()}
-        state = optimizer.state_dict()
-        state["state"] = {k: {**{key: v[a:b].clone() for key, v in mine.items()},
-                              **{key: v.clone() if torch.is_tensor(v) else v for key, v in scalars.items()}}
-                          for k, (a, b) in enumerate(optimizer.spans)}
-        return state
+        return to_shard(cut(flat, lambda v: self.slices.take(shard, v)), optimizer.spans, optimizer.state_dict())
 
     def schedule(self, base_lr: float) -> Schedule:
         """The learning-rate multiplier by server version: the user's, or ``--lr-schedule`` over the run's

@@ -34,7 +34,10 @@ from hpcps.runtime.checkpoint import checkpoint_path, read_user_state, write_use
 from hpcps.cluster.emulation import BackwardCompute, ComputeTime, emulated_sleep, forward_compute
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
+from hpcps.transport.poll import Backoff
 from hpcps.training.hyper import EditTracker, servers_template
+from hpcps.training.optstate import cut, from_torch, join, to_torch
+from hpcps.runtime.optstate import ask, hand
 
 log = logging.getLogger("hpcps")
 
@@ -79,6 +82,9 @@ class Session:
             self.state = read_user_state(cfg.resume)
         self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
         self.worker = run.make_worker()
+        #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
+        #: loop's traffic never meets hpcps's)
+        self.workers = run.topo.role_comm.Dup()
         self._hooks = []
         if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
             self._hooks = forward_compute(
@@ -163,6 +169,40 @@ class Session:
         for name, value in scalars.items():
             self.run.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
 
+    def mean(self, value):
+        """Collective over the workers: ``value`` (a number, a tensor or an array, the same shape on
+        every worker) averaged over them, of the same kind (a tensor on its device): ``hvd.allreduce``
+        of a validation metric. Every worker must call it at the same point of its loop; while it
+        waits, this worker's transfers keep moving."""
+        if not self.is_worker:
+            raise RuntimeError("ps.mean: call it on the worker ranks (every worker, at the same point)")
+        is_tensor = torch.is_tensor(value)
+        data = np.ascontiguousarray(value.detach().cpu().double().numpy() if is_tensor else value, dtype=np.float64)
+        total = np.empty_like(data)
+        self._wait(self.workers.Iallreduce(data, total, op=MPI.SUM), "ps.mean")
+        total /= self.n_workers
+        if is_tensor:
+            return torch.from_numpy(total).to(dtype=value.dtype, device=value.device)
+        if isinstance(value, np.ndarray):
+            return total.astype(value.dtype, copy=False)
+        return float(total)
+
+    def workers_barrier(self) -> None:
+        """Collective over the workers: return once every worker has called it."""
+        self._wait(self.workers.Ibarrier(), "a collective of the workers")
+
+    def _wait(self, request: MPI.Request, what: str) -> None:
+        """Wait for a collective of the workers, keeping this worker's transfers moving; past
+        ``stall_abort`` (or 10 minutes), a TimeoutError saying which call waited."""
+        backoff, began = Backoff(), time.monotonic()
+        limit = self.run.cfg.stall_limit or 600.0
+        while not request.Test():
+            if time.monotonic() - began > limit:
+                raise TimeoutError(f"{what}: not every worker called it within {limit:.0f} s (each worker "
+                                   "must call it at the same point of its loop, while ps.running)")
+            self.worker.poke()
+            backoff.pause()
+
     def _open(self) -> None:
         self.open = self.worker.open_step()
         if not self.open:
@@ -230,6 +270,7 @@ class Session:
             finally:
                 self._remove_hooks()
                 self.run.free_worker(self.worker)
+                self.workers.Free()
             self.result = self.run.end(user_state=self.state if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
         return self.result
@@ -330,4 +371,47 @@ class StepOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         self.session.flat.adopt_grads()
         self.session.flat.zero_grad()
+
+    def _layout(self) -> tuple[list[tuple[int, int]], list[torch.Size]]:
+        """Each parameter's place in the flat vector and its shape, numbered as torch numbers them in a state dict."""
+        ranges = [(a, b) for group in self.session.run.groups for _, a, b in group.ranges]
+        shapes = [p.shape for group in self.param_groups for p in group["params"]]
+        return ranges, shapes
+
+    def _must_be_worker(self, what: str) -> None:
+        if not self.session.is_worker or self.session.closed:
+            raise RuntimeError(f"ps.optimizer.{what}: call it on a worker rank, before ps.close() "
+                               "(the server shards answer while the run is on)")
+
+    def state_dict(self) -> dict:
+        """The servers' optimizer state, gathered from every shard, in torch's layout for the model's
+        parameters (momentum buffers, Adam's moments and step, shaped as the parameters; param groups with
+        the hyperparameters as this loop set them): what a torch optimizer over the model would save.
+        Each shard answers with the state of the version it holds when asked; under bsp, the version this
+        worker's last ``ps.step()`` brought in. ``torch.save`` it, or :meth:`load_state_dict` it into
+        a run on any shard count, or into a plain torch optimizer over the same model."""
+        self._must_be_worker("state_dict()")
+        run = self.session.run
+        parts = ask(run.topo.ps, run.shards, self.session.worker.poke, run.cfg.stall_limit or 600.0)
+        ranges, shapes = self._layout()
+        groups = torch.optim.Optimizer.state_dict(self)["param_groups"]  # torch's numbering and the hyperparameters
+        return to_torch(join(parts, run.slices.put, run.flat.size), ranges, shapes, groups)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Collective over the workers (call it on every worker, between steps): the param groups'
+        hyperparameters become this loop's (they reach the shards with the next push) and worker 0 hands
+        the per-parameter state to the shards, each taking its slice; every worker returns once they all
+        hold it. ``state_dict`` is :meth:`state_dict`'s, from any shard count, or a plain torch
+        optimizer's over the same model and groups."""
+        self._must_be_worker("load_state_dict()")
+        session, run = self.session, self.session.run
+        super().load_state_dict(state_dict)  # torch checks the groups and casts the state onto the parameters
+        params = [p for group in self.param_groups for p in group["params"]]
+        ranges, _ = self._layout()
+        flat = from_torch({i: self.state[p] for i, p in enumerate(params) if p in self.state}, ranges, run.flat.size)
+        self.state.clear()  # the servers hold it; this optimizer keeps none
+        if session.worker_index == 0:
+            hand(run.topo.ps, run.shards, [cut(flat, lambda v, s=s: run.slices.take(s, v)) for s in run.shards],
+                 session.worker.poke, run.cfg.stall_limit or 600.0)
+        session.workers_barrier()
 

@@ -37,6 +37,11 @@ at server ``version``, with that ``staleness``, at learning rate ``lr``; or
 ``DONE``; the last notice the shard sends that worker), ``TRANSFER`` (serial
 transfers: send the payload of your oldest waiting push now).
 
+Optimizer state (worker -> shard, then its answer; :mod:`hpcps.runtime.optstate`)::
+
+    tag STATE         pickled ("get",) or ("set", the shard's part of a state)
+    tag STATE_REPLY   pickled: the shard's state over its slice, or None once it took the new one
+
 RMA window (one per run over the PS communicator; server shards expose
 memory, every other rank exposes none)::
 
@@ -66,6 +71,8 @@ TAG_PUSH_HEADER = 11
 TAG_PUSH_DATA = 12
 TAG_NOTICE = 13
 TAG_HYPER = 14  # a worker's optimizer hyperparameters, before the push header flagged HYPER
+TAG_STATE = 15  # ps.optimizer's state requests, worker -> shard (hpcps.runtime.optstate)
+TAG_STATE_REPLY = 16  # their answers, shard -> worker
 
 HEADER_LEN = 6
 KIND_PUSH = 1

@@ -5,7 +5,7 @@ The loop has the parts such scripts have (Horovod's ImageNet example, torchvisio
 scripts): momentum SGD with weight decay, the learning rate scaled by the worker count and warmed
 up per batch, then cut by 10 at fixed epochs, edited in the optimizer's param groups; a
 DistributedSampler per epoch; gradients accumulated over sub-batches; a validation loss averaged
-over the workers. The data are synthetic (random labels: the loss need not fall); the model is a
+over the workers; the optimizer's state saved with the model each epoch. The data are synthetic (random labels: the loss need not fall); the model is a
 small CNN.
 
     mpiexec -n 5 python examples/horovod_style.py --epochs 3
@@ -14,9 +14,10 @@ What changed against the Horovod script (``docs/own-model.md``, "Porting a Horov
 ``hvd.init()`` and ``hvd.DistributedOptimizer(optim.SGD(...))`` became ``hpcps.init(...,
 optimizer=...)``; ``hvd.size()``/``hvd.rank()`` became ``ps.n_workers``/``ps.worker_index``;
 ``optimizer`` became ``ps.optimizer`` and ``optimizer.step()`` ``ps.step()``; ``hvd.allreduce`` of a
-metric became an ``allreduce`` over the workers' communicator (``workers``, split before
-``init``); the broadcasts of parameters and optimizer state went (every rank builds the same model
-and the optimizer lives on the servers).
+metric became ``ps.mean``, and the validation's print also ``ps.evaluated`` (the run's evaluation in
+its summary and report); the broadcasts of parameters and optimizer state went (every rank builds the
+same model and the optimizer lives on the servers); ``optimizer.state_dict()`` in the epoch's
+checkpoint is ``ps.optimizer.state_dict()``, the servers' state gathered.
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--paradigm", default="bsp")
     p.add_argument("--out", default=None)
+    p.add_argument("--checkpoint-format", default=None, help="save model and optimizer here each epoch "
+                   "(worker 0), as Horovod's example does: e.g. ckpt-{epoch}.pt")
     args = p.parse_args()
 
     world = MPI.COMM_WORLD
     # the worker count is known before init (the learning rate and the steps depend on it); hvd.size()
     n_workers = world.size - args.servers
-    # hvd.allreduce of a metric: the workers' own communicator, split before init (every rank takes part)
-    workers = world.Split(0 if world.rank >= args.servers else MPI.UNDEFINED, world.rank)
     g = torch.Generator().manual_seed(1)
     train_set = torch.utils.data.TensorDataset(torch.randn(args.samples, 3, 16, 16, generator=g),
                                                torch.randint(0, 10, (args.samples,), generator=g))
@@ -107,13 +108,15 @@ def main() -> None:
                 total = sum(float(F.cross_entropy(ps.model(x.to(ps.device)), y.to(ps.device), reduction="sum"))
                             for x, y in val_loader)
             ps.model.train()
-            val_loss = workers.allreduce(total) / len(val_set)  # every worker's share, summed
+            val_loss = ps.mean(total) * ps.n_workers / len(val_set)  # hvd.allreduce: every worker's share, summed
             ps.log(val_loss=val_loss)
+            ps.evaluated(loss=val_loss)  # worker 0's: the run's evaluation
+            if args.checkpoint_format and ps.worker_index == 0:  # hvd.rank() == 0
+                torch.save({"model": ps.model.state_dict(), "optimizer": ps.optimizer.state_dict()},
+                           args.checkpoint_format.format(epoch=epoch + 1))
             if ps.worker_index == 0:
                 print(f"epoch {epoch}: validation loss {val_loss:.4f}, lr {ps.optimizer.param_groups[0]['lr']:.5f}",
                       flush=True)
-    if workers != MPI.COMM_NULL:
-        workers.Free()
     if ps.result is not None:
         print(f"metrics in {ps.result.path}", flush=True)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 6  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
-#                     4: workers/scalars, optimizer; 5: timeline; 6: servers/updates.lr, reason 3
+SCHEMA_VERSION = 7  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+#                     4: workers/scalars, optimizer; 5: timeline; 6: servers/updates.lr, reason 3;
+#                     7: servers/hypers
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -66,6 +67,13 @@ EVAL_METRIC = np.dtype([("t", "f8"), ("version", "i8"), ("name", "S32"), ("value
 #: API): the worker's rank, the step it was computing, the run's clock, the name and the value.
 SCALAR = np.dtype([("rank", "i4"), ("step", "i8"), ("t", "f8"), ("name", "S32"), ("value", "f8")])
 
+#: ``/servers/hypers``: a hyperparameter of the shard's optimizer as a loop's ``ps.optimizer`` edit set it
+#: (hpcps.training.hyper), from the update at ``version`` on: one row per changed value per group per
+#: shard (``worker``: the rank whose edit it is; ``lr`` the group's base rate; a tuple's element i
+#: is named ``name[i]``, as Adam's ``betas[0]``)
+HYPER = np.dtype([("rank", "i4"), ("shard", "i4"), ("t", "f8"), ("worker", "i4"), ("version", "i8"),
+                  ("group", "i4"), ("name", "S32"), ("value", "f8")])
+
 #: ``/ranks``: one row per rank, written at the end of the run: its role (server, group, worker),
 #: host name, peak resident memory (``getrusage``), and the training or held-out samples it read
 #: from a streamed data set (-1 where the data are not counted: in memory, or not streamed), and its
@@ -92,6 +100,7 @@ TABLES = {
     "eval": EVAL,
     "eval_metrics": EVAL_METRIC,
     "workers/scalars": SCALAR,
+    "servers/hypers": HYPER,
     "ranks": RANK,
     "timeline": TIMELINE,
 }

@@ -8,13 +8,16 @@ Files of the checkpoint of version v (format 2)::
                n_params, n_workers, n_servers, config (JSON)
     step-000020.optim-0.pt  shard 0's optimizer state (torch.save of its state_dict)
     step-000020.optim-1.pt  shard 1's, ... one per shard, each written by its shard
-    step-000020.user.pt     the training loop's own fields (the step API's ``ps.state``), written
-                            by worker 0; only where a loop keeps any
+    step-000020.user.pt     worker 0's loop (:class:`LoopState`): the step API's ``ps.state``,
+                            ``ps.optimizer``'s hyperparameters as the loop left them, the
+                            model's integer buffers; written by worker 0 where it has any
 
 Each file is written atomically: to ``<name>.tmp``, then renamed; a
-checkpoint is complete when all ``1 + n_servers`` files exist. Only BSP
-checkpoints are consistent in this release (every shard and every worker
-at one version), so only BSP writes them periodically (``--checkpoint-every``).
+checkpoint is complete when all ``1 + n_servers`` files exist. BSP
+checkpoints periodically (``--checkpoint-every``) at a round's close, where
+every shard and every worker are at one version; the other paradigms take
+a consistent cut while the run goes on (:mod:`hpcps.runtime.snapshot`),
+with no moment at which worker 0's loop belongs to it (no ``user.pt``).
 Every paradigm writes one when a signal stops it (:mod:`hpcps.runtime.signals`):
 by then every pushed gradient has been applied, and the checkpoint holds
 each shard's version (``shard_versions``) and each worker's clock, where its
@@ -33,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
@@ -164,22 +167,59 @@ def user_state_path(path: str) -> str:
     return f"{os.path.splitext(path)[0]}.user.pt"
 
 
-def write_user_state(path: str, state: dict) -> str:
-    """Write worker 0's ``ps.state`` beside the checkpoint ``path`` atomically; return its file."""
+#: marks a loop file that holds more than the loop's fields (the format of :func:`write_user_state`)
+LOOP_KEY = "__hpcps_loop__"
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint holds of worker 0's loop: its own fields (``ps.state``), ``ps.optimizer``'s
+    param groups' hyperparameters as the loop left them (None where it never made ``ps.optimizer``),
+    and the model's integer buffers (BatchNorm's ``num_batches_tracked``), by name."""
+
+    fields: dict = field(default_factory=dict)
+    param_groups: list | None = None
+    int_buffers: dict = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.fields or self.param_groups or self.int_buffers)
+
+
+def write_user_state(path: str, loop: LoopState) -> str:
+    """Write worker 0's loop state beside the checkpoint ``path`` atomically; return its file."""
     part = user_state_path(path)
     os.makedirs(os.path.dirname(os.path.abspath(part)), exist_ok=True)
-    torch.save(dict(state), part + ".tmp")
+    torch.save({LOOP_KEY: 2, "fields": dict(loop.fields), "param_groups": loop.param_groups,
+                "int_buffers": dict(loop.int_buffers)}, part + ".tmp")
     os.replace(part + ".tmp", part)
     return part
 
 
-def read_user_state(path: str) -> dict:
-    """The loop's own fields saved with the checkpoint ``path`` (empty when it has none). The file is
-    the user's own pickle, read in full (``weights_only=False``): resume only checkpoints you trust."""
+def read_loop_state(path: str) -> LoopState:
+    """The loop's state saved with the checkpoint ``path`` (empty when it has none; a file written before
+    the loop's optimizer and buffers were saved holds its fields only). The file is the user's own
+    pickle, read in full (``weights_only=False``): resume only checkpoints you trust."""
     part = user_state_path(path)
     if not os.path.exists(part):
-        return {}
-    return torch.load(part, weights_only=False)
+        return LoopState()
+    saved = torch.load(part, weights_only=False)
+    if isinstance(saved, dict) and saved.get(LOOP_KEY) == 2:
+        return LoopState(saved["fields"], saved["param_groups"], saved["int_buffers"])
+    return LoopState(saved)
+
+
+def read_user_state(path: str) -> dict:
+    """The loop's own fields (``ps.state``) saved with the checkpoint ``path``."""
+    return read_loop_state(path).fields
+
+
+def restore_int_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put a checkpointed loop's integer buffers (BatchNorm's ``num_batches_tracked``, which each rank
+    counts on its own) back into ``model``, by name."""
+    buffers = dict(model.named_buffers())
+    for name, value in saved.items():
+        if name in buffers and not buffers[name].is_floating_point():
+            buffers[name].copy_(value)
 
 
 def read_optimizer_state(path: str, shard: int) -> dict:

@@ -41,9 +41,10 @@ from hpcps.runtime import agree as agree_module
 from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.box import cluster_record, node_label
-from hpcps.runtime.checkpoint import (Checkpoint, check_compatible, check_same_optimizer, checkpoint_path,
+from hpcps.runtime.checkpoint import (Checkpoint, LoopState, check_compatible, check_same_optimizer, checkpoint_path,
                               optimizer_state_path, read_checkpoint, read_optimizer_state, read_policy_state,
-                              reshaped, write_checkpoint, write_optimizer_state, write_user_state)
+                              reshaped, restore_int_buffers, write_checkpoint, write_optimizer_state,
+                              write_user_state)
 from hpcps.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
@@ -469,9 +470,9 @@ class _Run:
                 self.runfile.close()
             raise
 
-    def end(self, user_state: dict | None = None) -> RunResult | None:
+    def end(self, loop: LoopState | None = None) -> RunResult | None:
         """Collective, once every rank's part is over: recorders closed, a checkpoint if a signal
-        stopped the run (with ``user_state``, worker 0's own fields), the summary; the result on rank 0."""
+        stopped the run (with ``loop``, worker 0's loop state), the summary; the result on rank 0."""
         comm, recorder, runfile, window, group_window = (self.topo.comm, self.recorder, self.runfile, self.window,
                                                          self.group_window)
         wall_s = self.clock()
@@ -479,16 +480,20 @@ class _Run:
         polite_barrier(comm, self.backoff)
         # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
         stopped_by = next((s for s in comm.allgather(self.signals.acted) if s), None)
-        saved_ckpt = self._checkpoint_at_stop(comm, user_state) if stopped_by else None
+        saved_ckpt = self._checkpoint_at_stop(comm, loop) if stopped_by else None
         if stopped_by is None and comm.bcast(self.diverged is not None if comm.rank == 0 else None, root=0):
             stopped_by = "diverged"  # no checkpoint: nothing worth resuming
         ranks = comm.gather(self._resources(), root=0)  # after the barrier: nobody waits long
+        # worker 0's integer buffers (BatchNorm's num_batches_tracked, counted on each rank) into the model saved
+        ints = [i for i in comm.gather(loop.int_buffers if loop is not None else None, root=0) or [] if i]
+        if ints:
+            restore_int_buffers(self.model, ints[0])
         window.free()
         if group_window is not None:
             group_window.free()
         return self._finish(runfile, wall_s, self.path, ranks, stopped_by, saved_ckpt) if comm.rank == 0 else None
 
-    def _checkpoint_at_stop(self, comm: MPI.Comm, user_state: dict | None) -> str:
+    def _checkpoint_at_stop(self, comm: MPI.Comm, loop: LoopState | None) -> str:
         """Collective: the checkpoint of a run a signal stopped (every pushed gradient applied by now).
 
         Each shard writes its optimizer state and rank 0 the final parameters
@@ -502,8 +507,8 @@ class _Run:
         if self.optimizer is not None:
             write_optimizer_state(path, self.topo.rank, self.optimizer.state_dict(),
                                   self.policy.state_dict() if self.policy is not None else None)
-        if user_state:  # worker 0's own fields, where its loop keeps any
-            write_user_state(path, user_state)
+        if loop:  # worker 0's loop: its fields, its optimizer's hyperparameters, its integer buffers
+            write_user_state(path, loop)
         if comm.rank == 0:
             worker_clocks = np.zeros(self.layout.n_workers, np.int64)
             for rank, clock in clocks:
@@ -673,7 +678,12 @@ class _Run:
             if reason is None or self.diverged is not None:
                 return
             self.diverged = reason
-            if per_step > 1 and cfg.lr_scaling == "none":
+            opt = self.optimizer  # shard 0's: the rate a loop set through ps.optimizer, if it set one
+            loop_lr = opt.recorded_lr if opt is not None and opt.recorded_lr != opt.default_lr else None
+            if loop_lr is not None:
+                how = (f"the loop set the rate to {loop_lr:g} in ps.optimizer's param groups (--lr {cfg.lr:g} is "
+                       f"not the rate in force): try a smaller one there, or --clip-norm")
+            elif per_step > 1 and cfg.lr_scaling == "none":
                 how = (f"each worker's gradient is applied as its own update at --lr {cfg.lr:g} (--lr-scaling "
                        f"none), {per_step} updates per step of every worker: try --lr-scaling auto (--lr / "
                        f"{per_step} per update)")

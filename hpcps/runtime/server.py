@@ -46,6 +46,7 @@ import torch
 
 from hpcps.errors import RunAborted
 from hpcps.metrics.timeline import NullTimeline
+from hpcps.training.hyper import NOT_HYPER, SCHEDULER_KEYS
 from hpcps.training.optim import APPLY_CHUNK, ShardOptimizer, update_terms
 from hpcps.policies import Decision, Policy
 from hpcps.runtime.rounds import RoundSum
@@ -132,6 +133,7 @@ class ShardServer:
         #: each worker's optimizer hyperparameters as its loop last set them (hpcps.training.hyper), by index
         self.hypers: dict[int, list[dict]] = {}
         self._mixed_hypers_told = False
+        self._in_force: dict[tuple[int, str], float] = {}  # (group, name): the value last recorded
         self.recorder = recorder
         self.clock = clock
         self.progress = progress
@@ -325,6 +327,23 @@ class ShardServer:
             self.optimizer.reset_hyper()
         else:
             self.optimizer.set_hyper(values)
+        self._record_hypers(pushes[0].worker)
+
+    def _record_hypers(self, worker: int) -> None:
+        """Rows of ``servers/hypers`` for each hyperparameter in force that changed since the last update
+        (an edit of ``worker``'s loop, or back to the optimizer's own for a worker that made none)."""
+        t, rank = self.clock(), self.worker_ranks[worker]
+        for local, group in enumerate(self.optimizer.optimizer.param_groups):
+            g = self.optimizer.indices[local]
+            for key, value in group.items():
+                if key in NOT_HYPER or key in SCHEDULER_KEYS:
+                    continue
+                value = self.optimizer.base_lrs[local] if key == "lr" else value
+                for name, number in _numbers(key, value):
+                    if self._in_force.get((g, name)) != number:
+                        self._in_force[(g, name)] = number
+                        self.recorder.add("servers/hypers", (self.rank, self.shard, t, rank, self.version, g,
+                                                             name.encode()[:32], number))
 
     def _row(self, push: PushEvent, version: int, t: float, *, applied: bool, reason: int, lr: float) -> None:
         """``push``'s row of this shard's table, at time ``t``: applied at ``version`` at rate ``lr``, or dropped
@@ -420,6 +439,16 @@ class ShardServer:
             raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "
                              f"(its gradient {push.clock}) and --nonfinite is abort")
         return False
+
+
+def _numbers(key: str, value) -> list[tuple[str, float]]:
+    """A hyperparameter as the run file records it: a number (or bool) as itself, a tuple's numbers as
+    ``key[i]``; anything else (``foreach``'s None) not at all."""
+    if isinstance(value, (bool, int, float)):
+        return [(key, float(value))]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
+        return [(f"{key}[{i}]", float(v)) for i, v in enumerate(value)]
+    return []
 
 
 def _note(notices: dict[int, list], worker: int, flag: int, *fields) -> None:

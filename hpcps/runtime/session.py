@@ -30,12 +30,13 @@ import torch
 from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
-from hpcps.runtime.checkpoint import checkpoint_path, read_user_state, write_user_state
+from hpcps.runtime.checkpoint import LoopState, checkpoint_path, read_loop_state, restore_int_buffers, write_user_state
 from hpcps.cluster.emulation import BackwardCompute, ComputeTime, emulated_sleep, forward_compute
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
 from hpcps.transport.poll import Backoff
-from hpcps.training.hyper import EditTracker, servers_template
+from hpcps.policies import policy_class
+from hpcps.training.hyper import EditTracker, servers_template, template
 from hpcps.training.optstate import cut, from_torch, join, to_torch
 from hpcps.runtime.optstate import ask, hand
 
@@ -67,6 +68,7 @@ class Session:
         self.worker_index = layout.worker_index(rank) if self.is_worker else None
         self.model = run.model
         self._optimizer = None
+        self._resumed_groups: list | None = None  # ps.optimizer's hyperparameters as a checkpointed loop left them
         #: where the model lives (``cuda:<i>`` on a GPU worker): the loop puts its batches there
         self.device = run.flat.device if self.is_worker else torch.device("cpu")
         if not self.is_worker:
@@ -76,16 +78,25 @@ class Session:
         self.clip_norm = cfg.clip_norm
         self.compute_time = emulated_compute_time(cfg, rank, layout)
         self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
-        self.checkpoint_every = cfg.checkpoint_every
-        self._saved_at: int | None = None  # the version whose checkpoint has the loop's fields already
-        if run.ckpt is not None:
-            self.state = read_user_state(cfg.resume)
+        policy = policy_class(cfg.paradigm)
+        # bsp checkpoints at a round's close, where worker 0's loop belongs to the checkpoint; the other
+        # paradigms' periodic checkpoints are cuts taken while the workers go on (hpcps.runtime.snapshot)
+        at_rounds = policy.periodic_cut() == "rounds" and policy.worker_blocks and not policy.extra_gradients
+        self.checkpoint_every = cfg.checkpoint_every if at_rounds and self.worker_index == 0 else None
+        #: a checkpointed version whose loop state is written at the loop's next training pass (:meth:`_save_due`)
+        self._due: int | None = None
+        self._saved_at: int | None = int(run.ckpt.version) if run.ckpt is not None else None
+        loop = read_loop_state(cfg.resume) if run.ckpt is not None else LoopState()
+        self.state = loop.fields
+        self._resumed_groups = loop.param_groups
+        restore_int_buffers(self.model, loop.int_buffers)
         self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
         self.worker = run.make_worker()
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's)
         self.workers = run.topo.role_comm.Dup()
         self._hooks = []
+        self._target_reached = self._evaluated = False
         if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
             self._hooks = forward_compute(
                 self.model, lambda: self.compute_time.forward_seconds(cfg.compute_forward, self.run.clock()),
@@ -99,9 +110,13 @@ class Session:
             self._backward = BackwardCompute(
                 self.model, lambda: self.compute_time.forward_seconds(cfg.compute_backward, self.run.clock()),
                 lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl, lead=self._lead)
+        if self.checkpoint_every:
+            self._hooks.append(self.model.register_forward_pre_hook(self._before_forward))
         self.worker.begin()
         self.open = False
         self._open()
+        if self._resumed_groups is not None:
+            _ = self.optimizer  # the checkpointed loop's hyperparameters leave with the first push
 
     # -- what the loop reads ------------------------------------------------
     @property
@@ -139,6 +154,7 @@ class Session:
         step as skipped: it counts in its round (nobody waits for it) and is never applied."""
         if not self.running:
             return False
+        self._save_due()
         if self._optimizer is not None:  # this is ps.optimizer's step: torch's schedulers check that it ran
             self._optimizer._opt_called = True
         self.flat.adopt_grads()
@@ -169,6 +185,30 @@ class Session:
         for name, value in scalars.items():
             self.run.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
 
+    def evaluated(self, **metrics: float) -> None:
+        """The loop's own validation, recorded as the run's evaluation (``ps.evaluated(loss=2.1,
+        accuracy=0.64, perplexity=8.2)``): worker 0's call is a row of ``/eval`` (``loss``, ``accuracy``)
+        and of ``/eval_metrics`` (any other name) at the run's clock and the version the model holds, as
+        ``hpcps.train``'s evaluation on the servers writes them, so the summary's final loss and accuracy,
+        ``time_to_target_s`` and ``hpcps report`` use them. Another worker's call records nothing (give
+        every worker the same values with :meth:`mean`, or evaluate on worker 0 alone). With
+        ``target="accuracy>=0.9"`` (or any metric given here), reaching it stops every worker after its
+        step under way, as hpcps.train's target does."""
+        if not self.is_worker or self.worker_index != 0:
+            return
+        self._evaluated = True
+        t, version = self.run.clock(), self.version
+        values = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in metrics.items()}
+        self.run.recorder.add("eval", (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan)))
+        for name, value in values.items():
+            if name not in ("loss", "accuracy"):
+                self.run.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
+        target = self.run.cfg.stop_target
+        if target is not None and not self._target_reached and target.reached(values.get(target.name, math.nan)):
+            self._target_reached = True
+            log.info("target %s reached at t=%.2fs (%s %.4f): stopping", target, t, target.name, values[target.name])
+            self.worker.window.request_stop()
+
     def mean(self, value):
         """Collective over the workers: ``value`` (a number, a tensor or an array, the same shape on
         every worker) averaged over them, of the same kind (a tensor on its device): ``hvd.allreduce``
@@ -177,7 +217,7 @@ class Session:
         if not self.is_worker:
             raise RuntimeError("ps.mean: call it on the worker ranks (every worker, at the same point)")
         is_tensor = torch.is_tensor(value)
-        data = np.ascontiguousarray(value.detach().cpu().double().numpy() if is_tensor else value, dtype=np.float64)
+        data = np.array(value.detach().cpu().double().numpy() if is_tensor else value, dtype=np.float64, order="C")
         total = np.empty_like(data)
         self._wait(self.workers.Iallreduce(data, total, op=MPI.SUM), "ps.mean")
         total /= self.n_workers
@@ -205,21 +245,42 @@ class Session:
 
     def _open(self) -> None:
         self.open = self.worker.open_step()
+        version = self.version  # (bsp pulls at the end of every step: the final version too)
+        if self.checkpoint_every and version and version % self.checkpoint_every == 0 and version != self._saved_at:
+            self._due = version  # this version's checkpoint is the servers'; the loop's part waits for the loop
         if not self.open:
             return
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
         if self._backward is not None:
             self._backward.begin()
         self._target = None
-        version = self.version
-        if (self.checkpoint_every and self.worker_index == 0 and self.state and version
-                and version % self.checkpoint_every == 0 and version != self._saved_at):
-            # BSP: this version's checkpoint is the servers'; the loop's own fields as they are before
-            # computing on it go beside it (where a run resumed from it starts)
-            write_user_state(checkpoint_path(self.run.ckpt_dir, version), self.state)
-            self._saved_at = version
         self.t0 = time.perf_counter()
         self.worker.tl.enter(self._opens_with)
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        """Worker 0's first training pass (gradients on, train mode) on a checkpointed version: its loop's
+        decisions since the step that brought the version in (an epoch's end: a new rate, a counter, the
+        best loss so far) are made; they go into the checkpoint now."""
+        if self._due is not None and torch.is_grad_enabled() and module.training:
+            self._save_due()
+
+    def _save_due(self) -> None:
+        """Write the loop's state beside the checkpoint of the version it now computes on: as it is when the
+        loop begins its first training pass on that version, or calls ``step()`` or ``close()`` first (where a
+        run resumed from that checkpoint starts)."""
+        if self._due is None:
+            return
+        loop = self.loop_state()
+        if loop:
+            write_user_state(checkpoint_path(self.run.ckpt_dir, self._due), loop)
+        self._saved_at, self._due = self._due, None
+
+    def loop_state(self) -> LoopState:
+        """What a checkpoint keeps of this worker's loop: ``ps.state``, ``ps.optimizer``'s hyperparameters,
+        the model's integer buffers."""
+        groups = template(self._optimizer.param_groups) if self._optimizer is not None else None
+        ints = {name: b.detach().cpu().clone() for name, b in self.model.named_buffers() if not b.is_floating_point()}
+        return LoopState(self.state, groups, ints)
 
     def _push_may_begin(self) -> bool:
         """Whether this step's push may leave during backward: not where the compute emulation would add
@@ -265,13 +326,17 @@ class Session:
             return self.result
         self.closed = True
         if self.is_worker:
+            self._save_due()
+            if self.worker_index == 0 and self.run.cfg.stop_target is not None and not self._evaluated:
+                log.warning("target %s had no effect: in your own loop, the run's evaluation is what it gives "
+                            "ps.evaluated(...), and it never called it", self.run.cfg.stop_target)
             try:
                 self.worker.finish()
             finally:
                 self._remove_hooks()
                 self.run.free_worker(self.worker)
                 self.workers.Free()
-            self.result = self.run.end(user_state=self.state if self.worker_index == 0 else None)
+            self.result = self.run.end(loop=self.loop_state() if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
         return self.result
 
@@ -338,6 +403,8 @@ class StepOptimizer(torch.optim.Optimizer):
         # shards; an edit cannot travel with one worker's gradient there
         self.grouped = run.topo.group != MPI.COMM_NULL
         self.tracker = EditTracker(hyper, lambda message: log.warning("%s", message), name)
+        for group, values in zip(self.param_groups, session._resumed_groups or []):
+            group.update(values)  # a resumed loop's rates: sent with the first push, as an edit
         self._grouped_told = False
         if session.is_worker:
             session.worker.hyper_edits = self._edits
@@ -414,4 +481,5 @@ class StepOptimizer(torch.optim.Optimizer):
             hand(run.topo.ps, run.shards, [cut(flat, lambda v, s=s: run.slices.take(s, v)) for s in run.shards],
                  session.worker.poke, run.cfg.stall_limit or 600.0)
         session.workers_barrier()
+
 

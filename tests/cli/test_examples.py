@@ -164,11 +164,20 @@ def test_the_horovod_style_loop_applies_its_per_batch_schedule_on_the_servers(tm
     tenth from epoch 2): every gradient is applied at the rate the loop set for its batch."""
     out = tmp_path / "hvd.h5"
     proc = launch(5, sys.executable, str(EXAMPLES / "horovod_style.py"), "--epochs", "3", "--out", str(out),
-                  timeout=240, cwd=str(tmp_path))
+                  "--checkpoint-format", str(tmp_path / "ckpt-{epoch}.pt"), timeout=240, cwd=str(tmp_path))
     _ok(proc)
     example = _module("horovod_style")
     with h5py.File(out) as f:
-        up, scalars = f["servers/updates"][()], f["workers/scalars"][()]
+        up, scalars, ev = f["servers/updates"][()], f["workers/scalars"][()], f["eval"][()]
+        final_loss = float(f["summary"].attrs["final_loss"])
+    # the averaged validation loss is the run's evaluation; each epoch's checkpoint holds the servers'
+    # momentum, shaped as the model's parameters
+    worker0 = scalars[(scalars["rank"] == 1) & (scalars["name"] == b"val_loss")]["value"]
+    assert ev["loss"].tolist() == worker0.tolist() and final_loss == worker0[-1] and len(ev) == 3
+    saved = torch.load(tmp_path / "ckpt-3.pt")
+    shapes = [tuple(v.shape) for k, v in saved["model"].items()]
+    momenta = [tuple(saved["optimizer"]["state"][i]["momentum_buffer"].shape) for i in sorted(saved["optimizer"]["state"])]
+    assert momenta == shapes and float(saved["optimizer"]["state"][0]["momentum_buffer"].abs().max()) > 0
     n, per_epoch, scaled = 4, 4, 0.0125 * 4 * 2  # 512 samples / 4 workers / (16 x 2) per step
     step = up["worker_clock"] - 1
     want = [scaled * example.warmup_then_steps(int(k) // per_epoch, (int(k) % per_epoch + 1) / per_epoch,

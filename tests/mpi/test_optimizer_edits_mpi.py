@@ -86,11 +86,21 @@ def test_one_worker_with_a_scheduler_and_a_momentum_edit_is_the_plain_torch_loop
             got = torch.from_numpy(ps.result.params[:len(want)])
             torch.manual_seed(0)
             start = torch.cat([p.detach().reshape(-1) for p in TinyLM().parameters()])
-            facts = {"err": float((got - want).abs().max()), "moved": float((want - start).abs().max())}
+            with h5py.File(ps.result.path) as f:
+                hypers = f["servers/hypers"][()]
+            facts = {"err": float((got - want).abs().max()), "moved": float((want - start).abs().max()),
+                     "momentum": sorted({(int(h["shard"]), int(h["group"]), int(h["version"]), float(h["value"]))
+                                         for h in hypers if h["name"] == b"momentum"}),
+                     "lr": sorted({(int(h["version"]), round(float(h["value"]), 9))
+                                   for h in hypers if h["name"] == b"lr"})}
         comm.Free()
     facts = share(world, facts)
     assert facts["moved"] > 1e-2
     assert facts["err"] < 1e-5, facts
+    # the run file says what was in force from the first edit on (StepLR's first cut, applied at version 3):
+    # momentum 0.9, then 0 from version 6, on both shards' pieces of both groups; the base rate halved every 3
+    assert facts["momentum"] == [(s, g, v, m) for s in (0, 1) for g in (0, 1) for v, m in ((3, 0.9), (6, 0.0))], facts
+    assert facts["lr"] == [(3 * k, round(LR * 0.5 ** k, 9)) for k in range(1, 4)], facts
 
 
 def test_reduce_lr_on_plateau_on_a_validation_metric_reaches_the_servers(world, mpi_tmp_path):
@@ -121,3 +131,25 @@ def test_reduce_lr_on_plateau_on_a_validation_metric_reaches_the_servers(world, 
     assert facts["rows"] == 4 * steps
     assert facts["lowest"] < LR / 4  # it did anneal
     assert facts["max_rel"] < 1e-12, facts
+
+
+def test_a_divergence_at_a_rate_the_loop_set_names_that_rate_not_lr(world, mpi_tmp_path, capsys):
+    """The loop sets a huge rate in ps.optimizer: the run stops as diverged, and rank 0's line names the rate
+    the loop set, not lr= (which is not the rate in force)."""
+    ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, paradigm="bsp", steps=60, lr_scaling="none", progress=False,
+                    out=str(mpi_tmp_path / "diverged.h5"), exit_on_error=False, comm=world)
+    with ps:
+        if ps.is_worker:
+            ps.optimizer.param_groups[0]["lr"] = 5e3
+        while ps.running:
+            loss = ps.model(*batch(ps.iteration, 0, ps.worker_index))
+            loss.backward()
+            ps.step(loss)
+    err = capsys.readouterr().err
+    facts = None
+    if world.rank == 0:
+        facts = {"stopped_by": ps.result.summary["stopped_by"],
+                 "line": [x for x in err.splitlines() if "ERROR: training diverged" in x]}
+    facts = share(world, facts)
+    assert facts["stopped_by"] == "diverged", facts
+    assert len(facts["line"]) == 1 and "the loop set the rate to 5000 in ps.optimizer" in facts["line"][0], facts

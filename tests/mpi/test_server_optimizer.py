@@ -147,8 +147,12 @@ def test_bsp_resumed_with_optimizer_state_ends_bit_for_bit(world, mpi_tmp_path, 
     facts = None
     if world.rank == 0:
         facts = {"equal": bool(np.array_equal(full.params, resumed.params)),
-                 "parts": sorted(p.name for p in ckdir.iterdir() if p.suffix == ".pt")}
+                 "parts": sorted(p.name for p in ckdir.iterdir() if p.suffix == ".pt"),
+                 "tracked": [int(r.state_dict[k]) for r in (full, resumed) for k in r.state_dict
+                             if k.endswith("num_batches_tracked")]}
     facts = share(world, facts)
-    assert facts["parts"] == ["step-000015.optim-0.pt", "step-000015.optim-1.pt",
-                              "step-000030.optim-0.pt", "step-000030.optim-1.pt"]
+    # each shard's optimizer, and worker 0's loop (here: BatchNorm's batch count, an integer buffer)
+    assert facts["parts"] == ["step-000015.optim-0.pt", "step-000015.optim-1.pt", "step-000015.user.pt",
+                              "step-000030.optim-0.pt", "step-000030.optim-1.pt", "step-000030.user.pt"]
     assert facts["equal"]
+    assert facts["tracked"] == [30, 30], facts  # the saved models count worker 0's batches, the resumed one too

@@ -23,13 +23,19 @@ def _rows(path):
         return f["servers/updates"][()]
 
 
-@pytest.mark.parametrize("paradigm", ["bsp", "ssp"])
-def test_a_step_lr_on_ps_optimizer_is_the_rate_each_gradient_is_applied_at(world, mpi_tmp_path, paradigm):
+@pytest.mark.parametrize("paradigm,options", [
+    ("bsp", {}), ("ssp", {}),
+    # where features meet: partitioned pulls over striped shards, 16-bit pushes, an eager worker's own count
+    ("asp", {"partition_mb": 0.002}), ("ssp", {"compress": "bf16"}), ("eager", {"lr_staleness": "none"}),
+], ids=["bsp", "ssp", "asp-partitions", "ssp-bf16", "eager"])
+def test_a_step_lr_on_ps_optimizer_is_the_rate_each_gradient_is_applied_at(world, mpi_tmp_path, paradigm, options):
     """StepLR(step_size=5, gamma=0.1) stepped after every ps.step(): gradient k of every worker is applied
-    at LR x 0.1^((k-1) // 5), on both shards, under bsp and under ssp (each worker's own scheduler)."""
+    at LR x 0.1^((k-1) // 5), on both shards, under bsp and under ssp (each worker's own scheduler), and
+    with partitions, compression, or eager's decoupled pull."""
     steps = 15
     ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, paradigm=paradigm, steps=steps, servers=2, lr_scaling="none",
-                    progress=False, out=str(mpi_tmp_path / f"{paradigm}.h5"), exit_on_error=False, comm=world)
+                    progress=False, out=str(mpi_tmp_path / f"{paradigm}.h5"), exit_on_error=False, comm=world,
+                    **options)
     scheduler = torch.optim.lr_scheduler.StepLR(ps.optimizer, step_size=5, gamma=0.1)
     with ps:
         while ps.running:

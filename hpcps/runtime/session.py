@@ -481,5 +481,3 @@ class StepOptimizer(torch.optim.Optimizer):
             hand(run.topo.ps, run.shards, [cut(flat, lambda v, s=s: run.slices.take(s, v)) for s in run.shards],
                  session.worker.poke, run.cfg.stall_limit or 600.0)
         session.workers_barrier()
-
-

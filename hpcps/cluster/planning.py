@@ -34,9 +34,9 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.partition_mb and cls.eager_pull:
         raise UserError(f"--partition-mb: --paradigm {cfg.paradigm} pulls behind its computation already (and "
                         f"swaps the whole pull in); partitioned pulls are for paradigms that pull between steps")
-    if cfg.checkpoint_interval and cls.name == "bsp":
-        raise UserError("--checkpoint-interval: under bsp give --checkpoint-every ROUNDS (a checkpoint between "
-                        "two rounds)")
+    if cfg.checkpoint_interval and cls.checkpoints_at_publish():  # bsp, or a plug-in built on it
+        raise UserError(f"--checkpoint-interval: --paradigm {cfg.paradigm} checkpoints at a round's close, where "
+                        f"every worker waits: give --checkpoint-every ROUNDS")
     workers = f"ranks {layout.first_worker}-{world_size - 1}"
     for fault in cfg.faults:
         if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:

@@ -137,6 +137,13 @@ class Policy(ABC):
             return "rounds"
         return "clocks" if cls.applies_on_arrival else None
 
+    @classmethod
+    def checkpoints_at_publish(cls) -> bool:
+        """Whether a periodic checkpoint is taken at a round's close, from the shard's publish hook (every
+        worker waits for its grant there, so the shards and worker 0's loop are at one version: bsp and
+        its subclasses; ``--checkpoint-every`` rounds only), rather than as a cut while the run goes on."""
+        return cls.periodic_cut() == "rounds" and cls.worker_blocks and not cls.extra_gradients
+
     def resume_at(self, version: int) -> None:
         """The shard resumes at ``version`` (from a checkpoint); policies that count versions start there."""
 

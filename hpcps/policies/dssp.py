@@ -55,8 +55,10 @@ class DSSP(SSP):
         self.last_push: list[float | None] = [None] * n_workers
         self.interval: list[float | None] = [None] * n_workers
         self.bound = [staleness] * n_workers
-        #: every controller decision: (time, worker, clock gap, r*, new bound)
-        self.decisions: list[tuple[float, int, int, int, int]] = []
+        #: each worker's last controller decision, (time, worker, clock gap, r*, new bound), or None (one per
+        #: worker, not a history: a run of 100k pushes past the bound holds no more than one of 10); the
+        #: bounds in force are in the run file (servers/updates.threshold)
+        self.last_decision: list[tuple[float, int, int, int, int] | None] = [None] * n_workers
 
     def threshold(self, worker: int) -> int:
         return self.bound[worker]
@@ -87,7 +89,7 @@ class DSSP(SSP):
         elif gap > self.bound[worker]:
             r = self._controller(worker, r_max=self.staleness_max - gap + 1)
             self.bound[worker] = min(max(gap - 1 + r, self.staleness), self.staleness_max)
-            self.decisions.append((now, worker, gap, r, self.bound[worker]))
+            self.last_decision[worker] = (now, worker, gap, r, self.bound[worker])
         return super().on_push(worker, clock, version, now)
 
     def _controller(self, fast: int, r_max: int) -> int:

@@ -630,7 +630,7 @@ class _Run:
         periodic = policy.periodic_cut() if cfg.checkpoint_every or cfg.checkpoint_interval else None
         # every bsp worker waits at a round's close: bsp checkpoints there, from the publish hook; the others
         # take a consistent cut while the run goes on (hpcps.runtime.snapshot)
-        at_publish = periodic == "rounds" and policy.worker_blocks and not policy.extra_gradients
+        at_publish = periodic is not None and policy.checkpoints_at_publish()
         snapshots = None
         if periodic and not at_publish:
             snapshots = self._snapshots(window, optimizer, policy, RoundCut() if periodic == "rounds" else ClockCut())

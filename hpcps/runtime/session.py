@@ -78,11 +78,10 @@ class Session:
         self.clip_norm = cfg.clip_norm
         self.compute_time = emulated_compute_time(cfg, rank, layout)
         self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
-        policy = policy_class(cfg.paradigm)
         # bsp checkpoints at a round's close, where worker 0's loop belongs to the checkpoint; the other
         # paradigms' periodic checkpoints are cuts taken while the workers go on (hpcps.runtime.snapshot)
-        at_rounds = policy.periodic_cut() == "rounds" and policy.worker_blocks and not policy.extra_gradients
-        self.checkpoint_every = cfg.checkpoint_every if at_rounds and self.worker_index == 0 else None
+        at_publish = policy_class(cfg.paradigm).checkpoints_at_publish()
+        self.checkpoint_every = cfg.checkpoint_every if at_publish and self.worker_index == 0 else None
         #: a checkpointed version whose loop state is written at the loop's next training pass (:meth:`_save_due`)
         self._due: int | None = None
         self._saved_at: int | None = int(run.ckpt.version) if run.ckpt is not None else None

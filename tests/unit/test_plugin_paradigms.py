@@ -112,3 +112,25 @@ def test_the_simulator_drives_a_plugin_and_refuses_what_it_cannot_model(capsys):
     assert main(["simulate", "--paradigm", BACKUP, "--paradigm-option", "backups=1", "--workers", "4",
                  "--steps", "5"]) == 0
     assert f"| {BACKUP} | 4 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("interval", [None, 30.0])
+def test_a_plugin_built_on_bsp_is_planned_as_bsp_is_for_periodic_checkpoints(interval):
+    """A plug-in subclassing BSP checkpoints where bsp does (at a round's close): --checkpoint-interval is
+    refused in one line naming the plug-in, as under bsp, and --checkpoint-every is taken (a run of it
+    crashed with a TypeError when planning checked the name 'bsp' and the runtime the class)."""
+    from hpcps.cluster.planning import plan
+    from hpcps.policies.sync import BSP
+
+    class Steady(BSP):
+        pass
+
+    key = register_class(Steady)
+    assert Steady.checkpoints_at_publish() and not policy_class("ssp").checkpoints_at_publish()
+    cfg = make_config({"paradigm": key, "checkpoint_interval": interval, "checkpoint_every": None if interval else 5})
+    if interval is None:
+        assert plan(cfg, 5).n_workers == 4
+    else:
+        with pytest.raises(UserError, match=r"--checkpoint-interval: --paradigm .*Steady checkpoints at a round's "
+                                            r"close, where every worker waits: give --checkpoint-every ROUNDS"):
+            plan(cfg, 5)

@@ -141,17 +141,17 @@ def test_dssp_hand_timed_scenario():
     assert p.on_push(0, 3, 4, 3.0).grants == (0,)  # clocks 3,2
     # clocks 4,2: gap 2 passes the bound; T_f=4, Δ_f=1, T_s=3, Δ_s=3: r* = 2, bound 2 - 1 + 2 = 3
     assert p.on_push(0, 4, 5, 4.0).grants == (0,)
-    assert p.threshold(0) == 3 and p.decisions[-1] == (4.0, 0, 2, 2, 3)
+    assert p.threshold(0) == 3 and p.last_decision[0] == (4.0, 0, 2, 2, 3)
     assert p.on_push(0, 5, 6, 5.0).grants == (0,)  # gap 3 <= 3
     # gap 4: the slow worker pushes right now (6 = 3 + 3): r* = 0, wait with bound 3 ...
     assert p.on_push(0, 6, 7, 6.0).grants == ()
-    assert p.decisions[-1] == (6.0, 0, 4, 0, 3)
+    assert p.last_decision[0] == (6.0, 0, 4, 0, 3)
     # ... and its aligned push releases the fast worker at once
     assert p.on_push(1, 3, 8, 6.0).grants == (0, 1)
     # clocks 7,3: gap 4 again; T_f=7, T_s=6: pushes at 7, 8, 9 for i = 0..2 and the slow one's
     # next at 9, so r* = 2 and the bound rises to 4 - 1 + 2 = 5 = s_hi
     assert p.on_push(0, 7, 9, 7.0).grants == (0,)
-    assert p.decisions[-1] == (7.0, 0, 4, 2, 5)
+    assert p.last_decision[0] == (7.0, 0, 4, 2, 5)
     assert p.on_push(0, 8, 10, 8.0).grants == (0,)  # gap 5 <= 5
     assert p.on_push(1, 4, 11, 9.0).grants == (1,)  # clocks 8,4
     assert p.on_push(0, 9, 12, 9.0).grants == (0,)  # gap 5
@@ -174,7 +174,8 @@ def test_dssp_with_equal_bounds_is_exactly_ssp(seed):
         assert a == b
         can_push.update(a.grants)
     assert all(dssp.threshold(w) == 2 for w in range(3))
-    assert dssp.decisions and all(r == 0 for _, _, _, r, _ in dssp.decisions)  # the range forced r* = 0
+    made = [d for d in dssp.last_decision if d is not None]
+    assert made and all(r == 0 for _, _, _, r, _ in made)  # the range forced r* = 0
 
 
 def test_ssp_restored_from_its_state_makes_the_same_decisions_as_the_original():
@@ -200,3 +201,22 @@ def test_dssp_keeps_its_bounds_and_intervals_through_a_checkpoint():
     q.load_state_dict(p.state_dict())
     assert (q.clocks, q.bound, q.interval) == (p.clocks, p.bound, p.interval) and q.bound[0] > 1
     assert q.last_push == [None] * 3  # push times were on the old run's clock
+
+
+def test_dssp_holds_memory_of_the_worker_count_however_long_the_run():
+    """A fast worker pushing past its bound 20000 times (a controller decision each time) against a slow one:
+    no container the policy keeps grows past the worker count (it kept every decision, 27.6 MB per shard
+    after 100k pushes)."""
+    p = make_policy("dssp", 2, staleness=1, staleness_max=3)
+    slow, fast, t, decided = 0, 0, 0.0, set()
+    for _ in range(20000):  # the slow worker pushes once per 3 of the fast one's, sooner if the fast one waits
+        t += 1.0
+        fast += 1
+        held = not p.on_push(0, fast, 0, t).grants
+        decided.add(p.last_decision[0])
+        if held or fast % 3 == 0:
+            slow += 1
+            p.on_push(1, slow, 0, t + 0.5)
+    sizes = {k: len(v) for k, v in vars(p).items() if isinstance(v, (list, dict, set, tuple))}
+    assert len(decided) > 1000, len(decided)  # the controller decided again and again
+    assert max(sizes.values()) <= 4, sizes  # (SSP's lazily cleaned heaps hold a few stale entries)

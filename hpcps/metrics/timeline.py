@@ -28,7 +28,7 @@ PHASES = {
     # a server shard
     1: "wait",       # polling and sleeping with no gradient complete: waiting for the workers
     2: "receive",    # the MPI calls that completed a gradient's receive (its last bytes' copy)
-    3: "scan",       # the finiteness check of a gradient
+    3: "scan",       # the finiteness check of a gradient (a worker's verdict; a shard's, for one without)
     4: "sum",        # adding a gradient into its round's sum
     5: "step",       # the optimizer's step and the buffers' update: one new version
     6: "publish",    # writing the new version into the window

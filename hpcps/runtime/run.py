@@ -881,7 +881,8 @@ class _Run:
                      faults=[f for f in cfg.faults if f.rank == topo.rank],
                      start_step=int(self.ckpt.worker_clocks[self.layout.worker_index(topo.rank)]) if self.ckpt else 0,
                      stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
-                     backoff=self.backoff, take_signal=self.signals.take, timeline=timeline, **extra)
+                     backoff=self.backoff, take_signal=self.signals.take, timeline=timeline,
+                     overflow=codec.overflow, **extra)
 
     def _push_slices(self) -> list[tuple[int, int]]:
         """The slices of a worker's push buffer, one per shard (the shards' wire order,

@@ -428,12 +428,22 @@ class ShardServer:
         return self.codec.gradient(self.inbox.gradient(worker), len(self.master))
 
     def _finite(self, push: PushEvent) -> bool:
-        """Whether a gradient may be applied; a skipped one (its worker said so) or a non-finite one is
-        dropped, or a non-finite one ends the run."""
+        """Whether a gradient may be applied (called once per push); a skipped one (its worker said so) or a
+        non-finite one is dropped, or a non-finite one ends the run. Finite or not is the worker's verdict on
+        its whole gradient where it gave one (in the header, or after the payload of a push begun during
+        backward), so every shard decides alike; a push without one (a group server's) is scanned here."""
         if push.skip:
             return False
-        self.tl.enter("scan")
-        if all_finite(self.codec.values(self.inbox.gradient(push.worker))):
+        if push.flags & wire.VERDICT:
+            verdict = np.empty(1, np.int64)
+            self.inbox.comm.Recv(verdict, source=self.worker_ranks[push.worker], tag=wire.TAG_VERDICT)
+            finite = bool(verdict[0])
+        elif push.flags & (wire.CHECKED | wire.NONFINITE):
+            finite = not push.flags & wire.NONFINITE
+        else:
+            self.tl.enter("scan")
+            finite = all_finite(self.codec.values(self.inbox.gradient(push.worker)))
+        if finite:
             return True
         if self.abort_on_nonfinite:
             raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "

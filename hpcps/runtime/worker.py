@@ -65,6 +65,7 @@ from hpcps.training.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
 from hpcps.metrics.timeline import NullTimeline
 from hpcps.transport import wire
+from hpcps.transport.compress import gradient_verdict
 from hpcps.transport.eager import EagerPuller
 from hpcps.transport.notices import NoticeBox
 from hpcps.errors import RunAborted
@@ -90,14 +91,18 @@ class Worker:
                  take_signal: Callable[[], str | None] | None = None, timeline=None,
                  stage: Callable[[np.ndarray, bool], None] | None = None,
                  partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None,
-                 backward_pushes: BackwardPushes | None = None) -> None:
+                 backward_pushes: BackwardPushes | None = None, overflow: float = math.inf) -> None:
         """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
         where compression encodes it (hpcps.transport.compress); by default the flat buffer's own;
         ``partitions``: pull in partitions, the pass starting before the last has come
         (:mod:`hpcps.runtime.partitions`); ``send_buffers``: push from a copy of the gradient in one of
         these two (the pusher's slots), so that the push may leave while the next pass computes;
         ``backward_pushes``: in hpcps's own loop, push each piece of the gradient as backward produces it
-        (:mod:`hpcps.runtime.backward`, :meth:`before_backward`)."""
+        (:mod:`hpcps.runtime.backward`, :meth:`before_backward`); ``overflow``: where a finite value
+        becomes infinite on the wire (:attr:`hpcps.transport.compress.Codec.overflow`), for the verdict on
+        each gradient that its push carries (:meth:`_verdict`)."""
+        self.overflow = overflow
+        self._verdict_sends: list = []  # (request, buffer) of verdicts sent after a push begun in backward
         self.send_buffers = send_buffers
         self.backward_pushes = backward_pushes
         self.early_push_s = 0.0  # the push's time spent before backward (its slot, its headers)
@@ -165,7 +170,10 @@ class Worker:
         self._settle_pull()
         if self.step in self.faults:
             self._inject(self.faults[self.step])
-        self._exchange(self.row, wire.SKIP if skip else 0)
+        flags = wire.SKIP if skip else 0
+        if not skip and not (self.backward_pushes is not None and self.backward_pushes.armed):
+            flags |= self._verdict()  # before staging: a gradient no shard applies leaves no residual behind
+        self._exchange(self.row, flags)
 
     def before_backward(self) -> None:
         """hpcps's own loop, before its backward pass: with backward pushes, begin the step's push now (its
@@ -190,9 +198,9 @@ class Worker:
         slotted = self.send_buffers is not None
         during_backward = self.backward_pushes is not None and self.backward_pushes.armed  # the push began before backward
         if during_backward and flags:
-            raise RuntimeError("a push begun before backward cannot be flagged after it")
+            raise RuntimeError("a push begun before backward cannot be flagged after it (its verdict follows it)")
         if not slotted:
-            self.stage(self.pusher.buffers[0], not flags & wire.SKIP)
+            self.stage(self.pusher.buffers[0], not flags & (wire.SKIP | wire.NONFINITE))
         # a worker that never waits for a grant begins its pull before its push: over a network the
         # pull's requests would otherwise queue behind the whole gradient (see ParamWindow.begin_pull)
         early, begun = None, 0.0
@@ -202,6 +210,7 @@ class Worker:
             tl.enter("push")
         if during_backward:
             self.backward_pushes.finish()  # the pieces backward did not complete, the buffers' change
+            self._send_verdict()
         elif slotted:
             self._push_copy(self.step, self.versions, row, flags)
         else:
@@ -282,8 +291,27 @@ class Worker:
             self._hyper_sends += [self.pusher.comm.isend(edits, dest=rank, tag=wire.TAG_HYPER)
                                   for rank in self.pusher.shard_ranks]
             flags |= wire.HYPER
+        if headers_only:
+            flags |= wire.VERDICT  # backward has not produced the gradient yet: the verdict follows it
+        elif not flags & (wire.SKIP | wire.CHECKED | wire.NONFINITE):
+            flags |= self._verdict()
         start = self.pusher.start_header if headers_only else self.pusher.start
         start(self.clock_count, versions, row["lr"], slot, flags)
+
+    def _verdict(self) -> int:
+        """``CHECKED`` or ``NONFINITE``: whether every value of the step's gradient (its buffers' change
+        too) is finite as the wire will carry it. The worker holds the whole gradient and a shard its slice
+        only: one verdict makes every shard apply it, or none."""
+        with self.tl.within("scan"):
+            finite = gradient_verdict(self.flat.grads_t[:self.flat.size], self.overflow)
+        return wire.CHECKED if finite else wire.NONFINITE
+
+    def _send_verdict(self) -> None:
+        """After a push begun during backward: its verdict to every shard (each waits for it to apply)."""
+        verdict = np.array([1 if self._verdict() == wire.CHECKED else 0], np.int64)
+        self._verdict_sends = [(r, b) for r, b in self._verdict_sends if not r.Test()]
+        self._verdict_sends += [(self.pusher.comm.Isend(verdict, dest=rank, tag=wire.TAG_VERDICT), verdict)
+                                for rank in self.pusher.shard_ranks]
 
     def _start_row(self, step: int, versions: np.ndarray) -> dict:
         return {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
@@ -305,7 +333,7 @@ class Worker:
         self.tl.enter("push")
         t = time.perf_counter()
         self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
-        self.stage(self.send_buffers[slot], not flags & wire.SKIP)
+        self.stage(self.send_buffers[slot], not flags & (wire.SKIP | wire.NONFINITE))
         self._push(versions, row, slot, flags)
         row["push_s"] = time.perf_counter() - t
         return slot
@@ -360,6 +388,9 @@ class Worker:
         for request in self._hyper_sends:  # each shard took them with their push, before its goodbye
             request.wait()
         self._hyper_sends = []
+        for request, _ in self._verdict_sends:  # and its verdicts, before applying them
+            request.Wait()
+        self._verdict_sends = []
         if self.rows:
             raise RuntimeError(f"worker rank {self.rank}: no receipt for pushes {sorted(self.rows)}")
 

@@ -43,6 +43,16 @@ from hpcps.errors import UserError
 CHOICES = "none, bf16, fp16 or topk:RATIO (0 < RATIO < 1)"
 
 
+def gradient_verdict(values: torch.Tensor, overflow: float = math.inf) -> bool:
+    """Whether every value of a worker's gradient is finite and stays finite on a wire whose codec
+    overflows at ``overflow`` (:attr:`Codec.overflow`), in one read of the values (as :func:`all_finite`)."""
+    if values.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(values)
+    lo, hi = float(lo), float(hi)
+    return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) < overflow
+
+
 def all_finite(values: torch.Tensor) -> bool:
     """Whether every value is finite, in one read of them: ``torch.aminmax`` (NaN propagates to both,
     an infinity is the minimum or the maximum). ``torch.isfinite(values).all()`` writes a bool per
@@ -63,6 +73,9 @@ class Codec:
     pull_dtype: np.dtype = np.dtype(np.float32)
     identity_push = True  # pushes leave from the gradient buffer itself
     identity_pull = True  # pulls land in the parameters themselves
+    #: the smallest magnitude a finite fp32 gradient value becomes infinite at on the wire (a worker's
+    #: verdict on its gradient holds for what the shards receive)
+    overflow = math.inf
 
     def describe(self) -> dict:
         """What the run file records of it."""
@@ -120,6 +133,8 @@ class Half(Codec):
     def __init__(self, name: str) -> None:
         self.name = name
         self.torch_dtype = torch.bfloat16 if name == "bf16" else torch.float16
+        info = torch.finfo(self.torch_dtype)  # rounding to nearest: half an ulp past the largest finite value
+        self.overflow = info.max + info.eps * 2.0 ** math.floor(math.log2(info.max)) / 2
 
     def _view(self, buf: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(buf).view(self.torch_dtype)

@@ -133,6 +133,7 @@ class PushEvent:
     extra: bool = False
     skip: bool = False  # the worker skipped the step: counted in its round, never applied
     hyper: bool = False  # the worker sent new optimizer hyperparameters before this push (tag HYPER)
+    flags: int = 0  # the header's push flags (the worker's verdict on the gradient among them: wire.CHECKED ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +230,7 @@ class PushInbox:
         for i in self._payloads_done():
             h = self.headers[i]
             events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA),
-                                     bool(h[5] & wire.SKIP), bool(h[5] & wire.HYPER)))
+                                     bool(h[5] & wire.SKIP), bool(h[5] & wire.HYPER), int(h[5])))
             if self.streaming is not None and self.streaming[0] == i:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None

@@ -16,7 +16,11 @@ worker waited for its round to close; ``HYPER``, that the worker's loop
 changed its optimizer's hyperparameters since its last push: it sent them
 before the header, as a pickled list (one dict per param group) with tag
 ``HYPER``, and the gradient is applied with them
-(:mod:`hpcps.training.hyper`).
+(:mod:`hpcps.training.hyper`). ``CHECKED`` and ``NONFINITE`` carry the worker's
+verdict on the whole gradient (every value finite as the wire carries it, or
+not), so that a gradient is applied by every shard or by none; a push begun
+during backward says ``VERDICT`` instead, and after its payload the worker
+sends each shard the verdict (tag ``VERDICT``, int64 1 or 0).
 
 *Serial transfers* (hsp): the worker sends the header alone; each shard
 answers ``TRANSFER`` to one ready worker at a time, and only then does that
@@ -71,6 +75,7 @@ TAG_PUSH_HEADER = 11
 TAG_PUSH_DATA = 12
 TAG_NOTICE = 13
 TAG_HYPER = 14  # a worker's optimizer hyperparameters, before the push header flagged HYPER
+TAG_VERDICT = 17  # int64[1]: 1 finite, 0 not, after a payload whose header said VERDICT
 TAG_STATE = 15  # ps.optimizer's state requests, worker -> shard (hpcps.runtime.optstate)
 TAG_STATE_REPLY = 16  # their answers, shard -> worker
 
@@ -88,6 +93,11 @@ TRANSFER = 16
 EXTRA = 1  # push flags (header field 5)
 SKIP = 2  # the worker skipped this step (a GradScaler found Inf/NaN): count it, never apply it
 HYPER = 4  # new hyperparameters came before this header (tag HYPER): apply the gradient with them
+# the worker's verdict on the whole gradient (it holds all of it; a shard sees its slice only), so that a
+# gradient is applied by every shard or by none:
+CHECKED = 8  # every value is finite (as the wire carries it): the shards need not scan it
+NONFINITE = 16  # some value is not: every shard drops it
+VERDICT = 32  # pushed during backward, before the worker could know: the verdict follows the payload (tag VERDICT)
 
 WINDOW_HEADER_BYTES = 128
 WIN_MAX_SLOTS = 4

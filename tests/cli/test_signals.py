@@ -1,9 +1,11 @@
 """Ctrl-C under mpiexec: one line, no traceback, the run's metrics and a checkpoint written (bounded by timeouts)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import h5py
@@ -38,13 +40,25 @@ def test_ctrl_c_under_mpiexec_ends_every_rank_cleanly_with_summary_and_checkpoin
     file and checkpoint are what hpcps answers for."""
     out = tmp_path / "dssp.h5"
     proc = _start(5, tmp_path, "--paradigm", "dssp", "--steps", "100000", "--compute-time", "0.005", "--out",
-                  str(out))
-    deadline = time.monotonic() + 120
-    while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    time.sleep(2.0)  # training is under way
+                  str(out), "--log-every", "0.2")
+    lines: list[str] = []  # rank 0's log as it comes (its evaluation's lines name the version)
+    readers = [threading.Thread(target=lambda f=f, keep=keep: [keep.append(x) for x in f], daemon=True)
+               for f, keep in ((proc.stderr, lines), (proc.stdout, []))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 120  # on a busy machine start-up takes a while: wait for applied gradients
+    while (time.monotonic() < deadline and proc.poll() is None
+           and not any(int(v) > 0 for x in list(lines) for v in re.findall(r"version=(\d+)", x))):
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends mpiexec
-    stderr = _ended(proc, "Ctrl-C")
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the job did not end after Ctrl-C\n" + "".join(lines)[-3000:]) from None
+    for reader in readers:
+        reader.join(timeout=10)
+    stderr = "".join(lines)
     signal_name = "SIGTERM" if FAMILY == "openmpi" else "SIGINT"
     assert "Traceback" not in stderr and "Error" not in stderr, stderr[-3000:]
     if FAMILY != "openmpi":

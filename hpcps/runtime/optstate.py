@@ -12,7 +12,6 @@ communicator::
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 from mpi4py import MPI
@@ -20,7 +19,6 @@ from mpi4py import MPI
 from hpcps.training.optim import ShardOptimizer
 from hpcps.training.optstate import FlatState, from_shard, to_shard
 from hpcps.transport import wire
-from hpcps.transport.poll import Backoff
 
 
 class StateDesk:
@@ -47,32 +45,35 @@ class StateDesk:
         return True
 
 
-def _await(comm: MPI.Comm, source: int, poke: Callable[[], object], timeout: float):
-    """The reply from ``source``, polling (``poke`` between polls keeps this worker's transfers moving)."""
-    backoff, began = Backoff(), time.monotonic()
-    while True:
+#: ``wait(test, what)``: poll ``test`` until true, under a stall watch naming ``what``
+#: (:meth:`hpcps.runtime.session.Session._wait`: the worker's transfers move between polls)
+Wait = Callable[[Callable[[], bool], str], None]
+
+
+def _answer(comm: MPI.Comm, source: int, wait: Wait):
+    """The answer of the shard at rank ``source``."""
+    messages = []
+
+    def arrived() -> bool:
         message = comm.improbe(source=source, tag=wire.TAG_STATE_REPLY)
         if message is not None:
-            return message.recv()
-        if time.monotonic() - began > timeout:
-            raise TimeoutError(f"ps.optimizer: server shard at rank {source} did not answer in {timeout:.0f} s "
-                               "(has the run ended? ask while ps.running, before close)")
-        poke()
-        backoff.pause()
+            messages.append(message)
+        return message is not None
+    wait(arrived, f"the answer of server shard rank {source} to ps.optimizer (shards answer while the run is on)")
+    return messages[0].recv()
 
 
-def ask(comm: MPI.Comm, shards: Sequence[int], poke: Callable[[], object], timeout: float) -> list[FlatState]:
+def ask(comm: MPI.Comm, shards: Sequence[int], wait: Wait) -> list[FlatState]:
     """Every shard's state, over its slice (in ``shards``' order)."""
     requests = [comm.isend(("get",), dest=s, tag=wire.TAG_STATE) for s in shards]
-    parts = [_await(comm, s, poke, timeout) for s in shards]
+    parts = [_answer(comm, s, wait) for s in shards]
     MPI.Request.waitall(requests)
     return parts
 
 
-def hand(comm: MPI.Comm, shards: Sequence[int], parts: Sequence[FlatState], poke: Callable[[], object],
-         timeout: float) -> None:
+def hand(comm: MPI.Comm, shards: Sequence[int], parts: Sequence[FlatState], wait: Wait) -> None:
     """Give each shard its part of a state; return once every shard holds it."""
     requests = [comm.isend(("set", part), dest=s, tag=wire.TAG_STATE) for s, part in zip(shards, parts)]
     for s in shards:
-        _await(comm, s, poke, timeout)
+        _answer(comm, s, wait)
     MPI.Request.waitall(requests)

@@ -34,7 +34,7 @@ from hpcps.runtime.checkpoint import LoopState, checkpoint_path, read_loop_state
 from hpcps.cluster.emulation import BackwardCompute, ComputeTime, emulated_sleep, forward_compute
 from hpcps.cluster.layout import Role
 from hpcps.training.flat import FlatParameters
-from hpcps.transport.poll import Backoff
+from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
 from hpcps.training.optstate import cut, from_torch, join, to_torch
@@ -218,7 +218,8 @@ class Session:
         is_tensor = torch.is_tensor(value)
         data = np.array(value.detach().cpu().double().numpy() if is_tensor else value, dtype=np.float64, order="C")
         total = np.empty_like(data)
-        self._wait(self.workers.Iallreduce(data, total, op=MPI.SUM), "ps.mean")
+        self._wait(self.workers.Iallreduce(data, total, op=MPI.SUM).Test,
+                   "every worker's ps.mean (each calls it at the same point of its loop, while ps.running)")
         total /= self.n_workers
         if is_tensor:
             return torch.from_numpy(total).to(dtype=value.dtype, device=value.device)
@@ -228,19 +229,17 @@ class Session:
 
     def workers_barrier(self) -> None:
         """Collective over the workers: return once every worker has called it."""
-        self._wait(self.workers.Ibarrier(), "a collective of the workers")
+        self._wait(self.workers.Ibarrier().Test,
+                   "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
 
-    def _wait(self, request: MPI.Request, what: str) -> None:
-        """Wait for a collective of the workers, keeping this worker's transfers moving; past
-        ``stall_abort`` (or 10 minutes), a TimeoutError saying which call waited."""
-        backoff, began = Backoff(), time.monotonic()
-        limit = self.run.cfg.stall_limit or 600.0
-        while not request.Test():
-            if time.monotonic() - began > limit:
-                raise TimeoutError(f"{what}: not every worker called it within {limit:.0f} s (each worker "
-                                   "must call it at the same point of its loop, while ps.running)")
-            self.worker.poke()
-            backoff.pause()
+    def _wait(self, test: Callable[[], bool], what: str) -> None:
+        """Poll ``test`` for a collective of the workers or a shard's answer, this worker's transfers moving
+        between polls, under the run's stall watch (a warning every ``stall_warn`` seconds, a TimeoutError
+        past ``stall_abort``, none if it is 0) naming ``what`` it waits for."""
+        cfg = self.run.cfg
+        watch = StallWatch(warn=cfg.stall_warn, abort=cfg.stall_limit, log=log, error=TimeoutError,
+                           describe=lambda: f"worker rank {self.rank} waiting for {what}")
+        wait_until(lambda: self.worker.poke() or test(), Backoff(), watch)
 
     def _open(self) -> None:
         self.open = self.worker.open_step()
@@ -458,7 +457,7 @@ class StepOptimizer(torch.optim.Optimizer):
         a run on any shard count, or into a plain torch optimizer over the same model."""
         self._must_be_worker("state_dict()")
         run = self.session.run
-        parts = ask(run.topo.ps, run.shards, self.session.worker.poke, run.cfg.stall_limit or 600.0)
+        parts = ask(run.topo.ps, run.shards, self.session._wait)
         ranges, shapes = self._layout()
         groups = torch.optim.Optimizer.state_dict(self)["param_groups"]  # torch's numbering and the hyperparameters
         return to_torch(join(parts, run.slices.put, run.flat.size), ranges, shapes, groups)
@@ -478,5 +477,5 @@ class StepOptimizer(torch.optim.Optimizer):
         self.state.clear()  # the servers hold it; this optimizer keeps none
         if session.worker_index == 0:
             hand(run.topo.ps, run.shards, [cut(flat, lambda v, s=s: run.slices.take(s, v)) for s in run.shards],
-                 session.worker.poke, run.cfg.stall_limit or 600.0)
+                 session._wait)
         session.workers_barrier()

@@ -65,7 +65,7 @@ from hpcps.training.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
 from hpcps.metrics.timeline import NullTimeline
 from hpcps.transport import wire
-from hpcps.transport.compress import gradient_verdict
+from hpcps.transport.compress import all_finite
 from hpcps.transport.eager import EagerPuller
 from hpcps.transport.notices import NoticeBox
 from hpcps.errors import RunAborted
@@ -171,9 +171,14 @@ class Worker:
         if self.step in self.faults:
             self._inject(self.faults[self.step])
         flags = wire.SKIP if skip else 0
-        if not skip and not (self.backward_pushes is not None and self.backward_pushes.armed):
+        if not skip and not self._pushed_in_backward:
             flags |= self._verdict()  # before staging: a gradient no shard applies leaves no residual behind
         self._exchange(self.row, flags)
+
+    @property
+    def _pushed_in_backward(self) -> bool:
+        """Whether this step's push began before backward (its verdict follows its payload)."""
+        return self.backward_pushes is not None and self.backward_pushes.armed
 
     def before_backward(self) -> None:
         """hpcps's own loop, before its backward pass: with backward pushes, begin the step's push now (its
@@ -196,7 +201,7 @@ class Worker:
         tl.enter("push")
         t = time.perf_counter()
         slotted = self.send_buffers is not None
-        during_backward = self.backward_pushes is not None and self.backward_pushes.armed  # the push began before backward
+        during_backward = self._pushed_in_backward
         if during_backward and flags:
             raise RuntimeError("a push begun before backward cannot be flagged after it (its verdict follows it)")
         if not slotted:
@@ -293,8 +298,6 @@ class Worker:
             flags |= wire.HYPER
         if headers_only:
             flags |= wire.VERDICT  # backward has not produced the gradient yet: the verdict follows it
-        elif not flags & (wire.SKIP | wire.CHECKED | wire.NONFINITE):
-            flags |= self._verdict()
         start = self.pusher.start_header if headers_only else self.pusher.start
         start(self.clock_count, versions, row["lr"], slot, flags)
 
@@ -303,7 +306,7 @@ class Worker:
         too) is finite as the wire will carry it. The worker holds the whole gradient and a shard its slice
         only: one verdict makes every shard apply it, or none."""
         with self.tl.within("scan"):
-            finite = gradient_verdict(self.flat.grads_t[:self.flat.size], self.overflow)
+            finite = all_finite(self.flat.grads_t[:self.flat.size], self.overflow)
         return wire.CHECKED if finite else wire.NONFINITE
 
     def _send_verdict(self) -> None:

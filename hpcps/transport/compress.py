@@ -43,25 +43,16 @@ from hpcps.errors import UserError
 CHOICES = "none, bf16, fp16 or topk:RATIO (0 < RATIO < 1)"
 
 
-def gradient_verdict(values: torch.Tensor, overflow: float = math.inf) -> bool:
-    """Whether every value of a worker's gradient is finite and stays finite on a wire whose codec
-    overflows at ``overflow`` (:attr:`Codec.overflow`), in one read of the values (as :func:`all_finite`)."""
+def all_finite(values: torch.Tensor, overflow: float = math.inf) -> bool:
+    """Whether every value is finite, and below ``overflow`` in magnitude (a worker's gradient on a wire
+    whose codec turns larger ones infinite: :attr:`Codec.overflow`), in one read of them:
+    ``torch.aminmax`` (NaN propagates to both, an infinity is the minimum or the maximum).
+    ``torch.isfinite(values).all()`` writes a bool per value first: 16 MiB of gradient took it 20-34x
+    the time of copying those bytes (``tools/bench_shard_apply.py`` compares both with the copy)."""
     if values.numel() == 0:
         return True
-    lo, hi = torch.aminmax(values)
-    lo, hi = float(lo), float(hi)
+    lo, hi = (float(x) for x in torch.aminmax(values))
     return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) < overflow
-
-
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite, in one read of them: ``torch.aminmax`` (NaN propagates to both,
-    an infinity is the minimum or the maximum). ``torch.isfinite(values).all()`` writes a bool per
-    value first: 16 MiB of gradient took it 20-34x the time of copying those bytes
-    (``tools/bench_shard_apply.py`` compares both with the copy)."""
-    if values.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(values)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 class Codec:

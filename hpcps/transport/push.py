@@ -130,10 +130,22 @@ class PushEvent:
     clock: int
     version: int
     lr: float
-    extra: bool = False
-    skip: bool = False  # the worker skipped the step: counted in its round, never applied
-    hyper: bool = False  # the worker sent new optimizer hyperparameters before this push (tag HYPER)
-    flags: int = 0  # the header's push flags (the worker's verdict on the gradient among them: wire.CHECKED ...)
+    flags: int = 0  # the header's push flags (wire.EXTRA ...; the worker's verdict on the gradient among them)
+
+    @property
+    def extra(self) -> bool:
+        """An hsp gradient computed while its worker waited for its round to close."""
+        return bool(self.flags & wire.EXTRA)
+
+    @property
+    def skip(self) -> bool:
+        """The worker skipped the step: counted in its round, never applied."""
+        return bool(self.flags & wire.SKIP)
+
+    @property
+    def hyper(self) -> bool:
+        """The worker sent new optimizer hyperparameters before this push (tag HYPER)."""
+        return bool(self.flags & wire.HYPER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +241,7 @@ class PushInbox:
                 self.backlog.setdefault(i, deque()).append(header)
         for i in self._payloads_done():
             h = self.headers[i]
-            events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), bool(h[5] & wire.EXTRA),
-                                     bool(h[5] & wire.SKIP), bool(h[5] & wire.HYPER), int(h[5])))
+            events.append(PushEvent(i, int(h[2]), int(h[3]), wire.decode_lr(h), int(h[5])))
             if self.streaming is not None and self.streaming[0] == i:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None

@@ -129,7 +129,8 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
 
 def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFactory | str | None = None,
          lr_schedule: Schedule | str | None = None, param_groups: GroupsSpec | None = None,
-         config: str | None = None, comm=None, exit_on_error: bool = True, **options: Any) -> Session:
+         config: str | None = None, comm=None, exit_on_error: bool = True, overlap_pull: bool = False,
+         **options: Any) -> Session:
     """Collective over ``comm``: start a run whose workers run the caller's own training loop (the
     step API); return this rank's :class:`~hpcps.runtime.session.Session`::
 
@@ -154,6 +155,15 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     function of the worker count (``steps=lambda n_workers: epochs * math.ceil(
     len(data) / (n_workers * batch))``), for a loop whose steps follow from its
     share of the data.
+
+    ``overlap_pull``
+        with ``partition_mb``: ``ps.step()`` returns once the next step's
+        versions and first partitions are in, and each layer's parameters
+        land as the next forward pass reaches it (the overlap partitions
+        exist for). The loop must then call ``ps.settle()`` before it reads
+        the parameters outside a forward pass (an EMA, a ``state_dict()``,
+        a weight norm), or it may read a mix of two versions. By default
+        ``ps.step()`` settles the whole pull before it returns.
     """
     from mpi4py import MPI
 
@@ -195,7 +205,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
         run = open_run(cfg, comm, agree(comm, lambda: check(cfg)))
         try:
             run.start()
-            session = Session(run, abort_on_error=exit_on_error)
+            session = Session(run, abort_on_error=exit_on_error, overlap_pull=overlap_pull)
             if not session.is_worker:
                 run.serve()
                 session.result = run.end()

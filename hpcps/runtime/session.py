@@ -53,11 +53,16 @@ class Session:
     others waiting.
     """
 
-    def __init__(self, run, *, abort_on_error: bool = True) -> None:
+    def __init__(self, run, *, abort_on_error: bool = True, overlap_pull: bool = False) -> None:
         from hpcps.runtime.run import emulated_compute_time  # the run's own rule for the emulated compute time
 
         self.run = run
         self.abort_on_error = abort_on_error
+        #: with ``--partition-mb``: let the next step's pull land while the loop runs on, each layer's part
+        #: waited for by its forward pre-hook (the overlap partitions exist for), instead of the whole pull
+        #: settled before :meth:`step` returns. Then what the loop reads of the parameters between ``step()``
+        #: and its next forward may be a mix of two versions, unless it calls :meth:`settle` first.
+        self.overlap_pull = overlap_pull
         self.result = None  # rank 0: the RunResult once closed
         self.closed = False
         self.state: dict[str, Any] = {}  # the user's own checkpoint fields (worker 0's are saved)
@@ -165,6 +170,14 @@ class Session:
         self._open()
         return self.open
 
+    def settle(self) -> None:
+        """Wait until the whole pull the current step computes on has landed in the model. Only needed with
+        ``overlap_pull=True`` under ``--partition-mb``, before the loop reads the parameters (an EMA, a
+        ``state_dict()``, a weight norm) between :meth:`step` and its next forward pass; otherwise
+        :meth:`step` has done it. The wait counts as the step's pull time."""
+        if self.is_worker:
+            self.worker._settle_pull()
+
     def stop(self, reason: str = "") -> None:
         """End the run for every worker (early stopping): each shard's stop flag goes up, and every
         worker's :attr:`running` turns False once its current step is done, as after a signal. The run
@@ -254,6 +267,8 @@ class Session:
         self._target = None
         self.t0 = time.perf_counter()
         self.worker.tl.enter(self._opens_with)
+        if not self.overlap_pull:
+            self.settle()  # (its wait is the step's pull time, not the loop's compute: step() takes it off)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
         """Worker 0's first training pass (gradients on, train mode) on a checkpointed version: its loop's
@@ -303,6 +318,7 @@ class Session:
         if not self.is_worker:
             return
         self._opens_with = "data"  # a step begins by reading its batch
+        self.overlap_pull = True  # this loop reads no parameter between steps: each layer waits for its own
         tl = self.worker.tl
         if self.open:
             tl.relabel("data")  # the first step, opened already

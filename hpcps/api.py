@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hpcps.cluster.effects import OWN_LOOP
 from hpcps.data.batches import is_dataset
 from hpcps.config import make_config
 from hpcps.errors import UserError
@@ -172,7 +173,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
 
     comm = MPI.COMM_WORLD if comm is None else comm
     flags = _flags(options, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
-    flags.setdefault("dataset", "own-loop")
+    flags.setdefault("dataset", OWN_LOOP)
 
     def check(cfg) -> Workload:
         if cfg.steps is None:
@@ -181,8 +182,6 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
         for name in ("batch_size", "epochs", "test_fraction", "eval_batch_size"):
             if name in options:
                 raise UserError(f"{name}: the loop brings its own batches under hpcps.init; drop {name}")
-        if cfg.group_by == "speed":
-            raise UserError("groups by speed time hpcps's own loop; under hpcps.init give groups by rank")
         return Workload(model=resolve_model(model) if isinstance(model, str) else model, data=None,
                         optimizer=_object(optimizer), lr_schedule=_object(lr_schedule), model_name=cfg.model,
                         param_groups=param_groups)

@@ -456,6 +456,7 @@ class _CheckParser(_Parser):
 def check_train_options(train_args: list[str], ranks: int) -> None:
     """UserError, naming the option, if ``hpcps train`` would refuse these options on ``ranks`` ranks."""
     from hpcps.config import make_config
+    from hpcps.cluster.effects import no_effect
     from hpcps.cluster.planning import plan
 
     checker = _CheckParser(prog="hpcps train", argument_default=argparse.SUPPRESS)
@@ -468,6 +469,8 @@ def check_train_options(train_args: list[str], ranks: int) -> None:
         plan(cfg, ranks)
     except UserError as exc:
         raise UserError(f"{exc} [this job: --nodes x --ntasks-per-node = {ranks} ranks]") from None
+    for line in no_effect(cfg):
+        print(f"hpcps: warning: {line}", file=sys.stderr)
 
 
 def detect_mpi_family() -> str | None:

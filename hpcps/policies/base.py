@@ -100,6 +100,10 @@ class Policy(ABC):
     applies_on_arrival: ClassVar[bool] = False
     #: ``--lr-staleness`` when the user gives none
     default_lr_staleness: ClassVar[str] = "none"
+    #: the run's options (config fields: ``staleness``, ``staleness_max``, ...) this paradigm reads beyond
+    #: what its flags imply (:meth:`reads_options`); an option set that no part of a run reads is named in a
+    #: warning at start-up (:mod:`hpcps.cluster.effects`)
+    reads: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         if n_workers < 1:
@@ -125,6 +129,27 @@ class Policy(ABC):
         model as far as one BSP round at ``--lr`` (an asynchronous paradigm applies each gradient as its
         own update: ``--lr / N``). ``extra``: the factor of an extra gradient (``extra_gradients``)."""
         return 1.0 / cls.updates_per_step(n_clients)
+
+    @classmethod
+    def reads_options(cls) -> frozenset[str]:
+        """The run's options this paradigm reads: :attr:`reads`; for a plug-in, ``--staleness`` and
+        ``--staleness-max`` where a constructor of its own takes ``staleness`` and ``staleness_max``;
+        ``--staleness`` where workers pull eagerly (the pull's bound), ``--hsp-max-stale`` with extra
+        gradients, and ``--lr-staleness`` where a gradient can be stale as its worker sees it (applied on
+        arrival, or an extra gradient; not through group servers, whose rounds the central shards see)."""
+        options = set(cls.reads)
+        init = cls.__init__
+        if not init.__module__.startswith("hpcps.policies"):  # a plug-in's own constructor
+            import inspect
+
+            options |= {name for name in ("staleness", "staleness_max") if name in inspect.signature(init).parameters}
+        if cls.eager_pull:
+            options.add("staleness")
+        if cls.extra_gradients:
+            options.add("hsp_max_stale")
+        if (cls.applies_on_arrival or cls.extra_gradients) and not cls.uses_groups:
+            options.add("lr_staleness")
+        return frozenset(options)
 
     @classmethod
     def periodic_cut(cls) -> str | None:

@@ -47,6 +47,7 @@ def extra_iterations(t_fast: float, d_fast: float, t_slow: float, d_slow: float,
 class DSSP(SSP):
     name = "dssp"
     summary = "dynamic SSP: the clock-gap bound moves in [--staleness, --staleness-max] by predicted push times"
+    reads = frozenset({"staleness", "staleness_max"})
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         super().__init__(n_workers, staleness=staleness, staleness_max=staleness_max)

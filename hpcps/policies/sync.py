@@ -72,6 +72,7 @@ class SSP(Policy):
     name = "ssp"
     summary = "stale synchronous: apply on arrival, bound the clock gap by --staleness s"
     applies_on_arrival = True
+    reads = frozenset({"staleness"})
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
         if staleness < 0:

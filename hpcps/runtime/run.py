@@ -49,6 +49,7 @@ from hpcps.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.cluster.emulation import ComputeTime
+from hpcps.cluster.effects import no_effect
 from hpcps.errors import RunAborted, UserError
 from hpcps.runtime.evaluator import Evaluator
 from hpcps.training.flat import FlatParameters
@@ -445,6 +446,8 @@ class _Run:
                      self.cfg.paradigm, self.layout.describe(), self.workload.model_name, self.flat.n_params,
                      self.flat.size - self.flat.n_params, data, self.steps)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
+            for line in no_effect(self.cfg):  # once per run, on rank 0: the options nothing in this run reads
+                log.warning(line)
             if self.ckpt is not None and self.ckpt.describe_shape():
                 log.info("resuming %s on another shape: %s", self.cfg.resume, self.ckpt.describe_shape())
         # everyone is set up: nobody waits long in the sync; a start that never completes ends the job

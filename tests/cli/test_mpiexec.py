@@ -107,6 +107,18 @@ def test_groups_auto_puts_the_straggler_only_with_slow_peers(tmp_path):
     assert "groups by measured speed" in proc.stderr
 
 
+def test_an_option_the_paradigm_does_not_read_is_one_warning_line_and_the_run_goes_on(tmp_path):
+    """Sweeping one set of flags over every paradigm is how they are compared: --staleness under asp is
+    named once (rank 0, at start-up), and the run trains."""
+    out = tmp_path / "asp.h5"
+    proc = hpcps(3, "train", "--paradigm", "asp", "--staleness", "3", "--steps", "10", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "has no effect" in line]
+    assert len(said) == 1 and "--staleness has no effect under --paradigm asp" in said[0], proc.stderr
+    with h5py.File(out) as f:
+        assert f["summary"].attrs["gradients_applied"] == 2 * 10
+
+
 def test_module_entry_point_and_version():
     proc = subprocess.run([sys.executable, "-m", "hpcps", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("hpcps ")

@@ -1,0 +1,144 @@
+"""Which options take effect in a run, checked once at start-up (pure: no MPI).
+
+Each part of hpcps that reads options declares them here: a paradigm
+(:meth:`hpcps.policies.base.Policy.reads_options`, built-in or plug-in), a
+feature (a schedule, an optimizer, the emulated compute, group servers, the
+progress line), the built-in loop. :func:`refuse` raises one
+:class:`~hpcps.errors.UserError` for a combination that cannot work;
+:func:`no_effect` lists, one line each, the options the user set that nothing
+in this run reads. Those stay warnings: sweeping one set of flags over every
+paradigm is how paradigms are compared.
+
+:func:`hpcps.cluster.planning.plan` calls :func:`refuse` (so ``hpcps jobs
+render`` refuses what ``hpcps train`` would), and rank 0 logs
+:func:`no_effect`'s lines as the run starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hpcps.config import TrainConfig
+from hpcps.errors import UserError
+
+#: ``hpcps.init`` files the run's data as this (the loop brings its own batches)
+OWN_LOOP = "own-loop"
+
+
+def flag(option: str) -> str:
+    """How the command line spells a config field (``--staleness-max``); the Python API's keyword is the field."""
+    return "--" + option.replace("_", "-")
+
+
+def own_loop(cfg: TrainConfig) -> bool:
+    """Whether the workers run the user's own loop (``hpcps.init``) rather than hpcps's."""
+    return cfg.dataset == OWN_LOOP
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A part of a run that reads ``options`` (config fields), and whether it runs in a given run."""
+
+    name: str
+    options: frozenset[str]
+    runs: Callable[[TrainConfig], bool]
+
+
+#: the features that read options of their own (a paradigm's are the policy class's: :func:`paradigm_readers`)
+FEATURES: tuple[Reader, ...] = (
+    Reader("the step schedule (--lr-schedule step)", frozenset({"lr_step_every", "lr_gamma"}),
+           lambda cfg: cfg.lr_schedule == "step"),
+    Reader("adam and adamw (--optimizer)", frozenset({"betas", "eps"}), lambda cfg: cfg.optimizer != "sgd"),
+    Reader("the emulated compute's jitter (--jitter)", frozenset({"jitter_cv"}), lambda cfg: cfg.jitter != "none"),
+    Reader("group servers (--groups)", frozenset({"group_by"}), lambda cfg: cfg.groups > 0),
+    Reader("the progress line (--progress)", frozenset({"progress_every"}), lambda cfg: cfg.progress),
+    Reader("hpcps's timed evaluation (hpcps train, hpcps.train; not with --eval-every)", frozenset({"eval_interval"}),
+           lambda cfg: not own_loop(cfg) and cfg.eval_every is None),
+    Reader("hpcps's evaluation (hpcps train, hpcps.train; under hpcps.init the loop evaluates: ps.evaluated)",
+           frozenset({"eval_every", "log_every"}), lambda cfg: not own_loop(cfg)),
+)
+
+
+def paradigm_readers(cfg: TrainConfig) -> list[Reader]:
+    """The run's paradigm as a reader, and the built-in ones as the readers that would read what it does not."""
+    from hpcps.policies import paradigms, policy_class
+
+    readers = [Reader(f"--paradigm {cfg.paradigm}", policy_class(cfg.paradigm).reads_options(), lambda _cfg: True)]
+    for name, cls in paradigms().items():
+        if name != cfg.paradigm:
+            readers.append(Reader(name, cls.reads_options(), lambda _cfg: False))
+    return readers
+
+
+def no_effect(cfg: TrainConfig) -> list[str]:
+    """One line for each option the user set (on the command line, in the file, as a keyword) that no part
+    of this run reads, naming what would read it."""
+    readers = [*paradigm_readers(cfg), *FEATURES]
+    lines = []
+    for option in sorted(cfg.model_fields_set):
+        readers_of = [r for r in readers if option in r.options]
+        if not readers_of or any(r.runs(cfg) for r in readers_of):
+            continue
+        paradigms = [r.name for r in readers_of if r.name in _builtin_names()]
+        if paradigms:
+            lines.append(f"{flag(option)} has no effect under --paradigm {cfg.paradigm}: "
+                         f"it is read by {_and(paradigms)}")
+        else:
+            lines.append(f"{flag(option)} has no effect in this run: it is read by {_and([r.name for r in readers_of])}")
+    return lines
+
+
+def _builtin_names() -> tuple[str, ...]:
+    from hpcps.policies import paradigms
+
+    return tuple(paradigms())
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination that cannot work: ``applies(cfg, paradigm class)`` says whether this run is one, and
+    ``message(cfg)`` is its one line."""
+
+    applies: Callable[[TrainConfig, type], bool]
+    message: Callable[[TrainConfig], str]
+
+
+def _periodic(cfg: TrainConfig) -> str | None:
+    return "--checkpoint-every" if cfg.checkpoint_every else "--checkpoint-interval" if cfg.checkpoint_interval \
+        else None
+
+
+#: the combinations refused at start-up, in the order they are checked (the first that applies is the line)
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(lambda cfg, cls: bool(cfg.groups) and not cls.uses_groups,
+            lambda cfg: f"--groups {cfg.groups}: paradigm {cfg.paradigm!r} does not use group servers"),
+    Refusal(lambda cfg, cls: cls.uses_groups and not cfg.groups,
+            lambda cfg: f"--paradigm {cfg.paradigm} needs --groups G (1 or more group servers)"),
+    Refusal(lambda cfg, cls: _periodic(cfg) is not None and cls.periodic_cut() is None,
+            lambda cfg: f"{_periodic(cfg)}: --paradigm {cfg.paradigm} holds gradients its own way, and periodic "
+                        f"checkpoints cut only paradigms that hold rounds or apply every gradient on arrival "
+                        f"(every built-in one); a run of it writes one when SIGUSR1, SIGTERM or Ctrl-C stops it"),
+    Refusal(lambda cfg, cls: bool(cfg.partition_mb) and cls.eager_pull,
+            lambda cfg: f"--partition-mb: --paradigm {cfg.paradigm} pulls behind its computation already (and "
+                        f"swaps the whole pull in); partitioned pulls are for paradigms that pull between steps"),
+    Refusal(lambda cfg, cls: bool(cfg.checkpoint_interval) and cls.checkpoints_at_publish(),
+            lambda cfg: f"--checkpoint-interval: --paradigm {cfg.paradigm} checkpoints at a round's close, where "
+                        f"every worker waits: give --checkpoint-every ROUNDS"),
+    Refusal(lambda cfg, cls: own_loop(cfg) and cfg.group_by == "speed",
+            lambda cfg: "groups by speed time hpcps's own loop; under hpcps.init give groups by rank"),
+)
+
+
+def refuse(cfg: TrainConfig) -> None:
+    """Raise one UserError for the first combination of ``cfg`` that cannot work (see :data:`REFUSALS`)."""
+    from hpcps.policies import policy_class
+
+    cls = policy_class(cfg.paradigm)
+    for refusal in REFUSALS:
+        if refusal.applies(cfg, cls):
+            raise UserError(refusal.message(cfg))

@@ -1,0 +1,108 @@
+"""Which options take effect: each paradigm and feature declares the options it reads; an option the user set
+that nothing in the run reads is one warning line naming it, a combination that cannot work one error line."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcps.cluster.effects import FEATURES, no_effect, refuse
+from hpcps.cluster.planning import plan
+from hpcps.config import TrainConfig, make_config
+from hpcps.errors import UserError
+from hpcps.policies import Policy, paradigms, register_class
+from hpcps.policies.sync import ASP
+
+
+def lines(**flags) -> list[str]:
+    return no_effect(make_config(flags))
+
+
+def test_staleness_under_asp_is_one_warning_naming_it_and_who_reads_it():
+    assert lines(paradigm="asp", staleness=3) == [
+        "--staleness has no effect under --paradigm asp: it is read by ssp, dssp and eager"]
+
+
+@pytest.mark.parametrize("paradigm", ["ssp", "dssp", "eager"])
+def test_the_paradigms_that_bound_staleness_read_it(paradigm):
+    assert lines(paradigm=paradigm, staleness=3) == []
+
+
+def test_each_paradigm_option_is_named_under_a_paradigm_that_does_not_read_it():
+    said = lines(paradigm="bsp", staleness=1, staleness_max=3, hsp_max_stale=2, lr_staleness="inverse")
+    assert [line.split()[0] for line in said] == ["--hsp-max-stale", "--lr-staleness", "--staleness",
+                                                  "--staleness-max"]
+    assert lines(paradigm="dssp", staleness=1, staleness_max=3, lr_staleness="sqrt") == []
+    assert lines(paradigm="hsp", hsp_max_stale=2, lr_staleness="inverse") == []  # its extras can be stale
+
+
+def test_lr_staleness_under_grouped_is_named_the_central_shards_never_see_a_workers_staleness():
+    assert lines(paradigm="grouped", groups=2, lr_staleness="inverse") == [
+        "--lr-staleness has no effect under --paradigm grouped: it is read by ssp, asp, dssp, eager and hsp"]
+
+
+def test_an_option_left_at_its_default_is_never_named_and_one_set_to_it_is():
+    assert lines(paradigm="asp") == []
+    assert lines(paradigm="asp", hsp_max_stale=1) != []  # set, if only to the default: the user asked for it
+
+
+@pytest.mark.parametrize("flags, option", [
+    (dict(lr_step_every=10), "--lr-step-every"), (dict(lr_schedule="cosine", lr_gamma=0.5), "--lr-gamma"),
+    (dict(betas="0.9,0.99"), "--betas"), (dict(eps=1e-6), "--eps"), (dict(jitter_cv=0.2), "--jitter-cv"),
+    (dict(group_by="rank"), "--group-by"), (dict(progress=False, progress_every=2.0), "--progress-every"),
+    (dict(eval_every=5, eval_interval=0.5), "--eval-interval"),
+    (dict(dataset="own-loop", steps=10, eval_every=5), "--eval-every"),
+])
+def test_a_features_option_without_the_feature_is_named(flags, option):
+    said = lines(**flags)
+    assert len(said) == 1 and said[0].startswith(f"{option} has no effect in this run: it is read by ")
+
+
+def test_with_the_feature_on_its_options_are_quiet():
+    assert lines(lr_schedule="step", lr_step_every=10, lr_gamma=0.5, optimizer="adam", betas="0.9,0.99",
+                 compute_time=0.01, jitter="uniform", jitter_cv=0.2, eval_every=5) == []
+
+
+class OwnBound(Policy):
+    """A plug-in whose constructor takes the staleness flags: it reads them."""
+    name = "own-bound"
+
+    def __init__(self, n_workers, *, staleness=0, staleness_max=None):
+        super().__init__(n_workers, staleness=staleness, staleness_max=staleness_max)
+
+    def on_push(self, worker, clock, version, now):
+        raise NotImplementedError
+
+
+class QuietAsp(ASP):
+    """A plug-in built on asp, with no constructor of its own: it reads what asp reads."""
+    name = "quiet-asp"
+
+
+def test_a_plugin_reads_what_its_constructor_takes_and_what_its_base_reads():
+    assert {"staleness", "staleness_max"} <= OwnBound.reads_options()
+    assert lines(paradigm=register_class(OwnBound), staleness=3, staleness_max=5) == []
+    said = lines(paradigm=register_class(QuietAsp), staleness=3)
+    assert len(said) == 1 and said[0].startswith("--staleness has no effect under --paradigm ")
+
+
+def test_every_declared_option_is_an_option_of_the_config():
+    fields = set(TrainConfig.model_fields)
+    for cls in paradigms().values():
+        assert cls.reads_options() <= fields, cls.name
+    for reader in FEATURES:
+        assert reader.options <= fields, reader.name
+
+
+@pytest.mark.parametrize("flags, says", [
+    (dict(paradigm="eager", partition_mb=1.0), "--partition-mb: --paradigm eager pulls behind its computation"),
+    (dict(paradigm="bsp", groups=2), "--groups 2: paradigm 'bsp' does not use group servers"),
+    (dict(paradigm="grouped"), "--paradigm grouped needs --groups G"),
+    (dict(paradigm="bsp", checkpoint_interval=5.0), "--checkpoint-interval: --paradigm bsp checkpoints at a round"),
+    (dict(dataset="own-loop", steps=5, paradigm="grouped", groups="auto"), "groups by speed time hpcps's own loop"),
+])
+def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flags, says):
+    cfg = make_config(flags)
+    for check in (lambda: refuse(cfg), lambda: plan(cfg, 5)):
+        with pytest.raises(UserError) as err:
+            check()
+        assert str(err.value).startswith(says) and "\n" not in str(err.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Literal, get_args, get_origin
 from typing import Sequence
 
 import hpcps
@@ -55,23 +56,59 @@ def _paradigm_help() -> str:
     return "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(paradigms().items()))
 
 
+def _config_default(name: str) -> str:
+    """The config's default of option ``name`` as its help shows it (``on``/``off``, ``0.9,0.999``, ``1e-08``)."""
+    from hpcps.config import TrainConfig
+
+    value = TrainConfig.model_fields[name].get_default(call_default_factory=True)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _from_config(parser: argparse.ArgumentParser) -> None:
+    """What the help says of each option the config declares, from the config (written once): ``{default}``
+    in a help text becomes the config's default, and an option the config types as a choice among names
+    shows them as its metavar (``{sgd,adam,adamw}``)."""
+    from hpcps.config import TrainConfig
+
+    fields = TrainConfig.model_fields
+    for action in parser._actions:
+        if action.dest not in fields:
+            continue
+        if action.help and "{default}" in action.help:
+            action.help = action.help.replace("{default}", _config_default(action.dest))
+        names = [a for a in get_args(fields[action.dest].annotation) if a is not type(None)]
+        if len(names) == 1 and get_origin(names[0]) is Literal:  # (an optional choice: Literal[...] | None)
+            names = list(get_args(names[0]))
+        if get_origin(fields[action.dest].annotation) is Literal or (names and all(isinstance(n, str) for n in names)):
+            action.metavar = "{" + ",".join(names) + "}"
+
+
 def add_train_options(t: argparse.ArgumentParser) -> None:
     """Every ``hpcps train`` option, on ``t`` (the train sub-command, or ``jobs render``'s check of it)."""
+    _add_train_options(t)
+    _from_config(t)
+
+
+def _add_train_options(t: argparse.ArgumentParser) -> None:
     t.add_argument("--config", metavar="FILE", help="TOML file with any of the options below")
     g = t.add_argument_group("paradigm and topology")
     g.add_argument("--paradigm", metavar="NAME|PLUGIN",
-                   help=f"synchronization paradigm (default dssp), or your own as path/file.py:Class or "
+                   help=f"synchronization paradigm (default {{default}}), or your own as path/file.py:Class or "
                         f"pkg.mod:Class (a subclass of hpcps.Policy; docs/paradigms.md). {_paradigm_help()}")
     g.add_argument("--paradigm-option", action="append", dest="paradigm_option", metavar="NAME=VALUE",
                    help="an option of your own paradigm, passed to its constructor as NAME=VALUE (repeatable)")
-    g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default 1)")
-    g.add_argument("--placement", metavar="{spread,rank}",
+    g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default {default})")
+    g.add_argument("--placement",
                    help="where shards go: spread (default) puts shard s on node s mod M, renumbering the ranks "
                         "so the shards are ranks 0..S-1; rank keeps the launcher's order (shards on the first "
                         "ranks, in block placement all on the first node)")
-    g.add_argument("--groups", metavar="G", help="group servers (default 0; for paradigms that use them), or auto: "
+    g.add_argument("--groups", metavar="G", help="group servers (default {default}; for paradigms that use them), or auto: "
                    "2 groups formed by measured speed after a warm-up")
-    g.add_argument("--group-by", dest="group_by", metavar="{rank,speed}",
+    g.add_argument("--group-by", dest="group_by",
                    help="how workers are put in groups: contiguous rank blocks (default), or by speed measured "
                         "in a warm-up, so a straggler shares a group only with slow peers")
     g.add_argument("--staleness", type=int, metavar="S",
@@ -79,60 +116,60 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
                         "eager: never compute on parameters more than S versions behind the newest known "
                         "(default: no bound)")
     g.add_argument("--hsp-max-stale", type=int, dest="hsp_max_stale", metavar="K",
-                   help="hsp: extra gradients a worker may compute per round while it waits (default 1)")
+                   help="hsp: extra gradients a worker may compute per round while it waits (default {default})")
     g.add_argument("--staleness-max", type=int, dest="staleness_max", metavar="S_HI",
                    help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
     g = t.add_argument_group("model and data")
     g.add_argument("--model", metavar="NAME|PLUGIN",
-                   help="mlp or cnn (default mlp), or your model factory as pkg.mod:name or path/file.py:name "
+                   help="mlp or cnn (default {default}), or your model factory as pkg.mod:name or path/file.py:name "
                         "(called with in_shape, n_classes, hidden where it takes them)")
     g.add_argument("--hidden", type=int, metavar="UNITS",
                    help="width of the model: units in the hidden layer of mlp and cnn (default 128), channels of "
                         "cnn1d's convolutions (default 64); large values make a big model")
     g.add_argument("--dataset", metavar="NAME|FILE.h5|PLUGIN",
-                   help="digits, an HDF5 file with /x and /y (default digits), or a plug-in pkg.mod:name or "
+                   help="digits, an HDF5 file with /x and /y (default {default}), or a plug-in pkg.mod:name or "
                         "file.py:name: a torch Dataset, a (train, test) pair, or a function returning either")
     g.add_argument("--loss", metavar="NAME|PLUGIN",
                    help="cross_entropy (default) or mse on (x, y) batches, or a plug-in (model, batch) -> loss")
     g.add_argument("--steps", type=int, help="iterations per worker (default 500 unless --epochs)")
     g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")
-    g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default 32)")
-    g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default 0.1 for sgd, "
+    g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default {default})")
+    g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default {default} for sgd, "
                                              "0.001 for adam and adamw)")
-    g.add_argument("--lr-scaling", dest="lr_scaling", metavar="{auto,none}",
+    g.add_argument("--lr-scaling", dest="lr_scaling",
                    help="auto (default): --lr is the step BSP takes per round, and a paradigm that applies "
                         "each worker's gradient as its own update divides it among them (asynchronous ones by "
                         "the worker count, grouped by the group count); none: every update at --lr")
-    g.add_argument("--lr-staleness", dest="lr_staleness", metavar="{none,inverse,sqrt,exp}",
+    g.add_argument("--lr-staleness", dest="lr_staleness",
                    help="scale each gradient's learning rate by the staleness its worker knows of: lr, lr/(1+s), "
                         "lr/sqrt(1+s), lr*exp(-s) (default inverse for eager, none otherwise)")
-    g.add_argument("--seed", type=int, help="seed of model initialisation and batch order (default 0)")
+    g.add_argument("--seed", type=int, help="seed of model initialisation and batch order (default {default})")
     g.add_argument("--target-accuracy", type=float, dest="target_accuracy", metavar="ACC",
                    help="stop once held-out accuracy reaches ACC (0-1): --target accuracy>=ACC")
     g.add_argument("--target", metavar="METRIC<=VALUE",
                    help="stop at the first evaluation that meets it: any metric the evaluation returns, "
                         "e.g. loss<=0.3 or accuracy>=0.9 (default: run every step)")
-    g.add_argument("--test-fraction", type=float, dest="test_fraction", help="held-out fraction (default 0.2)")
+    g.add_argument("--test-fraction", type=float, dest="test_fraction", help="held-out fraction (default {default})")
     g = t.add_argument_group("server optimizer (run by every shard on its slice)")
-    g.add_argument("--optimizer", metavar="{sgd,adam,adamw}", help="torch.optim rule (default sgd)")
-    g.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
-    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd: Nesterov momentum (default off)")
+    g.add_argument("--optimizer", help="torch.optim rule (default {default})")
+    g.add_argument("--momentum", type=float, help="sgd momentum (default {default})")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd: Nesterov momentum (default {default})")
     g.add_argument("--weight-decay", type=float, dest="weight_decay", metavar="WD",
-                   help="weight decay: L2 in the gradient for sgd and adam, decoupled for adamw (default 0)")
-    g.add_argument("--betas", metavar="B1,B2", help="adam/adamw betas (default 0.9,0.999)")
+                   help="weight decay: L2 in the gradient for sgd and adam, decoupled for adamw (default {default})")
+    g.add_argument("--betas", metavar="B1,B2", help="adam/adamw betas (default {default})")
     g.add_argument("--eps", type=float, help="adam/adamw epsilon (default 1e-8)")
-    g.add_argument("--lr-schedule", dest="lr_schedule", metavar="{constant,step,cosine}",
+    g.add_argument("--lr-schedule", dest="lr_schedule",
                    help="learning rate over the server version (updates applied): constant (default), step "
                         "(x --lr-gamma every --lr-step-every versions), cosine (to --min-lr, default 0, at the "
                         "last update)")
     g.add_argument("--warmup-steps", type=int, dest="warmup_steps", metavar="VERSIONS",
-                   help="ramp the learning rate up linearly over the first VERSIONS updates (default 0)")
+                   help="ramp the learning rate up linearly over the first VERSIONS updates (default {default})")
     g.add_argument("--lr-step-every", type=int, dest="lr_step_every", metavar="VERSIONS",
                    help="step schedule: decay every VERSIONS updates (default a third of the run)")
     g.add_argument("--min-lr", type=float, dest="min_lr", metavar="LR",
                    help="the cosine schedule's floor, as a learning rate (default 0)")
     g.add_argument("--lr-gamma", type=float, dest="lr_gamma", metavar="GAMMA",
-                   help="step schedule: the decay factor (default 0.1)")
+                   help="step schedule: the decay factor (default {default})")
     g.add_argument("--clip-norm", type=float, dest="clip_norm", metavar="NORM",
                    help="each worker clips its gradient to this global L2 norm before pushing (default off)")
     g = t.add_argument_group("emulation and resources")
@@ -144,24 +181,24 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-forward", type=float, dest="compute_forward", metavar="SHARE",
                    help="spend SHARE (0-1) of --compute-time inside the forward pass, layer by layer (each "
                         "module with parameters its share by parameter count, before its forward), the rest after "
-                        "the pass as before; default 0")
+                        "the pass as before; default {default}")
     g.add_argument("--compute-backward", type=float, dest="compute_backward", metavar="SHARE",
                    help="spend SHARE (0-1) of --compute-time inside the backward pass, layer by layer (each "
                         "parameter's gradient is ready once its share by parameter count has passed, last layers "
-                        "first); default 0")
-    g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default none)")
+                        "first); default {default}")
+    g.add_argument("--jitter", help="none, uniform, exponential or lognormal variation of --compute-time (default {default})")
     g.add_argument("--jitter-cv", type=float, dest="jitter_cv", metavar="CV",
-                   help="coefficient of variation of --jitter (default 0.1; exponential is always 1)")
+                   help="coefficient of variation of --jitter (default {default}; exponential is always 1)")
     g.add_argument("--straggler-episodes", dest="straggler_episodes", metavar="FACTOR:SECONDS",
                    help="stragglers that come and go: one worker at a time is FACTOR times slower, the next one "
                         "every SECONDS of the run, round-robin (needs --compute-time; default off)")
-    g.add_argument("--device", metavar="{auto,cpu,cuda}",
+    g.add_argument("--device",
                    help="where workers train: auto (default) takes cuda:<i> when GPUs are visible, i being the "
                         "worker's index among the node's workers; cuda insists on a GPU; servers use the CPU")
-    g.add_argument("--cuda-aware", dest="cuda_aware", metavar="{auto,yes,no}",
+    g.add_argument("--cuda-aware", dest="cuda_aware",
                    help="push gradients straight from GPU memory (yes) or through pinned host buffers (no); "
                         "auto (default) asks the MPI library and its vendor's variables")
-    g.add_argument("--threads", type=int, help="torch threads per rank (default 1)")
+    g.add_argument("--threads", type=int, help="torch threads per rank (default {default})")
     g.add_argument("--compress", metavar="{none,bf16,fp16,topk:RATIO}",
                    help="what moves on the wire: none (fp32, default); bf16 or fp16 (pushes and pulls in 16 bits, "
                         "half the bytes; the servers keep fp32 weights and optimizer state); topk:RATIO (pushes "
@@ -170,20 +207,20 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--partition-mb", type=float, dest="partition_mb", metavar="MB",
                    help="pull in partitions of MB megabytes, in the order the forward pass uses the layers, and "
                         "start each layer as soon as its own have arrived (CPU workers; not eager, which pulls "
-                        "behind its computation); default 0: whole pulls")
+                        "behind its computation); default {default}: whole pulls")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
-                                       "worker pushes a gradient with NaN or Inf (default skip)")
-    g.add_argument("--divergence", metavar="{stop,ignore}",
+                                       "worker pushes a gradient with NaN or Inf (default {default})")
+    g.add_argument("--divergence",
                    help="stop (default): end the run, with one line saying what to try, when the workers' training "
                         "loss turns non-finite (3 steps in a row) or its recent mean exceeds 3x its start; the summary "
                         "says stopped_by diverged and the exit status is 3; ignore: train on")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
                    help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, hang or usr1 (repeatable)")
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
-                   help="log which ranks a server or worker has waited on for this long, and in what state (default 60)")
+                   help="log which ranks a server or worker has waited on for this long, and in what state (default {default})")
     g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",
-                   help="end the job when a worker the servers wait on has been silent this long (default 600; "
+                   help="end the job when a worker the servers wait on has been silent this long (default {default}; "
                         "0: never)")
     g = t.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-every", type=int, dest="checkpoint_every", metavar="VERSIONS",
@@ -200,25 +237,25 @@ def add_train_options(t: argparse.ArgumentParser) -> None:
     g = t.add_argument_group("output")
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",
-                   help="evaluate the global parameters this often (default 0.1)")
+                   help="evaluate the global parameters this often (default {default})")
     g.add_argument("--eval-every", type=int, dest="eval_every", metavar="VERSIONS",
                    help="evaluate every VERSIONS updates of shard 0 instead of every --eval-interval seconds")
     g.add_argument("--log-every", type=float, dest="log_every", metavar="SECONDS",
-                   help="the evaluation's console line at most this often (default 5)")
+                   help="the evaluation's console line at most this often (default {default})")
     g.add_argument("--eval-batch-size", type=int, dest="eval_batch_size", metavar="N",
-                   help="held-out samples per forward pass of an evaluation (default 256)")
+                   help="held-out samples per forward pass of an evaluation (default {default})")
     g.add_argument("--save", metavar="FILE.pt",
                    help="write the trained model's state_dict here at the end (default: the metrics file's "
                         "name with .pt)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="progress on rank 0: a bar when stderr is a terminal, else a status line every "
-                        "--progress-every seconds (default on)")
+                        "--progress-every seconds (default {default})")
     g.add_argument("--progress-every", type=float, dest="progress_every", metavar="SECONDS",
-                   help="seconds between status lines when stderr is not a terminal (default 30)")
+                   help="seconds between status lines when stderr is not a terminal (default {default})")
     g.add_argument("--timeline", action=argparse.BooleanOptionalAction,
                    help="record where every rank's time goes, phase by phase (receive, step, publish, push, "
                         "pull, ...), in the metrics file's /timeline; hpcps report draws it and writes it as a Chrome trace "
-                        "(default off)")
+                        "(default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,6 +153,11 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
     g = t.add_argument_group("server optimizer (run by every shard on its slice)")
     g.add_argument("--optimizer", help="torch.optim rule (default {default})")
     g.add_argument("--momentum", type=float, help="sgd momentum (default {default})")
+    g.add_argument("--stale-momentum", dest="stale_momentum",
+                   help="auto: each shard lowers the sgd momentum by what its updates' running "
+                        "mean staleness s adds (to 1-(1-m)(1+s), at least 0) and raises the rate to keep "
+                        "rate/(1-momentum), so one --momentum is safe under every paradigm (bsp: unchanged); "
+                        "none: the momentum as given (default {default})")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd: Nesterov momentum (default {default})")
     g.add_argument("--weight-decay", type=float, dest="weight_decay", metavar="WD",
                    help="weight decay: L2 in the gradient for sgd and adam, decoupled for adamw (default {default})")

@@ -52,6 +52,7 @@ class TrainConfig(BaseModel):
     lr: float = Field(0.1, gt=0)  # default by optimizer: see _default_lr
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     momentum: float = Field(0.0, ge=0)
+    stale_momentum: Literal["auto", "none"] = "auto"  # auto: momentum less what staleness adds (training.momentum)
     nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -67,19 +67,24 @@ def emulate(cluster: Cluster, command: list[str], log=None) -> int:
         net.build(cluster)
         log(f"hpcps emulate: {describe(cluster)}")
         env = clean_environ(**mpi_environment(cluster))
-        return _run_job(mpmd_argv(cluster, mpiexec, command), env)
+        return _run_job(mpmd_argv(cluster, mpiexec, command), env, reaper)
     finally:
         net.remove(cluster.prefix)
         reaper.close()
 
 
-def _run_job(argv: list[str], env: dict[str, str]) -> int:
+def _run_job(argv: list[str], env: dict[str, str], reaper: net.Reaper) -> int:
     """Run mpiexec in a process group of its own, passing each signal this process gets on to it once.
 
     A Ctrl-C at a terminal reaches only this process; mpiexec then gets one SIGINT (not one from the
-    terminal and one from here), and hands it to the ranks, which stop cleanly.
+    terminal and one from here), and hands it to the ranks, which stop cleanly. The reaper knows the
+    group: if this process is killed, it kills the launcher, its proxies and the ranks.
     """
-    return _wait_forwarding(subprocess.Popen(argv, env=env, preexec_fn=os.setpgrp))
+    proc = subprocess.Popen(argv, env=env, preexec_fn=os.setpgrp)
+    reaper.job(proc.pid)
+    status = _wait_forwarding(proc)
+    reaper.job(proc.pid, done=True)
+    return status
 
 
 def _wait_forwarding(proc: subprocess.Popen) -> int:

@@ -172,6 +172,13 @@ class Reaper:
         self.proc = subprocess.Popen([sys.executable, "-m", "hpcps.box.reaper", prefix], stdin=subprocess.PIPE,
                                      start_new_session=True, close_fds=True)
 
+    def job(self, pgid: int, *, done: bool = False) -> None:
+        """Tell the reaper of a job in process group ``pgid`` (killed if this process dies before it says
+        ``done``)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.write(f"{'done' if done else 'job'} {pgid}\n".encode())
+            self.proc.stdin.flush()
+
     def close(self, timeout: float = 30.0) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()

@@ -50,6 +50,7 @@ FEATURES: tuple[Reader, ...] = (
     Reader("the step schedule (--lr-schedule step)", frozenset({"lr_step_every", "lr_gamma"}),
            lambda cfg: cfg.lr_schedule == "step"),
     Reader("adam and adamw (--optimizer)", frozenset({"betas", "eps"}), lambda cfg: cfg.optimizer != "sgd"),
+    Reader("sgd with --momentum", frozenset({"stale_momentum"}), lambda cfg: cfg.optimizer == "sgd" and cfg.momentum > 0),
     Reader("the emulated compute's jitter (--jitter)", frozenset({"jitter_cv"}), lambda cfg: cfg.jitter != "none"),
     Reader("group servers (--groups)", frozenset({"group_by"}), lambda cfg: cfg.groups > 0),
     Reader("the progress line (--progress)", frozenset({"progress_every"}), lambda cfg: cfg.progress),

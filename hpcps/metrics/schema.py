@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 7  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+SCHEMA_VERSION = 8  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
 #                     4: workers/scalars, optimizer; 5: timeline; 6: servers/updates.lr, reason 3;
-#                     7: servers/hypers
+#                     7: servers/hypers; 8: servers/updates.momentum
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -41,11 +41,14 @@ ITERATION = np.dtype([
 #: none); ``applied`` 1 or 0, and then ``reason`` says why (see REASONS); ``lr`` the learning
 #: rate the update was applied at: the optimizer's own rate (its first param group's) x the
 #: schedule at ``version`` x the update's factor (``--lr-scaling``, staleness, the paradigm's
-#: weight); a group server's rows: ``--lr`` x the factor, before the central schedule (NaN: dropped).
+#: weight, and ``--stale-momentum``'s rate factor); a group server's rows: ``--lr`` x the factor, before the
+#: central schedule (NaN: dropped); ``momentum`` the momentum the update was applied with (its first param
+#: group's, after ``--stale-momentum auto`` lowered it by what staleness adds: hpcps.training.momentum; NaN:
+#: dropped, an optimizer without momentum, a group server's row).
 UPDATE = np.dtype([
     ("rank", "i4"), ("shard", "i4"), ("t", "f8"), ("worker", "i4"), ("worker_clock", "i8"),
     ("version", "i8"), ("staleness", "i8"), ("threshold", "i8"), ("applied", "i1"), ("reason", "i1"),
-    ("lr", "f8"),
+    ("lr", "f8"), ("momentum", "f8"),
 ])
 
 #: ``/servers/transfers`` (hsp): one row per gradient streamed into a shard under serial

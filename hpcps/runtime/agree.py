@@ -19,8 +19,42 @@ T = TypeVar("T")
 log = logging.getLogger("hpcps")
 
 
+#: a start-up wait for the other ranks: a warning every this many seconds
+START_WARN = 60.0
+#: and its end, as --stall-abort's default (the options may not be read yet)
+START_ABORT = 600.0
+#: after SIGTERM or SIGINT, how long a start-up wait goes on before this rank gives up (a batch system
+#: kills 30 s after its SIGTERM; a node that died, or a box taken down, never comes)
+SIGNAL_GRACE = 30.0
+
+
+def meet(comm: MPI.Comm, what: str, *, warn: float = START_WARN, abort: float | None = START_ABORT) -> None:
+    """Collective: return once every rank of ``comm`` has come here, polling a nonblocking barrier (the
+    cores stay free) under a watch: a warning every ``warn`` seconds naming ``what``, and
+    :class:`RunAborted`, which ends the job, past ``abort`` seconds, or :data:`SIGNAL_GRACE` seconds after
+    a SIGTERM or SIGINT caught at start-up, instead of waiting for ever on a rank that will not come."""
+    from hpcps.runtime.signals import early_signal
+    from hpcps.transport.poll import Backoff, StallWatch, wait_until
+
+    request = comm.Ibarrier()
+    watch = StallWatch(warn=warn, abort=abort, log=log, error=RunAborted,
+                       describe=lambda: f"rank {comm.rank} waiting at start-up for every rank to {what}")
+    signalled: list[float] = []
+
+    def watchdog(waited: float) -> None:
+        watch(waited)
+        if not signalled and early_signal() in ("SIGTERM", "SIGINT"):
+            signalled.append(waited)
+        if signalled and waited - signalled[0] >= SIGNAL_GRACE:
+            raise RunAborted(f"{early_signal()} received while rank {comm.rank} waited at start-up for every "
+                             f"rank to {what} ({waited:.0f} s): ending the job")
+
+    wait_until(request.Test, Backoff(), watchdog)
+
+
 def agree(comm: MPI.Comm, step: Callable[[], T]) -> T:
-    """Collective: ``step()`` on every rank; if it failed anywhere, raise UserError everywhere."""
+    """Collective: ``step()`` on every rank; if it failed anywhere, raise UserError everywhere. Ranks that
+    wait for the others' ``step`` wait as :func:`meet` does (a stall watch, a signal ends the wait)."""
     try:
         value, error = step(), None
     except UserError as exc:
@@ -28,6 +62,7 @@ def agree(comm: MPI.Comm, step: Callable[[], T]) -> T:
     except Exception as exc:  # an internal failure: keep the traceback on the rank that saw it
         log.exception("start-up failed on rank %d", comm.rank)
         value, error = None, f"internal error: {type(exc).__name__}: {exc}"
+    meet(comm, "finish the same start-up step")
     errors = comm.allgather(error)
     if not any(errors):
         return value

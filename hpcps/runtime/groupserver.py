@@ -77,7 +77,7 @@ class GroupServer(ShardServer):
             self.window.set_stop()
 
     def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float,
-                means: list[float] | None = None) -> int:
+                means: list[float] | None = None, staleness: float = 0.0) -> int:
         """Push the group's combined gradient (``agg``) to the central shards; wait for their receipts and
         pull; return the lowest central version it was applied to."""
         p = self.n_params

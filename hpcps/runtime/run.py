@@ -50,6 +50,7 @@ from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.cluster.emulation import ComputeTime
 from hpcps.cluster.effects import no_effect
+from hpcps.training.momentum import StaleMomentum
 from hpcps.errors import RunAborted, UserError
 from hpcps.runtime.evaluator import Evaluator
 from hpcps.training.flat import FlatParameters
@@ -400,6 +401,8 @@ class _Run:
         self.ckpt_dir = checkpoint_dir(self.cfg, path)
         runfile = agree(comm, lambda: self._open(path) if comm.rank == 0 else None)
         recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
+        # an earlier run in this process that failed without ending it (exit_on_error=False) left its own
+        agree_module.last_words.clear()
         if comm.rank != 0:  # a rank that fails sends rank 0 the rows it still holds before the job ends
             agree_module.last_words.append(recorder.flush)
         shard = comm.rank if topo.role is Role.SERVER else None
@@ -738,6 +741,8 @@ class _Run:
                                    groups=groups, indices=shard_group_indices(self.groups, self.slices.pieces[shard]))
         # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
         optimizer.schedule = self.schedule(optimizer.default_lr or cfg.lr)
+        if cfg.stale_momentum == "auto":
+            optimizer.stale = StaleMomentum()
         if self.ckpt is not None and self.ckpt.resharded:
             optimizer.load_state_dict(self._resliced_optimizer_state(optimizer, shard))
         elif self.ckpt is not None:

@@ -290,7 +290,9 @@ class ShardServer:
             elif finite:
                 # each buffer change damped by its staleness (1 for a gradient computed on this version)
                 means = [1.0 / (len(finite) * (1 + max(self.version - p.version, 0))) for p in finite]
-                at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor, means=means)
+                stale = sum(max(self.version - p.version, 0) for p in finite) / len(finite)
+                at = self._update([self._gradient(p.worker) for p in finite], coeffs, weight * factor, means=means,
+                                  staleness=stale)
             where = position if self.policy.extra_gradients else at  # a group server's: the central version
             lr = self._rate(where, weight * factor) if finite else math.nan
             self.gradients_applied += len(finite)
@@ -298,7 +300,8 @@ class ShardServer:
             for p in pushes:
                 applied = p in finite
                 staleness = at - p.version if applied else -1
-                self._row(p, at, t, applied=applied, reason=0 if applied else 2 if p.skip else 1, lr=lr)
+                self._row(p, at, t, applied=applied, reason=0 if applied else 2 if p.skip else 1, lr=lr,
+                          momentum=self._momentum() if applied else math.nan)
                 flags = wire.RECEIPT if applied else wire.RECEIPT | wire.DROPPED
                 _note(notices, p.worker, flags, p.clock, at, staleness, lr if applied else math.nan)
                 self.inbox.release(p.worker)
@@ -345,12 +348,19 @@ class ShardServer:
                         self.recorder.add("servers/hypers", (self.rank, self.shard, t, rank, self.version, g,
                                                              name.encode()[:32], number))
 
-    def _row(self, push: PushEvent, version: int, t: float, *, applied: bool, reason: int, lr: float) -> None:
-        """``push``'s row of this shard's table, at time ``t``: applied at ``version`` at rate ``lr``, or dropped
-        for ``reason``."""
+    def _row(self, push: PushEvent, version: int, t: float, *, applied: bool, reason: int, lr: float,
+             momentum: float = math.nan) -> None:
+        """``push``'s row of this shard's table, at time ``t``: applied at ``version`` at rate ``lr`` and
+        ``momentum``, or dropped for ``reason``."""
         self.recorder.add(self.table, (
             self.rank, self.shard, t, self.worker_ranks[push.worker], push.clock, version,
-            version - push.version if applied else -1, self.policy.threshold(push.worker), int(applied), reason, lr))
+            version - push.version if applied else -1, self.policy.threshold(push.worker), int(applied), reason, lr,
+            momentum))
+
+    def _momentum(self) -> float:
+        """The momentum the last update was applied with (its first param group's; NaN: none, or a group
+        server, whose sums the central shards apply)."""
+        return self.optimizer.momentum if self.optimizer is not None else math.nan
 
     def position(self) -> float:
         """Where the learning-rate schedule is: the version, or for a paradigm with extra gradients (hsp,
@@ -366,10 +376,10 @@ class ShardServer:
         the factor, the central shards' schedule applying on top)."""
         if self.optimizer is None or self.optimizer.recorded_lr is None:
             return self.unit_lr * factor
-        return self.optimizer.recorded_lr * self.optimizer.schedule(version) * factor
+        return self.optimizer.recorded_lr * self.optimizer.schedule(version) * factor * self.optimizer.rate_factor
 
     def _update(self, grads: list[torch.Tensor], coeffs: list[float], factor: float,
-                means: list[float] | None = None) -> int:
+                means: list[float] | None = None, staleness: float = 0.0) -> int:
         """Apply one update: an optimizer step from ``sum(c * g)`` with the learning rate times
         ``factor``, and the buffers' mean change ``sum(m * g)`` (``means``: ``1/len(grads)`` each
         by default; a round's sum passes ``[1/n]``); return the version it was applied to."""
@@ -377,7 +387,7 @@ class ShardServer:
         means = means or [1.0 / len(grads)] * len(grads)
         self.tl.enter("step")
         self.optimizer.step([g[:p] for g in grads], coeffs, version=self.position(), factor=factor,
-                            progress=self.progress)
+                            progress=self.progress, staleness=staleness)
         if p < len(self.master):
             apply_update(self.master_t[p:], [g[p:] for g in grads], [-m for m in means], progress=self.progress)
         self.version += 1

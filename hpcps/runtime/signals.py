@@ -96,6 +96,12 @@ def catch_early() -> None:
         _early = StopSignals().__enter__()
 
 
+def early_signal() -> str | None:
+    """The stop signal :func:`catch_early`'s handlers caught while the run was starting (None: none, or
+    no handlers installed)."""
+    return _early.received if _early is not None else None
+
+
 def announce(rank: int):
     """The ``on_first`` of rank 0: one line saying what happens now (other ranks stay quiet)."""
     def on_first(name: str) -> None:

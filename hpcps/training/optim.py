@@ -35,6 +35,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hpcps.training.momentum import StaleMomentum
+
 #: float32 values updated between two progress pokes (1 MiB: fits in L2)
 APPLY_CHUNK = 1 << 18
 
@@ -155,6 +157,11 @@ class ShardOptimizer:
         self._built = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
                        if self.optimizer else [], list(self.base_lrs))  # for reset_hyper
         self._sum: torch.Tensor | None = None  # the combined gradient of multi-gradient updates
+        #: the rule that lowers momentum by what staleness adds (:mod:`hpcps.training.momentum`); None: off
+        self.stale: StaleMomentum | None = None
+        #: the first group's momentum at the last update, as applied (NaN: the optimizer has none), and the
+        #: factor the rule multiplied its rate by
+        self.momentum, self.rate_factor = math.nan, 1.0
 
     def reset_hyper(self) -> None:
         """Back to the hyperparameters the optimizer was built with (for a worker whose loop never set any,
@@ -181,16 +188,37 @@ class ShardOptimizer:
             self.recorded_lr = float(values[0]["lr"])
 
     def step(self, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *, version: int, factor: float,
-             progress: Callable[[], object] = lambda: None) -> int:
-        """One update from ``sum(c * g)`` at learning-rate multiplier ``schedule(version) x factor``.
+             progress: Callable[[], object] = lambda: None, staleness: float = 0.0) -> int:
+        """One update from ``sum(c * g)`` at learning-rate multiplier ``schedule(version) x factor``, its
+        gradients ``staleness`` versions old (their mean): with :attr:`stale` each group's momentum is
+        lowered, and its rate raised, as :class:`~hpcps.training.momentum.StaleMomentum` says, for this
+        update only (the group keeps the momentum the user set).
 
         Returns the number of chunks stepped (= progress calls).
         """
         if self.optimizer is None:
             return 0
         scale = self.schedule(version) * factor
+        if self.stale is not None:
+            self.stale.observe(staleness)
+        set_momenta = []
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * scale
+            momentum = group.get("momentum")
+            if self.stale is not None and momentum:
+                explicit, rate = self.stale.adjusted(momentum)
+                set_momenta.append((group, momentum))
+                group["momentum"], group["lr"] = explicit, group["lr"] * rate
+        first = self.optimizer.param_groups[0]
+        self.momentum = float(first["momentum"]) if "momentum" in first else math.nan
+        self.rate_factor = first["lr"] / (self.base_lrs[0] * scale) if self.base_lrs[0] * scale else 1.0
+        try:
+            return self._step(grads, coeffs, progress)
+        finally:
+            for group, momentum in set_momenta:
+                group["momentum"] = momentum
+
+    def _step(self, grads: Sequence[torch.Tensor], coeffs: Sequence[float], progress: Callable[[], object]) -> int:
         # step straight from the received gradient (an fp32 one: a 16-bit payload is widened into the sum)
         single = len(grads) == 1 and coeffs[0] == 1.0 and grads[0].dtype == torch.float32
         if not single and self._sum is None:

@@ -416,7 +416,7 @@ class ParamWindow:
         copies = [[self._get_range(win, land, *piece, slots)
                    for lo, hi in ranges for piece in self.slices.split(lo, hi)] for ranges in parts]
         return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
-                    copies, list(parts))
+                    copies, list(parts), land)
 
     def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, at: int, lo: int, hi: int,
                    slots: np.ndarray) -> MPI.Request:
@@ -451,12 +451,16 @@ class Pull:
     was given ``parts``): :meth:`wait_part` waits for one, and a 16-bit window's values are widened
     into ``out`` partition by partition, as each is waited for."""
 
-    __slots__ = ("window", "out", "heard", "result", "backoff", "slots", "copies", "ranges", "done")
+    __slots__ = ("window", "out", "heard", "result", "backoff", "slots", "copies", "ranges", "done", "land")
 
     def __init__(self, window: ParamWindow, out: np.ndarray, heard, result, backoff: Backoff | None,
-                 slots: np.ndarray | None = None, copies: list | None = None, ranges: list | None = None) -> None:
+                 slots: np.ndarray | None = None, copies: list | None = None, ranges: list | None = None,
+                 land: np.ndarray | None = None) -> None:
         self.window, self.out, self.heard, self.result = window, out, heard, result
         self.backoff, self.slots = backoff, slots
+        #: where the copies land (``out``, or a 16-bit window's buffer of the thread that began the pull: a
+        #: pull begun on one thread may be waited on another, which must widen what came, not its own buffer)
+        self.land = out if land is None else land
         self.copies, self.ranges = copies or [], ranges or []
         self.done = [False] * len(self.copies)  # partitions waited for (and widened)
 
@@ -483,7 +487,7 @@ class Pull:
             return
         wait_until(lambda: MPI.Request.Testall(self.copies[k]), self.backoff)
         self.done[k] = True
-        land = self.window._landing(self.out)
+        land = self.land
         if land is not self.out:  # a 16-bit window: widen what came into fp32
             for lo, hi in self.ranges[k]:
                 self.window.codec.decode_params(land[lo:hi], self.out[lo:hi])

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from hpcps.box import net
+from hpcps.box.reaper import tree
 from hpcps.box.spec import make_cluster, parse_rate
 from hpcps.cluster.launcher import clean_environ
 from hpcps.analysis.report import max_clock_gap
@@ -238,6 +239,45 @@ def test_a_killed_launcher_leaves_no_namespace_link_or_bridge_behind(tmp_path):
     links_after = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert links_after.count("\n") == links_before.count("\n")  # the host's own links: untouched
     assert "hpcps0" not in links_after and " br0" not in links_after
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_launcher_whose_namespaces_vanished_first_leaves_no_process_behind():
+    """The namespaces deleted under a running job, then SIGKILL to hpcps emulate: the reaper cannot find
+    the job by its namespaces any more; it kills it by the process group and the process tree of the
+    mpiexec it was told of (before, mpiexec, its proxy and the ranks stayed behind)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcps", "emulate", "--nodes", "2", "--", sys.executable, "-c",
+                             "import time; time.sleep(300)"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_environ())
+    prefix = f"hpcps{proc.pid}-"
+    try:
+        assert _wait_for(lambda: len(net.pids(prefix)) >= 2, 60), "the ranks never started"
+        job = tree(proc.pid) - {proc.pid} - tree_of_reaper(proc.pid)  # mpiexec, its proxy, the ranks
+        assert len(job) >= 3
+        for ns in [ns for ns in net.namespaces() if ns.startswith(prefix)]:
+            subprocess.run(["ip", "netns", "delete", ns], check=True)
+        assert net.pids(prefix) == []  # what the reaper used to look for
+        proc.kill()
+        proc.wait()
+        assert _wait_for(lambda: not [p for p in job if os.path.exists(f"/proc/{p}")], 30), \
+            f"left behind: {[p for p in job if os.path.exists(f'/proc/{p}')]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        net.remove(prefix)
+
+
+def tree_of_reaper(owner: int) -> set[int]:
+    """The reaper's own process (a child of the owner, python -m hpcps.box.reaper)."""
+    found = set()
+    for pid in tree(owner):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"hpcps.box.reaper" in f.read():
+                    found.add(pid)
+        except OSError:
+            pass
+    return found
 
 
 @pytest.mark.timeout(60)

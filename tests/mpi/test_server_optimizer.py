@@ -156,3 +156,41 @@ def test_bsp_resumed_with_optimizer_state_ends_bit_for_bit(world, mpi_tmp_path, 
                               "step-000030.optim-0.pt", "step-000030.optim-1.pt", "step-000030.user.pt"]
     assert facts["equal"]
     assert facts["tracked"] == [30, 30], facts  # the saved models count worker 0's batches, the resumed one too
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("paradigm,rule", [("asp", "auto"), ("asp", "none"), ("bsp", "auto")])
+def test_each_update_records_the_momentum_and_rate_the_staleness_rule_gave_it(world, mpi_tmp_path, paradigm, rule):
+    """--stale-momentum auto: each shard's update i is applied at momentum 1-(1-0.9)(1+s) (at least 0), s the
+    running mean staleness of its updates up to i (the rule replayed on the shard's own rows), and at the rate
+    times (1-m')/(1-m); bsp's and --stale-momentum none's are the user's 0.9 and rate."""
+    import h5py
+
+    from hpcps.training.momentum import StaleMomentum
+
+    out = mpi_tmp_path / f"{paradigm}-{rule}.h5"
+    hpcps.train(model=mlp, data="digits", optimizer="sgd", lr=0.1, momentum=0.9, stale_momentum=rule,
+                paradigm=paradigm, servers=2, steps=15, batch_size=16, seed=3, out=str(out), progress=False,
+                exit_on_error=False, comm=world)
+    facts = None
+    if world.rank == 0:
+        with h5py.File(out) as f:
+            up = f["servers/updates"][()]
+        n_workers, lr_per_update = world.size - 2, 0.1 / (world.size - 2 if paradigm == "asp" else 1)
+        facts = {"stale": int(up["staleness"].max()), "bad": []}
+        for shard in (0, 1):
+            rows = np.sort(up[(up["shard"] == shard) & (up["applied"] == 1)], order="version")
+            replay = StaleMomentum()
+            for r in rows:
+                replay.observe(r["staleness"])
+                momentum, factor = replay.adjusted(0.9) if rule == "auto" else (0.9, 1.0)
+                if not (math.isclose(r["momentum"], momentum, abs_tol=1e-9)
+                        and math.isclose(r["lr"], lr_per_update * factor, rel_tol=1e-9)):
+                    facts["bad"].append((shard, int(r["version"]), float(r["momentum"]), momentum))
+        facts["n"] = len(up)
+        facts["n_workers"] = n_workers
+    facts = share(world, facts)
+    assert facts["n"] == 2 * facts["n_workers"] * 15
+    assert facts["bad"] == [], facts["bad"][:5]
+    if paradigm == "asp":
+        assert facts["stale"] > 0  # the rule had something to act on

@@ -412,3 +412,44 @@ def test_a_16_bit_window_serves_rounded_copies_and_its_exact_pulls_the_fp32_mast
     window.free()
     facts = share(world, facts)
     assert facts[1:] == [(3, True, 3, True)] * 4
+
+
+def test_a_16_bit_pull_begun_on_one_thread_is_widened_from_its_own_buffer_on_another(world):
+    """A pull of a 16-bit window lands in the buffer of the thread that began it (eager's helper thread);
+    waited on the main thread, its partitions are widened from that buffer, not the main thread's own
+    (which before held an older pull's values: the parameters came back as they were one pull ago)."""
+    import threading
+
+    from hpcps.transport.compress import make_codec
+
+    n = 512
+    codec = make_codec("bf16")
+    old = np.full(n, 7.0, np.float32)
+    params = np.random.default_rng(4).standard_normal(n).astype(np.float32)
+    window = ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
+                         protocol="pinned", codec=codec)
+    if world.rank == 0:
+        window.master[:] = old
+        window.publish(window.master, 1)
+    world.Barrier()
+    out = np.empty(n, np.float32)
+    if world.rank != 0:
+        window.pull(out)  # the main thread's own buffer now holds the old values
+    world.Barrier()
+    if world.rank == 0:
+        window.master[:] = params
+        window.publish(window.master, 2)
+    world.Barrier()
+    facts = None
+    if world.rank != 0:
+        begun = []
+        helper = threading.Thread(target=lambda: begun.append(window.begin_pull(out)))
+        helper.start()
+        helper.join()
+        versions, _ = begun[0].wait()
+        facts = (int(versions[0]), bool(np.array_equal(out, torch.from_numpy(params).bfloat16().float().numpy())))
+    facts = world.gather(facts, root=0)
+    world.Barrier()
+    window.free()
+    facts = share(world, facts)
+    assert facts[1:] == [(2, True)] * (world.size - 1)

@@ -13,7 +13,7 @@ from hpcps.metrics.schema import EVAL, ITERATION, SCHEMA_VERSION, SUMMARY_ATTRS,
 
 
 def _updates(rows):
-    return np.array([row + (0.1,) for row in rows], dtype=UPDATE)
+    return np.array([row + (0.1, 0.0) for row in rows], dtype=UPDATE)
 
 
 def test_summary_counts_each_gradient_once_over_shards():

@@ -1,0 +1,164 @@
+"""Features combined, drawn by Hypothesis: paradigm x shards x partitions x compression x periodic
+checkpoints, the loop (hpcps's own or the user's, through hpcps.init), group servers, an injected NaN
+gradient and placement; each run's file is checked for what holds across shards.
+
+* a gradient is applied by every shard or by none;
+* every shard records every gradient once, and pushed = applied + dropped, the dropped being exactly
+  the gradients no shard applied (the injected NaN among them);
+* ssp's and dssp's clock gap (from the shards' rows) and eager's lag stay within their bounds;
+* in the user's own loop, the parameters read after ``ps.step()`` are those the next forward pass uses.
+
+Every rank draws the same combinations (derandomized, no example database) and sees the same verdict
+(rank 0's facts, shared), so the ranks run each combination together, shrinking included. CI runs the
+fast profile; the soak runs more with shrinking:
+``HPCPS_COMBINATIONS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_combinations_mpi.py``.
+A failure found is kept below as an ``@example``: a named regression every run replays first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, example, given, reject, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import hpcps
+from hpcps.cluster.planning import plan
+from hpcps.config import make_config
+from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.errors import UserError
+from mpitest import clocks_at, share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+SOAK = int(os.environ.get("HPCPS_COMBINATIONS", "0"))
+RUNS = SOAK or 10
+PHASES = (Phase.explicit, Phase.generate, Phase.shrink) if SOAK else (Phase.explicit, Phase.generate)
+WORLD = 5
+
+
+@st.composite
+def combinations(draw) -> dict:
+    paradigm = draw(st.sampled_from(["bsp", "asp", "ssp", "dssp", "eager", "hsp", "grouped"]))
+    servers = draw(st.sampled_from([1, 2]))
+    groups = (draw(st.sampled_from([1, 2])) if servers == 1 else 1) if paradigm == "grouped" else 0
+    steps = draw(st.integers(5, 9))
+    cfg = {"paradigm": paradigm, "servers": servers, "groups": groups, "steps": steps,
+           "seed": draw(st.integers(0, 99)), "batch_size": 16,
+           "placement": draw(st.sampled_from(["spread", "rank"])),
+           "compress": draw(st.sampled_from(["none", "bf16", "topk:0.3"])),
+           "checkpoint_every": draw(st.sampled_from([None, 3])),
+           "partition_mb": 0.0 if paradigm == "eager" else draw(st.sampled_from([0.0, 0.004])),
+           "loop": draw(st.sampled_from(["builtin", "own"]))}
+    if paradigm in ("ssp", "dssp", "eager"):
+        cfg["staleness"] = draw(st.integers(0, 2))
+    if paradigm == "dssp":
+        cfg["staleness_max"] = cfg["staleness"] + draw(st.integers(0, 2))
+    if draw(st.booleans()):  # one worker pushes a NaN gradient once
+        worker = draw(st.integers(servers + groups, WORLD - 1))
+        cfg["fault"] = [f"nan@{worker}:{draw(st.integers(1, steps - 2))}"]
+    return cfg
+
+
+def _own_loop(out, options: dict, comm) -> int:
+    """The user's own loop on the digits (hpcps.init): return how many steps read, after ``ps.step()``,
+    parameters other than those the next forward pass used (on a worker; 0 elsewhere)."""
+    data = load_dataset("digits")
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    batch = options.pop("batch_size")
+    ps = hpcps.init(make, out=str(out), progress=False, exit_on_error=False, comm=comm, **options)
+    torn = 0
+    with ps:
+        while ps.running:
+            read = torch.cat([p.detach().flatten().clone() for p in ps.model.parameters()])
+            idx = batch_indices(len(y), batch_size=batch, n_workers=ps.n_workers, worker=ps.worker_index,
+                                step=ps.iteration, seed=options["seed"])
+            loss = F.cross_entropy(ps.model(x[idx]), y[idx])
+            torn += not torch.equal(read, torch.cat([p.detach().flatten() for p in ps.model.parameters()]))
+            loss.backward()
+            ps.step(loss)
+    return torn
+
+
+def _run(world, out, cfg: dict) -> tuple[dict | None, int]:
+    """Run ``cfg``; rank 0's tables and the torn steps summed over the ranks."""
+    import h5py
+
+    from hpcps.metrics.schema import TABLES
+
+    options = {k: v for k, v in cfg.items() if k != "loop" and v is not None}
+    options["checkpoint_dir"] = str(out) + "-checkpoints"
+    if cfg["loop"] == "builtin":
+        _, tables = train(out, world, **options)
+        return tables, 0
+    torn = world.allreduce(_own_loop(out, options, world), op=MPI.SUM)
+    tables = None
+    if world.rank == 0:
+        with h5py.File(out) as f:
+            tables = {name: f[name][()] for name in TABLES}
+            tables["summary"] = dict(f["summary"].attrs)
+    return tables, torn
+
+
+def _problems(cfg: dict, t: dict) -> list[str]:
+    """What does not hold across the shards of ``cfg``'s run file ``t``."""
+    it, up, s = t["workers/iterations"], t["servers/updates"], t["summary"]
+    servers, steps, groups = cfg["servers"], cfg["steps"], cfg["groups"]
+    workers = list(range(servers + groups, WORLD))
+    problems = []
+    pushed = len(workers) * steps
+    if not s["gradients_pushed"] == s["gradients_applied"] + s["gradients_dropped"] == pushed:
+        problems.append(f"counts: pushed {s['gradients_pushed']}, applied {s['gradients_applied']}, "
+                        f"dropped {s['gradients_dropped']}, {pushed} expected")
+    expected = sorted((w, c) for w in workers for c in range(1, steps + 1))
+    shards = range(1 if groups else servers)  # group servers record each worker's gradient as shard 0
+    applied = {}
+    for shard in shards:
+        mine = up[up["shard"] == shard]
+        if sorted(zip(mine["worker"].tolist(), mine["worker_clock"].tolist())) != expected:
+            problems.append(f"shard {shard} did not record every gradient exactly once")
+        for r in mine:
+            applied.setdefault((int(r["worker"]), int(r["worker_clock"])), set()).add(int(r["applied"]))
+    torn = sorted(k for k, v in applied.items() if len(v) > 1)
+    if torn:
+        problems.append(f"gradients applied by some shards and not others: {torn[:4]}")
+    nobody = sum(1 for v in applied.values() if v == {0})
+    if nobody != s["gradients_dropped"]:
+        problems.append(f"{nobody} gradients applied by no shard, the summary says {s['gradients_dropped']} dropped")
+    if cfg.get("fault") and nobody < 1:
+        problems.append("the injected NaN gradient was applied")
+    bound = {"bsp": 0, "ssp": cfg.get("staleness"), "dssp": cfg.get("staleness_max")}.get(cfg["paradigm"])
+    if bound is not None and servers == 1 and not groups:
+        gaps = [int(r["step"]) - min(clocks_at(up, int(r["version"]), workers).values()) for r in it]
+        if gaps and max(gaps) > bound:
+            problems.append(f"clock gap {max(gaps)} > bound {bound}")
+    if cfg["paradigm"] == "eager" and len(it) and it["lag"].max() > cfg["staleness"]:
+        problems.append(f"eager lag {it['lag'].max()} > --staleness {cfg['staleness']}")
+    return problems
+
+
+@pytest.mark.timeout(1800 if SOAK else 600)
+@settings(max_examples=RUNS, derandomize=True, database=None, deadline=None, phases=PHASES,
+          suppress_health_check=list(HealthCheck), print_blob=False)
+@given(cfg=combinations())
+def test_combinations_hold_across_shards(world, mpi_tmp_path, cfg):
+    try:  # a combination hpcps refuses is one error line, the same on every rank: not a run to check
+        plan(make_config({k: v for k, v in cfg.items() if k != "loop"} | (
+            {"dataset": "own-loop"} if cfg["loop"] == "own" else {})), world.size)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+        reject()
+    n = share(world, np.random.default_rng().integers(1 << 30) if world.rank == 0 else None)
+    tables, torn = _run(world, mpi_tmp_path / f"c{n}.h5", cfg)
+    problems = share(world, _problems(cfg, tables) if world.rank == 0 else None)
+    assert torn == 0, f"{cfg}: {torn} steps read parameters the next pass did not use"
+    assert not problems, f"{cfg}: {problems}"

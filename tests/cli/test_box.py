@@ -241,6 +241,23 @@ def test_a_killed_launcher_leaves_no_namespace_link_or_bridge_behind(tmp_path):
     assert "hpcps0" not in links_after and " br0" not in links_after
 
 
+@pytest.mark.timeout(240)
+def test_the_readmes_box_example_trains_without_diverging(tmp_path):
+    """README.md's own box command, as a new user runs it (shortened to 100 steps: it used to stop as
+    diverged at step 32, exit status 3)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("hpcps emulate "))
+    args = line.split()[2:]  # after "hpcps emulate"
+    proc = emulate(*args, "--steps", "100", "--out", str(tmp_path / "readme.h5"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with h5py.File(tmp_path / "readme.h5") as f:
+        s = f["summary"].attrs
+        assert s["gradients_applied"] == 4 * 100 and s["stopped_by"] in ("", b"")
+        assert s["final_accuracy"] > 0.8
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_launcher_whose_namespaces_vanished_first_leaves_no_process_behind():
     """The namespaces deleted under a running job, then SIGKILL to hpcps emulate: the reaper cannot find

@@ -172,3 +172,49 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
         assert s["gradients_pushed"] + cut.worker_clocks.sum() == 4 * 300
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
         assert s["stopped_by"] == ""
+
+
+START_UP_STUCK = """
+import sys, time
+from mpi4py import MPI
+from hpcps.runtime import agree
+from hpcps.runtime.agree import agree as agree_on, run_or_end
+from hpcps.runtime.signals import catch_early
+
+agree.SIGNAL_GRACE = 2.0  # noqa  # (30 s in a run: a batch system's kill comes 30 s after its SIGTERM)
+catch_early()
+comm = MPI.COMM_WORLD
+print("ready", flush=True)
+if comm.rank == 0:  # a peer that never comes: a dead node, a box whose namespaces were taken down
+    time.sleep(300)
+_, status = run_or_end(comm, lambda: agree_on(comm, lambda: None))
+sys.exit(status)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_ends_ranks_waiting_at_start_up_for_a_peer_that_never_comes(tmp_path):
+    """Ranks in a start-up collective whose peer will not come (before: they spun in the allgather for good,
+    and SIGTERM, caught to stop the run cleanly later, did nothing): a SIGTERM ends them SIGNAL_GRACE
+    seconds later, with one line saying so, and the job ends."""
+    script = tmp_path / "stuck.py"
+    script.write_text(START_UP_STUCK)
+    proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, str(script)],
+                            env=clean_environ(PYTHONUNBUFFERED="1", **OVERSUBSCRIBE), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready = 0
+        while ready < 3:
+            line = proc.stdout.readline()
+            assert line, "the job ended before every rank was ready"
+            ready += line.strip() == "ready"
+        time.sleep(1.0)  # ranks 1 and 2 in the start-up wait
+        t = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)  # as a batch system's scancel: every process of the job
+        err = _ended(proc, "SIGTERM")
+        assert time.monotonic() - t < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "SIGTERM received while rank" in err and "waited at start-up for every rank" in err, err[-3000:]

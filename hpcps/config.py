@@ -99,7 +99,7 @@ class TrainConfig(BaseModel):
     stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never
     checkpoint_every: int | None = Field(None, ge=1)  # versions
     checkpoint_interval: float | None = Field(None, gt=0)  # seconds (paradigms that apply on arrival)
-    checkpoint_dir: str | None = None  # None: the run's own (hpcps.runtime.run.checkpoint_dir)
+    checkpoint_dir: str | None = None  # None: the run's own (hpcps.runtime.checkpointing.checkpoint_dir)
     resume: str | None = None
     fault: list[str] = Field(default_factory=list)
 

@@ -33,11 +33,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from hpcps.metrics.timeline import NullTimeline
+
+if TYPE_CHECKING:
+    from hpcps.cluster.layout import Layout
+    from hpcps.config import TrainConfig
+    from hpcps.training.flat import FlatParameters
 
 JITTERS = ("none", "uniform", "exponential", "lognormal")
 POKE_EVERY = 1e-3  # seconds between pokes of an emulated computation (see emulated_sleep)
@@ -171,3 +176,28 @@ class ComputeTime:
         if self.mean is None:
             return (self.factor_at(now) - 1.0) * real_s
         return max(0.0, self.target(rng, now) - real_s)
+
+
+def emulated_compute_time(cfg: "TrainConfig", rank: int, layout: "Layout") -> ComputeTime:
+    """The emulated compute time of worker ``rank`` (``--compute-time``, its ``--slowdown``, ``--jitter``,
+    ``--straggler-episodes``)."""
+    return ComputeTime(cfg.compute_time, cfg.slowdown.get(rank, 1.0), cfg.jitter, cfg.jitter_cv,
+                       episodes=cfg.straggler_episodes, worker=layout.worker_index(rank), n_workers=layout.n_workers)
+
+
+def end_pass(flat: "FlatParameters", started: float, compute_time: ComputeTime, rng: np.random.Generator, *,
+             clip_norm: float | None = None, now: float | None = None,
+             poke: Callable[[], object] | None = None, timeline=None, target: float | None = None) -> float:
+    """After backward: the buffers' change into the gradient vector and clipping
+    (:meth:`FlatParameters.end_pass`), the device's queued work done, then the emulated compute
+    time on top of what the pass took since ``started`` (``now``: the run's clock, for stragglers
+    that come and go; ``poke``: called through the emulated part, so messages in flight keep
+    moving; ``timeline``: where the emulated part is entered as a phase of its own); return the seconds
+    since ``started``."""
+    flat.end_pass(clip_norm)
+    flat.synchronize()  # a GPU's queued work belongs to this pass's time
+    if timeline is not None:
+        timeline.enter("emulated")
+    real = time.perf_counter() - started
+    emulated_sleep(compute_time.sleep_after(real, rng, now) if target is None else max(0.0, target - real), poke)
+    return time.perf_counter() - started

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from hpcps.data.sharding import Dataset, Redeal, batch_indices, redealt_batches, resumed_batch_indices
+from hpcps.data.sharding import Redeal, batch_indices, redealt_batches, resumed_batch_indices
+from hpcps.data.loaders import Dataset
 from hpcps.errors import UserError
 
 BatchFactory = Callable[[int, int, int, int], Iterable[Any]]
@@ -71,7 +72,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class Slices:
+class OrderedBatches:
     """Re-iterable batches of ``batch_size`` from ``take(lo, hi)`` over ``n`` items, in order."""
 
     def __init__(self, n: int, batch_size: int, take: Callable[[int, int], Any]) -> None:
@@ -103,7 +104,7 @@ class ArrayData:
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
         x, y = torch.from_numpy(self.data.x_test), torch.from_numpy(self.data.y_test)
-        return Slices(self.n_test, batch_size, lambda lo, hi: (x[lo:hi], y[lo:hi]))
+        return OrderedBatches(self.n_test, batch_size, lambda lo, hi: (x[lo:hi], y[lo:hi]))
 
 
 class _ArrayTake:
@@ -218,7 +219,7 @@ def held_out_batches(test: Any, batch_size: int) -> Iterable[Any] | None:
     """Batches of a held-out Dataset, in order; an iterable of batches (a DataLoader) as it is; or None."""
     if test is None or not is_dataset(test):
         return test
-    return Slices(len(test), batch_size, lambda lo, hi: default_collate([test[i] for i in range(lo, hi)]))
+    return OrderedBatches(len(test), batch_size, lambda lo, hi: default_collate([test[i] for i in range(lo, hi)]))
 
 
 def _size(test: Any) -> int | None:

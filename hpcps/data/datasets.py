@@ -1,7 +1,7 @@
 """Built-in data sets by name (``--dataset``), each a :class:`~hpcps.data.batches.DataSource`.
 
 ``digits``
-    scikit-learn's 1797 8x8 digits, in memory (:func:`hpcps.data.sharding.load_dataset`).
+    scikit-learn's 1797 8x8 digits, in memory (:func:`hpcps.data.loaders.load_dataset`).
 ``mnist1d`` or ``mnist1d:SAMPLES``
     MNIST-1D (Greydanus 2020), generated offline by the ``mnist1d`` package
     (``make_dataset``; never its download URL) with its standard arguments:
@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from hpcps.data.batches import ArrayData, BatchSource, IndexedBatches, Slices
-from hpcps.data.sharding import SPLIT_SEED, Dataset, Redeal, load_dataset, split_indices
+from hpcps.data.batches import ArrayData, BatchSource, IndexedBatches, OrderedBatches
+from hpcps.data.sharding import SPLIT_SEED, Redeal, split_indices
+from hpcps.data.loaders import Dataset, load_dataset
 from hpcps.errors import RunAborted, UserError
 
 MNIST1D_SAMPLES = 5000  # the package's (and the paper's) standard: 4000 training, 1000 held-out
@@ -156,7 +157,7 @@ class SyntheticData:
                                lambda idx: self.samples(self.train_idx[idx]), redeal)
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
-        return Slices(self.n_test, batch_size, lambda lo, hi: self.samples(self.test_idx[lo:hi]))
+        return OrderedBatches(self.n_test, batch_size, lambda lo, hi: self.samples(self.test_idx[lo:hi]))
 
 
 # -- HDF5, streamed -------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class H5Data:
                                            lambda idx: self.read(self.train_idx[idx]), redeal), steps)
 
     def test_batches(self, batch_size: int) -> Iterable[Any]:
-        return Slices(self.n_test, batch_size, lambda lo, hi: self.read(self.test_idx[lo:hi]))
+        return OrderedBatches(self.n_test, batch_size, lambda lo, hi: self.read(self.test_idx[lo:hi]))
 
 
 def _names(names: str, spec: str) -> tuple[str, str]:

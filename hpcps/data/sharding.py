@@ -1,10 +1,9 @@
-"""Data sets (``--dataset``) and the deterministic batch schedule of every worker.
+"""Which samples go where, as pure index arithmetic: the fixed split of a data set into training and
+held-out samples, and the deterministic batch schedule of every worker (the loaders are
+:mod:`hpcps.data.loaders` and :mod:`hpcps.data.datasets`).
 
-A data set is ``digits`` (bundled with scikit-learn; 1797 8x8 images of ten
-digits) or the path of an HDF5 file with ``/x`` (samples along the first
-axis) and ``/y`` (integer class labels). It is split once, with a fixed
-seed, into a training set and a held-out test set, so runs with different
-``--seed`` values are evaluated on the same samples.
+A data set is split once, with a fixed seed, into a training set and a held-out test set, so runs with
+different ``--seed`` values are evaluated on the same samples.
 
 Batches: in epoch ``e`` the training set is permuted with seed ``(seed, e)``;
 worker ``w`` of ``N`` owns every N-th sample of that permutation and takes
@@ -14,7 +13,6 @@ pure function, so a test can rebuild exactly what each worker saw.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,50 +21,6 @@ import numpy as np
 from hpcps.errors import UserError
 
 SPLIT_SEED = 20190701
-
-
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    n_classes: int
-
-    @property
-    def in_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
-
-
-def _digits() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
-    return x, bunch.target.astype(np.int64)
-
-
-def _hdf5(path: str) -> tuple[np.ndarray, np.ndarray]:
-    import h5py
-
-    if not os.path.exists(path):
-        raise UserError(f"--dataset {path}: no such file (and not a known data set name: digits)")
-    try:
-        with h5py.File(path, "r") as f:
-            missing = [k for k in ("x", "y") if k not in f]
-            if missing:
-                raise UserError(f"--dataset {path}: missing dataset(s) {', '.join('/' + k for k in missing)}")
-            x, y = f["x"][()], f["y"][()]
-    except OSError as exc:
-        raise UserError(f"--dataset {path}: not a readable HDF5 file ({exc})") from None
-    if len(x) != len(y):
-        raise UserError(f"--dataset {path}: /x has {len(x)} samples but /y has {len(y)} labels")
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
-        raise UserError(f"--dataset {path}: /y must be a 1-d array of non-negative integer labels")
-    if x.ndim == 1:
-        x = x[:, None]
-    return x.astype(np.float32), y.astype(np.int64)
 
 
 def split_indices(n: int, test_fraction: float, spec: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -78,13 +32,6 @@ def split_indices(n: int, test_fraction: float, spec: str | None = None) -> tupl
         raise UserError(f"{where}{n} samples are too few to hold {test_fraction:.0%} out for testing")
     order = np.random.default_rng(SPLIT_SEED).permutation(n)
     return order[n_test:], order[:n_test]
-
-
-def load_dataset(spec: str, *, test_fraction: float = 0.2) -> Dataset:
-    """Load ``spec`` and split it into training and held-out samples."""
-    x, y = _digits() if spec == "digits" else _hdf5(spec)
-    train, test = split_indices(len(x), test_fraction, spec)
-    return Dataset(spec, x[train], y[train], x[test], y[test], int(y.max()) + 1)
 
 
 def batches_per_epoch(n_train: int, *, batch_size: int, n_workers: int) -> int:

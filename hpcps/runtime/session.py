@@ -31,9 +31,9 @@ from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
 from hpcps.runtime.checkpoint import LoopState, checkpoint_path, read_loop_state, restore_int_buffers, write_user_state
-from hpcps.cluster.emulation import BackwardCompute, ComputeTime, emulated_sleep, forward_compute
+from hpcps.cluster.emulation import BackwardCompute, emulated_compute_time, emulated_sleep, end_pass, forward_compute
+from hpcps.runtime import assembly
 from hpcps.cluster.layout import Role
-from hpcps.training.flat import FlatParameters
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
@@ -54,8 +54,6 @@ class Session:
     """
 
     def __init__(self, run, *, abort_on_error: bool = True, overlap_pull: bool = False) -> None:
-        from hpcps.runtime.run import emulated_compute_time  # the run's own rule for the emulated compute time
-
         self.run = run
         self.abort_on_error = abort_on_error
         #: with ``--partition-mb``: let the next step's pull land while the loop runs on, each layer's part
@@ -95,7 +93,7 @@ class Session:
         self._resumed_groups = loop.param_groups
         restore_int_buffers(self.model, loop.int_buffers)
         self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
-        self.worker = run.make_worker()
+        self.worker = assembly.make_worker(run)
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's)
         self.workers = run.topo.role_comm.Dup()
@@ -348,7 +346,7 @@ class Session:
                 self.worker.finish()
             finally:
                 self._remove_hooks()
-                self.run.free_worker(self.worker)
+                assembly.free_worker(self.run, self.worker)
                 self.workers.Free()
             self.result = self.run.end(loop=self.loop_state() if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
@@ -376,24 +374,6 @@ class Session:
             from hpcps.runtime.agree import end_job
 
             end_job(self.run.topo.comm, exc)
-
-
-def end_pass(flat: FlatParameters, started: float, compute_time: ComputeTime, rng: np.random.Generator, *,
-             clip_norm: float | None = None, now: float | None = None,
-             poke: Callable[[], object] | None = None, timeline=None, target: float | None = None) -> float:
-    """After backward: the buffers' change into the gradient vector and clipping
-    (:meth:`FlatParameters.end_pass`), the device's queued work done, then the emulated compute
-    time on top of what the pass took since ``started`` (``now``: the run's clock, for stragglers
-    that come and go; ``poke``: called through the emulated part, so messages in flight keep
-    moving; ``timeline``: where the emulated part is entered as a phase of its own); return the seconds
-    since ``started``."""
-    flat.end_pass(clip_norm)
-    flat.synchronize()  # a GPU's queued work belongs to this pass's time
-    if timeline is not None:
-        timeline.enter("emulated")
-    real = time.perf_counter() - started
-    emulated_sleep(compute_time.sleep_after(real, rng, now) if target is None else max(0.0, target - real), poke)
-    return time.perf_counter() - started
 
 
 class StepOptimizer(torch.optim.Optimizer):

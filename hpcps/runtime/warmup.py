@@ -18,10 +18,9 @@ import torch
 from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
-from hpcps.cluster.emulation import ComputeTime
+from hpcps.cluster.emulation import ComputeTime, end_pass
 from hpcps.training.flat import FlatParameters
 from hpcps.transport.poll import Backoff, wait_until
-from hpcps.runtime.session import end_pass
 
 #: timed passes per worker (the first also pays for warming caches, hence the median)
 WARMUP_PASSES = 5

@@ -181,7 +181,7 @@ from hpcps.runtime import agree
 from hpcps.runtime.agree import agree as agree_on, run_or_end
 from hpcps.runtime.signals import catch_early
 
-agree.SIGNAL_GRACE = 2.0  # noqa  # (30 s in a run: a batch system's kill comes 30 s after its SIGTERM)
+agree.SIGNAL_GRACE = 2.0  # (30 s in a run: a batch system's kill comes 30 s after its SIGTERM)
 catch_early()
 comm = MPI.COMM_WORLD
 print("ready", flush=True)

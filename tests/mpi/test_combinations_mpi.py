@@ -32,7 +32,8 @@ from mpi4py import MPI
 import hpcps
 from hpcps.cluster.planning import plan
 from hpcps.config import make_config
-from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.sharding import batch_indices
+from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError
 from mpitest import clocks_at, share, train
 

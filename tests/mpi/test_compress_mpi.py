@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from mpitest import share, train
-from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.sharding import batch_indices
+from hpcps.data.loaders import load_dataset
 from hpcps.runtime.checkpoint import read_checkpoint
 from hpcps.training.flat import FlatParameters
 from hpcps.training.models import build_model

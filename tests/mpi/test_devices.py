@@ -14,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 from mpitest import force_transfer, share, train
-from hpcps.data.sharding import load_dataset
+from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError
 from hpcps.training.flat import FlatParameters
 from hpcps.training.models import build_model

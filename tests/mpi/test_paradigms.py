@@ -10,7 +10,8 @@ from mpi4py import MPI
 
 from mpitest import clocks_at, force_transfer, share, train
 from hpcps.runtime.checkpoint import read_checkpoint
-from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.sharding import batch_indices
+from hpcps.data.loaders import load_dataset
 from hpcps.training.flat import FlatParameters
 from hpcps.training.lr import scaled_lr
 from hpcps.training.models import build_model

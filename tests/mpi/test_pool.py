@@ -2,7 +2,7 @@
 
 import pytest
 
-import hpcps.runtime.run
+import hpcps.runtime.assembly
 from hpcps.transport.push import PushInbox
 from mpitest import share, train
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.mpi(min_size=5)
 def test_one_receive_buffer_for_four_workers_loses_nothing(world, mpi_tmp_path, paradigm, monkeypatch):
     """With a pool of 1 the four workers' payloads take turns in one buffer (the others wait at their
     senders): every gradient is still applied once, one update each, and the bounds still hold."""
-    monkeypatch.setattr(hpcps.runtime.run, "RECEIVE_POOL", 1)
+    monkeypatch.setattr(hpcps.runtime.assembly, "RECEIVE_POOL", 1)
     held = []  # on the shard: (pooled, most gradients held at once)
 
     class Spy(PushInbox):
@@ -22,7 +22,7 @@ def test_one_receive_buffer_for_four_workers_loses_nothing(world, mpi_tmp_path, 
             super()._give_buffers()
             held.append((self.pooled, len(self.buffer_of), len(self.grads)))
 
-    monkeypatch.setattr(hpcps.runtime.run, "PushInbox", Spy)
+    monkeypatch.setattr(hpcps.runtime.assembly, "PushInbox", Spy)
     steps = 30
     _, t = train(mpi_tmp_path / f"pool-{paradigm}.h5", paradigm=paradigm, steps=steps, seed=2)
     facts = None
@@ -53,10 +53,10 @@ def test_bsp_sums_its_rounds_in_a_pool_bit_for_bit_whatever_the_arrival_order(wo
             super()._give_buffers()
             held.append((self.pooled, len(self.buffer_of), len(self.grads)))
 
-    monkeypatch.setattr(hpcps.runtime.run, "PushInbox", Spy)
+    monkeypatch.setattr(hpcps.runtime.assembly, "PushInbox", Spy)
     steps, runs = 15, {}
     for pool, slowdown in ((1, []), (2, ["1=3"])):
-        monkeypatch.setattr(hpcps.runtime.run, "RECEIVE_POOL", pool)
+        monkeypatch.setattr(hpcps.runtime.assembly, "RECEIVE_POOL", pool)
         held.clear()
         result, t = train(mpi_tmp_path / f"bsp-pool{pool}.h5", paradigm="bsp", steps=steps, seed=3,
                           slowdown=slowdown, compute_time=0.01)

@@ -57,7 +57,7 @@ def test_a_signal_during_the_final_evaluation_leaves_a_finished_run(world, mpi_t
     import os
     import signal
 
-    import hpcps.runtime.run as run_module
+    import hpcps.runtime.server as run_module
     from mpitest import share, train
 
     serve_loop = run_module.ShardServer.run

@@ -11,7 +11,8 @@ from mpi4py import MPI
 from torch import nn
 
 import hpcps
-from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.sharding import batch_indices
+from hpcps.data.loaders import load_dataset
 from hpcps.transport.poll import polite_barrier
 from mpitest import share
 

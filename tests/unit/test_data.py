@@ -4,7 +4,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcps.data.sharding import batch_indices, batches_per_epoch, load_dataset
+from hpcps.data.sharding import batch_indices, batches_per_epoch
+from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError
 
 

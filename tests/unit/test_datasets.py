@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.sharding import batch_indices
+from hpcps.data.loaders import load_dataset
 from hpcps.data.datasets import SyntheticData, builtin_dataset, cache_mnist1d, read_mnist1d
 from hpcps.errors import UserError
 from hpcps.training.models import MODELS, torchvision_model

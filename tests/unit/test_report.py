@@ -26,7 +26,7 @@ def _fake_run(path, paradigm, *, accuracies, iteration_ms, wait_ms, staleness, t
                  1e-3, 1e-4, 2e-4, wait_ms / 1e3, step, staleness, 0.1, 1.0, 2e-4, staleness, 0)
     up = np.zeros(20, UPDATE)
     for k in range(20):
-        up[k] = (0, 0, k * 0.01, 1 + k % 2, k // 2 + 1, k, staleness, 2 + (k > 10), 1, 0, 0.1)
+        up[k] = (0, 0, k * 0.01, 1 + k % 2, k // 2 + 1, k, staleness, 2 + (k > 10), 1, 0, 0.1, 0.9)
     ev = np.array([(0.1 * (i + 1), i, 1.0 - a, a) for i, a in enumerate(accuracies)], EVAL)
     config = {"staleness": 2, "staleness_max": 4}
     attrs = {"paradigm": paradigm, "config": json.dumps(config),

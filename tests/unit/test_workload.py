@@ -10,7 +10,8 @@ from hpcps.training.target import Target
 from torch import nn
 
 from hpcps.data.batches import ArrayData, held_out_batches
-from hpcps.data.sharding import batch_indices, load_dataset
+from hpcps.data.sharding import batch_indices
+from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError
 from hpcps.runtime.evaluator import Evaluator
 from hpcps.training.flat import FlatParameters

@@ -1,0 +1,171 @@
+"""A run's checkpoints: periodic ones (bsp's at a round's close, from the publish hook; the others as a
+consistent cut while the run goes on, :mod:`hpcps.runtime.snapshot`), the one a stop signal writes, and a
+shard's optimizer state cut from a checkpoint of another shape."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import suppress
+from typing import Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpcps.cluster.layout import Role
+from hpcps.cluster.slices import Slices
+from hpcps.config import TrainConfig
+from hpcps.policies import Policy
+from hpcps.runtime.checkpoint import (LoopState, checkpoint_path, optimizer_state_path, read_optimizer_state,
+                                      write_checkpoint, write_optimizer_state, write_user_state)
+from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
+from hpcps.training.optim import ShardOptimizer
+from hpcps.training.optstate import cut, from_shard, join, to_shard
+from hpcps.training.paramgroups import shard_groups
+from hpcps.transport.poll import Backoff, polite_barrier
+from hpcps.transport.window import ParamWindow
+
+log = logging.getLogger("hpcps")
+
+
+def checkpoint_dir(cfg: TrainConfig, metrics_path: str) -> str:
+    """``--checkpoint-dir``, else the run's own: ``$HPCPS_RUN_DIR/checkpoints`` in a job of ``hpcps jobs
+    render``, else beside the metrics file (``runs/bsp-<time>-checkpoints``), never shared by two runs."""
+    if cfg.checkpoint_dir:
+        return cfg.checkpoint_dir
+    if os.environ.get("HPCPS_RUN_DIR"):
+        return os.path.join(os.environ["HPCPS_RUN_DIR"], "checkpoints")
+    return os.path.splitext(metrics_path)[0] + "-checkpoints"
+
+
+def pull_at(window: ParamWindow, buf: np.ndarray, versions: list[int]) -> None:
+    """Pull every shard's fp32 parameters into ``buf`` as published at ``versions`` (one per shard), pulling
+    again while a shard has not published its yet (its publish, or rank 0's own, may have been deferred
+    for a lapped reader): for a checkpoint, taken while no shard steps past those versions."""
+    got, _ = window.pull(buf, Backoff(), exact=True)
+    while got.tolist() != list(versions):
+        window.publish_held()
+        got, _ = window.pull(buf, Backoff(), exact=True)
+
+
+def checkpoint_at_stop(run, comm: MPI.Comm, loop: LoopState | None) -> str:
+    """Collective: the checkpoint of a run a signal stopped (every pushed gradient applied by now).
+
+    Each shard writes its optimizer state and rank 0 the final parameters
+    (which its final evaluation pulled), every shard's version and every
+    worker's clock: the gradients it pushed, where its resumed run starts.
+    Returns the path (on every rank).
+    """
+    shard_versions = [v for v in comm.allgather(run.final_version) if v is not None]
+    clocks = comm.gather((run.topo.rank, run.final_clock), root=0)
+    path = checkpoint_path(run.ckpt_dir, shard_versions[0])
+    if run.optimizer is not None:
+        write_optimizer_state(path, run.topo.rank, run.optimizer.state_dict(),
+                              run.policy.state_dict() if run.policy is not None else None)
+    if loop:  # worker 0's loop: its fields, its optimizer's hyperparameters, its integer buffers
+        write_user_state(path, loop)
+    if comm.rank == 0:
+        worker_clocks = np.zeros(run.layout.n_workers, np.int64)
+        for rank, clock in clocks:
+            if clock is not None and run.layout.role(rank) is Role.WORKER:
+                worker_clocks[run.layout.worker_index(rank)] = clock
+        write_checkpoint(path, run.flat.params, version=shard_versions[0], worker_clocks=worker_clocks,
+                         config=run.ran_config(), n_servers=run.layout.n_servers,
+                         shard_versions=shard_versions)
+    polite_barrier(comm, run.backoff)  # every part is written before anyone says so
+    return path
+
+
+def resliced_optimizer_state(run, optimizer: ShardOptimizer, shard: int) -> dict:
+    """This shard's optimizer state, cut from a checkpoint written by shards sliced otherwise (another
+    count, or another stripe): each written shard's state laid over the flat vector, then cut at this
+    shard's chunks (:mod:`hpcps.training.optstate`)."""
+    cfg, ckpt, n_params, size = run.cfg, run.ckpt, run.flat.n_params, run.flat.size
+    written = Slices.plan(size, n_params, ckpt.written_servers, ckpt.written_stripe)
+    parts = []
+    for s in range(written.n_shards):
+        n = written.trainable(s, n_params)
+        state = read_optimizer_state(cfg.resume, s) if n else {}
+        spans = ShardOptimizer(torch.zeros(n), run.workload.optimizer_factory(cfg), lambda v: 1.0,
+                               groups=shard_groups(run.groups, written.pieces[s])).spans if state else []
+        parts.append(from_shard(state, spans, written.length(s)))
+    flat = join(parts, written.put, size)
+    if optimizer.optimizer is None or not flat:
+        return {}
+    return to_shard(cut(flat, lambda v: run.slices.take(shard, v)), optimizer.spans, optimizer.state_dict())
+
+
+def snapshots(run, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
+               cut: ClockCut | RoundCut) -> Snapshots:
+    """This shard's side of the periodic checkpoints taken as a consistent cut (:mod:`hpcps.runtime.snapshot`):
+    its part is its optimizer and paradigm state; shard 0 also reads every shard's parameters at the
+    cut's versions and writes the checkpoint."""
+    cfg, rank = run.cfg, run.topo.rank
+
+    def write_part(path: str) -> None:
+        write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
+
+    def write_main(staging: str, cut_clocks: list[int], versions: list[int]) -> str:
+        clocks = worker_clocks_at(run, cut_clocks)
+        buf = np.empty(run.flat.size, np.float32)
+        pull_at(window, buf, versions)
+        path = checkpoint_path(run.ckpt_dir, versions[0])
+        for shard in range(run.layout.n_servers):  # the parts beside it; the main file last, so a
+            os.replace(optimizer_state_path(staging, shard), optimizer_state_path(path, shard))  # whole one
+        write_checkpoint(path, buf, version=versions[0], worker_clocks=clocks, config=run.ran_config(),
+                         n_servers=run.layout.n_servers, shard_versions=versions)
+        return path
+
+    def discard(staging: str) -> None:
+        for shard in range(run.layout.n_servers):
+            with suppress(FileNotFoundError):
+                os.remove(optimizer_state_path(staging, shard))
+
+    return Snapshots(run.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
+                     write_part=write_part, write_main=write_main, discard=discard, cut=cut,
+                     path_for=lambda epoch: os.path.join(run.ckpt_dir, f"cut-{epoch:06d}.h5"))
+
+
+def worker_clocks_at(run, cut: list[int]) -> list[int]:
+    """Each worker's clock at a cut of the central shards' clients' clocks: the workers' own, or
+    (grouped) each group's rounds of this run after its members' clock at the start. A group's round in
+    progress at the group server is not in the cut: its members push it again on resume."""
+    layout = run.layout
+    if not layout.n_groups:
+        return list(cut)
+    clocks = [0] * layout.n_workers
+    for g, members in enumerate(layout.group_members()):
+        for rank in members:
+            w = layout.worker_index(rank)
+            clocks[w] = int(cut[g]) + (int(run.ckpt.worker_clocks[w]) if run.ckpt is not None else 0)
+    return clocks
+
+
+def checkpointer(run, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
+    """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.
+
+    Each shard writes its optimizer state; rank 0 also snapshots all
+    shards' parameters, and each worker's clock as its shard knows it
+    (``clocks()``: the gradients it pushed; a worker that left early
+    stays at its last). Called after the shard published version v and
+    before it grants anyone, so under BSP every worker is blocked and
+    every other shard is at v or about to be (its round-v pushes are in
+    flight): rank 0 pulls until all are at v.
+    """
+    cfg, rank = run.cfg, run.topo.rank
+    buf = np.empty(run.flat.size, np.float32) if rank == 0 else None
+
+    def on_published(version: int) -> None:
+        if version % cfg.checkpoint_every:
+            return
+        path = checkpoint_path(run.ckpt_dir, version)
+        write_optimizer_state(path, rank, optimizer.state_dict())
+        if rank != 0:
+            return
+        pull_at(window, buf, [version] * run.layout.n_servers)
+        write_checkpoint(path, buf, version=version, worker_clocks=list(clocks()),
+                         config=run.ran_config(), n_servers=run.layout.n_servers)
+        log.info("checkpoint of version %d written to %s", version, path)
+
+    return on_published

@@ -1,0 +1,79 @@
+"""What a run watches while it serves: the workers' losses for divergence, the first gradients for a run
+that cannot start, and stop signals, each raising every shard's stop flag (rank 0's, or any server's)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from hpcps.policies import policy_class
+from hpcps.training import rates
+from hpcps.training.divergence import DivergenceWatch, NonFiniteStart
+from hpcps.transport.window import ParamWindow
+
+log = logging.getLogger("hpcps")
+
+
+def divergence_watch(run, window: ParamWindow):
+    """Rank 0: the workers' rows as they arrive, checked for divergence (hpcps.training.divergence); once
+    diverged, one line saying what to try, and every shard's stop flag up."""
+    watch, cfg = DivergenceWatch(), run.cfg
+    n_clients = run.layout.n_groups or run.layout.n_workers  # who pushes to a central shard
+    per_step = policy_class(cfg.paradigm).updates_per_step(n_clients)
+    rate = cfg.lr * rates.lr_scale(cfg, n_clients)
+
+    def on_rows(rows: np.ndarray) -> None:
+        reason = watch.observe(rows)
+        if reason is None or run.diverged is not None:
+            return
+        run.diverged = reason
+        opt = run.optimizer  # shard 0's: the rate a loop set through ps.optimizer, if it set one
+        loop_lr = opt.recorded_lr if opt is not None and opt.recorded_lr != opt.default_lr else None
+        if loop_lr is not None:
+            how = (f"the loop set the rate to {loop_lr:g} in ps.optimizer's param groups (--lr {cfg.lr:g} is "
+                   f"not the rate in force): try a smaller one there, or --clip-norm")
+        elif per_step > 1 and cfg.lr_scaling == "none":
+            how = (f"each worker's gradient is applied as its own update at --lr {cfg.lr:g} (--lr-scaling "
+                   f"none), {per_step} updates per step of every worker: try --lr-scaling auto (--lr / "
+                   f"{per_step} per update)")
+        elif per_step > 1:
+            how = (f"each worker's gradient is applied as its own update at {rate:g} (--lr {cfg.lr:g} / "
+                   f"{per_step}): try a smaller --lr, --clip-norm, or a bounded paradigm (ssp, dssp)")
+        else:
+            how = f"one update per round at {rate:g} (--lr {cfg.lr:g}): try a smaller --lr, or --clip-norm"
+        log.error("training diverged under %s: %s; %s, or --divergence ignore to train on; stopping",
+                  cfg.paradigm, reason, how)
+        window.set_stop()
+    return on_rows
+
+
+def nonfinite_start_watch(run, window: ParamWindow):
+    """Rank 0: the shards' rows as they arrive; if the run's first gradients were all non-finite, one line
+    saying so, and every shard's stop flag up (stopped by divergence: nothing worth resuming)."""
+    watch = NonFiniteStart()
+
+    def on_rows(rows: np.ndarray) -> None:
+        reason = watch.observe(rows)
+        if reason is None or run.diverged is not None:
+            return
+        run.diverged = reason
+        log.error("training cannot start under %s: %s; stopping (--divergence ignore trains on)",
+                  run.cfg.paradigm, reason)
+        window.set_stop()
+    return on_rows
+
+
+def spread_signal(run, window: ParamWindow, own: ParamWindow | None = None):
+    """A server's side task: a stop signal this rank received, or (a group server, ``own``) a stop one
+    of its workers asked for, raises the stop flag of every shard of ``window``, once."""
+    spread = False
+
+    def task() -> None:
+        nonlocal spread
+        if spread:
+            return
+        if run.signals.take() or (own is not None and own.stop_raised()):
+            window.request_stop()
+            spread = True
+    return task

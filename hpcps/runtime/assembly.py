@@ -198,7 +198,7 @@ def serve_group(run, central: ParamWindow, window: ParamWindow, recorder) -> Non
     send = agg if codec.identity_push and not run.slices.striped else codec.new_push_buffer(bounds)
     if send is not agg:
         stage = stager(run, codec, torch.from_numpy(agg), bounds, striped=run.slices.striped)
-        encode = lambda: stage(send, True)  # noqa: E731
+        encode = lambda keep: stage(send, keep)  # noqa: E731
     central_pusher = Pusher(topo.ps, buffers=[send], shard_ranks=run.shards,
                             bounds=codec.push_bounds(bounds), worker_rank=topo.rank,
                             pieces=send_pieces(run, codec, wire_order=True))

@@ -11,15 +11,20 @@ they arrive, so groups never wait for each other.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from hpcps.runtime.server import ShardServer
 from hpcps.transport import wire
+from hpcps.transport.compress import all_finite
 from hpcps.transport.notices import NoticeBox
 from hpcps.transport.poll import wait_until
 from hpcps.transport.push import Pusher
 from hpcps.transport.window import ParamWindow
+
+log = logging.getLogger("hpcps")
 
 
 class GroupServer(ShardServer):
@@ -38,9 +43,9 @@ class GroupServer(ShardServer):
                  agg: np.ndarray, weight: float = 1.0, central_rate: float | None = None,
                  central_schedule=None, encode=None, **kwargs) -> None:
         """``central_rate``, ``central_schedule``: the central optimizer's own rate and its schedule by
-        version, for the rate this group's workers are told their gradients were applied at; ``encode()``:
+        version, for the rate this group's workers are told their gradients were applied at; ``encode(keep)``:
         put ``agg`` into ``central_pusher``'s buffer as the wire carries it (``--compress``; by default
-        ``agg`` is that buffer)."""
+        ``agg`` is that buffer; ``keep``: the round is to be applied, so top-k keeps its residual)."""
         super().__init__(**kwargs)
         self.encode = encode
         self.weight = weight
@@ -87,17 +92,26 @@ class GroupServer(ShardServer):
             self.agg_t[:p].add_(g[:p], alpha=c)
             self.agg_t[p:].add_(g[p:], alpha=m)
         self.rounds += 1
+        # the group server holds the whole round: it decides once whether the sum is finite as the wire
+        # carries it, so every central shard applies it or none does (as a worker does for its gradient)
+        finite = all_finite(self.agg_t, self.codec.overflow)
         if self.encode is not None:
-            self.encode()
-        self.central_pusher.start(self.rounds, self.central_versions, self.unit_lr * self.weight * factor)
+            self.encode(finite)
+        self.central_pusher.start(self.rounds, self.central_versions, self.unit_lr * self.weight * factor,
+                                  flags=wire.CHECKED if finite else wire.NONFINITE)
         applied_at: list[int] = []
+        dropped: list[int] = []
 
         def receipts_in() -> bool:
             for note in self.central_notices.poll():
                 if note.flags & wire.RECEIPT and note.clock == self.rounds:
-                    applied_at.append(note.version)
-            return len(applied_at) == len(self.central_versions) and self.central_pusher.test()
+                    (dropped if note.flags & wire.DROPPED else applied_at).append(note.version)
+            return len(applied_at) + len(dropped) == len(self.central_versions) and self.central_pusher.test()
 
         wait_until(receipts_in, self.backoff)
+        if dropped:  # every central shard alike (the verdict above): the group's round is in no parameter
+            log.warning("group server rank %d: the central shards dropped its round %d (the round's sum was not "
+                        "finite as the wire carries it); its workers' rows count it as applied to the group",
+                        self.rank, self.rounds)
         self._pull_central()
-        return min(applied_at)
+        return min(applied_at or dropped)

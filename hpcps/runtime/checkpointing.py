@@ -159,8 +159,9 @@ def checkpointer(run, window: ParamWindow, optimizer: ShardOptimizer, clocks: Ca
     def on_published(version: int) -> None:
         if version % cfg.checkpoint_every:
             return
-        path = checkpoint_path(run.ckpt_dir, version)
-        write_optimizer_state(path, rank, optimizer.state_dict())
+        path = checkpoint_path(run.ckpt_dir, version)  # (a plug-in built on bsp may keep state of its own)
+        write_optimizer_state(path, rank, optimizer.state_dict(),
+                              run.policy.state_dict() if run.policy is not None else None)
         if rank != 0:
             return
         pull_at(window, buf, [version] * run.layout.n_servers)

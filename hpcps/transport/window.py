@@ -230,6 +230,9 @@ class ParamWindow:
             win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
             self.codec.encode_params(params, self.slots[0])
             self.header[wire.WIN_VERSION] = version
+            # the separate memory model: the stores of this epoch, and a 16-bit window's fp32 masters (stepped
+            # in place before it), reach the public copy here; exact pulls read them only while no shard steps
+            win.Sync()
             win.Unlock(self.rank)
             return True
         others = sorted((s for s in range(self.n_slots) if s != self._newest or not self._published),
@@ -495,12 +498,12 @@ class Pull:
     def wait(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the copies, unpin, and return (shard versions, any stop flag raised)."""
         if self.heard is not None:
-            try:
-                for k in range(self.n_parts):
-                    self.wait_part(k)
-                wait_until(lambda: MPI.Request.Testall(self.heard), self.backoff)
-            finally:
-                shards = list(range(len(self.slots)))
-                self.window._pin(shards, self.slots, np.zeros(len(shards), np.int64), -1, self.backoff)
+            # (no unpinning on an exception: a copy may still be in flight, and the shard must not write the
+            # slot under it; the run is ending, and a pinned slot only defers the shard's publishes)
+            for k in range(self.n_parts):
+                self.wait_part(k)
+            wait_until(lambda: MPI.Request.Testall(self.heard), self.backoff)
+            shards = list(range(len(self.slots)))
+            self.window._pin(shards, self.slots, np.zeros(len(shards), np.int64), -1, self.backoff)
             self.heard = None
         return self.result

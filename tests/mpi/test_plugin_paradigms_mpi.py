@@ -73,3 +73,18 @@ def test_a_plugin_written_from_the_docs_keeps_its_bound(world, mpi_tmp_path):
     assert facts["pushed"] == 4 * STEPS == facts["applied"] + facts["dropped"]
     assert facts["stale"] <= 1 and facts["dropped"] == facts["by_paradigm"] > 0
     assert facts["most"] == 1  # one gradient per update
+
+
+@pytest.mark.timeout(120)
+def test_a_bsp_plugins_own_state_is_in_its_periodic_checkpoint(world, mpi_tmp_path):
+    """bsp's periodic checkpoints are taken at a round's close, from the publish hook: a plug-in built on bsp
+    that keeps state of its own (the pushes it decided on: 4 workers x 4 rounds at version 4) finds it in
+    each checkpoint's part (before, bsp's checkpointer wrote the optimizer's state alone)."""
+    from hpcps.runtime.checkpoint import read_policy_state
+
+    counting = f"{Path(__file__).resolve().parent / 'plugins' / 'counting_bsp.py'}:CountingBSP"
+    ckdir = mpi_tmp_path / "counting-checkpoints"
+    train(mpi_tmp_path / "counting.h5", paradigm=counting, steps=8, checkpoint_every=4, checkpoint_dir=str(ckdir))
+    facts = share(world, {p.name: read_policy_state(str(p), 0) for p in sorted(ckdir.glob("step-*.h5"))}
+                  if world.rank == 0 else None)
+    assert facts == {"step-000004.h5": {"pushes": 16}, "step-000008.h5": {"pushes": 32}}, facts

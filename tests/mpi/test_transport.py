@@ -387,19 +387,28 @@ def test_a_payload_coming_in_is_named_so_and_not_owed(world):
     assert facts["during"] == ([0], []) and facts["after"] == ([], [])
 
 
-@pytest.mark.parametrize("protocol", ["pinned", "locked"])
-def test_a_16_bit_window_serves_rounded_copies_and_its_exact_pulls_the_fp32_masters(world, protocol):
+def _bf16_window(world, n: int, protocol: str) -> ParamWindow:
+    """A bf16 window of ``n`` values, held by rank 0."""
     from hpcps.transport.compress import make_codec
 
-    n = 1000
-    codec = make_codec("bf16")
-    params = np.random.default_rng(3).standard_normal(n).astype(np.float32)
-    window = ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
-                         protocol=protocol, codec=codec)
+    return ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
+                       protocol=protocol, codec=make_codec("bf16"))
+
+
+def _publish(world, window: ParamWindow, params: np.ndarray, version: int) -> None:
+    """Collective: rank 0 publishes ``params`` (its fp32 masters) as ``version``."""
     if world.rank == 0:
         window.master[:] = params
-        window.publish(window.master, 3)
+        window.publish(window.master, version)
     world.Barrier()
+
+
+@pytest.mark.parametrize("protocol", ["pinned", "locked"])
+def test_a_16_bit_window_serves_rounded_copies_and_its_exact_pulls_the_fp32_masters(world, protocol):
+    n = 1000
+    params = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    window = _bf16_window(world, n, protocol)
+    _publish(world, window, params, 3)
     facts = None
     if world.rank != 0:
         out = np.empty(n, np.float32)
@@ -420,26 +429,15 @@ def test_a_16_bit_pull_begun_on_one_thread_is_widened_from_its_own_buffer_on_ano
     (which before held an older pull's values: the parameters came back as they were one pull ago)."""
     import threading
 
-    from hpcps.transport.compress import make_codec
-
     n = 512
-    codec = make_codec("bf16")
-    old = np.full(n, 7.0, np.float32)
     params = np.random.default_rng(4).standard_normal(n).astype(np.float32)
-    window = ParamWindow(world, shard_ranks=[0], bounds=[(0, n)], local_len=n if world.rank == 0 else 0,
-                         protocol="pinned", codec=codec)
-    if world.rank == 0:
-        window.master[:] = old
-        window.publish(window.master, 1)
-    world.Barrier()
+    window = _bf16_window(world, n, "pinned")
+    _publish(world, window, np.full(n, 7.0, np.float32), 1)
     out = np.empty(n, np.float32)
     if world.rank != 0:
         window.pull(out)  # the main thread's own buffer now holds the old values
     world.Barrier()
-    if world.rank == 0:
-        window.master[:] = params
-        window.publish(window.master, 2)
-    world.Barrier()
+    _publish(world, window, params, 2)
     facts = None
     if world.rank != 0:
         begun = []

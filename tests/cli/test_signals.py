@@ -196,7 +196,8 @@ sys.exit(status)
 def test_sigterm_ends_ranks_waiting_at_start_up_for_a_peer_that_never_comes(tmp_path):
     """Ranks in a start-up collective whose peer will not come (before: they spun in the allgather for good,
     and SIGTERM, caught to stop the run cleanly later, did nothing): a SIGTERM ends them SIGNAL_GRACE
-    seconds later, with one line saying so, and the job ends."""
+    seconds later, with one line saying so, and the job ends. (Open MPI: the job ends, but its mpirun
+    drops the ranks' output after a signal, so the line is asked of MPICH only.)"""
     script = tmp_path / "stuck.py"
     script.write_text(START_UP_STUCK)
     proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, str(script)],
@@ -217,4 +218,5 @@ def test_sigterm_ends_ranks_waiting_at_start_up_for_a_peer_that_never_comes(tmp_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    assert "SIGTERM received while rank" in err and "waited at start-up for every rank" in err, err[-3000:]
+    if FAMILY == "mpich":  # Open MPI's mpirun stops forwarding the ranks' output once it has a signal
+        assert "SIGTERM received while rank" in err and "waited at start-up for every rank" in err, err[-3000:]

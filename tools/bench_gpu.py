@@ -4,8 +4,8 @@
 For each ``--models`` (ResNet-18, ResNet-50 on synthetic CIFAR-shaped data by default), measured in one
 invocation:
 
-* ``hpcps <paradigm>`` for each ``--paradigms``: ``hpcps train --device cuda`` on 1 server shard + N
-  workers, every worker on ``cuda:0``;
+* ``hpcps <paradigm>`` for each ``--paradigms``: ``hpcps train --device cuda`` on ``--servers`` shards
+  (default 1, on the CPU) + N workers, every worker on ``cuda:0``;
 * ``DDP (nccl) 1 rank``: ``DistributedDataParallel`` over NCCL on one rank whose batch is the N workers'
   batches together: one GPU trained as well as PyTorch does it, the ceiling for N workers sharing it;
 * ``DDP (nccl) N ranks``: N ranks on the one GPU. NCCL refuses two ranks on one device; the row then
@@ -104,7 +104,7 @@ def _ddp(kind: str, ranks: int, batch: int, a: argparse.Namespace, model: str) -
 def _hpcps(paradigm: str, a: argparse.Namespace, model: str, out: Path) -> dict[str, float]:
     """Samples per second of an hpcps run, and the shares of a worker's iteration in transfers and waits."""
     try:  # (random labels: the loss need not fall, so the divergence guard stays off)
-        t = train(1 + a.workers, out, ["--paradigm", paradigm, "--model", model, "--dataset", a.dataset,
+        t = train(a.servers + a.workers, out, ["--paradigm", paradigm, "--servers", str(a.servers), "--model", model, "--dataset", a.dataset,
                                        "--batch-size", str(a.batch_size), "--steps", str(a.steps),
                                        "--device", a.device, "--eval-interval", "1e9", "--lr", "0.05",
                                        "--divergence", "ignore", *a.train_args], timeout=600)
@@ -129,6 +129,7 @@ def main() -> int:
     p.add_argument("--gloo-models", nargs="*", help="the models DDP over gloo runs for (default: every one)")
     p.add_argument("--dataset", default="synthetic:3x32x32:10:8192", help="default: synthetic CIFAR-shaped data")
     p.add_argument("--workers", type=int, default=4, help="N workers / DDP ranks (default 4)")
+    p.add_argument("--servers", type=int, default=1, help="server shards of the hpcps runs, on the CPU (default 1)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     p.add_argument("--steps", type=int, default=40, help="iterations per worker (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="first iterations left out of the rates (default 10)")
@@ -172,11 +173,12 @@ def main() -> int:
                 print(f"| {model} | {label} | {ranks} | {shown} | | |", flush=True)
             for paradigm in a.paradigms:
                 r = _hpcps(paradigm, a, model, Path(tmp) / f"{model}-{paradigm}.h5")
+                label = f"hpcps {paradigm}" + (f", {a.servers} shards" if a.servers > 1 else "")
                 if "failed" in r:
-                    print(f"| {model} | hpcps {paradigm} | {1 + n} | failed: {r['failed']} | | | |", flush=True)
+                    print(f"| {model} | {label} | {a.servers + n} | failed: {r['failed']} | | | |", flush=True)
                     continue
                 vs = f"{r['samples_per_s'] / base:.2f}" if base else ""
-                print(f"| {model} | hpcps {paradigm} | {1 + n} | {r['samples_per_s']:.0f} | {vs} "
+                print(f"| {model} | {label} | {a.servers + n} | {r['samples_per_s']:.0f} | {vs} "
                       f"| {r['transfer']:.2f} | {r['wait']:.2f} |", flush=True)
     return 0
 

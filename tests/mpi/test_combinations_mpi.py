@@ -69,8 +69,9 @@ def combinations(draw) -> dict:
 
 
 def _own_loop(out, options: dict, comm) -> int:
-    """The user's own loop on the digits (hpcps.init): return how many steps read, after ``ps.step()``,
-    parameters other than those the next forward pass used (on a worker; 0 elsewhere)."""
+    """The user's own loop on the digits (hpcps.init), its batches where ``ps.device`` says (a GPU where
+    one is visible): return how many steps read, after ``ps.step()``, parameters other than those the next
+    forward pass used (on a worker; 0 elsewhere)."""
     data = load_dataset("digits")
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
 
@@ -85,7 +86,7 @@ def _own_loop(out, options: dict, comm) -> int:
             read = torch.cat([p.detach().flatten().clone() for p in ps.model.parameters()])
             idx = batch_indices(len(y), batch_size=batch, n_workers=ps.n_workers, worker=ps.worker_index,
                                 step=ps.iteration, seed=options["seed"])
-            loss = F.cross_entropy(ps.model(x[idx]), y[idx])
+            loss = F.cross_entropy(ps.model(x[idx].to(ps.device)), y[idx].to(ps.device))
             torn += not torch.equal(read, torch.cat([p.detach().flatten() for p in ps.model.parameters()]))
             loss.backward()
             ps.step(loss)

@@ -1,16 +1,23 @@
 """The CUDA path on a real GPU (skipped without one): 4 workers sharing the GPUs, 1 server on the CPU.
 
-Every other MPI test also runs its workers on ``cuda:<i>`` where a GPU is visible (``--device auto``);
-these compare the GPU's runs with the same runs on the CPU, where the two must agree within float32
+Every other MPI test also runs its workers on ``cuda:<i>`` where a GPU is visible (``--device auto``),
+but for the own-loop tests (``hpcps.init``) that replay ``torch.optim`` on the CPU bit for bit: those pin
+``device="cpu"``, and the own loop on the GPU is tested here (and drawn by test_combinations_mpi.py).
+These compare the GPU's runs with the same runs on the CPU, where the two must agree within float32
 rounding, and check the features that touch the device copies (partitions, compression).
 """
 
 import json
 
+import torch.nn.functional as F
+
 import numpy as np
 import pytest
 import torch
 
+import hpcps
+from hpcps.data.loaders import load_dataset
+from hpcps.data.sharding import batch_indices
 from mpitest import share, train
 
 pytestmark = [pytest.mark.mpi(min_size=5),
@@ -76,3 +83,36 @@ def test_every_paradigm_on_the_gpu_loses_nothing_and_keeps_its_bound(world, mpi_
     assert facts["finite"]
     if paradigm == "eager":
         assert facts["lag"] <= 2  # --staleness 2 bounds how far behind a worker computes
+
+
+def _own_loop(world, out, device: str) -> tuple[np.ndarray | None, str]:
+    """BSP in the user's own loop on the digits, batches put where ``ps.device`` says (as docs/gpu.md tells
+    users), the next pull overlapped with the loop's own work and settled before the forward pass; the final
+    parameters on rank 0, and the device the worker's model was on."""
+    data = load_dataset("digits")
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+
+    def make():
+        torch.manual_seed(6)
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    ps = hpcps.init(make, device=device, overlap_pull=True, out=str(out), progress=False, exit_on_error=False,
+                    comm=world, **{k: v for k, v in COMMON.items() if k != "batch_size"})
+    where = str(ps.device) if ps.is_worker else ""
+    with ps:
+        while ps.running:
+            idx = batch_indices(len(y), batch_size=COMMON["batch_size"], n_workers=ps.n_workers,
+                                worker=ps.worker_index, step=ps.iteration, seed=COMMON["seed"])
+            ps.settle()
+            F.cross_entropy(ps.model(x[idx].to(ps.device)), y[idx].to(ps.device)).backward()
+            ps.step()
+    return (ps.result.params if world.rank == 0 else None), where
+
+
+def test_the_own_loop_on_the_gpu_ends_as_on_the_cpu_within_rounding(world, mpi_tmp_path):
+    cpu, _ = _own_loop(world, mpi_tmp_path / "cpu.h5", "cpu")
+    gpu, where = _own_loop(world, mpi_tmp_path / "gpu.h5", "cuda")
+    wheres = world.allgather(where)
+    facts = share(world, {"max_diff": float(np.abs(cpu - gpu).max())} if world.rank == 0 else None)
+    assert all(w.startswith("cuda") for w in wheres[1:]), wheres
+    assert facts["max_diff"] < 1e-4, facts

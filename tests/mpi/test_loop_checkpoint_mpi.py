@@ -69,11 +69,11 @@ def test_a_run_resumed_from_an_epochs_checkpoint_applies_the_rate_its_loop_set_a
     8 batches in BatchNorm."""
     common = dict(optimizer="sgd", lr=LR, momentum=0.9, paradigm="bsp", lr_scaling="none", progress=False,
                   exit_on_error=False, comm=world, checkpoint_every=EPOCH)
-    whole, _ = _train(hpcps.init(Net, steps=STEPS, out=str(mpi_tmp_path / "whole.h5"),
+    whole, _ = _train(hpcps.init(Net, device="cpu", steps=STEPS, out=str(mpi_tmp_path / "whole.h5"),
                                  checkpoint_dir=str(mpi_tmp_path / "w"), **common))
-    _train(hpcps.init(Net, steps=2 * EPOCH, out=str(mpi_tmp_path / "first.h5"),
+    _train(hpcps.init(Net, device="cpu", steps=2 * EPOCH, out=str(mpi_tmp_path / "first.h5"),
                       checkpoint_dir=str(mpi_tmp_path / "c"), **common))
-    resumed = hpcps.init(Net, steps=STEPS, out=str(mpi_tmp_path / "resumed.h5"), checkpoint_dir=str(mpi_tmp_path / "r"),
+    resumed = hpcps.init(Net, device="cpu", steps=STEPS, out=str(mpi_tmp_path / "resumed.h5"), checkpoint_dir=str(mpi_tmp_path / "r"),
                          resume=str(mpi_tmp_path / "c" / f"step-{2 * EPOCH:06d}.h5"), **common)
     at_start = (dict(resumed.state), int(resumed.model.net[1].num_batches_tracked)) if resumed.is_worker else None
     resumed, tracked = _train(resumed)

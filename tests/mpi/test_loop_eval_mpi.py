@@ -22,7 +22,7 @@ def test_an_averaged_validation_loss_is_the_runs_evaluation_and_its_target_stops
     ps.mean is 20 - step + 1.5 on all of them, as a float and as a tensor; worker 0 records it with
     ps.evaluated, with a perplexity; target loss<=12 stops every worker at the same step, the first
     whose loss meets it (after the step under way); /eval and the summary hold what the loop gave."""
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.01, paradigm="bsp", steps=40, target="loss<=12", progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.01, paradigm="bsp", steps=40, target="loss<=12", progress=False,
                     out=str(mpi_tmp_path / "eval.h5"), exit_on_error=False, comm=world)
     means = []
     with ps:

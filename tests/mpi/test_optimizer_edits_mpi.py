@@ -33,7 +33,7 @@ def test_a_step_lr_on_ps_optimizer_is_the_rate_each_gradient_is_applied_at(world
     at LR x 0.1^((k-1) // 5), on both shards, under bsp and under ssp (each worker's own scheduler), and
     with partitions, compression, or eager's decoupled pull."""
     steps = 15
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, paradigm=paradigm, steps=steps, servers=2, lr_scaling="none",
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=LR, paradigm=paradigm, steps=steps, servers=2, lr_scaling="none",
                     progress=False, out=str(mpi_tmp_path / f"{paradigm}.h5"), exit_on_error=False, comm=world,
                     **options)
     scheduler = torch.optim.lr_scheduler.StepLR(ps.optimizer, step_size=5, gamma=0.1)
@@ -75,7 +75,7 @@ def test_one_worker_with_a_scheduler_and_a_momentum_edit_is_the_plain_torch_loop
             opt.step()
             opt.zero_grad()
             sched.step()
-        ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, momentum=0.9, param_groups=lambda m: hpcps.decay_groups(m, WD),
+        ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=LR, momentum=0.9, param_groups=lambda m: hpcps.decay_groups(m, WD),
                         paradigm="bsp", steps=STEPS, servers=2, progress=False, out=str(mpi_tmp_path / "one.h5"),
                         exit_on_error=False, comm=comm)
         scheduler = torch.optim.lr_scheduler.StepLR(ps.optimizer, step_size=3, gamma=0.5) if ps.is_worker else None
@@ -113,7 +113,7 @@ def test_reduce_lr_on_plateau_on_a_validation_metric_reaches_the_servers(world, 
     """A validation loss that never improves: ReduceLROnPlateau(patience=1, factor=0.5) halves the rate every
     second step; gradient k is applied at the rate the same scheduler gives after k-1 such steps."""
     steps = 10
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, paradigm="bsp", steps=steps, lr_scaling="none",
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=LR, paradigm="bsp", steps=steps, lr_scaling="none",
                     progress=False, out=str(mpi_tmp_path / "plateau.h5"), exit_on_error=False, comm=world)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(ps.optimizer, factor=0.5, patience=1)
     with ps:
@@ -142,7 +142,7 @@ def test_reduce_lr_on_plateau_on_a_validation_metric_reaches_the_servers(world, 
 def test_a_divergence_at_a_rate_the_loop_set_names_that_rate_not_lr(world, mpi_tmp_path, capsys):
     """The loop sets a huge rate in ps.optimizer: the run stops as diverged, and rank 0's line names the rate
     the loop set, not lr= (which is not the rate in force)."""
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, paradigm="bsp", steps=60, lr_scaling="none", progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=LR, paradigm="bsp", steps=60, lr_scaling="none", progress=False,
                     out=str(mpi_tmp_path / "diverged.h5"), exit_on_error=False, comm=world)
     with ps:
         if ps.is_worker:

@@ -56,7 +56,7 @@ def test_a_torch_state_loaded_mid_run_continues_as_torch_would_and_comes_back(wo
 
         make = (lambda groups: torch.optim.SGD(groups, lr=LR, momentum=0.9)) if name == "sgd" else \
             (lambda groups: torch.optim.Adam(groups, lr=LR / 10))
-        ps = hpcps.init(model, optimizer=make, param_groups=lambda m: hpcps.decay_groups(m, WD), paradigm="bsp",
+        ps = hpcps.init(model, device="cpu", optimizer=make, param_groups=lambda m: hpcps.decay_groups(m, WD), paradigm="bsp",
                         steps=HALF, servers=2, progress=False, out=str(mpi_tmp_path / f"{name}.h5"),
                         exit_on_error=False, comm=comm)
         with ps:
@@ -101,7 +101,7 @@ def test_the_gathered_momentum_is_what_the_two_shards_hold(world, mpi_tmp_path):
     """3 workers under bsp, momentum SGD on 2 shards, a checkpoint at the last version: every worker's
     ps.optimizer.state_dict() after the last step holds the momentum buffers the shards wrote, value for value."""
     steps = 5
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=LR, momentum=0.9, paradigm="bsp", steps=steps, servers=2,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=LR, momentum=0.9, paradigm="bsp", steps=steps, servers=2,
                     checkpoint_every=steps, progress=False, out=str(mpi_tmp_path / "two.h5"), exit_on_error=False,
                     comm=world)
     with ps:
@@ -127,7 +127,7 @@ def test_a_state_from_two_shards_loads_into_one(world, mpi_tmp_path):
     """A state gathered on 2 shards and loaded into a run on 1 shard comes back out of it unchanged."""
     facts = None
     saved = None
-    ps = hpcps.init(TinyLM, optimizer="adam", lr=1e-3, paradigm="bsp", steps=3, servers=2, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="adam", lr=1e-3, paradigm="bsp", steps=3, servers=2, progress=False,
                     out=str(mpi_tmp_path / "a.h5"), exit_on_error=False, comm=world)
     with ps:
         while ps.running:
@@ -136,7 +136,7 @@ def test_a_state_from_two_shards_loads_into_one(world, mpi_tmp_path):
         if ps.is_worker:
             saved = ps.optimizer.state_dict()
     saved = world.bcast(saved, root=2)  # rank 2, a worker of both runs (rank 1 serves the first)
-    ps = hpcps.init(TinyLM, optimizer="adam", lr=1e-3, paradigm="bsp", steps=1, servers=1, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="adam", lr=1e-3, paradigm="bsp", steps=1, servers=1, progress=False,
                     out=str(mpi_tmp_path / "b.h5"), exit_on_error=False, comm=world)
     with ps:
         if ps.is_worker:

@@ -36,7 +36,7 @@ def test_a_periodic_checkpoint_records_the_clock_of_a_worker_that_left_early(wor
     from hpcps.runtime.checkpoint import read_checkpoint
 
     ckdir = mpi_tmp_path / "ckpt"
-    ps = hpcps.init(lambda: torch.nn.Linear(4, 2), paradigm="bsp", steps=8, checkpoint_every=4,
+    ps = hpcps.init(lambda: torch.nn.Linear(4, 2), device="cpu", paradigm="bsp", steps=8, checkpoint_every=4,
                     checkpoint_dir=str(ckdir), out=str(mpi_tmp_path / "left.h5"), progress=False,
                     exit_on_error=False, comm=world)
     x = torch.ones(3, 4)

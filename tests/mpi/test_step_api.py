@@ -86,7 +86,7 @@ def torch_loop() -> torch.Tensor:
 
 def hpcps_loop(comm, out, **options):
     """The same loop on the step API: the optimizer on the servers, the rest unchanged."""
-    ps = hpcps.init(TinyLM, optimizer="adamw", lr=LR, lr_schedule="cosine", warmup_steps=WARMUP, min_lr=MIN_LR,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="adamw", lr=LR, lr_schedule="cosine", warmup_steps=WARMUP, min_lr=MIN_LR,
                     param_groups=lambda m: hpcps.decay_groups(m, WD), paradigm="bsp", steps=STEPS, out=str(out),
                     progress=False, exit_on_error=False, comm=comm, **options)
     with ps:
@@ -156,7 +156,7 @@ def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(
     comm = sub(world, 2)
     facts = None
     if comm != MPI.COMM_NULL:
-        ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.5, paradigm="bsp", steps=steps, progress=False,
+        ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.5, paradigm="bsp", steps=steps, progress=False,
                         out=str(mpi_tmp_path / f"amp-{unscale_first}.h5"), exit_on_error=False, comm=comm)
         with ps:
             scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3)
@@ -184,7 +184,7 @@ def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(
 
 def test_every_worker_draws_its_own_random_stream(world, mpi_tmp_path):
     """After the model is built (from ``seed`` on every rank), worker i's torch stream is ``seed + 1 + i``."""
-    ps = hpcps.init(TinyLM, paradigm="asp", steps=1, seed=7, progress=False, out=str(mpi_tmp_path / "rng.h5"),
+    ps = hpcps.init(TinyLM, device="cpu", paradigm="asp", steps=1, seed=7, progress=False, out=str(mpi_tmp_path / "rng.h5"),
                     exit_on_error=False, comm=world)
     draws = None
     with ps:
@@ -203,7 +203,7 @@ def test_the_run_file_records_a_factorys_optimizer_and_the_rates_it_applied(worl
     comm = sub(world, 2)
     facts = None
     if comm != MPI.COMM_NULL:
-        ps = hpcps.init(TinyLM, optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.05),
+        ps = hpcps.init(TinyLM, device="cpu", optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4, weight_decay=0.05),
                         lr_schedule=lambda v: 0.5 ** (v // 4), paradigm="bsp", steps=9, progress=False,
                         out=str(mpi_tmp_path / "ran.h5"), exit_on_error=False, comm=comm)
         with ps:
@@ -243,18 +243,18 @@ def test_the_loops_own_fields_come_back_on_resume_and_another_optimizer_is_refus
         common = dict(paradigm="bsp", steps=8, progress=False, exit_on_error=False, comm=comm,
                       checkpoint_every=4, checkpoint_dir=str(mpi_tmp_path / "ckpt"))
         factory = lambda groups: torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.0)  # noqa: E731
-        first = _loop(hpcps.init(TinyLM, optimizer=factory, out=str(mpi_tmp_path / "a.h5"), **common))
+        first = _loop(hpcps.init(TinyLM, device="cpu", optimizer=factory, out=str(mpi_tmp_path / "a.h5"), **common))
         path = str(mpi_tmp_path / "ckpt" / "step-000004.h5")
         common.update(steps=8, resume=path)
         # the built-in adamw at the same rate is the same optimizer: accepted
-        second = hpcps.init(TinyLM, optimizer="adamw", lr=1e-3, out=str(mpi_tmp_path / "b.h5"), **common)
+        second = hpcps.init(TinyLM, device="cpu", optimizer="adamw", lr=1e-3, out=str(mpi_tmp_path / "b.h5"), **common)
         resumed = (dict(second.state), second.iteration) if second.is_worker else None
         _loop(second)
         refusals = []
         for other in (dict(optimizer="adamw", lr=1e-3, lr_schedule=lambda v: 50.0),
                       dict(optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-3))):
             try:
-                hpcps.init(TinyLM, out=str(mpi_tmp_path / "c.h5"), **other, **common)
+                hpcps.init(TinyLM, device="cpu", out=str(mpi_tmp_path / "c.h5"), **other, **common)
             except UserError as exc:
                 refusals.append(str(exc))
         gathered = comm.gather(resumed)
@@ -307,7 +307,7 @@ def test_the_users_loop_runs_under_every_paradigm(world, mpi_tmp_path, paradigm,
     """Every worker takes its ``steps`` steps through ``ps.step()``; every gradient is pushed once and
     applied once (grouped: the group servers' rows), and the iteration rows say which step each was."""
     steps = 12
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm=paradigm, steps=steps, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm=paradigm, steps=steps, progress=False,
                     out=str(mpi_tmp_path / f"{paradigm}.h5"), exit_on_error=False, comm=world, **extra)
     taken = 0
     with ps:
@@ -334,7 +334,7 @@ def test_a_stop_by_the_loop_says_so_writes_a_checkpoint_and_counts_its_steps(wor
     """``ps.stop("plateau")`` at step 5 of 12: ``stopped_by`` names the loop and its reason, a checkpoint to
     resume from is written as for a signal, and the end line says how many of the planned steps ran."""
     steps = 12
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=steps, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", steps=steps, progress=False,
                     out=str(mpi_tmp_path / "stop.h5"), exit_on_error=False, comm=world)
     with ps:
         while ps.running:
@@ -363,7 +363,7 @@ def test_the_loops_torch_thread_count_is_kept_or_changed_with_a_line_saying_so(w
     replaces them, and rank 0 says so."""
     torch.set_num_threads(3)
     options = {} if threads is None else {"threads": threads}
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=2, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", steps=2, progress=False,
                     out=str(mpi_tmp_path / "threads.h5"), exit_on_error=False, comm=world, **options)
     with ps:
         while ps.running:
@@ -383,7 +383,7 @@ def test_the_loops_torch_thread_count_is_kept_or_changed_with_a_line_saying_so(w
 def test_steps_may_follow_from_the_worker_count(world, mpi_tmp_path):
     """``steps=lambda n: ...``: 2 shards leave 3 workers, each takes 24 // 3 steps; a function that returns
     no positive whole number ends every rank with one line naming it."""
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="asp", servers=2, steps=lambda n: 24 // n,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="asp", servers=2, steps=lambda n: 24 // n,
                     progress=False, out=str(mpi_tmp_path / "steps.h5"), exit_on_error=False, comm=world)
     taken = 0
     with ps:
@@ -394,5 +394,5 @@ def test_steps_may_follow_from_the_worker_count(world, mpi_tmp_path):
     counts = world.allgather(taken if ps.is_worker else None)
     assert [c for c in counts if c is not None] == [8, 8, 8]
     with pytest.raises(UserError, match=r"steps: the function of the worker count returned 0.0 for 4 workers"):
-        hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=lambda n: 0.0, progress=False,
+        hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", steps=lambda n: 0.0, progress=False,
                    out=str(mpi_tmp_path / "bad.h5"), exit_on_error=False, comm=world)

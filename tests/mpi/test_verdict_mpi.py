@@ -35,7 +35,7 @@ def _last_param_nan(model):
 def test_a_nan_in_one_shards_slice_is_applied_by_no_shard_and_counted_once(world, mpi_tmp_path):
     """bsp on 2 shards, 3 workers: worker 1's step-2 gradient has one NaN, in shard 1's slice. Both shards drop
     it (reason 1), the summary counts one dropped gradient, and both shards end at the same version."""
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=6, servers=2, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", steps=6, servers=2, progress=False,
                     divergence="ignore", out=str(mpi_tmp_path / "one.h5"), exit_on_error=False, comm=world)
     with ps:
         while ps.running:
@@ -61,7 +61,7 @@ def test_a_round_of_nans_in_one_slice_with_periodic_checkpoints_finishes(world, 
     applies that round, both stay at one version, and the run ends on its own (it waited for the stall abort
     when shard 0 moved on alone)."""
     ckpt = mpi_tmp_path / "ck"
-    ps = hpcps.init(TinyLM, optimizer="sgd", lr=0.05, paradigm="bsp", steps=6, servers=2, progress=False,
+    ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", steps=6, servers=2, progress=False,
                     divergence="ignore", checkpoint_every=2, checkpoint_dir=str(ckpt), stall_abort=60,
                     out=str(mpi_tmp_path / "round.h5"), exit_on_error=False, comm=world)
     with ps:

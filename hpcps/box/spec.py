@@ -225,26 +225,43 @@ def setup_commands(cluster: Cluster) -> list[list[str]]:
     return cmds
 
 
-def mpi_environment(cluster: Cluster) -> dict[str, str]:
-    """What every rank needs: MPICH over TCP on the node's interface, and the box's description.
+#: the MPI families the box launches (their launcher's own variables below)
+FAMILIES = ("mpich", "openmpi")
 
-    ``MPIR_CVAR_NOLOCAL`` keeps MPICH from taking shared memory between ranks that are on one
-    real host but on different emulated nodes.
+
+def mpi_environment(cluster: Cluster, family: str = "mpich") -> dict[str, str]:
+    """What every rank needs: the MPI over TCP on the node's interface, and the box's description.
+
+    MPICH: ``MPIR_CVAR_NOLOCAL`` keeps it from taking shared memory between ranks that are on one
+    real host but on different emulated nodes. Open MPI: point-to-point over the TCP BTL alone
+    (``self,tcp``: no shared-memory BTL), one-sided through ``osc/rdma`` over it (``osc/sm`` would reach
+    across emulated nodes through the host's memory), and its launcher, which runs in the first node's
+    namespace (:func:`mpmd_argv`), serves PMIx and its own daemons on that node's interface, where the
+    ranks of every node reach it (on 127.0.0.1 they could not: each namespace has its own loopback).
     """
+    record = {"HPCPS_CLUSTER": json.dumps(cluster.record(), separators=(",", ":"))}
+    if family == "openmpi":
+        return {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp", "OMPI_MCA_btl_tcp_if_include": NODE_IFACE,
+                "OMPI_MCA_osc": "rdma", "PMIX_MCA_ptl_tcp_if_include": NODE_IFACE,
+                "PRTE_MCA_oob_tcp_if_include": NODE_IFACE, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                **record}
     return {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
-            "FI_TCP_IFACE": NODE_IFACE, "HPCPS_CLUSTER": json.dumps(cluster.record(), separators=(",", ":"))}
+            "FI_TCP_IFACE": NODE_IFACE, **record}
 
 
-def mpmd_argv(cluster: Cluster, mpiexec: str, command: list[str]) -> list[str]:
+def mpmd_argv(cluster: Cluster, mpiexec: str, command: list[str], family: str = "mpich") -> list[str]:
     """One ``mpiexec`` that starts each node's ranks inside its namespace (MPMD segments).
 
-    ``HPCPS_NODE`` tells a rank which emulated node it is on (for ``/ranks`` and the report).
+    ``HPCPS_NODE`` tells a rank which emulated node it is on (for ``/ranks`` and the report). MPICH's
+    launcher runs in the host's namespace (its proxies hand each rank a socket it inherits); Open MPI's
+    runs in the first node's, whose interface its PMIx server listens on (see :func:`mpi_environment`).
     """
-    argv = [mpiexec]
+    first = next(k for k, node in enumerate(cluster.nodes) if node.ranks)
+    argv = ["ip", "netns", "exec", cluster.namespace(first), mpiexec] if family == "openmpi" else [mpiexec]
     for k, node in enumerate(cluster.nodes):
         if node.ranks == 0:
             continue
-        if len(argv) > 1:
+        if argv[-1] != mpiexec:
             argv.append(":")
         argv += ["-n", str(node.ranks), "ip", "netns", "exec", cluster.namespace(k),
                  "env", f"HPCPS_NODE={k}", *command]

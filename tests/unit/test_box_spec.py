@@ -6,7 +6,7 @@ import pytest
 
 from hpcps.box import cluster_record, node_label
 from hpcps.box.spec import (NODE_IFACE, Cluster, Node, box_pid, burst_bytes, make_cluster, mpi_environment,
-                            mpmd_argv, parse_rate, parse_size, setup_commands)
+                            mpmd_argv, parse_rate, parse_size, setup_commands, ssh_agent_script)
 
 
 @pytest.mark.parametrize("text,bps", [("1gbit", 10 ** 9), ("250mbit", 250 * 10 ** 6), ("100kbit", 10 ** 5),
@@ -103,16 +103,42 @@ def test_a_prefix_must_be_ours():
         Cluster((Node(10 ** 9),), 1000, prefix="eth")
 
 
-def test_open_mpis_launcher_runs_in_the_first_nodes_namespace_and_serves_pmix_on_its_interface():
-    """Open MPI's ranks reach their launcher's PMIx server over TCP: from another namespace 127.0.0.1 is
-    their own loopback, so the launcher runs in the first node's namespace and listens on its interface;
-    point-to-point goes over the TCP BTL alone and one-sided through osc/rdma, never the host's memory."""
+def test_open_mpis_launcher_runs_in_the_first_nodes_namespace_and_starts_a_daemon_on_each_node():
+    """Open MPI's launcher runs in the first node's namespace under that node's host name; each segment
+    names its node by address, where a daemon of its own starts through the agent script (one daemon for
+    all put MPI_Win_allocate windows in the host's shared memory); point-to-point goes over the TCP BTL
+    alone and one-sided through osc/rdma, the daemons and PMIx on the nodes' interface."""
     c = make_cluster(3, [], buffer="64kb", ranks=["0=0", "1=2"], prefix="hpcps9-")
     argv = mpmd_argv(c, "mpirun", ["hpcps", "train"], "openmpi")
-    assert argv[:5] == ["ip", "netns", "exec", "hpcps9-n1", "mpirun"]
-    assert " ".join(argv[5:]).split(" : ") == ["-n 2 ip netns exec hpcps9-n1 env HPCPS_NODE=1 hpcps train",
-                                               "-n 1 ip netns exec hpcps9-n2 env HPCPS_NODE=2 hpcps train"]
-    env = mpi_environment(c, "openmpi")
+    assert argv[:11] == ["ip", "netns", "exec", "hpcps9-n1", "unshare", "--uts", "sh", "-c",
+                         'hostname "$0" && exec "$@"', "hpcps9-n1", "mpirun"]
+    assert " ".join(argv[11:]).split(" : ") == ["-n 2 --host 10.213.0.2:2 env HPCPS_NODE=1 hpcps train",
+                                                "-n 1 --host 10.213.0.3:1 env HPCPS_NODE=2 hpcps train"]
+    env = mpi_environment(c, "openmpi", agent="/tmp/agent.sh")
     assert env["OMPI_MCA_btl"] == "self,tcp" and env["OMPI_MCA_osc"] == "rdma"
     assert env["OMPI_MCA_btl_tcp_if_include"] == env["PMIX_MCA_ptl_tcp_if_include"] == NODE_IFACE
+    assert env["PRTE_MCA_plm_ssh_agent"] == "/tmp/agent.sh"
     assert "MPIR_CVAR_NOLOCAL" not in env and cluster_record(env) == json.loads(json.dumps(c.record()))
+
+
+def test_the_agent_script_runs_a_daemons_command_in_its_nodes_namespace_under_its_own_host_name(tmp_path):
+    """Called as ssh would be (the node's address, then the daemon's shell line), the script runs that
+    line through ``ip netns exec`` in the node's namespace (a stand-in ``ip`` prints what it was given);
+    an address no node has is one line on stderr and exit status 1."""
+    import subprocess
+
+    c = make_cluster(3, [], buffer="64kb", ranks=["0=0", "1=2"], prefix="hpcps9-")
+    agent = tmp_path / "agent.sh"
+    agent.write_text(ssh_agent_script(c))
+    agent.chmod(0o755)
+    (tmp_path / "ip").write_text('#!/bin/sh\nprintf "%s|" "$@"\n')
+    (tmp_path / "ip").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    done = subprocess.run([str(agent), "10.213.0.3", "PATH=/x;export PATH;prted", "--flag", "a b"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("|")[:9] == ["netns", "exec", "hpcps9-n2", "unshare", "--uts", "sh", "-c",
+                                          'hostname "$0" && exec sh -c "$1"', "hpcps9-n2"]
+    assert done.stdout.split("|")[9] == "PATH=/x;export PATH;prted --flag a b"
+    missing = subprocess.run([str(agent), "10.213.0.1", "prted"], env=env, capture_output=True, text=True)
+    assert missing.returncode == 1 and "no emulated node has the address 10.213.0.1" in missing.stderr

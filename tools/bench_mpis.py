@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
-MODEL = ["--hidden", "16384", "--compute-time", "0.05"]
+#: the 4.9 MB model and 50 ms of compute of results.md's box figures; these runs measure time, not accuracy
+#: (asp at the default rate on this model can trip the divergence stop before its 60 steps)
+MODEL = ["--hidden", "16384", "--compute-time", "0.05", "--divergence", "ignore"]
 
 
 def _benchmarks(a: argparse.Namespace) -> list[tuple[str, list[str]]]:

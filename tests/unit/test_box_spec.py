@@ -142,3 +142,14 @@ def test_the_agent_script_runs_a_daemons_command_in_its_nodes_namespace_under_it
     assert done.stdout.split("|")[9] == "PATH=/x;export PATH;prted --flag a b"
     missing = subprocess.run([str(agent), "10.213.0.1", "prted"], env=env, capture_output=True, text=True)
     assert missing.returncode == 1 and "no emulated node has the address 10.213.0.1" in missing.stderr
+
+
+def test_intel_mpi_in_the_box_takes_ofi_alone_over_tcp_on_the_nodes_interface():
+    """Intel MPI takes shared memory between ranks of one host whatever MPICH's variables say (a job hung
+    in the box): OFI alone, over its TCP provider on the node's interface; hydra starts the segments as
+    MPICH's does."""
+    c = make_cluster(2, [], buffer="64kb", prefix="hpcps9-")
+    env = mpi_environment(c, "intel-mpi")
+    assert (env["I_MPI_FABRICS"], env["I_MPI_OFI_PROVIDER"], env["FI_TCP_IFACE"]) == ("ofi", "tcp", NODE_IFACE)
+    assert "MPIR_CVAR_NOLOCAL" not in env and cluster_record(env) == json.loads(json.dumps(c.record()))
+    assert mpmd_argv(c, "mpiexec", ["x"], "intel-mpi") == mpmd_argv(c, "mpiexec", ["x"], "mpich")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import signal
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,19 +38,19 @@ def cleanup(log=print) -> int:
 
 
 def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
-    """Print what would be run, build nothing."""
+    """Print what would be run, as shell lines one can paste; build nothing."""
     mpiexec = find_mpiexec() or "mpiexec"
     family = box_family(mpiexec)
     for argv in setup_commands(cluster):
-        log(" ".join(argv))
+        log(shlex.join(argv))
     agent = None
     if family == "openmpi":
         agent = f"/tmp/{cluster.prefix}agent/agent.sh"
         log(f"mkdir -p {os.path.dirname(agent)} && cat > {agent} <<'EOF' && chmod +x {agent}")
         log(ssh_agent_script(cluster) + "EOF")
     for key, value in mpi_environment(cluster, family, agent).items():
-        log(f"export {key}='{value}'")
-    log(" ".join(mpmd_argv(cluster, mpiexec, command, family)))
+        log(f"export {key}={shlex.quote(value)}")
+    log(shlex.join(mpmd_argv(cluster, mpiexec, command, family)))
     return 0
 
 

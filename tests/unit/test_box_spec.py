@@ -153,3 +153,22 @@ def test_intel_mpi_in_the_box_takes_ofi_alone_over_tcp_on_the_nodes_interface():
     assert (env["I_MPI_FABRICS"], env["I_MPI_OFI_PROVIDER"], env["FI_TCP_IFACE"]) == ("ofi", "tcp", NODE_IFACE)
     assert "MPIR_CVAR_NOLOCAL" not in env and cluster_record(env) == json.loads(json.dumps(c.record()))
     assert mpmd_argv(c, "mpiexec", ["x"], "intel-mpi") == mpmd_argv(c, "mpiexec", ["x"], "mpich")
+
+
+@pytest.mark.parametrize("family", ["mpich", "openmpi", "intel-mpi"])
+def test_a_dry_runs_lines_paste_into_a_shell_as_the_commands_the_box_runs(monkeypatch, family):
+    """Every line --dry-run prints splits back (as a shell reads it) into the command the box would run:
+    Open MPI's launch line carries a quoted ``sh -c`` script."""
+    import shlex
+
+    from hpcps.box import launch
+
+    c = make_cluster(2, [], buffer="64kb", prefix="hpcps9-")
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "/opt/mpi/bin/mpiexec")
+    monkeypatch.setattr(launch, "box_family", lambda mpiexec: family)
+    lines: list[str] = []
+    launch.dry_run(c, ["python", "-c", "print('a b')"], log=lines.append)
+    assert shlex.split(lines[-1]) == mpmd_argv(c, "/opt/mpi/bin/mpiexec", ["python", "-c", "print('a b')"], family)
+    assert [shlex.split(line) for line in lines[:len(setup_commands(c))]] == setup_commands(c)
+    exports = [shlex.split(line)[1] for line in lines if line.startswith("export ")]
+    assert "HPCPS_CLUSTER=" + json.dumps(c.record(), separators=(",", ":")) in exports

@@ -34,12 +34,19 @@ def launcher_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors print on rank 0 only."""
+    """An ArgumentParser whose usage errors print on rank 0 only, and, under a launcher, leave only once
+    every rank has parsed: Open MPI's launcher ends the job at the first rank's exit status, and rank 0's
+    line was lost now and then when another rank left first."""
 
     def error(self, message: str):
         if launcher_rank() == 0:
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.flush()
+        if any(var in os.environ for var in _RANK_VARS):  # every rank parsed the same flags: all are here
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()
         sys.exit(2)
 
 

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 from hpcps.box import net
-from hpcps.box.spec import (Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands,
+from hpcps.box.spec import (FAMILIES, Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands,
                             ssh_agent_script)
 from hpcps.errors import UserError
 from hpcps.cluster.launcher import clean_environ, find_mpiexec, launcher_family
@@ -58,7 +58,7 @@ def box_family(mpiexec: str) -> str:
     """The family of ``mpiexec`` as the box launches it: Open MPI's, Intel MPI's, or MPICH's way for any
     other."""
     family = launcher_family(mpiexec)
-    return family if family in ("openmpi", "intel-mpi") else "mpich"
+    return family if family in FAMILIES else "mpich"
 
 
 def in_user_namespace(argv: list[str]) -> int:

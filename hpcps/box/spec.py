@@ -225,7 +225,7 @@ def setup_commands(cluster: Cluster) -> list[list[str]]:
     return cmds
 
 
-#: the MPI families the box launches (their launcher's own variables below)
+#: the MPI families the box launches its own way (:func:`mpi_environment`, :func:`mpmd_argv`)
 FAMILIES = ("mpich", "openmpi", "intel-mpi")
 
 

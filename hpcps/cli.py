@@ -126,6 +126,20 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                    help="hsp: extra gradients a worker may compute per round while it waits (default {default})")
     g.add_argument("--staleness-max", type=int, dest="staleness_max", metavar="S_HI",
                    help="dssp: upper bound s_hi of the dynamic threshold (default --staleness + 4)")
+    g = t.add_argument_group("local steps (the local-SGD family: docs/paradigms.md)")
+    g.add_argument("--local-steps", type=int, dest="local_steps", metavar="H",
+                   help="each worker takes H steps with its own inner optimizer, then pushes the change of its "
+                        "parameters (a pseudo-gradient) that the servers' optimizer applies: the outer step. "
+                        "The paradigm's rule then counts rounds: bsp lock-step, ssp/dssp bounded, asp free "
+                        "(default: none; 8 under localsgd and diloco)")
+    g.add_argument("--inner-optimizer", dest="inner_optimizer",
+                   help="the workers' inner torch.optim rule (default {default})")
+    g.add_argument("--inner-lr", type=float, dest="inner_lr", metavar="LR",
+                   help="the inner learning rate (default 0.1 for sgd, 1e-3 for adam and adamw)")
+    g.add_argument("--inner-momentum", type=float, dest="inner_momentum", metavar="M",
+                   help="inner sgd momentum (default {default})")
+    g.add_argument("--inner-weight-decay", type=float, dest="inner_weight_decay", metavar="WD",
+                   help="inner weight decay (default {default})")
     g = t.add_argument_group("model and data")
     g.add_argument("--model", metavar="NAME|PLUGIN",
                    help="mlp or cnn (default {default}), or your model factory as pkg.mod:name or path/file.py:name "
@@ -328,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--staleness", type=int, default=2, help="ssp bound, dssp s_lo (default 2)")
     m.add_argument("--groups", type=int, default=2, metavar="G",
                    help="grouped: group servers, over contiguous blocks of workers (default 2)")
+    m.add_argument("--local-steps", dest="local_steps", type=int, metavar="H",
+                   help="computations per push (the local-SGD family; default 1, 8 under localsgd and diloco): "
+                        "--steps counts the batches, iterations/s too")
     m.add_argument("--latency", type=float, default=50e-6, help="seconds per transfer (default 50e-6)")
     m.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s of a transfer (default 10e9)")
     m.add_argument("--link", action="append", default=[], metavar="[NODE=]RATE",
@@ -477,7 +494,7 @@ def _simulate(args: argparse.Namespace) -> int:
                             progress=sys.stderr.isatty(), links=args.link or None,
                             nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
                             jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed, groups=args.groups,
-                            options=options,
+                            options=options, local_steps=args.local_steps,
                             machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,
                                             args.update_s))
     except ValueError as exc:
@@ -489,7 +506,8 @@ def _simulate(args: argparse.Namespace) -> int:
               f"{r.mean_staleness:.2f} |")
     if args.out:
         settings = (f"{args.params:,} parameters, compute {args.compute_time * 1e3:g} ms, jitter {args.jitter}, "
-                    f"straggler {args.straggler:g}x, staleness {args.staleness}, {args.steps} steps")
+                    f"straggler {args.straggler:g}x, staleness {args.staleness}, {args.steps} steps"
+                    + (f", {args.local_steps} local steps" if args.local_steps else ""))
         for path in write_outputs(predictions, args.out, settings):
             print(path)
     return 0

@@ -27,6 +27,12 @@ else:  # pragma: no cover
 DEFAULT_STEPS = 500
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_STALENESS = 2
+#: the local-SGD family (:mod:`hpcps.policies.local`): ``--local-steps`` when the user gives none
+DEFAULT_LOCAL_STEPS = 8
+#: the outer optimizer a preset of the family takes where the user sets none (``--lr``, ``--momentum``,
+#: ``--nesterov``): localsgd averages (sgd at rate 1), diloco steps with Nesterov sgd (Douillard et al. 2023)
+FAMILY_OUTER = {"localsgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+                "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
 AUTO_GROUPS = 2  # --groups auto
 DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
@@ -68,6 +74,11 @@ class TrainConfig(BaseModel):
     staleness: int | None = Field(None, ge=0)  # None: 2 for ssp/dssp, no bound for eager
     staleness_max: int | None = Field(None, ge=0)
     hsp_max_stale: int = Field(1, ge=0)
+    local_steps: int | None = Field(None, ge=1)  # None: 8 under localsgd and diloco, else no local steps
+    inner_optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    inner_lr: float = Field(0.1, gt=0)  # default by --inner-optimizer, as --lr's by --optimizer
+    inner_momentum: float = Field(0.0, ge=0)
+    inner_weight_decay: float = Field(0.0, ge=0)
     slowdown: dict[int, float] = Field(default_factory=dict)
     compute_time: float | None = Field(None, gt=0)
     compute_forward: float = Field(0.0, ge=0, le=1)  # the share of compute_time spent in the forward pass
@@ -116,9 +127,23 @@ class TrainConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _default_lr(cls, values: Any) -> Any:
-        """``--lr`` defaults to the optimizer's usual rate: 0.1 for sgd, 1e-3 for adam and adamw."""
-        if isinstance(values, dict) and values.get("lr") is None:
-            values = {**values, "lr": DEFAULT_LR.get(values.get("optimizer", "sgd"), DEFAULT_LR["sgd"])}
+        """``--lr`` defaults to the optimizer's usual rate: 0.1 for sgd, 1e-3 for adam and adamw; under the
+        local-SGD family's presets, sgd as the preset says (:data:`FAMILY_OUTER`), for each of ``--lr``,
+        ``--momentum`` and ``--nesterov`` the user did not set. ``--inner-lr`` likewise, by ``--inner-optimizer``."""
+        if not isinstance(values, dict):
+            return values
+        outer = FAMILY_OUTER.get(values.get("paradigm")) if values.get("optimizer", "sgd") == "sgd" else None
+        if outer is not None:  # a preset of the local-SGD family: its outer optimizer, where the user set none
+            given = {k: v for k, v in values.items() if v is not None}
+            momentum = given.get("momentum", outer["momentum"])
+            nesterov = given.get("nesterov", outer["nesterov"] and momentum > 0)
+            values = {**values, "momentum": momentum, "nesterov": nesterov}
+        if values.get("lr") is None:
+            default = outer["lr"] if outer is not None else DEFAULT_LR.get(values.get("optimizer", "sgd"), DEFAULT_LR["sgd"])
+            values = {**values, "lr": default}
+        local = values.get("local_steps") is not None or values.get("paradigm") in FAMILY_OUTER
+        if values.get("inner_lr") is None and local:  # (set only where read: else a warning would name it)
+            values = {**values, "inner_lr": DEFAULT_LR.get(values.get("inner_optimizer", "sgd"), DEFAULT_LR["sgd"])}
         return values
 
     @field_validator("betas", mode="before")
@@ -216,6 +241,9 @@ class TrainConfig(BaseModel):
             raise ValueError("--straggler-episodes needs --compute-time (it slows the emulated compute)")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum <= 0):
             raise ValueError("--nesterov needs --optimizer sgd and a --momentum above 0")
+        if self.inner_momentum and self.inner_optimizer != "sgd":
+            raise ValueError(f"--inner-momentum is for --inner-optimizer sgd; got --inner-optimizer "
+                             f"{self.inner_optimizer}")
         if self.momentum and self.optimizer != "sgd":
             raise ValueError(f"--momentum is for --optimizer sgd (adam and adamw take --betas); "
                              f"got --optimizer {self.optimizer}")
@@ -256,6 +284,14 @@ class TrainConfig(BaseModel):
     def s_hi(self) -> int:
         """Upper staleness bound of dssp: ``--staleness-max``, or ``--staleness`` + 4."""
         return self.staleness_max if self.staleness_max is not None else self.s_lo + 4
+
+    @property
+    def inner_steps(self) -> int | None:
+        """Local steps per outer round (``--local-steps``; 8 under localsgd and diloco), or None: no local
+        steps, every step's gradient is pushed (:mod:`hpcps.training.local`)."""
+        if self.local_steps is not None:
+            return self.local_steps
+        return DEFAULT_LOCAL_STEPS if self.paradigm in FAMILY_OUTER else None
 
     def as_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -133,12 +133,25 @@ def load_run(path: str | os.PathLike) -> Run:
         raise UserError(f"{path}: not an hpcps metrics file ({exc})") from None
 
 
+def local_steps(config: dict) -> int | None:
+    """A run's local steps per outer round (``--local-steps``, or the presets' default), None: none."""
+    from hpcps.config import DEFAULT_LOCAL_STEPS, FAMILY_OUTER
+
+    if config.get("local_steps") is not None:
+        return int(config["local_steps"])
+    return DEFAULT_LOCAL_STEPS if config.get("paradigm") in FAMILY_OUTER else None
+
+
 def summary_rows(runs: list[Run], target: float) -> list[dict]:
+    """One row per run. Under local steps a worker's row in the file is a round of H batches: the rate counts
+    batches (H per round), ``mean_staleness`` is the pseudo-gradients' in outer versions, and
+    ``outer_updates`` the updates the shards applied (rounds under the lock-step forms)."""
     rows = []
     for r in runs:
         it = r.iterations
         applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
-        rates = r.worker_rates()
+        every = local_steps(r.config)
+        rates = {w: rate * (every or 1) for w, rate in r.worker_rates().items()}
         evaluated = len(r.evals) > 0  # a step-API loop without test data evaluates nothing: "-", not "never"
         rows.append({
             "run": r.name, "paradigm": r.paradigm, "workers": len(rates),
@@ -150,6 +163,8 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),
             "mean_staleness": round(float(applied["staleness"].mean()) if len(applied) else float("nan"), 2),
             "gradients_applied": int(r.summary.get("gradients_applied", len(applied))),
+            "local_steps": every if every is not None else "-",
+            "outer_updates": int(len(np.unique(applied["version"]))) if every is not None else "-",
             # a run that never wrote its summary ended without end(): it crashed or was killed
             "stopped_by": (str(r.summary.get("stopped_by", "")) or "-") if "wall_s" in r.summary else "no summary (crashed?)",
             "cluster": describe_record(r.cluster) if r.cluster.get("emulated") else "-",

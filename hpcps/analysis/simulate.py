@@ -24,6 +24,13 @@ begins its push (the two go opposite ways), and eager's pull costs nothing
 (it hides behind the computation). Versions,
 staleness and waits are counted as the runtime records them.
 
+Local steps (``local_steps`` H, the local-SGD family): a worker's
+iteration is a round of H computations (each drawn as above; the last round
+shorter where H does not divide ``steps``) between its pull and its push, so
+the links carry one push and one pull per H batches; ``steps`` still counts
+batches, and the throughput is batches per second. The paradigm's rule runs
+over the rounds, as the runtime's does.
+
 Grouped (``groups`` G): each group server runs BSP over its block of
 workers (contiguous, as ``--group-by rank``) as the server above does;
 when a round closes, its update travels to the central server (a
@@ -119,7 +126,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
              slowdown: dict[int, float] | None = None, jitter: str = "none", jitter_cv: float = 0.1,
              machine: Machine = Machine(), staleness: int = 2, staleness_max: int | None = None,
              seed: int = 0, groups: int = 2, links: Links | None = None,
-             options: dict | None = None) -> Prediction:
+             options: dict | None = None, local_steps: int | None = None) -> Prediction:
     """Run ``steps`` iterations of ``n_workers`` workers (indices 0..N-1) under ``paradigm``.
 
     ``paradigm``: a built-in name or your own (``file.py:Class``, ``pkg.mod:Class``), whose
@@ -130,6 +137,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     on the server's link, shared max-min fairly with the others in its direction
     (:class:`hpcps.analysis.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
     ``machine.transfer(nbytes)`` whatever else moves.
+    ``local_steps``: H computations per push (None: 1; 8 under localsgd and diloco, as ``hpcps train``).
     """
     if steps < 1:
         raise ValueError(f"simulate: --steps must be 1 or more; got {steps}")
@@ -141,7 +149,14 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
     if any(not f >= 1 for f in (slowdown or {}).values()):
         raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
+    from hpcps.config import DEFAULT_LOCAL_STEPS, FAMILY_OUTER
+
+    every = local_steps if local_steps is not None else DEFAULT_LOCAL_STEPS if paradigm in FAMILY_OUTER else 1
+    if every < 1:
+        raise ValueError(f"simulate: --local-steps must be 1 or more; got {every}")
     policy = make_policy(paradigm, n_workers, options, staleness=staleness, staleness_max=staleness_max)
+    if every > 1 and (policy.uses_groups or policy.eager_pull):
+        raise ValueError(f"simulate: paradigm {paradigm!r} takes no local steps (as hpcps train refuses them)")
     unmodelled = [what for what, has in (("extra gradients", policy.extra_gradients),
                                          ("serial transfers", policy.serial_transfers)) if has]
     if unmodelled:
@@ -162,6 +177,12 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     up, down = (FairLink(links.server), FairLink(links.server)) if links else (FairLink(), FairLink())
     cap = list(links.workers) if links else [machine.bandwidth] * n_workers
     apply_s = machine.update_s + nbytes / machine.apply_rate
+    batches, steps = steps, -(-steps // every)  # a worker's pushes: one per round of ``every`` batches
+
+    def compute(w: int) -> float:
+        """The computation of worker ``w``'s next round: a draw per batch in it."""
+        n = min(every, batches - every * (started[w]))
+        return sum(clocks[w].sleep_after(0.0, rngs[w]) for _ in range(n))
 
     events: list[tuple] = []  # (time, tie-break, kind, worker or link, link generation)
     tick = itertools.count()
@@ -192,7 +213,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             return
         computed_on[w] = version  # the pull reads the version published when it starts
         if policy.eager_pull:  # eager's pull hides behind the computation
-            at(t + clocks[w].sleep_after(0.0, rngs[w]), "computed", w)
+            at(t + compute(w), "computed", w)
         else:
             transfer(up, t, ("pull", w))
 
@@ -217,7 +238,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             if done is not None:
                 at(done[0], "link", who, who.generation)
             if what == "pull":
-                at(t + machine.latency + clocks[w].sleep_after(0.0, rngs[w]), "computed", w)
+                at(t + machine.latency + compute(w), "computed", w)
             else:
                 at(t + machine.latency, "arrive", w)
             continue
@@ -248,14 +269,15 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             if g in blocked_since and g not in gone:
                 waits.append(server_free - blocked_since.pop(g))
                 start_iteration(g, server_free)
-    return _prediction(paradigm, steps, finished, waits, stale)
+    return _prediction(paradigm, batches, finished, waits, stale, pushes=steps)
 
 
 def _prediction(paradigm: str, steps: int, finished: list[float], waits: list[float],
-                stale: list[int]) -> Prediction:
-    """The :class:`Prediction` of a simulated job from when each worker finished, its waits and staleness."""
+                stale: list[int], pushes: int | None = None) -> Prediction:
+    """The :class:`Prediction` of a simulated job from when each worker finished, its waits and staleness
+    (``steps``: batches per worker; ``pushes``: gradients per worker, where local steps make them fewer)."""
     rates = {w: steps / t for w, t in enumerate(finished) if t > 0}
-    return Prediction(paradigm, len(finished), len(finished) * steps, max(finished),
+    return Prediction(paradigm, len(finished), len(finished) * (steps if pushes is None else pushes), max(finished),
                       float(np.mean(waits)) if waits else 0.0, float(np.mean(stale)) if stale else 0.0, rates)
 
 

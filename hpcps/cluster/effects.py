@@ -51,6 +51,9 @@ FEATURES: tuple[Reader, ...] = (
            lambda cfg: cfg.lr_schedule == "step"),
     Reader("adam and adamw (--optimizer)", frozenset({"betas", "eps"}), lambda cfg: cfg.optimizer != "sgd"),
     Reader("sgd with --momentum", frozenset({"stale_momentum"}), lambda cfg: cfg.optimizer == "sgd" and cfg.momentum > 0),
+    Reader("local steps (--local-steps; --paradigm localsgd, diloco)",
+           frozenset({"inner_optimizer", "inner_lr", "inner_momentum", "inner_weight_decay"}),
+           lambda cfg: cfg.inner_steps is not None),
     Reader("the emulated compute's jitter (--jitter)", frozenset({"jitter_cv"}), lambda cfg: cfg.jitter != "none"),
     Reader("group servers (--groups)", frozenset({"group_by"}), lambda cfg: cfg.groups > 0),
     Reader("the progress line (--progress)", frozenset({"progress_every"}), lambda cfg: cfg.progress),
@@ -130,6 +133,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(lambda cfg, cls: bool(cfg.checkpoint_interval) and cls.checkpoints_at_publish(),
             lambda cfg: f"--checkpoint-interval: --paradigm {cfg.paradigm} checkpoints at a round's close, where "
                         f"every worker waits: give --checkpoint-every ROUNDS"),
+    Refusal(lambda cfg, cls: cfg.inner_steps is not None and (cls.eager_pull or cls.extra_gradients or cls.uses_groups),
+            lambda cfg: f"--local-steps: --paradigm {cfg.paradigm} does not take local steps; they are for the "
+                        f"paradigms whose rule is over the workers' clocks, which then count outer rounds: bsp "
+                        f"(lock-step), ssp and dssp (bounded), asp (free), localsgd and diloco"),
     Refusal(lambda cfg, cls: own_loop(cfg) and cfg.group_by == "speed",
             lambda cfg: "groups by speed time hpcps's own loop; under hpcps.init give groups by rank"),
 )

@@ -105,7 +105,7 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
                               clock=run.clock, interval=cfg.eval_interval, target=cfg.stop_target,
                               on_target=window.set_stop, background=background, log_every=cfg.log_every,
                               every=cfg.eval_every, version=lambda: server.version)
-        bar = Progress(len(workers) * run.steps, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
+        bar = Progress(len(workers) * run.rounds, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                        accuracy=lambda: evaluator.accuracy)
         side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
         if cfg.divergence == "stop":
@@ -181,7 +181,7 @@ def lr_scale(run, extra: bool = False) -> float:
 
 def horizon(run) -> int:
     """The updates a central shard applies over the run (:func:`hpcps.training.rates.horizon`)."""
-    return rates.horizon(run.cfg, run.steps, len(clients(run)))
+    return rates.horizon(run.cfg, run.rounds, len(clients(run)))
 
 
 def serve_group(run, central: ParamWindow, window: ParamWindow, recorder) -> None:
@@ -272,7 +272,7 @@ def make_worker(run) -> Worker:
     return worker_class(rank=topo.rank, model=run.model, flat=run.flat,
                  window=window, pusher=pusher, notices=notices,
                  blocks=policy.worker_blocks, recorder=recorder,
-                 clock=run.clock, steps=run.steps, lr=cfg.lr * lr_scale(run),
+                 clock=run.clock, steps=run.rounds, lr=cfg.lr * lr_scale(run),
                  lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
                  faults=[f for f in cfg.faults if f.rank == topo.rank],
                  start_step=int(run.ckpt.worker_clocks[run.layout.worker_index(topo.rank)]) if run.ckpt else 0,
@@ -290,10 +290,10 @@ def push_slices(run) -> list[tuple[int, int]]:
 def pushes_during_backward(run, policy, striped: bool, slotted: bool) -> bool:
     """Whether a worker pushes each piece of its gradient as backward produces it (in hpcps's own loop,
     :mod:`hpcps.runtime.backward`): its push goes in pieces (striped slices), from a copy, unencoded,
-    unclipped, from a CPU worker's flat buffer, under a paradigm that waits for its grant (and whose
+    unclipped, from a CPU worker's flat buffer, without local steps (a round's push follows its last step), under a paradigm that waits for its grant (and whose
     learning rate is known before the pass)."""
     cfg = run.cfg
-    return (striped and slotted and run.codec.identity_push and cfg.clip_norm is None
+    return (striped and slotted and cfg.inner_steps is None and run.codec.identity_push and cfg.clip_norm is None
             and run.flat.transfer == "shared" and policy.worker_blocks and not policy.serial_transfers
             and not policy.eager_pull and not policy.extra_gradients
             and (cfg.lr_staleness or policy.default_lr_staleness) == "none")

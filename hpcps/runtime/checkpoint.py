@@ -34,6 +34,7 @@ Format-1 checkpoints (plain SGD, no optimizer files) still resume.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -238,6 +239,20 @@ def read_policy_state(path: str, shard: int) -> dict:
     if not os.path.exists(part):
         return {}
     return torch.load(part, weights_only=True).get(POLICY_KEY) or {}
+
+
+def newest_clocks(directory: str) -> np.ndarray | None:
+    """The worker clocks of the newest complete checkpoint in ``directory`` (its attributes only, not its
+    parameters), or None where it holds none."""
+    for path in sorted(glob.glob(os.path.join(directory, "step-*.h5")), reverse=True):
+        try:
+            with h5py.File(path, "r", locking=False) as f:
+                clocks, n_servers = np.asarray(f.attrs["worker_clocks"]), int(f.attrs["n_servers"])
+        except (OSError, KeyError):
+            continue
+        if all(os.path.exists(optimizer_state_path(path, s)) for s in range(n_servers)):
+            return clocks
+    return None
 
 
 def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:

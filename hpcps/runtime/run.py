@@ -334,6 +334,12 @@ class _Run:
         self.backoff = Backoff()
         self.run_clock = RunClock(time.perf_counter(), 0.0, 0.0)  # until the start: see run()
 
+    @property
+    def rounds(self) -> int:
+        """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
+        every = self.cfg.inner_steps
+        return self.steps if every is None else -(-self.steps // every)
+
     def clock(self) -> float:
         """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""
         return self.run_clock()
@@ -407,9 +413,12 @@ class _Run:
             f = self.facts
             sizes = [f"{f[k]} {what}" for k, what in (("n_train", "train"), ("n_test", "test")) if f[k] is not None]
             data = f"data {f['name']}" + (f" ({' / '.join(sizes)})" if sizes else "")
-            log.info("%s on %s; model %s (%d parameters, %d buffer values), %s, %d steps per worker",
+            every = self.cfg.inner_steps
+            local = "" if every is None else (f" in {self.rounds} rounds of {every} local steps "
+                                              f"({self.cfg.inner_optimizer} at {self.cfg.inner_lr:g} inside)")
+            log.info("%s on %s; model %s (%d parameters, %d buffer values), %s, %d steps per worker%s",
                      self.cfg.paradigm, self.layout.describe(), self.workload.model_name, self.flat.n_params,
-                     self.flat.size - self.flat.n_params, data, self.steps)
+                     self.flat.size - self.flat.n_params, data, self.steps, local)
             log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
             for line in no_effect(self.cfg):  # once per run, on rank 0: the options nothing in this run reads
                 log.warning(line)
@@ -482,8 +491,9 @@ class _Run:
         final = ", ".join(f"{k} {v:.4f}" for k, v in self.final_metrics.items() if not math.isnan(v))
         reached = (int(iterations["step"].max()) + 1 if len(iterations) else
                    int(max(self.ckpt.worker_clocks)) if self.ckpt is not None else 0)
-        log.info("done in %.1f s after %d of %d steps: %s%d of %d gradients applied; metrics in %s%s",
-                 summary["wall_s"], reached, self.steps, f"final evaluation {final}; " if final else "",
+        what = "steps" if self.cfg.inner_steps is None else f"rounds of {self.cfg.inner_steps} local steps"
+        log.info("done in %.1f s after %d of %d %s: %s%d of %d gradients applied; metrics in %s%s",
+                 summary["wall_s"], reached, self.rounds, what, f"final evaluation {final}; " if final else "",
                  summary["gradients_applied"], summary["gradients_pushed"], runfile.path,
                  f", model in {saved}" if saved else "")
         if stopped_by == "diverged":

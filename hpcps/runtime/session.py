@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -30,13 +31,16 @@ import torch
 from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
-from hpcps.runtime.checkpoint import LoopState, checkpoint_path, read_loop_state, restore_int_buffers, write_user_state
+from hpcps.runtime.checkpoint import (LoopState, checkpoint_path, newest_clocks, read_loop_state, restore_int_buffers,
+                                      write_user_state)
 from hpcps.cluster.emulation import BackwardCompute, emulated_compute_time, emulated_sleep, end_pass, forward_compute
 from hpcps.runtime import assembly
 from hpcps.cluster.layout import Role
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
+from hpcps.training.local import InnerFiles, LocalSteps
+from hpcps.training.optim import builtin_optimizer
 from hpcps.training.optstate import cut, from_torch, join, to_torch
 from hpcps.runtime.optstate import ask, hand
 
@@ -94,6 +98,14 @@ class Session:
         restore_int_buffers(self.model, loop.int_buffers)
         self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
         self.worker = assembly.make_worker(run)
+        #: under --local-steps: the worker's inner optimizer and its rounds (hpcps.training.local)
+        self.local: LocalSteps | None = None
+        if cfg.inner_steps is not None:
+            self.local = LocalSteps(self.model, self.flat, builtin_optimizer(
+                cfg.inner_optimizer, lr=cfg.inner_lr, momentum=cfg.inner_momentum,
+                weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.steps)
+            self._resume_inner()
+        self._round_compute, self._round_losses, self._waited0 = 0.0, [], 0.0
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's)
         self.workers = run.topo.role_comm.Dup()
@@ -129,8 +141,21 @@ class Session:
 
     @property
     def iteration(self) -> int:
-        """The step being computed (0 first; where a resumed run continues)."""
-        return self.worker.step if self.is_worker else 0
+        """The step being computed (0 first; where a resumed run continues). Under ``--local-steps H`` it
+        counts inner steps (the batches), H to a round."""
+        if not self.is_worker:
+            return 0
+        if self.local is None:
+            return self.worker.step
+        return self.worker.step * self.local.every + self.local.taken
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer | None:
+        """Under ``--local-steps``: the worker's own inner optimizer (``--inner-optimizer``), a plain torch
+        optimizer over the model's parameters, stepped by each ``ps.step()``; a ``torch.optim.lr_scheduler``
+        on it schedules the inner rate. Its state is the worker's and is checkpointed with the run. None
+        without local steps (:attr:`optimizer` is the servers', the outer one)."""
+        return self.local.optimizer if self.is_worker and self.local is not None else None
 
     @property
     def version(self) -> int:
@@ -160,11 +185,24 @@ class Session:
         if self._optimizer is not None:  # this is ps.optimizer's step: torch's schedulers check that it ran
             self._optimizer._opt_called = True
         self.flat.adopt_grads()
-        t0 = self.t0 + self.worker.pass_waited  # a partitioned pull's waits in the pass are not compute
+        # a partitioned pull's waits in the pass are not compute
+        t0 = self.t0 + self.worker.pass_waited - self._waited0
         end_pass(self.flat, t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
                  poke=self.worker.poke, timeline=self.worker.tl, target=self._target)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self.worker.close_step(value, time.perf_counter() - t0, skip=skip)
+        compute_s = time.perf_counter() - t0
+        if self.local is not None:
+            self.local.inner_step(skip)
+            self._round_compute += compute_s
+            self._round_losses.append(value)
+            if not self.local.round_over(self.worker.step):
+                self._begin_pass()  # the round's next inner step: nothing goes to the servers
+                return True
+            self.local.pseudo_gradient()
+            self._write_inner(self.worker.clock_count + 1)  # on disk before a checkpoint can count this round
+            value, compute_s, skip = float(np.mean(self._round_losses)), self._round_compute, False
+            self._round_compute, self._round_losses = 0.0, []
+        self.worker.close_step(value, compute_s, skip=skip)
         self._open()
         return self.open
 
@@ -259,14 +297,59 @@ class Session:
             self._due = version  # this version's checkpoint is the servers'; the loop's part waits for the loop
         if not self.open:
             return
+        if self.local is not None:
+            self.settle()  # a round starts from the whole pull: the parameters its pseudo-gradient is against
+            self.local.begin_round()
+        self._begin_pass()
+
+    def _begin_pass(self) -> None:
+        """Before a step's computation: zero the gradients, note the buffers, start its clock."""
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
         if self._backward is not None:
             self._backward.begin()
         self._target = None
         self.t0 = time.perf_counter()
+        self._waited0 = self.worker.pass_waited if self.local is not None else 0.0
         self.worker.tl.enter(self._opens_with)
         if not self.overlap_pull:
             self.settle()  # (its wait is the step's pull time, not the loop's compute: step() takes it off)
+
+    # -- the inner optimizer's checkpoints (local steps) -------------------------
+    def _resume_inner(self) -> None:
+        """A resumed run under local steps: the inner optimizer's state as this worker left it after the round
+        the checkpoint resumes at; where the checkpoint cannot give it, the state starts afresh (said once)."""
+        run, w = self.run, self.worker_index
+        if run.ckpt is None:
+            return
+        clock = int(run.ckpt.worker_clocks[w])
+        if run.ckpt.redealt:
+            if w == 0:
+                log.warning("local steps: the run resumes with another worker count, so each worker's inner "
+                            "optimizer state starts afresh (the parameters and the outer state come back)")
+            return
+        state = InnerFiles(os.path.dirname(os.path.abspath(run.cfg.resume)), w).read(clock)
+        if state is None:
+            log.warning("local steps: worker %d finds no inner optimizer state of round %d beside %s; it starts "
+                        "afresh", w, clock, run.cfg.resume)
+            return
+        self.local.optimizer.load_state_dict(state["optimizer"])
+
+    def _write_inner(self, clock: int) -> None:
+        """Under periodic checkpoints: the inner optimizer's state after round ``clock``, written before the
+        round is pushed; files of rounds before this worker's clock in the newest complete checkpoint go."""
+        cfg = self.run.cfg
+        if not (cfg.checkpoint_every or cfg.checkpoint_interval):
+            return
+        self._save_inner(clock)
+        clocks = newest_clocks(self.run.ckpt_dir)
+        if clocks is not None and len(clocks) > self.worker_index:
+            self._inner_files().prune(int(clocks[self.worker_index]))
+
+    def _save_inner(self, clock: int) -> None:
+        self._inner_files().write(clock, {"optimizer": self.local.optimizer.state_dict(), "round": clock})
+
+    def _inner_files(self) -> InnerFiles:
+        return InnerFiles(self.run.ckpt_dir, self.worker_index)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
         """Worker 0's first training pass (gradients on, train mode) on a checkpointed version: its loop's
@@ -339,6 +422,8 @@ class Session:
         self.closed = True
         if self.is_worker:
             self._save_due()
+            if self.local is not None and self.worker.stop:  # a stop's checkpoint resumes at this round
+                self._save_inner(self.worker.clock_count)
             if self.worker_index == 0 and self.run.cfg.stop_target is not None and not self._evaluated:
                 log.warning("target %s had no effect: in your own loop, the run's evaluation is what it gives "
                             "ps.evaluated(...), and it never called it", self.run.cfg.stop_target)

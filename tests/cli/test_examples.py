@@ -93,8 +93,8 @@ def test_the_api_ends_every_rank_with_one_line_on_bad_input(tmp_path):
                   timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert errors == ["hpcps: error: --paradigm: unknown paradigm 'ssq' (known: asp, bsp, dssp, eager, grouped, hsp, "
-                      "ssp; or your own as path/to/file.py:Class or package.module:Class)"], proc.stderr
+    assert errors == ["hpcps: error: --paradigm: unknown paradigm 'ssq' (known: asp, bsp, diloco, dssp, eager, "
+                      "grouped, hsp, localsgd, ssp; or your own as path/to/file.py:Class or package.module:Class)"], proc.stderr
 
 
 def _val_losses(stdout: str) -> list[float]:

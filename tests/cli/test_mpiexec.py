@@ -11,6 +11,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+import torch
 
 from hpcps.cluster.launcher import clean_environ
 from launching import launch, needs_mpiexec
@@ -227,3 +228,32 @@ def test_a_four_worker_two_shard_checkpoint_resumes_on_three_workers_and_on_one_
             assert f.attrs["resumed_shape"] == shape
             assert f["summary"].attrs["gradients_pushed"] == workers * 10
             assert f["summary"].attrs["final_accuracy"] > 0.5
+
+
+def test_a_diloco_job_killed_mid_run_resumes_from_its_newest_checkpoint_and_ends_as_the_uninterrupted_one(tmp_path):
+    """A worker dies at round 13 of 20 (two local steps each, inner sgd with momentum: its state matters). The
+    resumed job takes each worker's inner state back from its files, pushes exactly the rounds the checkpoint
+    lacks, and saves the very model of the job nobody killed."""
+    common = ["train", "--paradigm", "diloco", "--local-steps", "2", "--steps", "40", "--inner-momentum", "0.9",
+              "--inner-lr", "0.05", "--seed", "2", "--checkpoint-every", "4"]
+    proc = hpcps(5, *common, "--checkpoint-dir", str(tmp_path / "ck-full"), "--out", str(tmp_path / "full.h5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ck = tmp_path / "ck"
+    proc = hpcps(5, *common, "--fault", "exit@2:13", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "k.h5"))
+    assert proc.returncode != 0
+    complete = [p for p in sorted(ck.glob("step-*.h5")) if (ck / (p.stem + ".optim-0.pt")).exists()]
+    newest = complete[-1]
+    with h5py.File(newest) as f:
+        clocks = f.attrs["worker_clocks"].tolist()
+    assert clocks == [12] * 4  # the round's checkpoint before the death (every 4 rounds)
+    assert sorted(p.name for p in (ck / "inner").iterdir() if ".round-12." in p.name) == [
+        f"worker-{w}.round-12.pt" for w in range(4)]
+    proc = hpcps(5, *common, "--resume", str(newest), "--checkpoint-dir", str(tmp_path / "ck2"),
+                 "--out", str(tmp_path / "resumed.h5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "inner optimizer state" not in proc.stderr  # no worker started its inner state afresh
+    with h5py.File(tmp_path / "resumed.h5") as f:
+        assert f["summary"].attrs["gradients_pushed"] == f["summary"].attrs["gradients_applied"] == 4 * (20 - 12)
+    full, resumed = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    assert full.keys() == resumed.keys()
+    assert all(torch.equal(full[k], resumed[k]) for k in full)

@@ -44,6 +44,8 @@ def test_slowdown_flags_parse_rank_equals_factor():
     ({"fault": ["nan2:5"]}, r"--fault: .*expected KIND@RANK:STEP"),
     ({"fault": ["boom@2:5"]}, r"--fault: .*KIND must be one of nan, raise, exit, hang"),
     ({"nonfinite": "ignore"}, r"--nonfinite: "),
+    ({"local_steps": 0}, r"--local-steps: .*greater than or equal to 1"),
+    ({"local_steps": 2, "inner_optimizer": "adam", "inner_momentum": 0.9}, r"--inner-momentum is for --inner-optimizer sgd"),
 ])
 def test_bad_values_name_the_option(flags, message):
     with pytest.raises(UserError, match=message):
@@ -126,3 +128,18 @@ def test_min_lr_is_the_cosine_schedules_floor_below_lr():
         make_config({"min_lr": 0.01})
     with pytest.raises(UserError, match="--min-lr 0.5 is above --lr 0.1"):
         make_config({"lr_schedule": "cosine", "min_lr": 0.5})
+
+
+@pytest.mark.parametrize("flags, expected", [
+    # the presets' outer optimizer where the user sets none, their H; another paradigm is untouched
+    ({"paradigm": "diloco"}, (0.7, 0.9, True, 8, 0.1)),
+    ({"paradigm": "localsgd"}, (1.0, 0.0, False, 8, 0.1)),
+    ({"paradigm": "diloco", "momentum": 0.0}, (0.7, 0.0, False, 8, 0.1)),
+    ({"paradigm": "diloco", "lr": 0.5, "nesterov": False, "local_steps": 32}, (0.5, 0.9, False, 32, 0.1)),
+    ({"paradigm": "diloco", "optimizer": "adam", "inner_optimizer": "adamw"}, (1e-3, 0.0, False, 8, 1e-3)),
+    ({"paradigm": "asp", "local_steps": 4, "inner_optimizer": "adamw"}, (0.1, 0.0, False, 4, 1e-3)),
+    ({"paradigm": "bsp"}, (0.1, 0.0, False, None, 0.1)),
+])
+def test_the_local_sgd_presets_defaults(flags, expected):
+    cfg = make_config(flags)
+    assert (cfg.lr, cfg.momentum, cfg.nesterov, cfg.inner_steps, cfg.inner_lr) == expected

@@ -99,6 +99,9 @@ def test_every_declared_option_is_an_option_of_the_config():
     (dict(paradigm="grouped"), "--paradigm grouped needs --groups G"),
     (dict(paradigm="bsp", checkpoint_interval=5.0), "--checkpoint-interval: --paradigm bsp checkpoints at a round"),
     (dict(dataset="own-loop", steps=5, paradigm="grouped", groups="auto"), "groups by speed time hpcps's own loop"),
+    (dict(paradigm="eager", local_steps=4), "--local-steps: --paradigm eager does not take local steps"),
+    (dict(paradigm="hsp", local_steps=4), "--local-steps: --paradigm hsp does not take local steps"),
+    (dict(paradigm="grouped", groups=2, local_steps=4), "--local-steps: --paradigm grouped does not take local"),
 ])
 def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flags, says):
     cfg = make_config(flags)
@@ -106,3 +109,13 @@ def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flag
         with pytest.raises(UserError) as err:
             check()
         assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+def test_the_inner_optimizers_options_without_local_steps_are_named_and_quiet_with_them():
+    assert lines(paradigm="bsp", inner_lr=0.3, inner_optimizer="adam") == [
+        "--inner-lr has no effect in this run: it is read by local steps (--local-steps; --paradigm localsgd, diloco)",
+        "--inner-optimizer has no effect in this run: it is read by local steps (--local-steps; --paradigm "
+        "localsgd, diloco)"]
+    assert lines(paradigm="ssp", local_steps=4, inner_lr=0.3) == []
+    assert lines(paradigm="diloco", inner_optimizer="adamw") == []
+    assert lines(paradigm="bsp") == []  # the inner rate's default is not the user's setting

@@ -24,6 +24,24 @@ def test_bsp_runs_everyone_at_the_stragglers_pace_and_counts_the_wait():
     assert r.mean_staleness == 0.0
 
 
+@pytest.mark.parametrize("paradigm, every", [("bsp", 4), ("diloco", None), ("localsgd", 5)])
+def test_local_steps_pay_one_pull_and_one_push_per_round_of_h_batches(paradigm, every):
+    """A round: pull L, H computations, push L: H batches per H*C + 2L (diloco: H = 8 by default); 40 batches
+    make ceil(40/H) pushes per worker, the last round shorter where H does not divide them."""
+    h = every or 8
+    r = simulate(paradigm, 4, steps=40, nbytes=0, compute_time=C, machine=FREE, local_steps=every)
+    rounds = -(-40 // h)
+    wall = 40 * C + 2 * L * rounds
+    assert r.per_worker_rate == {w: pytest.approx(40 / wall) for w in range(4)}
+    assert r.gradients == 4 * rounds and r.mean_staleness == 0.0
+
+
+def test_the_free_form_of_local_steps_is_asp_over_rounds():
+    """asp with H local steps: a period of H*C + L per round (the pull goes with the push)."""
+    r = simulate("asp", 3, steps=60, nbytes=0, compute_time=C, machine=FREE, local_steps=6)
+    assert r.per_worker_rate[0] == pytest.approx(60 / (10 * (6 * C + L)))  # (as asp without: N x (C + L))
+
+
 def test_eager_hides_the_pull():
     r = simulate("eager", 2, steps=30, nbytes=0, compute_time=C, machine=FREE)
     assert r.per_worker_rate[0] == pytest.approx(1 / C)

@@ -1,0 +1,182 @@
+"""The local-SGD family (``--local-steps``, localsgd, diloco) against closed forms, on 5 ranks.
+
+DiLoCo with one local step, inner sgd at rate eta and outer sgd at rate 1 is
+bsp at eta; one worker's DiLoCo with outer sgd at rate 1 is that worker's
+plain torch loop with the inner optimizer; the bounded form keeps the outer
+clocks within ``--staleness``; every pseudo-gradient is accounted for; a
+resume from a periodic checkpoint takes the inner optimizer's state back and
+ends bit for bit as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import hpcps
+from hpcps.data.loaders import load_dataset
+from hpcps.runtime.checkpoint import read_checkpoint
+from hpcps.training.flat import FlatParameters
+from hpcps.training.models import build_model
+from hpcps.training.local import InnerFiles
+from mpitest import clocks_at, share, train
+
+pytestmark = [pytest.mark.mpi(min_size=5), pytest.mark.timeout(300)]
+
+WORKERS = [1, 2, 3, 4]
+
+
+def sub(world, n: int):
+    return world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
+
+
+def test_diloco_with_one_local_step_and_outer_sgd_at_rate_one_is_bsp(world, mpi_tmp_path):
+    """H=1, inner sgd at eta, outer sgd at 1 without momentum: each round's pseudo-gradient is eta times the
+    gradient, so 50 rounds on 2 shards and 3 workers end where bsp at eta ends."""
+    eta, rounds = 0.05, 50
+    common = dict(steps=rounds, servers=2, seed=3, batch_size=16)
+    bsp, _ = train(mpi_tmp_path / "bsp.h5", paradigm="bsp", lr=eta, **common)
+    dil, t = train(mpi_tmp_path / "diloco.h5", paradigm="diloco", local_steps=1, inner_optimizer="sgd",
+                   inner_lr=eta, lr=1.0, momentum=0.0, **common)
+    facts = None
+    if world.rank == 0:
+        facts = {"err": float(np.abs(bsp.params - dil.params).max()),
+                 "moved": float(np.abs(bsp.params - read_start(t)).max()),
+                 "rows": len(t["workers/iterations"]), "applied": int(t["summary"]["gradients_applied"]),
+                 "versions": int(t["servers/updates"]["version"].max()) + 1}
+    facts = share(world, facts)
+    assert facts["moved"] > 1e-2
+    assert facts["err"] < 1e-5, facts["err"]
+    assert facts["rows"] == facts["applied"] == 3 * rounds  # a row and a pseudo-gradient per worker and round
+    assert facts["versions"] == rounds
+
+
+def read_start(tables) -> np.ndarray:
+    """The parameters the run started from: the built-in model at the run's seed."""
+    data = load_dataset("digits")
+    return FlatParameters(build_model("mlp", data.in_shape, data.n_classes, seed=3)).params.copy()
+
+
+VOCAB, CONTEXT, BATCH = 11, 8, 6
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, 16)
+        self.ln = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(F.gelu(self.ln(self.tok(x)))).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def lm_batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+@pytest.mark.parametrize("every", [1, 4, 7])
+def test_one_worker_diloco_is_its_plain_loop_with_the_inner_optimizer(world, mpi_tmp_path, every):
+    """One worker, outer sgd at rate 1 without momentum, any H: the outer step sets the parameters to the
+    worker's own, so the run is the worker's torch loop with AdamW (18 steps: the last round is shorter
+    where H does not divide them), through ``ps.step()``; a row per round."""
+    steps, lr = 18, 1e-2
+    comm = sub(world, 2)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        ps = hpcps.init(TinyLM, device="cpu", paradigm="diloco", local_steps=every, inner_optimizer="adamw",
+                        inner_lr=lr, lr=1.0, momentum=0.0, steps=steps, out=str(mpi_tmp_path / f"one{every}.h5"),
+                        progress=False, exit_on_error=False, comm=comm)
+        with ps:
+            while ps.running:
+                ps.model(*lm_batch(ps.iteration)).backward()
+                ps.step()
+        if comm.rank == 0:
+            torch.manual_seed(0)
+            model = TinyLM()
+            start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # (hpcps's default decay)
+            for it in range(steps):
+                model(*lm_batch(it)).backward()
+                opt.step()
+                opt.zero_grad()
+            ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            got = torch.from_numpy(ps.result.params[:len(ref)])
+            facts = {"err": float((got - ref).abs().max()), "moved": float((ref - start).abs().max()),
+                     "pushed": int(ps.result.summary["gradients_pushed"])}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["moved"] > 1e-2
+    assert facts["err"] < 1e-5, facts["err"]
+    assert facts["pushed"] == -(-steps // every)
+
+
+def test_the_bounded_form_keeps_every_outer_clock_within_s_of_the_slowest(world, mpi_tmp_path):
+    """ssp over rounds of 3 local steps, a straggler 3x slower: when a worker starts a round (its row's
+    version), it is at most s rounds ahead of the slowest worker's pseudo-gradients applied; the bound binds."""
+    s, steps, every = 1, 36, 3
+    _, t = train(mpi_tmp_path / "ssp.h5", paradigm="ssp", local_steps=every, staleness=s, steps=steps,
+                 slowdown=["4=3"], lr=0.3)
+    facts = None
+    if world.rank == 0:
+        it, up = t["workers/iterations"], t["servers/updates"]
+        gaps = [int(row["step"]) - min(clocks_at(up, int(row["version"]), WORKERS).values()) for row in it]
+        fast = it[it["rank"] != 4]
+        facts = {"max_gap": max(gaps), "fast_wait": float(fast["wait_s"].sum()), "rows": len(it),
+                 "steps": sorted(set(it["step"].tolist())), "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts["rows"] == facts["applied"] == 4 * steps // every
+    assert facts["steps"] == list(range(steps // every))
+    assert facts["max_gap"] == s  # never more than s rounds ahead, and the straggler made the bound bind
+    assert facts["fast_wait"] > 0.0
+
+
+@pytest.mark.parametrize("paradigm", ["diloco", "asp"])
+def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, mpi_tmp_path, paradigm):
+    """Inner sgd with momentum 0.9 (its state matters), 20 rounds of 2 local steps, a checkpoint every 10
+    versions. diloco (lock-step rounds): resumed at round 10 the run ends bit for bit as the uninterrupted
+    one, and without the inner state (its file removed) it does not. asp (a cut while the run goes on): every
+    worker finds its state at its clock in the cut, and the resumed run pushes exactly the rest."""
+    ckdir = mpi_tmp_path / f"ck-{paradigm}"
+    common = dict(paradigm=paradigm, local_steps=2, steps=40, seed=4, inner_momentum=0.9, inner_lr=0.05,
+                  checkpoint_every=10, checkpoint_dir=str(ckdir))
+    full, _ = train(mpi_tmp_path / f"full-{paradigm}.h5", **common)
+    facts = None
+    if world.rank == 0:
+        # the newest: a worker keeps its inner states from the newest complete checkpoint on (asp's cut falls
+        # where it falls past a multiple of 10; diloco's last is at round 20, whose state is not yet pruned)
+        path = str(sorted(ckdir.glob("step-*.h5"))[-1 if paradigm == "asp" else 0])
+        clocks = read_checkpoint(path).worker_clocks.tolist()
+        facts = {"path": path, "clocks": clocks, "found": [InnerFiles(str(ckdir), w).read(c) is not None
+                                             for w, c in enumerate(clocks)]}
+    facts = share(world, facts)
+    assert all(facts["found"]), facts
+    path = facts["path"]
+    resumed, t = train(mpi_tmp_path / f"resumed-{paradigm}.h5", resume=path,
+                       **{**common, "checkpoint_dir": str(ckdir / "again")})
+    if paradigm == "diloco":
+        if world.rank == 0:
+            for w, c in enumerate(facts["clocks"]):
+                os.remove(InnerFiles(str(ckdir), w).path(c))
+        world.Barrier()
+        fresh, _ = train(mpi_tmp_path / "fresh.h5", resume=path, **{**common, "checkpoint_dir": str(ckdir / "fresh")})
+    if world.rank == 0:
+        facts.update(pushed=int(t["summary"]["gradients_pushed"]), applied=int(t["summary"]["gradients_applied"]))
+        if paradigm == "diloco":
+            facts.update(equal=bool(np.array_equal(full.params, resumed.params)),
+                         fresh_equal=bool(np.array_equal(full.params, fresh.params)),
+                         moved=float(np.abs(full.params - read_checkpoint(path).params).max()))
+    facts = share(world, facts)
+    assert facts["pushed"] == facts["applied"] == 4 * 20 - sum(facts["clocks"]) > 0
+    if paradigm == "diloco":
+        assert facts["clocks"] == [10] * 4
+        assert facts["moved"] > 1e-3
+        assert facts["equal"]  # exactly: the inner momentum came back
+        assert not facts["fresh_equal"]  # and it mattered

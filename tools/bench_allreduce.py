@@ -10,7 +10,9 @@ Measured in one invocation, median step time over the steps of each run:
   batch (the same batches as hpcps), ``Allreduce`` of the flat gradient,
   SGD step;
 * ``DDP (gloo)``: the same with ``torch.nn.parallel.DistributedDataParallel``
-  over gloo, the ranks and addresses taken from MPI.
+  over gloo (its bucketed all-reduce overlaps the backward pass), the ranks
+  and addresses taken from MPI, once per ``--bucket-mb`` (DDP's
+  ``bucket_cap_mb``; default 25, torch's own).
 
 Ratios are step time against mpi4py allreduce (1.00: as fast; above: slower). The hpcps runs
 evaluate only at their start and end (``--eval-interval 1e9``), as the data-parallel ones never do.
@@ -19,9 +21,13 @@ With ``--link RATE`` every run goes into a cluster in a box (``hpcps emulate``, 
 namespace) whose links run at RATE: allreduce on N nodes of one rank; hpcps bsp *colocated*, a
 shard beside the worker on each of the N nodes (S=N, as BytePS places them); the same with one
 extra node holding only a shard (S=N+1, BytePS's spare server); and hpcps bsp with *dedicated*
-server nodes, S=1 and S=2 extra nodes holding only a shard. DDP over gloo is left out
-there (gloo's rendezvous address would be each node's own loopback). Both sides emulate
-``--compute-time`` the same way (a sleep after the real pass).
+server nodes, S=1 and S=2 extra nodes holding only a shard. DDP runs there too, over the
+nodes' own links: gloo on the emulated interface, its rendezvous at node 0's address. Every
+method emulates ``--compute-time`` the same way, ``--compute-forward`` and ``--compute-backward``
+included: the shares spent layer by layer inside the passes by hpcps's own hooks
+(:mod:`hpcps.cluster.emulation`), the rest as a sleep after the pass. ``--partitions MB [MB ...]``
+runs the colocated hpcps placement once per partition size (0: whole transfers), in the same
+invocation.
 
     python tools/bench_allreduce.py --workers 4 -- --hidden 1024
     python tools/bench_allreduce.py --workers 4 --steps 20 -- --model resnet18 \
@@ -30,6 +36,9 @@ there (gloo's rendezvous address would be each node's own loopback). Both sides 
     python tools/bench_allreduce.py --workers 4 --steps 60 --link 1gbit --placements colocated spare -- \
         --model tools/bench_partitions.py:deep_mlp --hidden 410 --dataset mnist1d --compute-time 0.05 \
         --compute-forward 0.33 --compute-backward 0.67 --partition-mb 0.25
+    python tools/bench_allreduce.py --workers 4 --steps 60 --seeds 0 1 2 --link 1gbit --placements colocated \
+        --bucket-mb 25 1 0.25 --partitions 0 0.25 -- --model tools/bench_partitions.py:deep_mlp --hidden 410 \
+        --dataset mnist1d --compute-time 0.05 --compute-forward 0.33 --compute-backward 0.67
 
 (The last: partitioned pulls during the forward pass and pushes during the backward pass, which the
 emulated compute spends layer by layer; the all-reduce runs spend the same compute time, then reduce.)
@@ -56,35 +65,47 @@ from benchlib import data_parallel_replica, fmt, train
 NO_EVAL = ["--eval-interval", "1e9"]
 
 
-def _inner(kind: str, steps: int, options: list[str]) -> None:
+def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -> None:
     """Run under mpiexec -n N: data-parallel SGD with ``kind`` in {mpi, ddp}; rank 0 prints the median step.
 
     The model, data and loss are those ``hpcps train`` would build from the same options (any
-    ``--model`` and ``--dataset``), and so are each rank's batches.
+    ``--model`` and ``--dataset``), and so are each rank's batches and the emulated compute: the
+    ``--compute-forward`` and ``--compute-backward`` shares layer by layer inside the passes (hpcps's
+    own hooks), the rest of ``--compute-time`` after the pass, as an hpcps worker spends it.
     """
     import torch
     from mpi4py import MPI
 
-    from hpcps.data.batches import to_device
+    from hpcps.cluster.emulation import BackwardCompute, ComputeTime, forward_compute
     from hpcps.config import make_config
-    from hpcps.cluster.emulation import ComputeTime
+    from hpcps.data.batches import to_device
     from hpcps.training.flat import FlatParameters
 
     comm = MPI.COMM_WORLD
     flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
+    flags.pop("partition_mb", None)  # (hpcps's; the data-parallel runs have nothing to partition)
     cfg = make_config(flags)
     torch.set_num_threads(cfg.threads)
     workload, model, batches = data_parallel_replica(cfg, comm, steps)
     flat = FlatParameters(model)
+    emulated = ComputeTime(cfg.compute_time, cfg.slowdown.get(comm.rank + 1, 1.0), cfg.jitter, cfg.jitter_cv)
+    # the passes' shares, layer by layer, before DDP's hooks: a gradient is ready for its bucket once its
+    # share of the emulated backward has passed, as for an hpcps worker's pushes during backward
+    hooks = forward_compute(model, lambda: emulated.forward_seconds(cfg.compute_forward), time.sleep) \
+        if cfg.compute_forward else []
+    backward = BackwardCompute(model, lambda: emulated.forward_seconds(cfg.compute_backward), time.sleep) \
+        if cfg.compute_backward else None
     ddp = None
     if kind == "ddp":
         import torch.distributed as dist
+        if os.environ.get("HPCPS_NODE") is not None:  # in a box: node 0's address, the emulated interface
+            from hpcps.box.spec import NODE_IFACE, Cluster
+            os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"] = Cluster.address(0), NODE_IFACE
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None)))
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     grads = torch.from_numpy(flat.grads[:flat.n_params])
-    emulated = ComputeTime(cfg.compute_time, cfg.slowdown.get(comm.rank + 1, 1.0), cfg.jitter, cfg.jitter_cv)
     rng = np.random.default_rng([cfg.seed, comm.rank + 1, 7])
     times = []
     comm.Barrier()
@@ -92,6 +113,8 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
         t = time.perf_counter()
         batch = to_device(batches.batch(step), flat.device)
         flat.zero_grad()
+        if backward is not None:
+            backward.begin()
         loss = workload.loss(ddp or model, batch)
         loss.backward()
         pause = emulated.sleep_after(time.perf_counter() - t, rng)  # as an hpcps worker emulates its compute
@@ -108,6 +131,8 @@ def _inner(kind: str, steps: int, options: list[str]) -> None:
     median = comm.reduce(float(np.median(times)), op=MPI.MAX, root=0)
     if comm.rank == 0:
         print(f"MEDIAN_STEP_S {median}")
+    for handle in hooks:
+        handle.remove()
     if ddp is not None:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -120,11 +145,12 @@ def _box(nodes: int, a, ranks_per_node: int = 1) -> str | None:
     return f"--nodes {nodes} --ranks-per-node {ranks_per_node} --link {a.link} --buffer {a.buffer}"
 
 
-def _run_inner(kind: str, n: int, steps: int, options: list[str], emulate: str | None = None) -> float:
+def _run_inner(kind: str, n: int, steps: int, options: list[str], emulate: str | None = None,
+               bucket_mb: float = 25.0) -> float:
     from benchlib import launch_argv
     from hpcps.cluster.launcher import clean_environ
-    cmd = launch_argv(n, [sys.executable, os.path.abspath(__file__), "--inner", kind, "--steps", str(steps), "--",
-                          *options], emulate)
+    cmd = launch_argv(n, [sys.executable, os.path.abspath(__file__), "--inner", kind, "--steps", str(steps),
+                          "--bucket-mb", str(bucket_mb), "--", *options], emulate)
     proc = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"{kind} run failed:\n{proc.stderr[-2000:]}")
@@ -143,27 +169,35 @@ def main() -> None:
     p.add_argument("--placements", nargs="+", choices=["colocated", "spare", "dedicated"],
                    default=["colocated", "spare", "dedicated"],
                    help="with --link: which server placements to run (default all three)")
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0], metavar="MB",
+                   help="DDP's bucket_cap_mb: one DDP run per size (default 25, torch's own)")
+    p.add_argument("--partitions", type=float, nargs="+", metavar="MB",
+                   help="with --link: the colocated hpcps placement once per --partition-mb MB (0: whole "
+                        "transfers), in this invocation")
     p.add_argument("options", nargs="*", help="after --: hpcps train options shared by every run (model, batch)")
     a = p.parse_args()
     if a.inner:
-        _inner(a.inner, a.steps, a.options)
+        _inner(a.inner, a.steps, a.options, a.bucket_mb[0])
         return
     n = a.workers
     seeded = [[*a.options, "--seed", str(seed)] for seed in a.seeds]
     rows = {"allreduce (mpi4py)": (n, [_run_inner("mpi", n, a.steps, o, _box(n, a)) for o in seeded])}
-    if a.link is None:
-        rows["DDP (gloo)"] = (n, [_run_inner("ddp", n, a.steps, o) for o in seeded])
+    for mb in a.bucket_mb:
+        rows[f"DDP (gloo), {mb:g} MB buckets"] = (n, [_run_inner("ddp", n, a.steps, o, _box(n, a), mb)
+                                                     for o in seeded])
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
-    runs = ([(f"hpcps bsp S={s}", s, None) for s in sorted({1, 2, n})] if a.link is None else
-            [(f"hpcps bsp colocated S={n}", n, _box(n, a, ranks_per_node=2))] * ("colocated" in a.placements) +
+    runs = ([(f"hpcps bsp S={s}", s, None, None) for s in sorted({1, 2, n})] if a.link is None else
+            [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else ""), n,
+              _box(n, a, ranks_per_node=2), mb) for mb in (a.partitions or [None])] * ("colocated" in a.placements) +
             [(f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
-              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1")] * ("spare" in a.placements) +
-            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a)) for s in (1, 2)] * ("dedicated" in a.placements))
+              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1", None)] * ("spare" in a.placements) +
+            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a), None) for s in (1, 2)] * ("dedicated" in a.placements))
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, s, box in runs:
+        for name, s, box, mb in runs:
+            part = [] if mb is None else ["--partition-mb", f"{mb:g}"]
             its = [train(s + n, Path(tmp) / f"bsp{s}.h5",
-                         ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *NO_EVAL, *o],
+                         ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *NO_EVAL, *o, *part],
                          emulate=box)["it"]
                    for o in seeded]
             rows[name] = (s + n, [float(np.median(it["t_end"] - it["t_start"])) for it in its])
@@ -179,6 +213,8 @@ def main() -> None:
         print(f"| {name} | {ranks} | {fmt([t * 1e3 for t in ts], 2)} | {np.mean(ts) / base:.2f} | {where} |")
     best = min((name for name in rows if name.startswith("hpcps")), key=lambda name: np.mean(rows[name][1]))
     print(f"\nbest hpcps bsp ({best}) step time / mpi4py allreduce: {np.mean(rows[best][1]) / base:.2f}")
+    ddp = min((name for name in rows if name.startswith("DDP")), key=lambda name: np.mean(rows[name][1]))
+    print(f"best hpcps bsp / best DDP ({ddp}): {np.mean(rows[best][1]) / np.mean(rows[ddp][1]):.2f}")
 
 
 if __name__ == "__main__":

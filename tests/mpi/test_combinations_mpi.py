@@ -1,5 +1,5 @@
-"""Features combined, drawn by Hypothesis: paradigm x shards x partitions x compression x periodic
-checkpoints, the loop (hpcps's own or the user's, through hpcps.init), group servers, an injected NaN
+"""Features combined, drawn by Hypothesis: paradigm x local steps x shards x partitions x compression x
+periodic checkpoints, the loop (hpcps's own or the user's, through hpcps.init), group servers, an injected NaN
 gradient and placement; each run's file is checked for what holds across shards.
 
 * a gradient is applied by every shard or by none;
@@ -62,10 +62,20 @@ def combinations(draw) -> dict:
         cfg["staleness"] = draw(st.integers(0, 2))
     if paradigm == "dssp":
         cfg["staleness_max"] = cfg["staleness"] + draw(st.integers(0, 2))
-    if draw(st.booleans()):  # one worker pushes a NaN gradient once
+    if paradigm in ("bsp", "asp", "ssp", "dssp"):  # the local-SGD family: a push per round of H batches
+        cfg["local_steps"] = draw(st.sampled_from([None, None, 2, 3]))
+    rounds = _rounds(cfg)
+    if draw(st.booleans()):  # one worker pushes a NaN gradient (pseudo-gradient) once
         worker = draw(st.integers(servers + groups, WORLD - 1))
-        cfg["fault"] = [f"nan@{worker}:{draw(st.integers(1, steps - 2))}"]
+        at = draw(st.integers(1, steps - 2)) if rounds == steps else draw(st.integers(0, rounds - 1))
+        cfg["fault"] = [f"nan@{worker}:{at}"]
     return cfg
+
+
+def _rounds(cfg: dict) -> int:
+    """Pushes per worker: its steps, or its rounds of ``local_steps``."""
+    every = cfg.get("local_steps")
+    return cfg["steps"] if every is None else -(-cfg["steps"] // every)
 
 
 def _own_loop(out, options: dict, comm) -> int:
@@ -116,7 +126,7 @@ def _run(world, out, cfg: dict) -> tuple[dict | None, int]:
 def _problems(cfg: dict, t: dict) -> list[str]:
     """What does not hold across the shards of ``cfg``'s run file ``t``."""
     it, up, s = t["workers/iterations"], t["servers/updates"], t["summary"]
-    servers, steps, groups = cfg["servers"], cfg["steps"], cfg["groups"]
+    servers, steps, groups = cfg["servers"], _rounds(cfg), cfg["groups"]
     workers = list(range(servers + groups, WORLD))
     problems = []
     pushed = len(workers) * steps

@@ -132,6 +132,10 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "parameters (a pseudo-gradient) that the servers' optimizer applies: the outer step. "
                         "The paradigm's rule then counts rounds: bsp lock-step, ssp/dssp bounded, asp free "
                         "(default: none; 8 under localsgd and diloco)")
+    g.add_argument("--local-steps-by-speed", dest="local_steps_by_speed", action=argparse.BooleanOptionalAction,
+                   help="dynamic local updates: the workers time their first round and each takes H times the "
+                        "fastest's speed over its own steps per round from then on (at least 1), so a slow "
+                        "worker's round ends with the others' (default {default})")
     g.add_argument("--inner-optimizer", dest="inner_optimizer",
                    help="the workers' inner torch.optim rule (default {default})")
     g.add_argument("--inner-lr", type=float, dest="inner_lr", metavar="LR",

@@ -52,7 +52,7 @@ FEATURES: tuple[Reader, ...] = (
     Reader("adam and adamw (--optimizer)", frozenset({"betas", "eps"}), lambda cfg: cfg.optimizer != "sgd"),
     Reader("sgd with --momentum", frozenset({"stale_momentum"}), lambda cfg: cfg.optimizer == "sgd" and cfg.momentum > 0),
     Reader("local steps (--local-steps; --paradigm localsgd, diloco)",
-           frozenset({"inner_optimizer", "inner_lr", "inner_momentum", "inner_weight_decay"}),
+           frozenset({"inner_optimizer", "inner_lr", "inner_momentum", "inner_weight_decay", "local_steps_by_speed"}),
            lambda cfg: cfg.inner_steps is not None),
     Reader("the emulated compute's jitter (--jitter)", frozenset({"jitter_cv"}), lambda cfg: cfg.jitter != "none"),
     Reader("group servers (--groups)", frozenset({"group_by"}), lambda cfg: cfg.groups > 0),

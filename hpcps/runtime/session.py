@@ -39,7 +39,7 @@ from hpcps.cluster.layout import Role
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
-from hpcps.training.local import InnerFiles, LocalSteps
+from hpcps.training.local import InnerFiles, LocalSteps, steps_by_speed
 from hpcps.training.optim import builtin_optimizer
 from hpcps.training.optstate import cut, from_torch, join, to_torch
 from hpcps.runtime.optstate import ask, hand
@@ -198,6 +198,8 @@ class Session:
             if not self.local.round_over(self.worker.step):
                 self._begin_pass()  # the round's next inner step: nothing goes to the servers
                 return True
+            if self.run.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
+                self._share_by_speed()
             self.local.pseudo_gradient()
             self._write_inner(self.worker.clock_count + 1)  # on disk before a checkpoint can count this round
             value, compute_s, skip = float(np.mean(self._round_losses)), self._round_compute, False
@@ -313,6 +315,19 @@ class Session:
         self.worker.tl.enter(self._opens_with)
         if not self.overlap_pull:
             self.settle()  # (its wait is the step's pull time, not the loop's compute: step() takes it off)
+
+    def _share_by_speed(self) -> None:
+        """``--local-steps-by-speed``, at the end of this run's first round (every worker gets there: a stop is
+        seen only between rounds): the workers' seconds per step, gathered, make each one's steps per round."""
+        mine = np.array([self._round_compute / max(1, self.local.taken)])
+        every = np.empty(self.n_workers)
+        self._wait(self.workers.Iallgather(mine, every).Test,
+                   "every worker's first round (--local-steps-by-speed times them)")
+        shares = steps_by_speed(self.local.every, every.tolist())
+        self.local.own = shares[self.worker_index]
+        if self.worker_index == 0:
+            log.info("local steps by speed: %s per round (seconds per step %s)", shares,
+                     ", ".join(f"{s:.3g}" for s in every))
 
     # -- the inner optimizer's checkpoints (local steps) -------------------------
     def _resume_inner(self) -> None:

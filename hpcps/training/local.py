@@ -17,7 +17,9 @@ as their change over the round, which the shards add as they add a pass's.
 
 The worker's clock counts rounds: a run of ``--steps S`` takes ``ceil(S/H)``
 rounds, the last one shorter where H does not divide S, and batch ``k`` of
-the data feeds inner step ``k`` as without local steps.
+the data feeds inner step ``k`` as without local steps. With
+``--local-steps-by-speed`` the workers time their first round and each takes
+its own share of H per round from then on (:func:`steps_by_speed`).
 
 The inner optimizer's state is checkpointed by each worker
 (:func:`write_inner_state`, one file per worker and round: :class:`InnerFiles`)
@@ -51,6 +53,7 @@ class LocalSteps:
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.anchor = flat.params_t.detach().clone()  # the parameters and buffers the round started from
         self.taken = 0  # inner steps taken in the round under way
+        self.own = every  # this worker's steps per round: fewer for a slow worker (:func:`steps_by_speed`)
 
     @staticmethod
     def rounds(steps: int, every: int) -> int:
@@ -70,7 +73,7 @@ class LocalSteps:
 
     def round_over(self, round_index: int) -> bool:
         """Whether the round ``round_index`` (0-based) has taken all its inner steps."""
-        return self.taken >= self.every or round_index * self.every + self.taken >= self.steps
+        return self.taken >= self.own or round_index * self.every + self.taken >= self.steps
 
     def pseudo_gradient(self) -> None:
         """The round's change into the flat gradient buffer: ``anchor - parameters`` for the trainable
@@ -81,6 +84,15 @@ class LocalSteps:
             torch.sub(self.anchor[:n], flat.params_t[:n], out=flat.grads_t[:n])
             if flat.size > n:
                 torch.sub(flat.params_t[n:], self.anchor[n:], out=flat.grads_t[n:])
+
+
+def steps_by_speed(every: int, seconds: list[float]) -> list[int]:
+    """Dynamic local updates (Liu et al. 2024): each worker's steps per round from the seconds one of its
+    steps takes, ``every`` for the fastest and in proportion fewer for the others (at least 1), so that the
+    workers' rounds take about as long. Batch ``k`` of a round still feeds step ``k``: a slow worker leaves
+    the rest of its round's batches unused."""
+    fastest = min(seconds)
+    return [max(1, min(every, round(every * fastest / s))) if s > 0 else every for s in seconds]
 
 
 class InnerFiles:

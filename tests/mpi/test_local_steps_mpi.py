@@ -180,3 +180,22 @@ def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, m
         assert facts["moved"] > 1e-3
         assert facts["equal"]  # exactly: the inner momentum came back
         assert not facts["fresh_equal"]  # and it mattered
+
+
+def test_local_steps_by_speed_give_a_worker_twice_as_slow_half_the_steps_of_a_round(world, mpi_tmp_path):
+    """--local-steps-by-speed, H=4, the last worker 2x slower (emulated compute): every worker takes 4 steps
+    in its first round, where they are timed; from then on the slow one takes 2 per round, the others 4, each
+    round's batches still numbered from round x H."""
+    ps = hpcps.init(TinyLM, device="cpu", paradigm="bsp", local_steps=4, local_steps_by_speed=True,
+                    inner_lr=0.05, lr=1.0, steps=16, compute_time=0.03, slowdown={4: 2.0},
+                    out=str(mpi_tmp_path / "speed.h5"), progress=False, exit_on_error=False, comm=world)
+    seen = []
+    with ps:
+        while ps.running:
+            seen.append(ps.iteration)
+            ps.model(*lm_batch(ps.iteration)).backward()
+            ps.step()
+    got = world.gather(seen if ps.is_worker else None, root=0)
+    facts = share(world, [s for s in got if s is not None] if world.rank == 0 else None)
+    assert facts[:3] == [list(range(16))] * 3
+    assert facts[3] == [0, 1, 2, 3, 4, 5, 8, 9, 12, 13]

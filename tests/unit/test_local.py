@@ -1,0 +1,70 @@
+"""The worker's side of local steps (no MPI): rounds, the pseudo-gradient of parameters and buffers, the
+steps of each worker by speed, the inner state's files."""
+
+from __future__ import annotations
+
+import torch
+
+from hpcps.training.flat import FlatParameters
+from hpcps.training.local import InnerFiles, LocalSteps, steps_by_speed
+from hpcps.training.optim import builtin_optimizer
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def test_a_round_of_inner_sgd_pushes_the_change_of_the_parameters_and_of_the_buffers():
+    """Three inner sgd steps at rate 0.1: the pseudo-gradient is the start minus the end of the parameters
+    (0.1 x the gradients summed), and the buffers' change from the start (BatchNorm's running statistics)."""
+    m = model()
+    flat = FlatParameters(m)
+    local = LocalSteps(m, flat, builtin_optimizer("sgd", lr=0.1), every=3, steps=10)
+    local.begin_round()
+    start = flat.params_t.clone()
+    summed = torch.zeros(flat.n_params)
+    for k in range(3):
+        flat.begin_pass()
+        m(torch.randn(8, 3, generator=torch.Generator().manual_seed(k))).square().sum().backward()
+        flat.end_pass()
+        summed += flat.grads_t[:flat.n_params]
+        local.inner_step()
+        assert local.round_over(0) == (k == 2)
+    local.pseudo_gradient()
+    n = flat.n_params
+    assert torch.allclose(flat.grads_t[:n], 0.1 * summed, atol=1e-6)
+    assert torch.allclose(flat.grads_t[:n], start[:n] - flat.params_t[:n])
+    assert torch.equal(flat.grads_t[n:], flat.params_t[n:] - start[n:]) and flat.grads_t[n:].abs().max() > 0
+
+
+def test_the_last_round_ends_at_the_runs_last_step_and_a_skipped_step_moves_nothing():
+    m = model()
+    flat = FlatParameters(m)
+    local = LocalSteps(m, flat, builtin_optimizer("sgd", lr=0.1), every=4, steps=10)
+    assert LocalSteps.rounds(10, 4) == 3 and LocalSteps.rounds(8, 4) == 2
+    local.begin_round()
+    before = flat.params_t.clone()
+    flat.grads_t.fill_(1.0)
+    local.inner_step(skip=True)
+    assert torch.equal(flat.params_t, before) and local.taken == 1
+    local.inner_step()
+    assert local.round_over(2)  # round 2 starts at step 8: steps 8 and 9 are the run's last
+    assert not local.round_over(1)
+
+
+def test_steps_by_speed_give_each_worker_its_share_of_h():
+    assert steps_by_speed(8, [0.1, 0.1, 0.2]) == [8, 8, 4]
+    assert steps_by_speed(8, [0.1, 0.35, 10.0]) == [8, 2, 1]  # at least one
+    assert steps_by_speed(4, [0.2, 0.19]) == [4, 4]  # never more than H
+
+
+def test_inner_files_are_per_worker_and_round_and_older_rounds_go(tmp_path):
+    a, b = InnerFiles(str(tmp_path), 0), InnerFiles(str(tmp_path), 1)
+    for r in (3, 4, 5):
+        a.write(r, {"round": r})
+        b.write(r, {"round": r})
+    a.prune(5)
+    assert a.read(3) is None and a.read(4) is None and a.read(5) == {"round": 5}
+    assert b.read(3) == {"round": 3}  # another worker's files stay
+    assert not list((tmp_path / "inner").glob("*.tmp"))

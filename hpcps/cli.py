@@ -184,6 +184,10 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "rate/(1-momentum), so one --momentum is safe under every paradigm (bsp: unchanged); "
                         "none: the momentum as given (default {default})")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd: Nesterov momentum (default {default})")
+    g.add_argument("--momentum-period", type=int, dest="momentum_period", metavar="N",
+                   help="Delayed Nesterov (for asynchronous local SGD): the momentum updated once per N updates "
+                        "of each tensor, with their mean gradient; plain steps between (default {default}: every "
+                        "update)")
     g.add_argument("--weight-decay", type=float, dest="weight_decay", metavar="WD",
                    help="weight decay: L2 in the gradient for sgd and adam, decoupled for adamw (default {default})")
     g.add_argument("--betas", metavar="B1,B2", help="adam/adamw betas (default {default})")

@@ -60,6 +60,7 @@ class TrainConfig(BaseModel):
     momentum: float = Field(0.0, ge=0)
     stale_momentum: Literal["auto", "none"] = "auto"  # auto: momentum less what staleness adds (training.momentum)
     nesterov: bool = False
+    momentum_period: int = Field(1, ge=1)  # >1: Delayed Nesterov (hpcps.training.delayed)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
@@ -242,6 +243,9 @@ class TrainConfig(BaseModel):
             raise ValueError("--straggler-episodes needs --compute-time (it slows the emulated compute)")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum <= 0):
             raise ValueError("--nesterov needs --optimizer sgd and a --momentum above 0")
+        if self.momentum_period > 1 and not (self.optimizer == "sgd" and self.nesterov):
+            raise ValueError("--momentum-period is Delayed Nesterov's: it needs --optimizer sgd, a --momentum "
+                             "and --nesterov")
         if self.inner_momentum and self.inner_optimizer != "sgd":
             raise ValueError(f"--inner-momentum is for --inner-optimizer sgd; got --inner-optimizer "
                              f"{self.inner_optimizer}")

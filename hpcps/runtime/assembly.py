@@ -160,7 +160,7 @@ def shard_optimizer(run, params: np.ndarray, shard: int) -> ShardOptimizer:
                                groups=groups, indices=shard_group_indices(run.groups, run.slices.pieces[shard]))
     # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
     optimizer.schedule = schedule(run, optimizer.default_lr or cfg.lr)
-    if cfg.stale_momentum == "auto":
+    if cfg.stale_momentum == "auto" and cfg.momentum_period == 1:  # (Delayed Nesterov's momentum is its own cure)
         optimizer.stale = StaleMomentum()
     if run.ckpt is not None and run.ckpt.resharded:
         optimizer.load_state_dict(checkpointing.resliced_optimizer_state(run, optimizer, shard))

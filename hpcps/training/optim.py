@@ -84,13 +84,19 @@ def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int |
 
 def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
                       weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-8) -> OptimizerFactory:
+                      eps: float = 1e-8, momentum_period: int = 1) -> OptimizerFactory:
     """``--optimizer sgd|adam|adamw`` and its options, as a factory of torch optimizers.
 
     torch's fused implementation where it has one (``fused=True``: one pass over a chunk
     where the default for-loop makes one per operation; Adam's step on the shard went from
     17x to 3.2x the time of a copy of the gradient's bytes, ``tools/bench_shard_apply.py``),
-    the default one where it refuses."""
+    the default one where it refuses. ``momentum_period`` above 1: sgd's Nesterov momentum updated once per
+    that many updates (:class:`hpcps.training.delayed.DelayedNesterov`)."""
+    if name == "sgd" and momentum_period > 1:
+        from hpcps.training.delayed import DelayedNesterov
+
+        return lambda params: DelayedNesterov(list(params), lr=lr, momentum=momentum, period=momentum_period,
+                                              weight_decay=weight_decay)
     if name == "sgd":
         cls, options = torch.optim.SGD, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     elif name == "adam":

@@ -12,8 +12,9 @@ the ratios against bsp and DDP of the same invocation:
   the same emulated compute layer by layer (:mod:`hpcps.cluster.emulation`'s hooks), evaluated by rank 0
   every ``--eval-interval`` seconds with the clock stopped while it evaluates;
 * ``diloco`` at each ``--local-steps H``: AdamW inside at the same rate, Nesterov sgd outside (0.7, 0.9);
-* the free form, ``asp --local-steps H`` (the first H), and the bounded one, ``ssp --local-steps H
-  --staleness 1``, with diloco's outer optimizer.
+* the free form, ``asp --local-steps H`` (the first H) with Delayed Nesterov outside
+  (``--momentum-period`` = the worker count), and the bounded one, ``ssp --local-steps H --staleness 1``,
+  with diloco's outer optimizer.
 
 The model is examples/nanogpt_style.py's GPT (3 layers, 96 wide, 48 characters of context, no dropout:
 0.35M parameters, 1.4 MB); the text is Python's own standard library (argparse, inspect, typing and
@@ -242,7 +243,8 @@ def main() -> None:
                f"DDP (gloo), {a.bucket_mb:g} MB buckets": ("ddp", None),
                **{f"diloco H={h}": ("diloco", ["--paradigm", "diloco", "--local-steps", str(h), *outer])
                   for h in a.local_steps},
-               f"asp H={h0} (free)": ("async", ["--paradigm", "asp", "--local-steps", str(h0), *outer]),
+               f"asp H={h0} (free), Delayed Nesterov": ("async", ["--paradigm", "asp", "--local-steps", str(h0), *outer,
+                                                                  "--momentum-period", str(a.nodes)]),
                f"ssp s=1 H={h0} (bounded)": ("bounded", ["--paradigm", "ssp", "--staleness", "1",
                                                          "--local-steps", str(h0), *outer])}
     methods = {k: v for k, v in methods.items() if not a.methods or v[0] in a.methods}

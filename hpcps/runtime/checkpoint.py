@@ -11,6 +11,8 @@ Files of the checkpoint of version v (format 2)::
     step-000020.user.pt     worker 0's loop (:class:`LoopState`): the step API's ``ps.state``,
                             ``ps.optimizer``'s hyperparameters as the loop left them, the
                             model's integer buffers; written by worker 0 where it has any
+    inner/worker-3.round-20.pt  under --local-steps: worker 3's inner optimizer state after its round 20,
+                            one file per worker and round (hpcps.training.local.InnerFiles)
 
 Each file is written atomically: to ``<name>.tmp``, then renamed; a
 checkpoint is complete when all ``1 + n_servers`` files exist. BSP

@@ -35,6 +35,7 @@ from hpcps.runtime.checkpoint import (LoopState, checkpoint_path, newest_clocks,
                                       write_user_state)
 from hpcps.cluster.emulation import BackwardCompute, emulated_compute_time, emulated_sleep, end_pass, forward_compute
 from hpcps.runtime import assembly
+from hpcps.cluster.effects import own_loop
 from hpcps.cluster.layout import Role
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
@@ -178,7 +179,10 @@ class Session:
         """Push the gradient of this step (what backward accumulated in ``.grad`` since the last
         step), wait as the paradigm says, and bring in the parameters of the next; return
         :attr:`running`. ``loss`` (optional) goes to the iteration's row; ``skip`` pushes the
-        step as skipped: it counts in its round (nobody waits for it) and is never applied."""
+        step as skipped: it counts in its round (nobody waits for it) and is never applied.
+        Under ``--local-steps H`` it steps the worker's :attr:`inner_optimizer` instead (not for a
+        ``skip``ped step), and every H-th call pushes the round's pseudo-gradient and waits as the
+        paradigm says (:mod:`hpcps.training.local`); the round's row records the mean of the losses."""
         if not self.running:
             return False
         self._save_due()
@@ -439,7 +443,9 @@ class Session:
             self._save_due()
             if self.local is not None and self.worker.stop:  # a stop's checkpoint resumes at this round
                 self._save_inner(self.worker.clock_count)
-            if self.worker_index == 0 and self.run.cfg.stop_target is not None and not self._evaluated:
+            # (hpcps's own loop evaluates on the servers: the warning is for a loop of the user's)
+            if (self.worker_index == 0 and self.run.cfg.stop_target is not None and not self._evaluated
+                    and own_loop(self.run.cfg)):
                 log.warning("target %s had no effect: in your own loop, the run's evaluation is what it gives "
                             "ps.evaluated(...), and it never called it", self.run.cfg.stop_target)
             try:

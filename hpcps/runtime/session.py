@@ -351,6 +351,12 @@ class Session:
             log.warning("local steps: worker %d finds no inner optimizer state of round %d beside %s; it starts "
                         "afresh", w, clock, run.cfg.resume)
             return
+        kind = type(self.local.optimizer).__name__
+        if state.get("class", kind) != kind:  # another --inner-optimizer: that state means nothing to this one
+            if w == 0:
+                log.warning("local steps: the checkpoint's inner optimizer was %s, this run's is %s: each "
+                            "worker's inner state starts afresh", state["class"], kind)
+            return
         self.local.optimizer.load_state_dict(state["optimizer"])
 
     def _write_inner(self, clock: int) -> None:
@@ -365,7 +371,8 @@ class Session:
             self._inner_files().prune(int(clocks[self.worker_index]))
 
     def _save_inner(self, clock: int) -> None:
-        self._inner_files().write(clock, {"optimizer": self.local.optimizer.state_dict(), "round": clock})
+        self._inner_files().write(clock, {"optimizer": self.local.optimizer.state_dict(), "round": clock,
+                                          "class": type(self.local.optimizer).__name__})
 
     def _inner_files(self) -> InnerFiles:
         return InnerFiles(self.run.ckpt_dir, self.worker_index)

@@ -147,7 +147,8 @@ def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, m
     """Inner sgd with momentum 0.9 (its state matters), 20 rounds of 2 local steps, a checkpoint every 10
     versions. diloco (lock-step rounds): resumed at round 10 the run ends bit for bit as the uninterrupted
     one, and without the inner state (its file removed) it does not. asp (a cut while the run goes on): every
-    worker finds its state at its clock in the cut, and the resumed run pushes exactly the rest."""
+    worker finds its state at its clock in the cut, and the resumed run pushes exactly the rest. diloco resumed
+    with adam inside instead trains its 10 rounds, each worker's inner state afresh (sgd's is not adam's)."""
     ckdir = mpi_tmp_path / f"ck-{paradigm}"
     common = dict(paradigm=paradigm, local_steps=2, steps=40, seed=4, inner_momentum=0.9, inner_lr=0.05,
                   checkpoint_every=10, checkpoint_dir=str(ckdir))
@@ -165,6 +166,9 @@ def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, m
     path = facts["path"]
     resumed, t = train(mpi_tmp_path / f"resumed-{paradigm}.h5", resume=path,
                        **{**common, "checkpoint_dir": str(ckdir / "again")})
+    if paradigm == "diloco":  # another inner optimizer: its state is not loaded into this one (it starts afresh)
+        other, _ = train(mpi_tmp_path / "other.h5", resume=path, **{**common, "inner_optimizer": "adam", "inner_momentum": 0.0,
+                                                         "inner_lr": 1e-3, "checkpoint_dir": str(ckdir / "other")})
     if paradigm == "diloco":
         if world.rank == 0:
             for w, c in enumerate(facts["clocks"]):
@@ -176,14 +180,16 @@ def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, m
         if paradigm == "diloco":
             facts.update(equal=bool(np.array_equal(full.params, resumed.params)),
                          fresh_equal=bool(np.array_equal(full.params, fresh.params)),
-                         moved=float(np.abs(full.params - read_checkpoint(path).params).max()))
+                         moved=float(np.abs(full.params - read_checkpoint(path).params).max()),
+                         other=bool(np.isfinite(other.params).all()))
     facts = share(world, facts)
-    assert facts["pushed"] == facts["applied"] == 4 * 20 - sum(facts["clocks"]) > 0
+    assert facts["pushed"] == facts["applied"] == 4 * 20 - sum(facts["clocks"])  # (asp: 0 where its last cut fell at the end)
     if paradigm == "diloco":
-        assert facts["clocks"] == [10] * 4
+        assert facts["clocks"] == [10] * 4 and facts["pushed"] == 40
         assert facts["moved"] > 1e-3
         assert facts["equal"]  # exactly: the inner momentum came back
         assert not facts["fresh_equal"]  # and it mattered
+        assert facts["other"]
 
 
 def test_local_steps_by_speed_give_a_worker_twice_as_slow_half_the_steps_of_a_round(world, mpi_tmp_path):

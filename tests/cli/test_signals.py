@@ -148,13 +148,18 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
     out, ckdir = tmp_path / "killed.h5", tmp_path / "killed-checkpoints"
     options = ["--paradigm", paradigm, "--servers", "2", "--steps", "300", "--compute-time", "0.01",
                "--checkpoint-every", "100"]
-    proc = _start(6, tmp_path, *options, "--out", str(out))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not list(ckdir.glob("step-*.h5")):
-        time.sleep(0.05)
-    time.sleep(0.3)  # the run goes on past its checkpoint
-    if proc.poll() is not None:  # (once in CI: the job had ended by then; say how)
-        pytest.fail(f"the job ended (exit {proc.returncode}) before it was killed: {proc.communicate()[1][-3000:]}")
+    for attempt in (1, 2):
+        proc = _start(6, tmp_path, *options, "--out", str(out))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not list(ckdir.glob("step-*.h5")):
+            time.sleep(0.05)
+        time.sleep(0.3)  # the run goes on past its checkpoint
+        if proc.poll() is None:
+            break
+        err = proc.communicate()[1]
+        if attempt == 1 and any(line in err for line in LAUNCHER_FAILED_TO_START) and not ckdir.exists():
+            continue  # the launcher itself did not start the job (once in CI, Open MPI's): no rank ran; again
+        pytest.fail(f"the job ended (exit {proc.returncode}) before it was killed: {err[-3000:]}")
     os.killpg(proc.pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=60)
     assert "held for" in stderr, stderr[-3000:]  # shard 0 says what each checkpoint cost
@@ -174,6 +179,10 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
         assert s["gradients_pushed"] + cut.worker_clocks.sum() == 4 * 300
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
         assert s["stopped_by"] == ""
+
+
+#: what a launcher says when it could not start a job at all (no rank ran: not hpcps's doing), once in CI
+LAUNCHER_FAILED_TO_START = ("The PMIx server's listener thread failed to start",)
 
 
 START_UP_STUCK = """

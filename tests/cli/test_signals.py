@@ -12,7 +12,7 @@ import h5py
 import pytest
 
 from hpcps.cluster.launcher import clean_environ
-from launching import FAMILY, MPIEXEC, OVERSUBSCRIBE, needs_mpiexec
+from launching import FAMILY, LAUNCHER_FAILED_TO_START, MPIEXEC, OVERSUBSCRIBE, needs_mpiexec
 
 pytestmark = needs_mpiexec
 
@@ -179,10 +179,6 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
         assert s["gradients_pushed"] + cut.worker_clocks.sum() == 4 * 300
         assert s["gradients_applied"] + s["gradients_dropped"] == s["gradients_pushed"]
         assert s["stopped_by"] == ""
-
-
-#: what a launcher says when it could not start a job at all (no rank ran: not hpcps's doing), once in CI
-LAUNCHER_FAILED_TO_START = ("The PMIx server's listener thread failed to start",)
 
 
 START_UP_STUCK = """

@@ -14,6 +14,12 @@ worker's pass records in ``grads_t[n_params:]`` how its forward changed them
 those changes (see :mod:`hpcps.runtime.server`). Integer buffers (BatchNorm's
 ``num_batches_tracked``) stay local to each rank.
 
+On a device (``staged``, ``direct``) the model's tensors are not views into
+the packed :attr:`params_t` but into :attr:`model_t`, a copy in which each
+begins on a 512-byte boundary, as a tensor of its own would (GPU kernels may
+assume it). :meth:`upload` and :meth:`upload_ranges` copy on into it, and
+:meth:`values` packs its present state back (after an inner optimizer's step).
+
 The *host side* is what MPI reads and writes: :attr:`params` (pulls land
 there) and :attr:`push_grads` (pushes leave from there). How it relates to
 the model's buffers is the transfer mode (see :mod:`hpcps.cluster.device`):
@@ -35,10 +41,14 @@ the GPU code paths be tested on machines without a GPU.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
 from hpcps.cluster.device import Transfer
+
+ALIGN = 128  # float32 values: 512 bytes, where the CUDA caching allocator begins each of its blocks
 
 
 class FlatParameters:
@@ -67,25 +77,41 @@ class FlatParameters:
         else:
             self.params_t = torch.empty(self.size, dtype=torch.float32, device=self.device)
             self.grads_t = torch.zeros(self.size, dtype=torch.float32, device=self.device)
+        tensors = [(p, None, "", p.detach()) for p in params] + [(None, m, name, b.detach()) for m, name, b in buffers]
+        # On the CPU the model lives in params_t itself. On a device it lives in a copy of its own whose every
+        # tensor begins on a 512-byte boundary, as an allocation of its own would: packed end to end (a
+        # 10-class head leaves an odd count of values before the BatchNorm statistics that follow the
+        # parameters), a small conv net's forward pass failed on an H200 with "CUDA error: misaligned
+        # address", and ran once aligned. params_t stays packed: it is what MPI moves
+        padded = self.transfer != "shared"
+        starts, at = [], 0
+        for *_, t in tensors:
+            starts.append(at)
+            at += -(-t.numel() // ALIGN) * ALIGN if padded else t.numel()
+        self.model_t = torch.zeros(at, dtype=torch.float32, device=self.device) if padded else self.params_t
         offset = 0
         self._grad_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._spans: list[tuple[torch.nn.Parameter | None, torch.nn.Module | None, str, int, int]] = []
-        for p in params:
-            n = p.numel()
-            self._spans.append((p, None, "", offset, n))
-            self.params_t[offset:offset + n].copy_(p.detach().reshape(-1))
-            p.data = self.params_t[offset:offset + n].view_as(p)
-            p.grad = self.grads_t[offset:offset + n].view_as(p)
-            self._grad_views.append((p, p.grad))
+        self._model_views: list[torch.Tensor] = []  # each tensor's flat view in model_t, in the order of _spans
+        for (p, module, name, t), start in zip(tensors, starts):
+            n = t.numel()
+            self._spans.append((p, module, name, offset, n))
+            view = self.model_t[start:start + n]
+            view.copy_(t.reshape(-1))
+            self._model_views.append(view)
+            if p is not None:
+                p.data = view.view_as(p)
+                p.grad = self.grads_t[offset:offset + n].view_as(p)
+                self._grad_views.append((p, p.grad))
+            else:
+                module._buffers[name] = view.view_as(t)
             offset += n
-        for module, name, b in buffers:
-            n = b.numel()
-            self._spans.append((None, module, name, offset, n))
-            self.params_t[offset:offset + n].copy_(b.detach().reshape(-1))
-            module._buffers[name] = self.params_t[offset:offset + n].view_as(b)
-            offset += n
+        self._packed_views = [self.params_t[o:o + n] for *_, o, n in self._spans] if padded else None
+        self._offsets = [o for *_, o, _ in self._spans]  # each tensor's place in params_t, and in model_t
+        self._starts = starts
         self._before: torch.Tensor | None = None  # buffers when the pass began
-        if self.transfer != "shared":
+        if padded:
+            torch._foreach_copy_(self._packed_views, self._model_views)
             self.params = self._host_buffer()
             self.params[:] = self.params_t.cpu().numpy()
             self.grads = None if self.transfer == "direct" else self._host_buffer()
@@ -127,7 +153,7 @@ class FlatParameters:
         """Zero the gradients and note the buffers, before a forward pass that may update them."""
         self.zero_grad()
         if self.size > self.n_params:
-            self._before = self.params_t[self.n_params:].clone()
+            self._before = self._buffers_now().clone()
 
     def end_pass(self, clip_norm: float | None = None) -> None:
         """After backward: record the buffers' change in the gradient vector; clip the gradient.
@@ -137,13 +163,27 @@ class FlatParameters:
         buffers' changes are not part of the norm).
         """
         if self._before is not None:
-            torch.sub(self.params_t[self.n_params:], self._before, out=self.grads_t[self.n_params:])
+            torch.sub(self._buffers_now(), self._before, out=self.grads_t[self.n_params:])
             self._before = None
         if clip_norm is not None:
             grad = self.grads_t[:self.n_params]
             coef = clip_norm / (float(grad.norm()) + 1e-6)
             if coef < 1.0:
                 grad.mul_(coef)
+
+    def _buffers_now(self) -> torch.Tensor:
+        """The model's float buffers as they are, packed as in :attr:`params_t` (a view on the CPU)."""
+        if self._packed_views is None:
+            return self.params_t[self.n_params:]
+        return torch.cat(self._model_views[len(self._grad_views):])
+
+    def values(self) -> torch.Tensor:
+        """The model's parameters and float buffers as they are now, packed (:attr:`size` values on the
+        device): :attr:`params_t`, brought up to date with the model's own copy on a device, where an inner
+        optimizer's step or a forward pass changed that copy only."""
+        if self._packed_views is not None:
+            torch._foreach_copy_(self._packed_views, self._model_views)
+        return self.params_t
 
     def synchronize(self) -> None:
         """Wait for the work queued on the device (a no-op on the CPU): timings and MPI see finished results."""
@@ -171,6 +211,8 @@ class FlatParameters:
         """The host :attr:`params` changed (a pull): bring the model's parameters up to date."""
         if self.transfer != "shared":
             self.params_t.copy_(torch.from_numpy(self.params))
+            with torch.no_grad():
+                torch._foreach_copy_(self._model_views, self._packed_views)
 
     def upload_ranges(self, ranges) -> None:
         """Those ``(lo, hi)`` ranges of the host :attr:`params` changed (a partition of a pull): bring them
@@ -182,9 +224,19 @@ class FlatParameters:
         # through .data: the pass under way has saved parameters for its backward, which share params_t's
         # version counter, and autograd would take a write to any range for a change of theirs. Only ranges
         # of modules whose forward has not yet run come here, as a pull into shared memory writes them
-        target = self.params_t.data
+        packed, model = self.params_t, self.model_t.data
         for lo, hi in ranges:
-            target[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            packed[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            # then into the model's tensors that the range covers (after the copy above, on the same stream)
+            first = bisect.bisect_right(self._offsets, lo) - 1
+            for i in range(max(first, 0), len(self._spans)):
+                *_, offset, n = self._spans[i]
+                if offset >= hi:
+                    break
+                a, b = max(lo, offset), min(hi, offset + n)
+                if a < b:
+                    start = self._starts[i]
+                    model[start + a - offset:start + b - offset].copy_(packed[a:b])
 
     def stage_grads(self, out: np.ndarray | torch.Tensor | None = None) -> None:
         """Make the last backward's gradient readable by MPI in ``out`` (default :attr:`push_grads`).

@@ -51,7 +51,7 @@ class LocalSteps:
             raise ValueError("local steps: H must be at least 1")
         self.flat, self.every, self.steps = flat, every, steps
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-        self.anchor = flat.params_t.detach().clone()  # the parameters and buffers the round started from
+        self.anchor = flat.values().detach().clone()  # the parameters and buffers the round started from
         self.taken = 0  # inner steps taken in the round under way
         self.own = every  # this worker's steps per round: fewer for a slow worker (:func:`steps_by_speed`)
 
@@ -62,7 +62,7 @@ class LocalSteps:
 
     def begin_round(self) -> None:
         """The pull the round starts from has landed in the model: note it."""
-        self.anchor.copy_(self.flat.params_t)
+        self.anchor.copy_(self.flat.values())
         self.taken = 0
 
     def inner_step(self, skip: bool = False) -> None:
@@ -81,9 +81,10 @@ class LocalSteps:
         change, as a pass records it: :meth:`hpcps.training.flat.FlatParameters.end_pass`)."""
         flat, n = self.flat, self.flat.n_params
         with torch.no_grad():
-            torch.sub(self.anchor[:n], flat.params_t[:n], out=flat.grads_t[:n])
+            now = flat.values()
+            torch.sub(self.anchor[:n], now[:n], out=flat.grads_t[:n])
             if flat.size > n:
-                torch.sub(flat.params_t[n:], self.anchor[n:], out=flat.grads_t[n:])
+                torch.sub(now[n:], self.anchor[n:], out=flat.grads_t[n:])
 
 
 def steps_by_speed(every: int, seconds: list[float]) -> list[int]:

@@ -85,7 +85,7 @@ def test_every_paradigm_on_the_gpu_loses_nothing_and_keeps_its_bound(world, mpi_
         assert facts["lag"] <= 2  # --staleness 2 bounds how far behind a worker computes
 
 
-def _own_loop(world, out, device: str) -> tuple[np.ndarray | None, str]:
+def _own_loop(world, out, device: str, **extra) -> tuple[np.ndarray | None, str]:
     """BSP in the user's own loop on the digits, batches put where ``ps.device`` says (as docs/gpu.md tells
     users), the next pull overlapped with the loop's own work and settled before the forward pass; the final
     parameters on rank 0, and the device the worker's model was on."""
@@ -97,7 +97,7 @@ def _own_loop(world, out, device: str) -> tuple[np.ndarray | None, str]:
         return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
     ps = hpcps.init(make, device=device, overlap_pull=True, out=str(out), progress=False, exit_on_error=False,
-                    comm=world, **{k: v for k, v in COMMON.items() if k != "batch_size"})
+                    comm=world, **{**{k: v for k, v in COMMON.items() if k != "batch_size"}, **extra})
     where = str(ps.device) if ps.is_worker else ""
     with ps:
         while ps.running:
@@ -116,3 +116,68 @@ def test_the_own_loop_on_the_gpu_ends_as_on_the_cpu_within_rounding(world, mpi_t
     facts = share(world, {"max_diff": float(np.abs(cpu - gpu).max())} if world.rank == 0 else None)
     assert all(w.startswith("cuda") for w in wheres[1:]), wheres
     assert facts["max_diff"] < 1e-4, facts
+
+
+def test_diloco_on_the_gpu_ends_as_on_the_cpu_within_rounding(world, mpi_tmp_path):
+    """diloco's inner AdamW on each worker's GPU model and its pseudo-gradient staged to the CPU shard (outer
+    Nesterov there): the same run on the CPU, within float32 rounding; one push per round of 4."""
+    options = dict(paradigm="diloco", local_steps=4, inner_optimizer="adamw", inner_lr=1e-2, steps=16,
+                   batch_size=16, seed=6)
+    cpu, _ = train(mpi_tmp_path / "cpu.h5", device="cpu", **options)
+    gpu, t = train(mpi_tmp_path / "gpu.h5", device="cuda", **options)
+    facts = _facts(world, cpu, gpu, t)
+    assert facts["counts"] == (4 * 4, 4 * 4, 0)
+    assert facts["moved"] > 0
+    assert facts["max_diff"] < 1e-4, facts
+    assert all(d.startswith("cuda:") for d in facts["devices"][1:]), facts["devices"]
+
+
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp"])
+def test_local_steps_on_the_gpu_lose_no_pseudo_gradient(world, mpi_tmp_path, paradigm):
+    """The free and bounded forms on the GPU, a straggler among them: every round's pseudo-gradient is applied
+    (ceil(steps / H) per worker), and the losses stay finite."""
+    steps, every = 18, 4
+    _, t = train(mpi_tmp_path / f"{paradigm}.h5", device="cuda", paradigm=paradigm, local_steps=every,
+                 staleness=1, steps=steps, slowdown=["4=2"],
+                 **(dict(momentum=0.9, nesterov=True, momentum_period=2) if paradigm == "asp" else {}))
+    facts = None
+    if world.rank == 0:
+        s = t["summary"]
+        facts = {"counts": (int(s["gradients_pushed"]), int(s["gradients_applied"]), int(s["gradients_dropped"])),
+                 "finite": bool(np.isfinite(t["workers/iterations"]["loss"]).all())}
+    facts = share(world, facts)
+    rounds = -(-steps // every)
+    assert facts["counts"] == (4 * rounds, 4 * rounds, 0)
+    assert facts["finite"]
+
+
+def test_the_own_loop_with_local_steps_on_the_gpu_ends_as_on_the_cpu_within_rounding(world, mpi_tmp_path):
+    """``ps.step()`` as diloco's inner step on the GPU (its inner sgd on the GPU model, a push every 3)."""
+    extra = dict(paradigm="diloco", local_steps=3, inner_optimizer="sgd", inner_lr=0.2)
+    cpu, _ = _own_loop(world, mpi_tmp_path / "cpu.h5", "cpu", **extra)
+    gpu, where = _own_loop(world, mpi_tmp_path / "gpu.h5", "cuda", **extra)
+    wheres = world.allgather(where)
+    facts = share(world, {"max_diff": float(np.abs(cpu - gpu).max())} if world.rank == 0 else None)
+    assert all(w.startswith("cuda") for w in wheres[1:]), wheres
+    assert facts["max_diff"] < 1e-4, facts
+
+
+@pytest.mark.timeout(240)
+def test_partitioned_pulls_on_the_gpu_move_resnet18_no_further_than_the_gpus_own_run_to_run_spread(
+        world, mpi_tmp_path):
+    """ResNet-18 (BatchNorm, slices striped over 2 shards), bsp with partitions uploaded during the forward
+    pass, against whole pulls, all on the GPU: CUDA's default kernels are not deterministic, so the bound is
+    the spread between two runs of whole pulls (exactly 0 where they are deterministic). On an H200 the
+    partitioned run once ended 0.42 apart from the whole one at most; this says whether that is the GPU's
+    spread or the uploads'."""
+    common = dict(paradigm="bsp", model="resnet18", dataset="synthetic:3x8x8:10:64", servers=2, steps=6,
+                  batch_size=8, seed=4, lr=0.05, eval_every=1000, device="cuda")
+    whole, _ = train(mpi_tmp_path / "whole.h5", **common)
+    again, _ = train(mpi_tmp_path / "again.h5", **common)
+    parted, _ = train(mpi_tmp_path / "parted.h5", partition_mb=0.004, **common)
+    facts = None
+    if world.rank == 0:
+        facts = {"spread": float(np.abs(whole.params - again.params).max()),
+                 "parted": float(np.abs(whole.params - parted.params).max())}
+    facts = share(world, facts)
+    assert facts["parted"] <= 10 * facts["spread"] + 1e-5, facts

@@ -47,7 +47,7 @@ def test_hdf5_is_streamed_each_rank_reading_only_its_share(world, mpi_tmp_path):
     world.barrier()
     steps, batch = 25, 8
     _, t = train(mpi_tmp_path / "stream-run.h5", paradigm="asp", servers=2, dataset=f"{path}:/images,/labels",
-                 steps=steps, batch_size=batch)
+                 steps=steps, batch_size=batch, device="cpu")  # the device column's premise, a GPU visible too
     facts = None
     if world.rank == 0:
         ranks = t["ranks"]

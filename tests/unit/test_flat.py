@@ -122,3 +122,58 @@ def test_swapping_under_staged_transfers_swaps_the_host_array_and_upload_copies_
     assert flat.params is new and not torch.equal(model.weight.detach(), torch.full((2, 3), 0.5))
     flat.upload()
     assert torch.equal(model.weight.detach(), torch.full((2, 3), 0.5))
+
+
+def _odd_bn_model():
+    """Odd sizes before BatchNorm (80 + 55 values), so that packed end to end its weight and running
+    statistics would begin off any 16-byte boundary."""
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(7, 10), torch.nn.Linear(10, 5), torch.nn.BatchNorm1d(5),
+                               torch.nn.Linear(5, 3))
+
+
+def test_off_the_cpu_every_tensor_of_the_model_begins_on_a_512_byte_boundary():
+    """The model's own copy (a device's) gives each parameter and float buffer the alignment a tensor of its
+    own would have; params_t stays packed end to end, as MPI sends it."""
+    model = _odd_bn_model()
+    flat = FlatParameters(model, "cpu", "staged")
+    base = flat.model_t.data_ptr()
+    tensors = [*model.parameters(), model[2].running_mean, model[2].running_var]
+    assert all((t.data_ptr() - base) % 512 == 0 for t in tensors)
+    assert flat.size == sum(t.numel() for t in tensors) == 173
+    assert np.array_equal(flat.params, np.concatenate([t.detach().reshape(-1).numpy() for t in tensors]))
+    shared = FlatParameters(_odd_bn_model())  # on the CPU: the model is the packed vector itself
+    assert shared.model_t is shared.params_t
+
+
+def test_a_partial_upload_reaches_exactly_the_model_values_it_covers():
+    """Ranges cut inside tensors (a partition's bounds): the values they cover, and only those, reach the
+    model's aligned copy."""
+    model = _odd_bn_model()
+    flat = FlatParameters(model, "cpu", "staged")
+    before = flat.values().clone()
+    flat.params[:] = np.arange(flat.size, dtype=np.float32) + 1000
+    ranges = [(3, 77), (84, 85), (100, 173)]
+    flat.upload_ranges(ranges)
+    now = np.concatenate([t.detach().reshape(-1).numpy() for t in
+                          [*model.parameters(), model[2].running_mean, model[2].running_var]])
+    expected = before.numpy().copy()
+    for lo, hi in ranges:
+        expected[lo:hi] = flat.params[lo:hi]
+    assert np.array_equal(now, expected)
+
+
+def test_values_and_the_buffers_change_follow_the_models_own_copy():
+    """What a step and a forward pass change in the model's aligned copy: :meth:`values` and the buffers'
+    change that :meth:`end_pass` records are those of the CPU's packed layout, bit for bit."""
+    got = {}
+    for transfer in ("shared", "staged"):
+        model = _odd_bn_model()
+        flat = FlatParameters(model, "cpu", transfer)
+        flat.begin_pass()
+        model(torch.randn(6, 7, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        flat.end_pass()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        got[transfer] = (flat.values().clone(), flat.grads_t.clone())
+    assert torch.equal(got["shared"][0], got["staged"][0]) and torch.equal(got["shared"][1], got["staged"][1])
+    assert got["staged"][1][-10:].abs().max() > 0  # the running statistics moved

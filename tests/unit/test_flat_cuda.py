@@ -59,3 +59,20 @@ def test_a_pulled_snapshot_swapped_in_reaches_the_device():
     flat.upload()
     assert old is not new and flat.params is new
     assert torch.equal(flat.params_t, torch.full_like(flat.params_t, 0.5))
+
+
+def test_a_batchnorm_after_odd_sized_layers_trains_on_the_device():
+    """Packed end to end, this model's BatchNorm statistics began 8 bytes off a 16-byte boundary and the
+    GPU's batch-norm kernel failed ("misaligned address"); each tensor now begins where an allocation of its
+    own would."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 64, 10), torch.nn.BatchNorm1d(10))
+    flat = FlatParameters(model, "cuda", "staged")
+    assert all(t.data_ptr() % 512 == 0 for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
+    for _ in range(3):
+        flat.begin_pass()
+        model(torch.randn(16, 1, 8, 8, device="cuda")).square().mean().backward()
+        flat.end_pass()
+    flat.stage_grads()
+    assert np.isfinite(flat.grads).all() and np.abs(flat.grads[flat.n_params:]).max() > 0

@@ -250,7 +250,7 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "loss turns non-finite (3 steps in a row) or its recent mean exceeds 3x its start; the summary "
                         "says stopped_by diverged and the exit status is 3; ignore: train on")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
-                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, hang or usr1 (repeatable)")
+                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, kill, hang or usr1 (repeatable; under hpcps supervise, in the first launch only)")
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
                    help="log which ranks a server or worker has waited on for this long, and in what state (default {default})")
     g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",
@@ -267,7 +267,9 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                    help="where checkpoints go, as step-NNNNNN.h5 (default: the run's own, $HPCPS_RUN_DIR/checkpoints "
                         "in a batch job, else beside the metrics file: runs/NAME-checkpoints)")
     g.add_argument("--resume", metavar="CKPT", help="continue the run from checkpoint CKPT (bsp's periodic "
-                   "ones: exactly; one written when a signal stopped a run: where each worker left off)")
+                   "ones: exactly; one written when a signal stopped a run: where each worker left off); auto: "
+                   "the newest complete checkpoint of the checkpoint directory, or a fresh start where it has "
+                   "none (for hpcps supervise and requeued jobs)")
     g = t.add_argument_group("output")
     g.add_argument("--out", metavar="FILE.h5", help="metrics file (default runs/<paradigm>-<timestamp>.h5)")
     g.add_argument("--eval-interval", type=float, dest="eval_interval", metavar="SECONDS",
@@ -427,7 +429,34 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="print the commands that would build the box and start the job, and exit")
     e.set_defaults(func=_emulate, command_args=[])  # the job's command after --: see main()
+
+    v = sub.add_parser("supervise", help="launch a job again when it fails (a rank died or was killed), "
+                                         "resuming from its newest checkpoint",
+                       usage="hpcps supervise [--restarts N] [--delay SECONDS] -- COMMAND [ARGS ...]",
+                       description="Run COMMAND, and run it again when it fails for a reason that is not the "
+                                   "user's: not bad input (exit 2), not a diverged run (exit 3), not a stop "
+                                   "signal. Give hpcps train --resume auto and periodic checkpoints, so each "
+                                   "launch resumes where the last complete checkpoint left off. Example: hpcps "
+                                   "supervise --restarts 3 -- mpiexec -n 5 hpcps train --paradigm asp "
+                                   "--checkpoint-interval 30 --out runs/asp.h5 --resume auto")
+    v.add_argument("--restarts", type=int, default=3, metavar="N", help="launch again at most N times (default 3)")
+    v.add_argument("--delay", type=float, default=1.0, metavar="SECONDS",
+                   help="wait this long before launching again (default 1)")
+    v.set_defaults(func=_supervise, command_args=[])  # the job's command after --: see main()
     return parser
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    from hpcps.jobs.supervise import Supervisor
+    from hpcps.log import setup_logging
+
+    if not args.command_args:
+        raise UserError("hpcps supervise: give the job's command after --, e.g. -- mpiexec -n 5 hpcps train "
+                        "--resume auto --checkpoint-every 50 --out runs/bsp.h5")
+    if args.restarts < 0 or args.delay < 0:
+        raise UserError("hpcps supervise: --restarts and --delay take values of 0 or more")
+    setup_logging(0, "supervisor")
+    return Supervisor(args.command_args, restarts=args.restarts, delay=args.delay).run()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -599,12 +628,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     original, passthrough = list(argv), None
     # everything after -- belongs to hpcps train (jobs render) or is the job's command (emulate)
-    if (argv[:2] == ["jobs", "render"] or argv[:1] == ["emulate"]) and "--" in argv:
+    if (argv[:2] == ["jobs", "render"] or argv[:1] in (["emulate"], ["supervise"])) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
     if passthrough is not None:
-        setattr(args, "command_args" if argv[0] == "emulate" else "train_args", passthrough)
+        setattr(args, "command_args" if argv[0] in ("emulate", "supervise") else "train_args", passthrough)
     args.command_line = original
     try:
         return args.func(args)

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpcps.cluster.slices import stripe_elements
 from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.policies import make_policy, policy_class
-from hpcps.runtime import checkpointing, watchers
+from hpcps.runtime import checkpointing, faults, watchers
 from hpcps.runtime.backward import BackwardPushes
 from hpcps.runtime.checkpoint import read_optimizer_state, read_policy_state
 from hpcps.runtime.evaluator import Evaluator
@@ -112,6 +112,8 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
             recorder.watchers.setdefault("workers/iterations", []).append(watchers.divergence_watch(run, window))
             recorder.watchers.setdefault("servers/updates", []).append(watchers.nonfinite_start_watch(run, window))
     periodic = policy.periodic_cut() if cfg.checkpoint_every or cfg.checkpoint_interval else None
+    if periodic and topo.rank == 0:
+        side_tasks.append(("checkpoint", checkpointing.progress_note(run, lambda: server.clocks)))
     # every bsp worker waits at a round's close: bsp checkpoints there, from the publish hook; the others
     # take a consistent cut while the run goes on (hpcps.runtime.snapshot)
     at_publish = periodic is not None and policy.checkpoints_at_publish()
@@ -274,7 +276,7 @@ def make_worker(run) -> Worker:
                  blocks=policy.worker_blocks, recorder=recorder,
                  clock=run.clock, steps=run.rounds, lr=cfg.lr * lr_scale(run),
                  lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
-                 faults=[f for f in cfg.faults if f.rank == topo.rank],
+                 faults=[f for f in faults.armed(cfg.faults, os.environ) if f.rank == topo.rank],
                  start_step=int(run.ckpt.worker_clocks[run.layout.worker_index(topo.rank)]) if run.ckpt else 0,
                  stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
                  backoff=run.backoff, take_signal=run.signals.take, timeline=tl,

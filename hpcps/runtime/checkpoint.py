@@ -243,18 +243,25 @@ def read_policy_state(path: str, shard: int) -> dict:
     return torch.load(part, weights_only=True).get(POLICY_KEY) or {}
 
 
-def newest_clocks(directory: str) -> np.ndarray | None:
-    """The worker clocks of the newest complete checkpoint in ``directory`` (its attributes only, not its
-    parameters), or None where it holds none."""
+def newest_complete(directory: str) -> tuple[str, np.ndarray] | None:
+    """The newest complete checkpoint in ``directory`` (every shard's part written) and its worker clocks,
+    read from its attributes only; None where it holds none."""
     for path in sorted(glob.glob(os.path.join(directory, "step-*.h5")), reverse=True):
         try:
             with h5py.File(path, "r", locking=False) as f:
                 clocks, n_servers = np.asarray(f.attrs["worker_clocks"]), int(f.attrs["n_servers"])
+                fmt = int(f.attrs["format"])
         except (OSError, KeyError):
             continue
-        if all(os.path.exists(optimizer_state_path(path, s)) for s in range(n_servers)):
-            return clocks
+        if fmt < 2 or all(os.path.exists(optimizer_state_path(path, s)) for s in range(n_servers)):
+            return path, clocks
     return None
+
+
+def newest_clocks(directory: str) -> np.ndarray | None:
+    """The worker clocks of the newest complete checkpoint in ``directory``, or None where it holds none."""
+    found = newest_complete(directory)
+    return None if found is None else found[1]
 
 
 def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:

@@ -5,11 +5,15 @@ At iteration STEP, worker RANK, after its forward/backward pass:
 * ``nan``: poisons its gradient with NaN (the server then drops it, or aborts
   the job under ``--nonfinite abort``);
 * ``raise``: raises an exception (the job must end on every rank, naming the rank);
-* ``exit``: leaves the process at once with status 3, as a crashed rank would;
+* ``exit``: leaves the process at once with status 1, as a crashed rank would;
+* ``kill``: sends itself SIGKILL, as the kernel's out-of-memory killer or a dying node would;
 * ``hang``: stops making progress forever (sleeping), as a stuck rank would; the
   stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job;
 * ``usr1``: sends itself SIGUSR1, as a batch system does before the time limit
   (the whole job stops cleanly and writes a checkpoint: hpcps.runtime.signals).
+
+Under ``hpcps supervise`` faults fire in the first launch only (:func:`armed`): a restart resumes before
+STEP and would meet the same fault again.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("nan", "raise", "exit", "hang", "usr1")
+KINDS = ("nan", "raise", "exit", "kill", "hang", "usr1")
 _SPEC = re.compile(r"^([a-z][a-z0-9]*)@(\d+):(\d+)$")
 
 
@@ -40,3 +44,16 @@ def parse_fault(spec: str) -> Fault:
     if kind not in KINDS:
         raise ValueError(f"{spec!r}: KIND must be one of {', '.join(KINDS)}")
     return Fault(kind, rank, step)
+
+
+#: the launch a supervisor is at (1 for the first; hpcps.jobs.supervise sets it)
+ATTEMPT_VAR = "HPCPS_ATTEMPT"
+
+
+def armed(faults: list[Fault], environ) -> list[Fault]:
+    """The faults to inject in this launch: all in the first (or an unsupervised one), none after."""
+    try:
+        attempt = int(environ.get(ATTEMPT_VAR, "1"))
+    except ValueError:
+        attempt = 1
+    return list(faults) if attempt <= 1 else []

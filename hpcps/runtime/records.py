@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import resource
 import socket
 import sys
+import time
 
 import hpcps
 from hpcps.box import cluster_record, node_label
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
-from hpcps.runtime import assembly
+from hpcps.runtime import assembly, checkpointing
 from hpcps.transport.mpilib import library_version
+
+log = logging.getLogger("hpcps")
 
 
 def peak_rss_bytes() -> int:
@@ -46,9 +50,18 @@ def open_runfile(run, path: str) -> RunFile:
         raise UserError(f"--save {save}: cannot create its directory ({exc})") from None
     if not os.access(save_dir, os.W_OK):
         raise UserError(f"--save {save}: directory {save_dir} is not writable")
+    restart = None
+    if run.ckpt is not None:  # what the launch that failed after the checkpoint lost (its progress note)
+        written = run.ckpt.written_clocks if run.ckpt.redealt else run.ckpt.worker_clocks
+        restart = checkpointing.restart_cost(run.cfg.resume, written, time.time())
+        if restart:
+            log.info("the launch before this one lost %d gradient(s) past the checkpoint (%.1f s of training) and "
+                     "%.1f s to its failure, the relaunch and this start-up", restart["gradients_repeated"],
+                     restart["training_lost_s"], restart["restart_s"])
     try:
         return RunFile(path, {
             "hpcps_version": hpcps.__version__,
+            "restart": json.dumps(restart or {}),
             "config": json.dumps(run.cfg.as_json_dict(), sort_keys=True),
             "paradigm": run.cfg.paradigm,
             "world_size": run.layout.world_size,

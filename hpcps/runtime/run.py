@@ -200,6 +200,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     torch.set_num_threads(cfg.threads)
     layout = agree(comm, lambda: plan(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
+    if cfg.resume == "auto":  # rank 0 looks, every rank resumes what it found
+        cfg = comm.bcast(agree(comm, lambda: checkpointing.resolve_resume(cfg) if comm.rank == 0 else None), root=0)
     if before != cfg.threads:  # the user's own setting (torch.set_num_threads, OMP_NUM_THREADS) is replaced
         log.info("torch threads per rank: %d, not %d (--threads / threads= sets it; one rank per core is the "
                  "usual layout)", cfg.threads, before)

@@ -381,9 +381,11 @@ class Worker:
         elif fault.kind == "hang":
             while True:  # stuck for good: only the stall detector ends this job
                 time.sleep(3600)
-        else:
+        elif fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.cli.DIVERGED_STATUS)
             self.recorder.flush()
-            os._exit(3)
+            os._exit(1)
 
     def _leave(self) -> None:
         self.pusher.start_done(self.clock_count)

@@ -1,0 +1,130 @@
+"""``hpcps supervise``: launch a job again, without a person, when it fails for a reason that is not the user's.
+
+The job resumes itself: its ``hpcps train`` takes ``--resume auto`` (the newest complete checkpoint of its
+checkpoint directory, or a fresh start) and ``--checkpoint-every``/``--checkpoint-interval``, so each launch
+continues from the last checkpoint of the one before. What a restart cost (the gradients pushed again,
+the seconds lost) is in the resumed launch's run file, its ``restart`` attribute.
+
+Which endings are final is pure policy (:func:`verdict`): a clean end (status 0, also a run that a stop
+signal ended with a checkpoint), bad input (2: the same command would fail again), a diverged run (3:
+restarting would diverge again), and a supervisor that was itself told to stop (it passes the signal on to
+the job). Anything else, a rank that died, was killed, or took the launcher down, is a failure to restart
+after ``delay`` seconds, up to ``restarts`` times. Outside a scheduler the command runs again as written,
+on the same hosts; under Slurm the job templates re-run the step on the nodes still alive instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hpcps.runtime.faults import ATTEMPT_VAR
+
+log = logging.getLogger("hpcps")
+
+#: exit statuses that end supervision: what they mean (hpcps.errors.UserError, hpcps.cli.DIVERGED_STATUS)
+FINAL = {0: "finished", 2: "bad input: the same command would fail again",
+         3: "training diverged: a restart would diverge again"}
+
+
+def verdict(status: int, stopped: bool) -> str | None:
+    """Why supervision ends after a launch that exited with ``status`` (negative: killed by that signal),
+    or None to launch again; ``stopped``: the supervisor itself was told to stop."""
+    if stopped:
+        return "stopped by a signal"
+    return FINAL.get(status)
+
+
+def describe(status: int) -> str:
+    """``status 1`` or ``killed by SIGKILL``."""
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    if status > 128 and status - 128 in signal.valid_signals():
+        return f"status {status} (a rank killed by {signal.Signals(status - 128).name}?)"
+    return f"status {status}"
+
+
+@dataclass
+class Launch:
+    """One launch of the job: when it began and ended (wall time), and how."""
+
+    attempt: int
+    began: float
+    ended: float = 0.0
+    status: int = 0
+
+
+@dataclass
+class Supervisor:
+    """Run ``command`` until it ends for good (:func:`verdict`), at most ``restarts`` times again."""
+
+    command: Sequence[str]
+    restarts: int = 3
+    delay: float = 1.0
+    launches: list[Launch] = field(default_factory=list)
+    _stop: int | None = None  # the signal the supervisor was told to stop by
+    _child: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        """Launch until done; return the last launch's exit status (as a shell gives it: 128 + signal)."""
+        if not any(a == "auto" and b == "--resume" for b, a in zip(self.command, self.command[1:])) \
+                and "--resume=auto" not in self.command:
+            log.warning("hpcps supervise: the command has no --resume auto, so each launch starts from the "
+                        "beginning (unless its --config file says so)")
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            while True:
+                launch = self._launch(len(self.launches) + 1)
+                reason = verdict(launch.status, self._stop is not None)
+                if reason is not None:
+                    break
+                if len(self.launches) > self.restarts:
+                    reason = f"no restarts left (--restarts {self.restarts})"
+                    break
+                log.warning("hpcps supervise: launch %d ended with %s after %.1f s; launching again in %g s "
+                            "(restart %d of %d)", launch.attempt, describe(launch.status),
+                            launch.ended - launch.began, self.delay, launch.attempt, self.restarts)
+                time.sleep(self.delay)
+                if self._stop is not None:
+                    reason = "stopped by a signal"
+                    break
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        log.info("hpcps supervise: %s after %d launch(es), last %s", reason, len(self.launches),
+                 describe(launch.status))
+        return launch.status if launch.status >= 0 else 128 - launch.status
+
+    def _launch(self, attempt: int) -> Launch:
+        launch = Launch(attempt, time.time())
+        self.launches.append(launch)
+        # its own process group: a signal the supervisor passes on reaches the launcher, which passes it on
+        self._child = subprocess.Popen(list(self.command), env={**os.environ, ATTEMPT_VAR: str(attempt)},
+                                       start_new_session=True)
+        while True:
+            try:
+                launch.status = self._child.wait()
+                break
+            except InterruptedError:  # pragma: no cover (PEP 475 retries wait itself)
+                continue
+        launch.ended = time.time()
+        self._child = None
+        return launch
+
+    def _on_signal(self, signum, frame) -> None:
+        """Stop for good, and tell the job (a stop signal makes hpcps write a checkpoint and end)."""
+        self._stop = signum
+        child = self._child
+        if child is not None and child.poll() is None:
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,103 @@
+"""Restarts without a person (no MPI): ``--resume auto``'s choice, what a restart cost, which endings a
+supervisor launches again, and faults that fire in the first launch only."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hpcps.config import make_config
+from hpcps.errors import UserError
+from hpcps.jobs.supervise import Supervisor, describe, verdict
+from hpcps.runtime.checkpoint import checkpoint_path, optimizer_state_path, write_checkpoint
+from hpcps.runtime.checkpointing import PROGRESS_NOTE, resolve_resume, restart_cost
+from hpcps.runtime.faults import ATTEMPT_VAR, armed, parse_fault
+
+
+def _checkpoint(directory, version, clocks, parts=(0,)):
+    cfg = make_config({"paradigm": "asp"}).as_json_dict()
+    path = write_checkpoint(checkpoint_path(str(directory), version), np.zeros(4, np.float32), version=version,
+                            worker_clocks=clocks, config=cfg, n_servers=2)
+    for shard in parts:
+        open(optimizer_state_path(path, shard), "wb").close()
+    return path
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint_and_clears_what_a_failed_launch_left(tmp_path):
+    ck = tmp_path / "ck"
+    older = _checkpoint(ck, 40, [10, 10], parts=(0, 1))
+    done = _checkpoint(ck, 80, [20, 20], parts=(0, 1))
+    _checkpoint(ck, 120, [30, 30], parts=(1,))  # shard 0's part never written: incomplete
+    open(ck / "step-000160.optim-0.pt", "wb").close()  # a part whose main file never came
+    cfg = resolve_resume(make_config({"paradigm": "asp", "resume": "auto", "checkpoint_dir": str(ck)}))
+    assert cfg.resume == done
+    assert sorted(p.name for p in ck.iterdir()) == sorted(
+        os.path.basename(p) for p in [older, optimizer_state_path(older, 0), optimizer_state_path(older, 1),
+                                      done, optimizer_state_path(done, 0), optimizer_state_path(done, 1)])
+
+
+def test_resume_auto_starts_afresh_where_there_is_no_checkpoint_and_needs_a_directory_that_lasts(tmp_path,
+                                                                                                 monkeypatch):
+    cfg = resolve_resume(make_config({"paradigm": "bsp", "resume": "auto", "out": str(tmp_path / "r.h5")}))
+    assert cfg.resume is None
+    named = make_config({"paradigm": "bsp", "resume": str(tmp_path / "x.h5")})
+    assert resolve_resume(named) is named
+    monkeypatch.delenv("HPCPS_RUN_DIR", raising=False)
+    with pytest.raises(UserError, match="--resume auto needs a checkpoint directory"):
+        resolve_resume(make_config({"paradigm": "bsp", "resume": "auto"}))
+
+
+def test_a_restart_costs_the_gradients_past_the_checkpoint_and_the_time_since_the_last_note(tmp_path):
+    path = _checkpoint(tmp_path, 80, [20, 20], parts=(0, 1))
+    assert restart_cost(path, [20, 20], time.time()) is None  # no note: nothing known
+    written = os.path.getmtime(path)
+    (tmp_path / PROGRESS_NOTE).write_text(json.dumps({"clocks": [26, 23], "time": written + 1.5}))
+    cost = restart_cost(path, np.array([20, 20]), written + 4.0)
+    assert cost == {"checkpoint": path, "attempt": 1, "gradients_repeated": 9, "training_lost_s": 1.5,
+                    "restart_s": 2.5}
+    (tmp_path / PROGRESS_NOTE).write_text(json.dumps({"clocks": [19, 20], "time": written - 1}))
+    assert restart_cost(path, [20, 20], written + 4.0) is None  # a note older than the checkpoint
+
+
+@pytest.mark.parametrize("status,stopped,final", [
+    (0, False, True), (2, False, True), (3, False, True), (1, False, False), (9, False, False),
+    (137, False, False), (-9, False, False), (1, True, True)])
+def test_only_a_failure_that_is_not_the_users_is_launched_again(status, stopped, final):
+    assert (verdict(status, stopped) is not None) == final
+
+
+def test_statuses_are_described_as_a_shell_would():
+    assert describe(-9) == "killed by SIGKILL" and describe(1) == "status 1"
+    assert describe(137) == "status 137 (a rank killed by SIGKILL?)"
+
+
+def _script(tmp_path, statuses):
+    """A command that exits with the next of ``statuses`` per launch, recording the attempt it was told."""
+    seen = tmp_path / "seen"
+    code = (f"import os, sys; p = {str(seen)!r}; n = len(open(p).read().split()) if os.path.exists(p) else 0; "
+            f"open(p, 'a').write(os.environ[{ATTEMPT_VAR!r}] + ' '); sys.exit({list(statuses)!r}[n])")
+    return [sys.executable, "-c", code], seen
+
+
+def test_the_supervisor_launches_again_until_the_job_ends_well(tmp_path):
+    command, seen = _script(tmp_path, [1, 137, 0, 1])
+    supervisor = Supervisor(command + ["--resume", "auto"], restarts=5, delay=0)
+    assert supervisor.run() == 0
+    assert seen.read_text().split() == ["1", "2", "3"] and len(supervisor.launches) == 3
+
+
+def test_the_supervisor_stops_at_bad_input_and_after_its_last_restart(tmp_path):
+    command, seen = _script(tmp_path, [1, 2, 0])
+    assert Supervisor(command, restarts=5, delay=0).run() == 2 and seen.read_text().split() == ["1", "2"]
+    command, seen = _script(tmp_path, [1, 1, 1, 1])
+    seen.unlink()
+    assert Supervisor(command, restarts=2, delay=0).run() == 1 and seen.read_text().split() == ["1", "2", "3"]
+
+
+def test_faults_fire_in_the_first_launch_only():
+    faults = [parse_fault("kill@2:30")]
+    assert armed(faults, {}) == faults and armed(faults, {ATTEMPT_VAR: "1"}) == faults
+    assert armed(faults, {ATTEMPT_VAR: "2"}) == []

@@ -404,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Slurm, LSF: signal hpcps this long before the time limit, so it stops and writes a "
                         "checkpoint (default 120, less in jobs shorter than 3 minutes; 0: never). PBS sends "
                         "SIGTERM at the limit, handled alike")
+    j.add_argument("--restarts", type=int, default=0, metavar="N",
+                   help="launch hpcps train under hpcps supervise with --resume auto: a launch that fails (a rank "
+                        "or, under Slurm with --no-kill, a node died) runs again at most N times from the newest "
+                        "complete checkpoint, under Slurm on the nodes still alive (default 0: never)")
     j.set_defaults(func=_jobs_render, train_args=[])  # the hpcps train options after --: see main()
 
     e = sub.add_parser("emulate", help="run a job on an emulated cluster: nodes joined by rate-limited links "

@@ -53,6 +53,7 @@ class JobSpec:
     name: str = "hpcps"
     script: str | None = None
     stop_before: int | None = None  # seconds before the time limit to signal hpcps (Slurm, LSF); 0: never
+    restarts: int = 0  # >0: the launch under hpcps supervise, resuming with --resume auto (hpcps.jobs.supervise)
     train_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -78,6 +79,8 @@ class JobSpec:
             raise UserError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-'")
         if self.mpi_family is not None and self.mpi_family not in MPI_FAMILIES:
             raise UserError(f"--mpi-family {self.mpi_family!r}: expected one of {', '.join(MPI_FAMILIES)} or auto")
+        if self.restarts < 0:
+            raise UserError(f"--restarts must be 0 or more (got {self.restarts})")
         if self.script is not None and not os.path.isfile(self.script):
             raise UserError(f"--script {self.script}: no such file (the job runs it from the directory you submit in)")
 
@@ -94,12 +97,15 @@ def lsf_minutes(hh_mm_ss: str) -> str:
     return f"{total // 60}:{total % 60:02d}"
 
 
-def launch_args(train_args: list[str]) -> str:
-    """The ``hpcps train`` options, shell-quoted, with a per-job ``--out`` unless one is given."""
+def launch_args(train_args: list[str], restarts: int = 0) -> str:
+    """The ``hpcps train`` options, shell-quoted, with a per-job ``--out`` unless one is given, and under
+    ``restarts`` ``--resume auto`` unless a ``--resume`` is given (each launch resumes the one before)."""
     args = [a for a in train_args if a != "--"] if train_args[:1] == ["--"] else list(train_args)
     quoted = shlex.join(args)
     if not any(a == "--out" or a.startswith("--out=") for a in args):
         quoted = (quoted + " " if quoted else "") + '--out "$RUN_DIR/metrics.h5"'
+    if restarts and not any(a == "--resume" or a.startswith("--resume=") for a in args):
+        quoted += " --resume auto"
     return quoted
 
 
@@ -118,14 +124,16 @@ def launcher(spec: JobSpec) -> tuple[str, str]:
     """
     n, family = spec.nodes * spec.ntasks_per_node, spec.mpi_family
     if spec.scheduler == "slurm":
+        # --kill-on-bad-exit: a rank that dies ends the step, as mpiexec ends its job; without it (Slurm's
+        # default) the other ranks waited for the dead one until the stall limit
         if spec.mpi:
-            return f"srun --mpi={spec.mpi}", ""
+            return f"srun --kill-on-bad-exit=1 --mpi={spec.mpi}", ""
         if family == "openmpi":
             return f"mpirun -n {n}", ("Open MPI's mpirun starts the ranks inside the allocation (or render with "
                                       "--mpi pmix to launch with srun, where Slurm's PMIx plugin loads)")
         if family == "intel-mpi":
             return f"mpiexec.hydra -n {n}", "Intel MPI's launcher starts the ranks inside the allocation"
-        return "srun", ""
+        return "srun --kill-on-bad-exit=1", ""
     if family == "openmpi":
         return f"mpirun -n {n}", "Open MPI's launcher"
     if family == "intel-mpi":
@@ -136,7 +144,7 @@ def launcher(spec: JobSpec) -> tuple[str, str]:
 def launch_line(spec: JobSpec) -> str:
     """What each rank runs: ``hpcps train OPTIONS``, or ``python SCRIPT ARGS`` (arguments unchanged)."""
     if spec.script is None:
-        return f"hpcps train {launch_args(spec.train_args)}"
+        return f"hpcps train {launch_args(spec.train_args, spec.restarts)}"
     args = spec.train_args[1:] if spec.train_args[:1] == ["--"] else spec.train_args
     return shlex.join(["python", spec.script, *args])
 
@@ -147,6 +155,11 @@ def render(spec: JobSpec, *, command: str = "hpcps jobs render") -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     text = resources.files("hpcps.jobs").joinpath("templates", f"{spec.scheduler}.sh.j2").read_text()
     prefix, why = launcher(spec)
+    if spec.restarts:
+        where = " on the nodes still alive" if prefix.startswith("srun") else ""
+        again = (f"a launch that fails (a rank or a node died) runs again{where}, at most {spec.restarts} times, "
+                 f"resuming from the newest complete checkpoint")
+        prefix, why = f"hpcps supervise --restarts {spec.restarts} -- {prefix}", f"{why}; {again}" if why else again
     return env.from_string(text).render(
         **{k: v for k, v in vars(spec).items() if k not in ("train_args", "script")},
         launcher=prefix, launcher_why=why,

@@ -10,7 +10,9 @@ signal ended with a checkpoint), bad input (2: the same command would fail again
 restarting would diverge again), and a supervisor that was itself told to stop (it passes the signal on to
 the job). Anything else, a rank that died, was killed, or took the launcher down, is a failure to restart
 after ``delay`` seconds, up to ``restarts`` times. Outside a scheduler the command runs again as written,
-on the same hosts; under Slurm the job templates re-run the step on the nodes still alive instead.
+on the same hosts. Inside a Slurm allocation (``--no-kill``: a failed node does not end the job) an
+``srun`` command runs again on the allocation's nodes that sinfo says are alive, with as many ranks per
+node as before: the run resumes on that smaller shape (hpcps resumes a checkpoint on another shape).
 """
 
 from __future__ import annotations
@@ -50,6 +52,55 @@ def describe(status: int) -> str:
     if status > 128 and status - 128 in signal.valid_signals():
         return f"status {status} (a rank killed by {signal.Signals(status - 128).name}?)"
     return f"status {status}"
+
+
+#: Slurm node states in which a node takes no new job step (sinfo's short names; a trailing * says the
+#: node does not respond)
+_DEAD_STATES = ("down", "drain", "drng", "fail", "failg", "maint", "boot", "npc", "pow_dn", "pow_up", "unk")
+
+
+def alive_nodes(sinfo_lines: Sequence[str]) -> list[str]:
+    """The nodes of ``sinfo -h -N -o '%N %t'`` output that can run a step: responding, not down, drained
+    or failing."""
+    alive = []
+    for line in sinfo_lines:
+        parts = line.split()
+        if len(parts) != 2:
+            continue
+        node, state = parts
+        if state.endswith(("*", "~", "#", "!", "%", "$", "@", "^", "-")) or state.lower() in _DEAD_STATES:
+            continue
+        if node not in alive:
+            alive.append(node)
+    return alive
+
+
+def srun_on(command: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
+    """``command`` (an ``srun ...`` line) run on ``nodes`` only, ``tasks_per_node`` ranks each: what a
+    relaunch inside an allocation that lost nodes needs (``--no-kill`` kept it)."""
+    if not command or os.path.basename(command[0]) != "srun":
+        return list(command)
+    return [command[0], f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
+            f"--nodelist={','.join(nodes)}", *command[1:]]
+
+
+def slurm_relaunch(command: Sequence[str], environ) -> list[str]:
+    """Inside a Slurm allocation, an ``srun`` command on the allocation's nodes still alive (sinfo); the
+    command unchanged elsewhere, or where Slurm cannot be asked."""
+    nodelist, per_node = environ.get("SLURM_JOB_NODELIST"), environ.get("SLURM_NTASKS_PER_NODE", "")
+    if not nodelist or not command or os.path.basename(command[0]) != "srun" or not per_node.isdigit():
+        return list(command)
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N %t"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        log.warning("hpcps supervise: sinfo could not say which nodes are alive: launching on all of them")
+        return list(command)
+    nodes = alive_nodes(out.splitlines())
+    if not nodes:
+        return list(command)
+    log.info("hpcps supervise: launching on the %d node(s) still alive: %s", len(nodes), ",".join(nodes))
+    return srun_on(command, nodes, int(per_node))
 
 
 @dataclass
@@ -106,8 +157,9 @@ class Supervisor:
     def _launch(self, attempt: int) -> Launch:
         launch = Launch(attempt, time.time())
         self.launches.append(launch)
+        command = list(self.command) if attempt == 1 else slurm_relaunch(self.command, os.environ)
         # its own process group: a signal the supervisor passes on reaches the launcher, which passes it on
-        self._child = subprocess.Popen(list(self.command), env={**os.environ, ATTEMPT_VAR: str(attempt)},
+        self._child = subprocess.Popen(command, env={**os.environ, ATTEMPT_VAR: str(attempt)},
                                        start_new_session=True)
         while True:
             try:

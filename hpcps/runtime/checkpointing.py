@@ -104,7 +104,8 @@ def progress_note(run, clocks: Callable[[], list[int]], every: float = 0.25) -> 
 def restart_cost(resume: str, written_clocks, now: float) -> dict | None:
     """What the launch that ended after the checkpoint ``resume`` was written lost, from its progress note
     beside it: the gradients shard 0 had received past the checkpoint (their work is done again now), the
-    seconds of training they took, and the seconds from its last note to ``now`` (the failure's detection, the relaunch and this
+    seconds from the checkpoint to the last note (training, and waiting for a dead rank until the launcher ended
+    the job), and the seconds from its last note to ``now`` (the failure's detection, the relaunch and this
     start-up; at most 0.25 s of it training). None where no note is newer than the checkpoint."""
     note = os.path.join(os.path.dirname(os.path.abspath(resume)), PROGRESS_NOTE)
     try:

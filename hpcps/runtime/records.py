@@ -55,8 +55,8 @@ def open_runfile(run, path: str) -> RunFile:
         written = run.ckpt.written_clocks if run.ckpt.redealt else run.ckpt.worker_clocks
         restart = checkpointing.restart_cost(run.cfg.resume, written, time.time())
         if restart:
-            log.info("the launch before this one lost %d gradient(s) past the checkpoint (%.1f s of training) and "
-                     "%.1f s to its failure, the relaunch and this start-up", restart["gradients_repeated"],
+            log.info("the launch before this one lost %d gradient(s) past the checkpoint and %.1f s after it, and "
+                     "%.1f s went to the relaunch and this start-up", restart["gradients_repeated"],
                      restart["training_lost_s"], restart["restart_s"])
     try:
         return RunFile(path, {

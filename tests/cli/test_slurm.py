@@ -5,6 +5,7 @@ Starts a single-node cluster on this host with tools/slurm_local_cluster.sh
 why, only where Slurm is not installed or cannot run here.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -131,3 +132,20 @@ def test_an_open_mpi_job_runs_on_slurm_through_mpirun_inside_the_allocation(clus
         s = f["summary"].attrs
         assert f.attrs["mpi_library"].startswith("Open MPI") and f.attrs["world_size"] == 5
         assert s["gradients_pushed"] == s["gradients_applied"] == 4 * 40
+
+
+def test_a_job_rendered_with_restarts_finishes_by_itself_after_a_rank_is_killed(cluster, tmp_path):
+    """--restarts 1: the job step runs under hpcps supervise with --resume auto and #SBATCH --no-kill. A
+    worker SIGKILLed at step 38 fails the step; it runs again on the allocation's nodes that sinfo says are
+    alive (this one-node cluster's only node, so the same shape), resumes at step 30 and ends the run: the
+    planned 60 steps, the 30 after the checkpoint pushed exactly once more."""
+    train = ["--paradigm", "bsp", "--steps", "60", "--compute-time", "0.05", "--checkpoint-every", "10",
+             "--fault", "kill@2:38", "--out", "killed.h5"]
+    job, logs = _render_and_wait(tmp_path, "restart", ["--time", "00:05:00", "--restarts", "1"], train, timeout=300)
+    assert job.returncode == 0, job.stderr + logs
+    assert "hpcps supervise: launch 1 ended with" in logs and "launching on the 1 node(s) still alive" in logs, logs
+    assert "--resume auto: resuming from" in logs and "step-000030.h5" in logs, logs[-3000:]
+    with h5py.File(tmp_path / "killed.h5") as f:
+        s = f["summary"].attrs
+        assert s["gradients_pushed"] == s["gradients_applied"] == 4 * (60 - 30)
+        assert json.loads(f.attrs["restart"])["attempt"] == 2

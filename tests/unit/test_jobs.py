@@ -32,7 +32,7 @@ def test_scripts_are_valid_bash_and_pass_shellcheck(tmp_path, scheduler):
     assert check.returncode == 0, check.stdout
 
 
-@pytest.mark.parametrize("scheduler,launch", [("slurm", "srun --mpi=pmix hpcps train"), ("pbs", "mpiexec -n 8 hpcps train"),
+@pytest.mark.parametrize("scheduler,launch", [("slurm", "srun --kill-on-bad-exit=1 --mpi=pmix hpcps train"), ("pbs", "mpiexec -n 8 hpcps train"),
                                               ("lsf", "mpirun -n 8 hpcps train"), ("mpiexec", "mpiexec -n 8 hpcps train")])
 def test_train_options_reach_the_launch_line_unchanged(scheduler, launch):
     text = render(_spec(scheduler))
@@ -54,15 +54,15 @@ def test_resources_appear_in_each_dialect():
 
 def test_a_given_out_is_kept_and_no_mpi_plugin_means_the_site_default():
     text = render(JobSpec("slurm", train_args=["--out", "X.h5"]))
-    assert "srun hpcps train --out X.h5\n" in text
+    assert "srun --kill-on-bad-exit=1 hpcps train --out X.h5\n" in text
     assert launch_args([]) == '--out "$RUN_DIR/metrics.h5"'
 
 
 @pytest.mark.parametrize("scheduler, family, mpi, launch", [
     ("slurm", "openmpi", None, "mpirun -n 8 hpcps train"),              # inside the allocation
-    ("slurm", "openmpi", "pmix", "srun --mpi=pmix hpcps train"),        # the user's plugin stands
+    ("slurm", "openmpi", "pmix", "srun --kill-on-bad-exit=1 --mpi=pmix hpcps train"),        # the user's plugin stands
     ("slurm", "intel-mpi", None, "mpiexec.hydra -n 8 hpcps train"),
-    ("slurm", "mpich", None, "srun hpcps train"),                       # the site's MpiDefault
+    ("slurm", "mpich", None, "srun --kill-on-bad-exit=1 hpcps train"),                       # the site's MpiDefault
     ("pbs", "openmpi", None, "mpirun -n 8 hpcps train"),
     ("lsf", "intel-mpi", None, "mpiexec.hydra -n 8 hpcps train"),
     ("mpiexec", "mpich", None, "mpiexec -n 8 hpcps train"),
@@ -93,7 +93,7 @@ def test_cli_render_passes_everything_after_the_double_dash(capsys, monkeypatch)
     monkeypatch.setattr("hpcps.cli.detect_mpi_family", lambda: "mpich")
     assert main(["jobs", "render", "slurm", "--nodes", "3", "--", "--paradigm", "bsp", "--lr-gamma", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert "#SBATCH --nodes=3" in out and "srun hpcps train --paradigm bsp --lr-gamma 0.5 --out" in out
+    assert "#SBATCH --nodes=3" in out and "srun --kill-on-bad-exit=1 hpcps train --paradigm bsp --lr-gamma 0.5 --out" in out
     assert "# Rendered by: hpcps jobs render slurm --nodes 3 -- --paradigm bsp --lr-gamma 0.5" in out
 
 
@@ -131,7 +131,7 @@ def test_a_user_script_is_launched_in_place_of_hpcps_train(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
     text = render(JobSpec("slurm", script="train.py", train_args=["--", "--steps", "10", "--note", "a b"]))
-    assert "srun python train.py --steps 10 --note 'a b'\n" in text
+    assert "srun --kill-on-bad-exit=1 python train.py --steps 10 --note 'a b'\n" in text
     assert 'export HPCPS_RUN_DIR="$RUN_DIR"' in text and "hpcps train" not in text
     with pytest.raises(UserError, match="--script nope.py: no such file"):
         render(JobSpec("pbs", script="nope.py"))

@@ -101,3 +101,28 @@ def test_faults_fire_in_the_first_launch_only():
     faults = [parse_fault("kill@2:30")]
     assert armed(faults, {}) == faults and armed(faults, {ATTEMPT_VAR: "1"}) == faults
     assert armed(faults, {ATTEMPT_VAR: "2"}) == []
+
+
+def test_a_slurm_relaunch_runs_on_the_nodes_still_alive():
+    from hpcps.jobs.supervise import alive_nodes, srun_on
+
+    sinfo = ["n1 alloc", "n2 down*", "n3 mix", "n4 drain", "n5 idle*", "n3 mix", "n6 alloc"]
+    assert alive_nodes(sinfo) == ["n1", "n3", "n6"]
+    command = ["srun", "--kill-on-bad-exit=1", "hpcps", "train"]
+    assert srun_on(command, ["n1", "n3"], 4) == ["srun", "--nodes=2", "--ntasks=8", "--nodelist=n1,n3",
+                                                  "--kill-on-bad-exit=1", "hpcps", "train"]
+    assert srun_on(["mpirun", "-n", "8", "hpcps"], ["n1"], 4) == ["mpirun", "-n", "8", "hpcps"]
+
+
+def test_a_rendered_job_with_restarts_supervises_its_launch_and_resumes_itself():
+    from hpcps.jobs.render import JobSpec, render
+
+    text = render(JobSpec("slurm", nodes=2, ntasks_per_node=4, restarts=2, train_args=["--paradigm", "asp"]))
+    assert "#SBATCH --no-kill\n" in text
+    assert ("hpcps supervise --restarts 2 -- srun --kill-on-bad-exit=1 hpcps train --paradigm asp "
+            "--out \"$RUN_DIR/metrics.h5\" --resume auto\n") in text
+    plain = render(JobSpec("slurm", train_args=["--paradigm", "asp"]))
+    assert "--no-kill" not in plain and "supervise" not in plain and "--resume auto" not in plain
+    given = render(JobSpec("pbs", restarts=1, train_args=["--resume", "x.h5"]))
+    assert "hpcps supervise --restarts 1 -- mpiexec -n 5 hpcps train --resume x.h5 --out" in given
+    assert "--resume auto" not in given

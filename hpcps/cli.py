@@ -430,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks on some nodes, e.g. 0=2 or 1-4=1 (repeatable)")
     e.add_argument("--cleanup", action="store_true",
                    help="remove every box left behind by an hpcps emulate that is gone, and exit")
+    e.add_argument("--chaos", action="append", default=[], metavar="KIND:NODE@SECONDS",
+                   help="a fault while the job runs, SECONDS after its launch: kill:NODE (every process of the "
+                        "node gets SIGKILL, as when it dies) or down:NODE (its link goes down; down:NODE@S/D: "
+                        "for D seconds); NODE random: one other than node 0, drawn from --chaos-seed "
+                        "(repeatable)")
+    e.add_argument("--chaos-seed", type=int, default=0, dest="chaos_seed", metavar="N",
+                   help="the seed that draws --chaos's random nodes (default 0)")
     e.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="print the commands that would build the box and start the job, and exit")
     e.set_defaults(func=_emulate, command_args=[])  # the job's command after --: see main()
@@ -607,7 +614,8 @@ def _jobs_render(args: argparse.Namespace) -> int:
 
 
 def _emulate(args: argparse.Namespace) -> int:
-    from hpcps.box import launch, net
+    from hpcps.box import chaos, launch, net
+    from hpcps.runtime.faults import ATTEMPT_VAR
     from hpcps.box.spec import make_cluster
 
     if net.needs_user_namespace() and not args.dry_run:
@@ -623,9 +631,19 @@ def _emulate(args: argparse.Namespace) -> int:
                                ranks=args.ranks, prefix=f"hpcps{os.getpid()}-")
     except ValueError as exc:
         raise UserError(f"hpcps emulate: {exc}") from None
+    try:
+        faults = chaos.parse(args.chaos, len(cluster.nodes), args.chaos_seed)
+    except ValueError as exc:
+        raise UserError(f"hpcps emulate: {exc}") from None
+    if faults and int(os.environ.get(ATTEMPT_VAR, "1") or 1) > 1:  # a supervised relaunch would meet them again
+        print(f"hpcps emulate: --chaos is for the first launch only; this is launch {os.environ[ATTEMPT_VAR]}",
+              file=sys.stderr)
+        faults = []
     if args.dry_run:
+        for fault in faults:
+            print(f"# chaos at {fault.at:g} s: {fault.describe()}")
         return launch.dry_run(cluster, args.command_args)
-    return launch.emulate(cluster, args.command_args)
+    return launch.emulate(cluster, args.command_args, chaos=faults)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -9,10 +10,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from typing import Callable
 
+from hpcps.box import chaos as chaos_plan
 from hpcps.box import net
-from hpcps.box.spec import (FAMILIES, Cluster, describe_record, mpi_environment, mpmd_argv, setup_commands,
-                            ssh_agent_script)
+from hpcps.box.spec import (FAMILIES, NODE_IFACE, Cluster, describe_record, mpi_environment, mpmd_argv,
+                            setup_commands, ssh_agent_script)
 from hpcps.errors import UserError
 from hpcps.cluster.launcher import clean_environ, find_mpiexec, launcher_family
 
@@ -70,8 +75,9 @@ def in_user_namespace(argv: list[str]) -> int:
     return _wait_forwarding(proc)
 
 
-def emulate(cluster: Cluster, command: list[str], log=None) -> int:
-    """Build ``cluster``, run ``command`` on its ranks under mpiexec, remove the box; the job's exit status."""
+def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_plan.Fault] = ()) -> int:
+    """Build ``cluster``, run ``command`` on its ranks under mpiexec, remove the box; the job's exit status.
+    ``chaos``: faults to inflict on the box while the job runs (:mod:`hpcps.box.chaos`)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     net.check_host()
     mpiexec = find_mpiexec()
@@ -94,14 +100,76 @@ def emulate(cluster: Cluster, command: list[str], log=None) -> int:
                 f.write(ssh_agent_script(cluster))
             os.chmod(agent, 0o755)
         env = clean_environ(**mpi_environment(cluster, family, agent))
-        return _run_job(mpmd_argv(cluster, mpiexec, command, family), env, reaper)
+        return _run_job(mpmd_argv(cluster, mpiexec, command, family), env, reaper,
+                        lambda: _inflict(cluster, chaos, log) if chaos else None)
     finally:
         net.remove(cluster.prefix)
         reaper.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_job(argv: list[str], env: dict[str, str], reaper: net.Reaper) -> int:
+class _Chaos(threading.Thread):
+    """Carry out a fault schedule from the job's launch until it is done or the job ends."""
+
+    def __init__(self, cluster: Cluster, faults: list[chaos_plan.Fault], log) -> None:
+        super().__init__(name="hpcps-chaos", daemon=True)
+        self.cluster, self.faults, self.log = cluster, faults, log
+        self.over = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        later = []  # (when, node): links to bring back up
+        for fault in self.faults:
+            for when, node in sorted(x for x in later if x[0] <= fault.at):
+                if self._wait(start, when):
+                    return
+                self._link(node, "up")
+                later.remove((when, node))
+            if self._wait(start, fault.at):
+                return
+            ns = self.cluster.namespace(fault.node)
+            if fault.kind == "kill":
+                victims = net.pids_in(ns)
+                for pid in victims:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                self.log(f"hpcps emulate: chaos at {time.monotonic() - start:.1f} s: {fault.describe()}, "
+                         f"{len(victims)} process(es)")
+            else:
+                self._link(fault.node, "down")
+                self.log(f"hpcps emulate: chaos at {time.monotonic() - start:.1f} s: {fault.describe()}")
+                if fault.lasting is not None:
+                    later.append((fault.at + fault.lasting, fault.node))
+        for when, node in sorted(later):
+            if self._wait(start, when):
+                return
+            self._link(node, "up")
+
+    def _wait(self, start: float, at: float) -> bool:
+        """Sleep until ``at`` seconds after ``start``; True if the job ended first."""
+        return self.over.wait(max(0.0, start + at - time.monotonic()))
+
+    def _link(self, node: int, state: str) -> None:
+        subprocess.run(["ip", "-n", self.cluster.namespace(node), "link", "set", NODE_IFACE, state],
+                       capture_output=True, check=False)
+        if state == "up":
+            self.log(f"hpcps emulate: chaos: node {node}'s link up again")
+
+
+def _inflict(cluster: Cluster, faults: list[chaos_plan.Fault], log) -> Callable[[], None]:
+    """Start carrying out ``faults``; return what stops it."""
+    thread = _Chaos(cluster, faults, log)
+    thread.start()
+
+    def stop() -> None:
+        thread.over.set()
+        thread.join(timeout=5)
+
+    return stop
+
+
+def _run_job(argv: list[str], env: dict[str, str], reaper: net.Reaper,
+             start_chaos: Callable[[], Callable[[], None] | None] = lambda: None) -> int:
     """Run mpiexec in a process group of its own, passing each signal this process gets on to it once.
 
     A Ctrl-C at a terminal reaches only this process; mpiexec then gets one SIGINT (not one from the
@@ -110,7 +178,12 @@ def _run_job(argv: list[str], env: dict[str, str], reaper: net.Reaper) -> int:
     """
     proc = subprocess.Popen(argv, env=env, preexec_fn=os.setpgrp)
     reaper.job(proc.pid)
-    status = _wait_forwarding(proc)
+    stop_chaos = start_chaos()
+    try:
+        status = _wait_forwarding(proc)
+    finally:
+        if stop_chaos is not None:
+            stop_chaos()
     reaper.job(proc.pid, done=True)
     return status
 

@@ -114,6 +114,11 @@ def pids(prefix: str) -> list[int]:
     return found
 
 
+def pids_in(ns: str) -> list[int]:
+    """Processes running in the namespace ``ns`` (one node's)."""
+    return [int(w) for w in _run(["ip", "netns", "pids", ns]).stdout.split() if w.isdigit()]
+
+
 def remove(prefix: str) -> list[str]:
     """Kill what runs in, and delete, every namespace named ``prefix*``; return their names.
 

@@ -361,3 +361,33 @@ def test_without_root_or_user_namespaces_one_line_says_what_is_missing():
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hpcps: error: hpcps emulate needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)")
     assert "no unshare (util-linux) on PATH" in lines[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_node_killed_in_the_box_is_survived_by_a_supervised_job_with_the_accounting_exact(tmp_path):
+    """--chaos kill:3@14: node 3's rank dies (SIGKILL) 14 s after the launch; hpcps supervise launches the
+    box again (without the chaos: first launch only), the run resumes from its newest periodic checkpoint
+    and pushes exactly what that checkpoint lacked of every worker's steps."""
+    out = tmp_path / "asp.h5"
+    command = [sys.executable, "-m", "hpcps", "supervise", "--delay", "0", "--restarts", "1", "--",
+               sys.executable, "-m", "hpcps", "emulate", "--nodes", "5", "--link", "1gbit", "--chaos", "kill:3@14",
+               "--", sys.executable, "-m", "hpcps", "train", "--paradigm", "asp", "--steps", "300",
+               "--compute-time", "0.05", "--checkpoint-interval", "1", "--progress-every", "600",
+               "--out", str(out), "--resume", "auto"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=clean_environ(PYTHONUNBUFFERED="1"))
+    try:
+        _, err = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"the supervised box did not finish\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "chaos at 14.0 s: node 3's processes killed (SIGKILL)" in err
+    assert "hpcps supervise: launch 1 ended" in err and "--chaos is for the first launch only" in err
+    with h5py.File(out) as f:
+        s, resumed = f["summary"].attrs, f.attrs["resumed_from"]
+        pushed, handled = int(s["gradients_pushed"]), int(s["gradients_applied"] + s["gradients_dropped"])
+    with h5py.File(resumed) as f:
+        cut = int(f.attrs["worker_clocks"].sum())
+    assert 0 < cut < 4 * 300 and pushed == handled == 4 * 300 - cut

@@ -126,3 +126,16 @@ def test_a_rendered_job_with_restarts_supervises_its_launch_and_resumes_itself()
     given = render(JobSpec("pbs", restarts=1, train_args=["--resume", "x.h5"]))
     assert "hpcps supervise --restarts 1 -- mpiexec -n 5 hpcps train --resume x.h5 --out" in given
     assert "--resume auto" not in given
+
+
+def test_a_chaos_schedule_is_parsed_in_time_order_and_random_nodes_are_reproducible():
+    from hpcps.box.chaos import Fault, parse
+
+    faults = parse(["down:2@30/5", "kill:1@20", "down:3@40"], nodes=5)
+    assert faults == [Fault("kill", 1, 20.0), Fault("down", 2, 30.0, 5.0), Fault("down", 3, 40.0)]
+    drawn = [parse(["kill:random@10"] * 3, nodes=5, seed=s) for s in (7, 7, 8)]
+    assert drawn[0] == drawn[1] and all(0 < f.node < 5 for f in drawn[0])
+    for bad, message in [("kill:9@1", "nodes 0-4"), ("kill:1@5/2", "/SECONDS is for down"),
+                         ("boom:1@2", "expected KIND:NODE@SECONDS")]:
+        with pytest.raises(ValueError, match=message):
+            parse([bad], nodes=5)

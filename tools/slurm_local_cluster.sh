@@ -38,6 +38,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 MpiDefault=pmi2
+KillWait=5
 ReturnToService=2
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
@@ -48,6 +49,12 @@ SlurmdLogFile=/var/log/slurm/slurmd.log
 NodeName=$host CPUs=$cpus State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF
+fi
+# a step whose rank died is killed 5 s after its SIGTERM (Slurm's default waits 30 s): the restart tests' ranks,
+# waiting for the dead one, cannot stop on the signal
+if ! grep -q "^KillWait=" "$conf"; then
+  echo "KillWait=5" >> "$conf"
+  pgrep -x slurmctld >/dev/null && scontrol reconfigure >/dev/null 2>&1 || true
 fi
 pgrep -x slurmctld >/dev/null || slurmctld
 pgrep -x slurmd >/dev/null || slurmd

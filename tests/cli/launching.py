@@ -41,3 +41,17 @@ def launch(n: int, *args: str, timeout: float, cwd: str | None = None,
 #: what a launcher says when it could not start a job at all, before any rank ran (not hpcps's doing): Open
 #: MPI's, seen in CI on a machine whose /tmp held the session directories of many killed jobs
 LAUNCHER_FAILED_TO_START = ("The PMIx server's listener thread failed to start",)
+
+
+def run_bounded(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``argv`` in a process group of its own and a clean environment (plus ``env``), output captured; on
+    timeout kill the whole group and fail."""
+    proc = subprocess.Popen(argv, env=clean_environ(PYTHONUNBUFFERED="1", **(env or {})), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(argv[:6])} ... did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -139,3 +139,15 @@ def test_a_chaos_schedule_is_parsed_in_time_order_and_random_nodes_are_reproduci
                          ("boom:1@2", "expected KIND:NODE@SECONDS")]:
         with pytest.raises(ValueError, match=message):
             parse([bad], nodes=5)
+
+
+def test_a_supervised_relaunch_of_the_box_inflicts_no_chaos_again(monkeypatch, capsys):
+    from hpcps.cli import main
+
+    monkeypatch.setenv(ATTEMPT_VAR, "2")
+    assert main(["emulate", "--nodes", "3", "--chaos", "kill:1@5", "--dry-run", "--", "hpcps", "train"]) == 0
+    out, err = capsys.readouterr()
+    assert "--chaos is for the first launch only; this is launch 2" in err and "# chaos at" not in out
+    monkeypatch.setenv(ATTEMPT_VAR, "1")
+    assert main(["emulate", "--nodes", "3", "--chaos", "kill:1@5", "--dry-run", "--", "hpcps", "train"]) == 0
+    assert "# chaos at 5 s: node 1's processes killed (SIGKILL)" in capsys.readouterr().out

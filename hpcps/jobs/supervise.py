@@ -161,12 +161,7 @@ class Supervisor:
         # its own process group: a signal the supervisor passes on reaches the launcher, which passes it on
         self._child = subprocess.Popen(command, env={**os.environ, ATTEMPT_VAR: str(attempt)},
                                        start_new_session=True)
-        while True:
-            try:
-                launch.status = self._child.wait()
-                break
-            except InterruptedError:  # pragma: no cover (PEP 475 retries wait itself)
-                continue
+        launch.status = self._child.wait()
         launch.ended = time.time()
         self._child = None
         return launch

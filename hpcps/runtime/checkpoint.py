@@ -243,6 +243,12 @@ def read_policy_state(path: str, shard: int) -> dict:
     return torch.load(part, weights_only=True).get(POLICY_KEY) or {}
 
 
+def checkpoint_files(directory: str) -> tuple[str, ...]:
+    """The names of every checkpoint's files in ``directory`` (``step-*``): they change exactly when a
+    checkpoint is begun, completed or removed."""
+    return tuple(sorted(glob.glob(os.path.join(directory, "step-*"))))
+
+
 def newest_complete(directory: str) -> tuple[str, np.ndarray] | None:
     """The newest complete checkpoint in ``directory`` (every shard's part written) and its worker clocks,
     read from its attributes only; None where it holds none."""

@@ -46,6 +46,7 @@ from hpcps.cluster.emulation import emulated_compute_time
 from hpcps.cluster.effects import no_effect
 from hpcps.errors import RunAborted, UserError
 from hpcps.training.flat import FlatParameters
+from hpcps.training.local import LocalSteps
 from hpcps.cluster.grouping import speed_groups
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
@@ -340,7 +341,7 @@ class _Run:
     def rounds(self) -> int:
         """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
         every = self.cfg.inner_steps
-        return self.steps if every is None else -(-self.steps // every)
+        return self.steps if every is None else LocalSteps.rounds(self.steps, every)
 
     def clock(self) -> float:
         """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""

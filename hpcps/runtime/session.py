@@ -31,8 +31,8 @@ import torch
 from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
-from hpcps.runtime.checkpoint import (LoopState, checkpoint_path, newest_clocks, read_loop_state, restore_int_buffers,
-                                      write_user_state)
+from hpcps.runtime.checkpoint import (LoopState, checkpoint_files, checkpoint_path, newest_clocks, read_loop_state,
+                                      restore_int_buffers, write_user_state)
 from hpcps.cluster.emulation import BackwardCompute, emulated_compute_time, emulated_sleep, end_pass, forward_compute
 from hpcps.runtime import assembly
 from hpcps.cluster.effects import own_loop
@@ -107,6 +107,7 @@ class Session:
                 weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.steps)
             self._resume_inner()
         self._round_compute, self._round_losses, self._waited0 = 0.0, [], 0.0
+        self._ckpt_files: tuple[str, ...] = ()  # the checkpoint files the inner files were last pruned by
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's)
         self.workers = run.topo.role_comm.Dup()
@@ -366,6 +367,10 @@ class Session:
         if not (cfg.checkpoint_every or cfg.checkpoint_interval):
             return
         self._save_inner(clock)
+        files = checkpoint_files(self.run.ckpt_dir)
+        if files == self._ckpt_files:  # no checkpoint written or completed since the last round: nothing to read
+            return
+        self._ckpt_files = files
         clocks = newest_clocks(self.run.ckpt_dir)
         if clocks is not None and len(clocks) > self.worker_index:
             self._inner_files().prune(int(clocks[self.worker_index]))

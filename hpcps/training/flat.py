@@ -107,8 +107,8 @@ class FlatParameters:
                 module._buffers[name] = view.view_as(t)
             offset += n
         self._packed_views = [self.params_t[o:o + n] for *_, o, n in self._spans] if padded else None
-        self._offsets = [o for *_, o, _ in self._spans]  # each tensor's place in params_t, and in model_t
-        self._starts = starts
+        self._offsets = [o for *_, o, _ in self._spans]  # each tensor's place in params_t
+        self._starts = starts  # and in model_t
         self._before: torch.Tensor | None = None  # buffers when the pass began
         if padded:
             torch._foreach_copy_(self._packed_views, self._model_views)

@@ -21,9 +21,9 @@ the data feeds inner step ``k`` as without local steps. With
 ``--local-steps-by-speed`` the workers time their first round and each takes
 its own share of H per round from then on (:func:`steps_by_speed`).
 
-The inner optimizer's state is checkpointed by each worker
-(:func:`write_inner_state`, one file per worker and round: :class:`InnerFiles`)
-and taken back when a run resumes at that round.
+The inner optimizer's state is checkpointed by each worker (one file per
+worker and round: :class:`InnerFiles`) and taken back when a run resumes at
+that round.
 """
 
 from __future__ import annotations

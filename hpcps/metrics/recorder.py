@@ -95,8 +95,11 @@ class ForwardingRecorder(_Recorder):
 class FileRecorder(_Recorder):
     """Rank 0: own rows straight to the file; other ranks' batches via :meth:`drain`."""
 
-    def __init__(self, comm: MPI.Comm, runfile: RunFile, *, interval: float = 0.25) -> None:
+    def __init__(self, comm: MPI.Comm, runfile: RunFile, *, interval: float = 0.25, dead=None) -> None:
+        """``dead``: a :class:`~hpcps.transport.failures.DeadRanks` over ``comm`` (run-through): a rank that
+        died is closed (its rows not sent yet died with it), instead of an MPI error."""
         self.comm = comm
+        self.dead = dead
         self.file = runfile
         self.buffer = _Buffer(batch_rows=1 << 30, interval=interval)
         self.open_ranks = set(range(1, comm.size))
@@ -120,8 +123,7 @@ class FileRecorder(_Recorder):
         """
         status = MPI.Status()
         got = 0
-        while (limit is None or got < limit) and self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG,
-                                                                  status=status):
+        while (limit is None or got < limit) and self._probe(status):
             msg = self.comm.recv(source=status.Get_source(), tag=status.Get_tag())
             if status.Get_tag() == TAG_CLOSE:
                 self.open_ranks.discard(status.Get_source())
@@ -135,6 +137,18 @@ class FileRecorder(_Recorder):
             self.file.flush()
             self._flushed = time.monotonic()
         return bool(got)
+
+    def _probe(self, status: MPI.Status) -> bool:
+        try:
+            came = self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        except MPI.Exception as exc:
+            if self.dead is None:
+                raise
+            self.dead.found(exc)
+            came = self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        if self.dead is not None:
+            self.open_ranks -= self.dead.dead
+        return came
 
     def close(self, backoff: Backoff | None = None) -> None:
         """Wait until every other rank has closed, writing what they send."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 8  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+SCHEMA_VERSION = 9  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
 #                     4: workers/scalars, optimizer; 5: timeline; 6: servers/updates.lr, reason 3;
-#                     7: servers/hypers; 8: servers/updates.momentum
+#                     7: servers/hypers; 8: servers/updates.momentum; 9: servers/lost, gradients_lost, workers_lost
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -56,6 +56,13 @@ UPDATE = np.dtype([
 #: send (``t_begin``) and when the gradient had arrived (``t_end``), on the shard's clock.
 TRANSFER = np.dtype([("rank", "i4"), ("shard", "i4"), ("worker", "i4"), ("t_begin", "f8"), ("t_end", "f8")])
 
+#: ``/servers/lost`` (run-through on ULFM: docs/running.md): a worker that died, one row per shard with
+#: ``reason`` 0 (``worker_clock``: the last of its gradients the shard received), then one row per gradient of
+#: it the shard will never apply (``worker_clock``: that gradient's clock), ``reason`` saying why (LOST_REASONS).
+LOST = np.dtype([("rank", "i4"), ("shard", "i4"), ("t", "f8"), ("worker", "i4"), ("worker_clock", "i8"),
+                 ("reason", "i1")])
+LOST_REASONS = {0: "the worker died", 1: "its worker died while pushing it",
+                2: "received by another shard: its worker died between the two"}
 #: ``reason`` codes of ``/servers/updates``
 REASONS = {0: "applied", 1: "non-finite gradient", 2: "skipped by its worker", 3: "dropped by the paradigm"}
 
@@ -100,6 +107,7 @@ TABLES = {
     "servers/updates": UPDATE,
     "groups/updates": UPDATE,
     "servers/transfers": TRANSFER,
+    "servers/lost": LOST,
     "eval": EVAL,
     "eval_metrics": EVAL_METRIC,
     "workers/scalars": SCALAR,
@@ -111,15 +119,19 @@ TABLES = {
 ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_size",
               "n_workers", "n_servers", "n_groups", "mpi_library", "start_time")
 
-SUMMARY_ATTRS = ("wall_s", "gradients_pushed", "gradients_applied", "gradients_dropped",
+SUMMARY_ATTRS = ("wall_s", "gradients_pushed", "gradients_applied", "gradients_dropped", "gradients_lost",
+                 "workers_lost",
                  "final_accuracy", "final_loss", "time_to_target_s")
 
 
 def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
-              wall_s: float, target=None, eval_metrics: np.ndarray | None = None) -> dict[str, float | int]:
+              wall_s: float, target=None, eval_metrics: np.ndarray | None = None,
+              lost: np.ndarray | None = None) -> dict[str, float | int]:
     """The ``/summary`` attributes, derived from the tables so they always agree.
 
-    Every gradient is recorded once per shard; counts use shard 0's rows. ``target`` is a
+    Every gradient is recorded once per shard; counts use shard 0's rows. A worker that died (``lost``,
+    run-through) recorded its pushes in rows that partly died with it: its pushes are counted from the
+    shards' side, what shard 0 applied, dropped and lost of them. ``target`` is a
     :class:`hpcps.training.target.Target` (or a number: an accuracy to reach), read from ``/eval``
     for loss and accuracy and from ``eval_metrics`` for the evaluation's other names.
     """
@@ -127,6 +139,11 @@ def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
 
     first_shard = updates[updates["shard"] == 0]
     applied = int(first_shard["applied"].sum())
+    lost = lost[lost["shard"] == 0] if lost is not None else np.zeros(0, LOST)
+    dead = set(lost["worker"][lost["reason"] == 0].tolist())
+    n_lost = int((lost["reason"] != 0).sum())
+    survivors = iterations[~np.isin(iterations["rank"], list(dead))] if dead else iterations
+    pushed = len(survivors) + int(np.isin(first_shard["worker"], list(dead)).sum()) + n_lost if dead else len(iterations)
     if isinstance(target, (int, float)):
         target = Target("accuracy", ">=", float(target))
     if target is None:
@@ -138,9 +155,11 @@ def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
         reached = target.first_time(rows["t"], rows["value"]) if len(rows) else float("nan")
     return {
         "wall_s": float(wall_s),
-        "gradients_pushed": int(len(iterations)),
+        "gradients_pushed": int(pushed),
         "gradients_applied": applied,
         "gradients_dropped": int(len(first_shard) - applied),
+        "gradients_lost": n_lost,
+        "workers_lost": len(dead),
         "final_accuracy": float(evals["accuracy"][-1]) if len(evals) else float("nan"),
         "final_loss": float(evals["loss"][-1]) if len(evals) else float("nan"),
         "time_to_target_s": reached,

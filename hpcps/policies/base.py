@@ -94,6 +94,9 @@ class Policy(ABC):
     #: whether gradients wait for others (a round) before they are applied; a shard then sums each
     #: round as it arrives (hpcps.runtime.rounds) instead of holding its gradients
     holds_rounds: ClassVar[bool] = False
+    #: whether a worker that dies (Open MPI's ULFM: docs/running.md) may leave the run as one that finished
+    #: does (``on_leave``), the others going on; False: its death ends the job, as under any other MPI
+    runs_through: ClassVar[bool] = True
     #: whether every decision on a push applies that gradient at once (asp, ssp, dssp, eager): a shard then
     #: receives into a small pool of buffers; otherwise it keeps one receive buffer per worker, as it
     #: may hold every worker's gradient at once

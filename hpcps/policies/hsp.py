@@ -41,6 +41,7 @@ class HSP(BSP):
     reproducible bit for bit."""
 
     name = "hsp"
+    runs_through = False  # serial transfers and extra gradients: not built for a worker that dies
     summary = "rounds collected one worker at a time (no incast); waiting workers add scaled extra gradients"
     serial_transfers = True
     extra_gradients = True

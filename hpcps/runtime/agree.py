@@ -8,6 +8,9 @@ for one that has already quit.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import time
 from typing import Callable, TypeVar
 
@@ -130,4 +133,13 @@ def end_job(comm: MPI.Comm, exc: BaseException, *, quiet: tuple[type[BaseExcepti
         except Exception:  # a dying rank's rows are a courtesy: the abort must happen
             log.debug("last words failed on rank %d", comm.rank, exc_info=True)
     time.sleep(0.5)  # let the launcher forward that line (and rank 0 write the rows) before MPI_Abort
+    from hpcps.transport.failures import ulfm_enabled
+    if ulfm_enabled():
+        # under Open MPI's ULFM (5.0.11 measured), MPI_Abort blocks its caller and ends no one, and so does
+        # a nonzero exit, which is not even reported as a failure: this rank is killed instead, which the
+        # others see as a dead rank (a worker's death is run through where the paradigm allows; any other
+        # rank's ends theirs in turn, when they next talk to it)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
     comm.Abort(1)

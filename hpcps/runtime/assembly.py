@@ -37,6 +37,7 @@ from hpcps.training.paramgroups import shard_group_indices, shard_groups
 from hpcps.transport import wire
 from hpcps.transport.compress import make_codec
 from hpcps.transport.notices import NoticeBox, Notifier
+from hpcps.transport.failures import retried
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
 from hpcps.transport.window import ParamWindow
@@ -67,7 +68,7 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
     topo, layout, cfg = run.topo, run.layout, run.cfg
     grouped = layout.n_groups > 0  # then the central shards' clients are the group servers
     workers = clients(run)
-    notifier = Notifier(topo.ps, worker_ranks=workers)
+    notifier = Notifier(topo.ps, worker_ranks=workers, dead=run.dead)
     serial = policy_class(cfg.paradigm).serial_transfers and not grouped
     trainable = n_params(run, topo.rank)
     policy = make_policy(cfg.paradigm, len(workers), cfg.paradigm_option, staleness=cfg.s_lo,
@@ -90,9 +91,9 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
                       on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                       pool=RECEIVE_POOL if pooled else None,
                       reserve=rounds.expected if rounds and rounds.ordered else None,
-                      pieces=send_pieces(run, run.codec)[topo.rank])
+                      pieces=send_pieces(run, run.codec)[topo.rank], dead=run.dead)
     side_tasks, bar, evaluator = [("other", watchers.spread_signal(run, window))], None, None
-    side_tasks.append(("other", StateDesk(topo.ps, optimizer, len(master))))  # ps.optimizer's state
+    side_tasks.append(("other", StateDesk(topo.ps, optimizer, len(master), dead=run.dead)))  # ps.optimizer's state
     if topo.rank == 0:
         # evaluate in a helper thread where the pull may run beside the loop (pinned window, THREAD_MULTIPLE)
         # (HPCPS_EVAL_BACKGROUND=0 forces the loop's thread: tools/bench_eval_latency.py compares both)
@@ -131,7 +132,7 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
         stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
         on_published=checkpointing.checkpointer(run, window, optimizer, lambda: server.clocks) if at_publish else None,
         worker_ranks=workers, recorder=recorder, clock=run.clock,
-        progress=lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG),
+        progress=lambda: retried(run.dead, lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)),
         side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=run.backoff,
         round_sum=rounds, timeline=timeline(run, recorder), codec=run.codec,
     )
@@ -146,11 +147,26 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
     run.final_version = server.version
     inbox.free()
     polite_barrier(topo.role_comm, run.backoff)  # every shard has published its final version
+    if run.dead is not None and layout.n_servers > 1:
+        reconcile_lost(run, server, recorder)
     if evaluator is not None:
         evaluator.pull = lambda out: window.pull(out, Backoff(), exact=True)  # the shards' fp32 masters
         evaluator.evaluate()  # also leaves the final global parameters and buffers in run.model
         run.final_metrics = evaluator.metrics
         bar.close()
+
+
+def reconcile_lost(run, server: ShardServer, recorder) -> None:
+    """Collective over the shards (run-through): a worker that died between its pushes to two shards left a
+    gradient one applied and the other never received; each shard records those it lacks as lost (reason 2),
+    so every shard accounts for the same pushes."""
+    reached = {server.worker_ranks[w]: max([server.clocks[w], *lost])  # received whole, or cut off here
+               for w, lost in server.lost_clocks.items()}
+    everyone = run.topo.role_comm.allgather(reached)
+    t = run.clock()
+    for rank, mine in reached.items():
+        for clock in range(mine + 1, max(d.get(rank, 0) for d in everyone) + 1):
+            recorder.add("servers/lost", (server.rank, server.shard, t, rank, clock, 2))
 
 
 def shard_optimizer(run, params: np.ndarray, shard: int) -> ShardOptimizer:

@@ -19,6 +19,7 @@ from mpi4py import MPI
 from hpcps.training.optim import ShardOptimizer
 from hpcps.training.optstate import FlatState, from_shard, to_shard
 from hpcps.transport import wire
+from hpcps.transport.failures import retried
 
 
 class StateDesk:
@@ -26,12 +27,14 @@ class StateDesk:
 
     ``optimizer``: the shard's (None where it holds buffers only); ``length``: its slice's values."""
 
-    def __init__(self, comm: MPI.Comm, optimizer: ShardOptimizer | None, length: int) -> None:
-        self.comm, self.optimizer, self.length = comm, optimizer, length
+    def __init__(self, comm: MPI.Comm, optimizer: ShardOptimizer | None, length: int, dead=None) -> None:
+        """``dead``: :class:`~hpcps.transport.failures.DeadRanks` over ``comm`` under run-through."""
+        self.comm, self.optimizer, self.length, self.dead = comm, optimizer, length, dead
         self.status = MPI.Status()
 
     def __call__(self) -> bool:
-        if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_STATE, status=self.status):
+        if not retried(self.dead, lambda: self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_STATE,
+                                                           status=self.status)):
             return False
         source = self.status.Get_source()
         request = self.comm.recv(source=source, tag=wire.TAG_STATE)

@@ -62,6 +62,7 @@ from hpcps.policies import Policy, policy_class
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
+from hpcps.transport.failures import DeadRanks, ulfm_enabled
 from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
 from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
@@ -336,6 +337,8 @@ class _Run:
         self.shards = list(range(self.layout.n_servers))
         self.backoff = Backoff()
         self.run_clock = RunClock(time.perf_counter(), 0.0, 0.0)  # until the start: see run()
+        #: under run-through (Open MPI's ULFM, a paradigm that allows it): the run's ranks found dead
+        self.dead: DeadRanks | None = None
 
     @property
     def rounds(self) -> int:
@@ -368,10 +371,17 @@ class _Run:
         (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and :meth:`end`, collective again.
         """
         comm, topo = self.topo.comm, self.topo
+        if ulfm_enabled() and self.layout.n_groups == 0 and policy_class(self.cfg.paradigm).runs_through:
+            self.dead = DeadRanks([topo.ps, topo.metrics])
+        elif ulfm_enabled() and comm.rank == 0:
+            log.warning("Open MPI's fault tolerance (ULFM) is on, but %s does not run through a dead worker: a "
+                        "rank's death ends the job (resume it with --resume auto, or run under hpcps supervise)",
+                        self.cfg.paradigm)
         path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
         self.ckpt_dir = checkpointing.checkpoint_dir(self.cfg, path)
         runfile = agree(comm, lambda: records.open_runfile(self, path) if comm.rank == 0 else None)
-        recorder = FileRecorder(topo.metrics, runfile) if comm.rank == 0 else ForwardingRecorder(topo.metrics)
+        recorder = (FileRecorder(topo.metrics, runfile, dead=self.dead) if comm.rank == 0
+                    else ForwardingRecorder(topo.metrics))
         # an earlier run in this process that failed without ending it (exit_on_error=False) left its own
         agree_module.last_words.clear()
         if comm.rank != 0:  # a rank that fails sends rank 0 the rows it still holds before the job ends
@@ -457,6 +467,8 @@ class _Run:
                                                          self.group_window)
         wall_s = self.clock()
         recorder.close(self.backoff)
+        if self.dead is not None:
+            comm = self._survivors()
         polite_barrier(comm, self.backoff)
         # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
         stopped_by = next((s for s in comm.allgather(self.signals.acted) if s), None)
@@ -468,10 +480,32 @@ class _Run:
         ints = [i for i in comm.gather(loop.int_buffers if loop is not None else None, root=0) or [] if i]
         if ints:
             restore_int_buffers(self.model, ints[0])
-        window.free()
-        if group_window is not None:
-            group_window.free()
+        if comm is self.topo.comm:
+            window.free()
+            if group_window is not None:
+                group_window.free()
+        else:  # a window's free is a collective over every rank it was made on, the dead too: left to MPI
+            self.window = self.group_window = None
         return self._finish(runfile, wall_s, self.path, ranks, stopped_by, saved_ckpt) if comm.rank == 0 else None
+
+    def _survivors(self) -> MPI.Comm:
+        """Collective over the living (run-through): the run's communicator, or where ranks died, a shrunk
+        copy of it for the end's collectives (the living keep their order: rank 0, a shard, is alive)."""
+        comm = self.topo.comm
+        shrunk = comm.Shrink()
+        if shrunk.size == comm.size:
+            shrunk.Free()
+            return comm
+        self.stack.callback(shrunk.Free)
+        group, alive = comm.Get_group(), shrunk.Get_group()
+        gone = set(range(comm.size)) - set(MPI.Group.Translate_ranks(alive, list(range(alive.size)), group))
+        group.Free()
+        alive.Free()
+        self.dead.dead |= gone
+        if comm.rank == 0:
+            log.warning("the run ended without rank(s) %s, which died: their rows not yet sent are lost",
+                        ", ".join(map(str, sorted(gone))))
+        return shrunk
 
     def ran_config(self) -> dict:
         """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
@@ -483,7 +517,7 @@ class _Run:
         iterations = runfile.read("workers/iterations")
         summary = summarize(iterations, runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.stop_target,
-                            eval_metrics=runfile.read("eval_metrics"))
+                            eval_metrics=runfile.read("eval_metrics"), lost=runfile.read("servers/lost"))
         summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
         runfile.write_summary(summary)
         self.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on

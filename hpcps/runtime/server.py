@@ -54,7 +54,7 @@ from hpcps.transport import wire
 from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
 from hpcps.transport.compress import Codec, all_finite
-from hpcps.transport.push import LeaveEvent, PushEvent, PushInbox
+from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent, PushInbox
 from hpcps.transport.window import ParamWindow
 
 log = logging.getLogger("hpcps")
@@ -155,6 +155,8 @@ class ShardServer:
         self.clocks = [0] * len(self.worker_ranks)
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
+        self.dead: set[int] = set()  # workers found dead (run-through): never sent a notice again
+        self.lost_clocks: dict[int, list[int]] = {}  # a dead worker's pushes cut off here (run-through)
         self.silent: list[tuple[float, int]] = []
         self.pushed: set[int] = set()  # workers heard from in this run: the others may still be compiling
         self.held_up: list[int] = []  # workers whose push waits for this shard's buffer or turn
@@ -201,7 +203,8 @@ class ShardServer:
                     self.on_published(self.version)
             tl.enter("notify")
             for worker, (flags, clock, version, staleness, lr) in notices.items():
-                self.notifier.send(worker, flags, clock, version, staleness, lr)
+                if worker not in self.dead:
+                    self.notifier.send(worker, flags, clock, version, staleness, lr)
             tl.enter("wait")
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
@@ -216,8 +219,11 @@ class ShardServer:
             self.recorder.add("servers/transfers", (self.rank, self.shard, self.worker_ranks[worker], began, ended))
         self.inbox.transfers.clear()
 
-    def _handle(self, event: PushEvent | LeaveEvent, notices: dict[int, list]) -> None:
+    def _handle(self, event: PushEvent | LeaveEvent | LostEvent, notices: dict[int, list]) -> None:
         now = self.clock()
+        if isinstance(event, LostEvent):
+            self._lost(event, now, notices)
+            return
         self.heard[event.worker] = now
         if isinstance(event, PushEvent):
             if event.hyper:  # sent before the header: here or on its way
@@ -245,6 +251,30 @@ class ShardServer:
                 self.inbox.offer()
             self._carry_out(decision, notices)
             _note(notices, event.worker, wire.BYE)
+
+    def _lost(self, event: LostEvent, now: float, notices: dict[int, list]) -> None:
+        """A worker died (run-through): its pushes in flight here are lost, each with a row; it leaves the
+        paradigm's bounds as a worker that finished does, and is never sent a notice again. A gradient of it
+        that came whole stays pending: the paradigm applies it like any other."""
+        worker, rank = event.worker, self.worker_ranks[event.worker]
+        if event.leaves:
+            self.recorder.add("servers/lost", (self.rank, self.shard, now, rank, self.clocks[worker], 0))
+        for clock in event.clocks:
+            self.recorder.add("servers/lost", (self.rank, self.shard, now, rank, clock, 1))
+        self.lost_clocks.setdefault(worker, []).extend(event.clocks)
+        if not event.leaves:
+            return
+        self.dead.add(worker)
+        self.gone.add(worker)
+        self.awaiting.discard(worker)
+        lost = f"; its gradient(s) {', '.join(map(str, event.clocks))} lost in flight" if event.clocks else ""
+        log.warning("shard %d: worker rank %d died after its gradient %d%s; going on with %d workers", self.shard,
+                    rank, self.clocks[worker], lost, len(self.worker_ranks) - len(self.dead))
+        decision = self.policy.on_leave(worker, now)
+        if self.round_sum is not None:
+            self._sum_round()
+            self.inbox.offer()
+        self._carry_out(decision, notices)
 
     def _sum_round(self) -> None:
         """Add the round's gradients whose turn has come (worker order); free their buffers at once."""

@@ -25,8 +25,11 @@ class Notifier:
     idle does not keep every notice it ever sent.
     """
 
-    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], max_pending: int = 256) -> None:
+    def __init__(self, comm: MPI.Comm, *, worker_ranks: Sequence[int], max_pending: int = 256, dead=None) -> None:
+        """``dead``: a :class:`~hpcps.transport.failures.DeadRanks` over ``comm`` (run-through): a notice to a
+        worker that died is dropped, and so is one in flight to it when it died."""
         self.comm = comm
+        self.dead = dead
         self.worker_ranks = list(worker_ranks)
         self.max_pending = max_pending
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
@@ -36,7 +39,16 @@ class Notifier:
         """One notice to ``worker``; a receipt carries the rate its gradient was applied at (``lr``)."""
         buf = np.array([flags, clock, version, staleness, 0], np.int64)
         buf[4:5].view(np.float64)[0] = lr
-        req = self.comm.Isend(buf, dest=self.worker_ranks[worker], tag=wire.TAG_NOTICE)
+        dest = self.worker_ranks[worker]
+        if self.dead is not None and dest in self.dead.dead:
+            return
+        try:
+            req = self.comm.Isend(buf, dest=dest, tag=wire.TAG_NOTICE)
+        except MPI.Exception as exc:
+            if self.dead is None:
+                raise
+            self.dead.found(exc)
+            return
         self._pending.append((req, buf))
         if len(self._pending) >= self.max_pending:
             self.progress()
@@ -44,7 +56,16 @@ class Notifier:
     def progress(self) -> None:
         """Forget the notices whose sends completed."""
         if self._pending:
-            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+            self._pending = [(r, b) for r, b in self._pending if not self._test(r)]
+
+    def _test(self, req: MPI.Request) -> bool:
+        try:
+            return req.Test()
+        except MPI.Exception as exc:  # to a worker that died: gone with it
+            if self.dead is None:
+                raise
+            self.dead.found(exc)
+            return True
 
     def drain(self, backoff: Backoff | None = None) -> None:
         def done() -> bool:

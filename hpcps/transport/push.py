@@ -154,6 +154,16 @@ class LeaveEvent:
     clock: int
 
 
+@dataclass(frozen=True, slots=True)
+class LostEvent:
+    """Worker ``worker`` died (run-through, :mod:`hpcps.transport.failures`): it leaves without a word.
+    ``clocks``: its pushes this shard had taken up (their headers here) whose payloads never came whole."""
+
+    worker: int
+    clocks: tuple[int, ...] = ()
+    leaves: bool = True  # False: a push of a worker already found dead, whose header MPI delivered since
+
+
 class PushInbox:
     """Server side: the workers' push headers, and receive buffers for their gradients.
 
@@ -187,12 +197,15 @@ class PushInbox:
                  on_transfer: Callable[[int], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
                  reserve: Callable[[], int | None] | None = None, dtype: np.dtype = np.dtype(np.float32),
-                 pieces: Sequence[tuple[int, int]] | None = None) -> None:
+                 pieces: Sequence[tuple[int, int]] | None = None, dead=None) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload;
         ``shard_len`` and ``dtype``: a payload's elements and their type (compressed pushes:
         :mod:`hpcps.transport.compress`); ``pieces``: the ``(lo, hi)`` ranges of a payload, one message
-        each, in the order the workers send them (:class:`Pusher`'s; by default the whole payload)."""
+        each, in the order the workers send them (:class:`Pusher`'s; by default the whole payload);
+        ``dead``: a :class:`~hpcps.transport.failures.DeadRanks` over ``comm`` (run-through): a worker that
+        dies comes out of :meth:`poll` as a :class:`LostEvent` instead of an MPI error."""
         n = len(worker_ranks)
+        self.dead = dead
         self.comm, self.worker_ranks = comm, list(worker_ranks)
         self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}
         self.reserve = reserve
@@ -207,7 +220,7 @@ class PushInbox:
                                                               tag=wire.TAG_PUSH_HEADER)
         self.status = MPI.Status()
         self.backlog: dict[int, deque[np.ndarray]] = {}  # headers that came while their worker had one in hand
-        self.early: list[LeaveEvent] = []  # leaves taken up from a backlog by release(), for the next poll
+        self.early: list[LeaveEvent | LostEvent] = []  # leaves taken up from a backlog by release(), for the next poll
         self.free_buffers: deque[int] = deque(range(len(self.grads)))  # buffers nobody holds
         self.buffer_of: dict[int, int] = {}  # worker -> the buffer its gradient is in (or comes to)
         self.awaiting_buffer: dict[int, None] = {}  # workers whose header came, in arrival order
@@ -218,23 +231,30 @@ class PushInbox:
         self.regulars = [0] * n  # pushes not flagged EXTRA taken up per worker in this run (a round's, hsp)
         self.round_cut: int | None = None  # a checkpoint's cut: the regular pushes taken up per worker
         self.open = n  # workers whose leave poll() has not returned yet
+        self.lost: set[int] = set()  # workers found dead (run-through)
 
     @property
     def pooled(self) -> bool:
         """Whether workers share fewer buffers than there are workers (and may wait for one)."""
         return len(self.grads) < len(self.worker_ranks)
 
-    def poll(self) -> list[PushEvent | LeaveEvent]:
-        """Advance every worker's state; return the pushes and leaves that completed."""
-        events: list[PushEvent | LeaveEvent] = self.early
+    def poll(self) -> list[PushEvent | LeaveEvent | LostEvent]:
+        """Advance every worker's state; return the pushes and leaves that completed, and the deaths found."""
+        events: list[PushEvent | LeaveEvent | LostEvent] = self.early
         self.early = []
-        while self.header_req.Test(self.status):
+        if self.dead is not None and self.dead.dead:  # found by any user of the communicator
+            self._lose(self.dead.dead, events)
+        while self._header_came(events):
             source = self.status.Get_source()
             header = self.incoming.copy()
             self.header_req.Start()
             i = self.index_of.get(source)
             if i is None:
                 raise RuntimeError(f"push header from rank {source}, which is not a worker of this server")
+            if i in self.lost:  # sent before it died: its payload will never be received
+                if header[0] == wire.KIND_PUSH:
+                    events.append(LostEvent(i, (int(header[2]),), leaves=False))
+                continue
             if i in self.listening and self._admits(i, header):
                 self._take_up(i, header, events)
             else:
@@ -245,7 +265,8 @@ class PushInbox:
             if self.streaming is not None and self.streaming[0] == i:
                 self.transfers.append((i, self.streaming[1], self.clock()))
                 self.streaming = None
-        self.open -= sum(isinstance(e, LeaveEvent) for e in events)  # counted when returned, not taken up
+        self.open -= sum(isinstance(e, LeaveEvent) or isinstance(e, LostEvent) and e.leaves
+                         for e in events)  # counted when returned, not when taken up
         if self.on_transfer is not None:  # serial: the next one, if the last is in
             self._give_buffers()
         return events
@@ -271,13 +292,52 @@ class PushInbox:
             self.streaming = (i, self.clock())
             self.on_transfer(i)
 
-    def _payloads_done(self) -> list[int]:
-        if not self.receiving:
-            return []
-        done = [w for w, reqs in self.receiving.items() if MPI.Request.Testall(reqs)]
-        for w in done:
-            del self.receiving[w]
+    def _header_came(self, events: list) -> bool:
+        """Whether a header is in ``self.incoming``; a death MPI reports instead goes into ``events``."""
+        try:
+            return self.header_req.Test(self.status)
+        except MPI.Exception as exc:  # a wildcard receive: PROC_FAILED_PENDING, still posted
+            if self.dead is None:
+                raise
+            self._lose(self.dead.found(exc), events)
+            return self.header_req.Test(self.status)  # acknowledged: it matches the living again
+
+    def _payloads_done(self, events: list | None = None) -> list[int]:
+        done = []
+        for w, reqs in list(self.receiving.items()):
+            try:
+                complete = MPI.Request.Testall(reqs)
+            except MPI.Exception as exc:
+                if self.dead is None:
+                    raise
+                self._lose(self.dead.found(exc) | {self.worker_ranks[w]}, self.early)
+                continue
+            if complete:
+                del self.receiving[w]
+                done.append(w)
         return done
+
+    def _lose(self, ranks: set[int], events: list) -> None:
+        """Dead ``ranks``: each worker among them leaves with the pushes it had begun here (:class:`LostEvent`).
+        Its header backlog goes with it; its buffer is freed; its receives are left to MPI (they failed)."""
+        for rank in sorted(ranks):
+            i = self.index_of.get(rank)
+            if i is None or i in self.lost:
+                continue  # a server's death: the caller's to handle
+            if i not in self.listening and self.headers[i][0] != wire.KIND_PUSH:
+                continue  # it had left (its leave taken up) before it died: nothing of it is lost
+            self.lost.add(i)
+            clocks = [int(h[2]) for h in self.backlog.pop(i, ()) if h[0] == wire.KIND_PUSH]
+            in_hand = i not in self.listening and self.headers[i][0] == wire.KIND_PUSH
+            if in_hand and (i in self.receiving or i in self.awaiting_buffer):
+                clocks.insert(0, int(self.headers[i][2]))
+                self.receiving.pop(i, None)
+                self.awaiting_buffer.pop(i, None)
+                self.free_buffer(i)
+            self.listening.discard(i)
+            if self.streaming is not None and self.streaming[0] == i:
+                self.streaming = None
+            events.append(LostEvent(i, tuple(clocks)))
 
     def _give_buffers(self) -> None:
         """Start the payload receive of waiting workers, in arrival order, while buffers are free;

@@ -1,0 +1,88 @@
+"""Dead ranks, as Open MPI's ULFM reports them: the mechanism under run-through.
+
+Under ``mpirun --with-ft ulfm`` (Open MPI 5) a rank that dies does not end
+the job. An operation that involves it fails with ``MPI_ERR_PROC_FAILED``,
+and a receive or probe from ``MPI_ANY_SOURCE`` on a communicator that holds
+it fails with ``MPI_ERR_PROC_FAILED_PENDING`` until the failure is
+acknowledged (``MPIX_Comm_ack_failed``). :class:`DeadRanks` turns such an
+exception into the ranks that died, acknowledging them on every
+communicator it watches (duplicates of one communicator: the same ranks),
+so the wildcard receives go on matching the living.
+
+What ULFM leaves out, and hpcps therefore avoids after a failure: RMA
+windows are not fault tolerant (their free, a collective, is skipped; pulls
+between the living go on working on one node and over TCP, as measured, but
+MPI does not promise it), and neither are collectives over a communicator
+that holds a dead rank (the run's end shrinks it first). Direct launch with
+``srun`` is not supported by ULFM; mpi4py's fallbacks under MPICH are
+``Dup`` and ``Allreduce``, so run-through is Open MPI's only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, TypeVar
+
+from mpi4py import MPI
+
+T = TypeVar("T")
+
+#: the error classes that mean "a rank died" (a revoked communicator: someone else saw one die)
+FAILED_CLASSES = frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                           "ERR_REVOKED") if hasattr(MPI, name))
+
+
+def ulfm_enabled(library: str | None = None, environ: dict | None = None) -> bool:
+    """Whether this MPI reports dead ranks instead of ending the job: Open MPI launched with
+    ``--with-ft ulfm`` (which exports ``OMPI_MCA_mpi_ft_enable=1`` to every rank)."""
+    library = MPI.Get_library_version() if library is None else library
+    environ = os.environ if environ is None else environ
+    flag = environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
+    return "Open MPI" in library and flag in ("1", "true", "yes", "on", "enabled")
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPI saying a rank died."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILED_CLASSES
+
+
+class DeadRanks:
+    """The ranks of ``comms`` (duplicates of one communicator) known to have died; see the module docstring."""
+
+    def __init__(self, comms: Iterable[MPI.Comm]) -> None:
+        self.comms = list(comms)
+        self.dead: set[int] = set()
+
+    def found(self, exc: BaseException) -> set[int]:
+        """The ranks newly known dead after ``exc``, acknowledged on every watched communicator; ``exc``
+        itself is raised again where it is not a rank's death."""
+        if not is_failure(exc):
+            raise exc
+        return self.check()
+
+    def check(self) -> set[int]:
+        """Acknowledge what this rank's MPI knows of dead ranks; return those not known before."""
+        found: set[int] = set()
+        for comm in self.comms:
+            comm.Ack_failed()
+            failed, group = comm.Get_failed(), comm.Get_group()
+            try:
+                found.update(MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group))
+            finally:
+                failed.Free()
+                group.Free()
+        new = found - self.dead
+        self.dead |= new
+        return new
+
+
+def retried(dead: DeadRanks | None, call: Callable[[], T]) -> T:
+    """``call()``; where it fails because a rank died (and ``dead`` watches: run-through), the death is
+    acknowledged and ``call()`` made once more (a wildcard probe or receive, which then matches the living)."""
+    try:
+        return call()
+    except MPI.Exception as exc:
+        if dead is None:
+            raise
+        dead.found(exc)
+        return call()

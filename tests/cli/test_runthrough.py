@@ -1,0 +1,110 @@
+"""Run-through on Open MPI's ULFM (``mpirun --with-ft ulfm``): a worker SIGKILLed mid-run, the others finish
+their planned steps in the same job, nothing restarted (subprocess, bounded by a timeout).
+
+Open MPI only (CI's second stage, .ci/openmpi): under MPICH mpi4py's ULFM calls are fallbacks, and the
+launcher ends the job on a rank's death. CI kills worker rank 3 at step 15 under asp, ssp and dssp; the soak
+(``HPCPS_SOAK_RUNTHROUGH=N python -m pytest tests/cli/test_runthrough.py``) also runs eager, bsp and the
+asynchronous local-SGD form, N times each with the step drawn at random (the seed is printed).
+"""
+
+import os
+import random
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from launching import FAMILY, launch, needs_mpiexec
+
+pytestmark = [needs_mpiexec, pytest.mark.skipif(FAMILY != "openmpi", reason="run-through needs Open MPI's ULFM "
+                                                                             "(mpirun --with-ft ulfm)")]
+
+STEPS, KILLED = 60, 3
+SOAK = int(os.environ.get("HPCPS_SOAK_RUNTHROUGH", "0") or 0)
+SOAKED = [pytest.param(p, marks=pytest.mark.skipif(not SOAK, reason="soak only: HPCPS_SOAK_RUNTHROUGH=N"))
+          for p in ("eager", "bsp", "asp-local")]
+
+
+def ulfm_train(*args: str, out, n: int = 5, timeout: float = 150) -> subprocess.CompletedProcess:
+    return launch(n, "--with-ft", "ulfm", sys.executable, "-m", "hpcps", "train", "--steps", str(STEPS),
+                  "--no-progress", "--out", str(out), *args, timeout=timeout)
+
+
+def tables(path) -> dict:
+    with h5py.File(path, "r") as f:
+        return {"it": f["workers/iterations"][()], "up": f["servers/updates"][()], "lost": f["servers/lost"][()],
+                "summary": dict(f["summary"].attrs)}
+
+
+def clocks_at(up: np.ndarray, version: int, workers) -> dict[int, int]:
+    """Each worker's clock on shard 0 once the updates before ``version`` were applied."""
+    rows = up[(up["shard"] == 0) & (up["version"] < version)]
+    return {w: int(rows["worker_clock"][rows["worker"] == w].max(initial=0)) for w in workers}
+
+
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp", *SOAKED])
+def test_a_worker_killed_mid_run_is_run_through_with_every_gradient_accounted_for(tmp_path, paradigm):
+    """Worker rank 3 SIGKILLs itself at step 15 of 60: the job ends by itself with exit status 0, the three
+    others having pushed all their 60 steps; shard 0 names the dead worker, and what it pushed is what the
+    shard applied, dropped and lost of it; every gradient of the living is applied or dropped. The survivors
+    never stalled for as long as 5 s, and under ssp (a slow worker making the bound bind) no worker started a
+    step more than s ahead of the slowest living worker."""
+    seed = random.randrange(1 << 30)
+    for attempt in range(max(SOAK, 1)):
+        pushes = STEPS // 2 if paradigm.endswith("-local") else STEPS
+        at = random.Random(seed + attempt).randrange(2, pushes - 2) if SOAK else 15
+        print(f"{paradigm}: worker rank {KILLED} killed at step {at} (seed {seed + attempt})")
+        killed_at(tmp_path / f"{attempt}", paradigm, at)
+
+
+def killed_at(tmp_path, paradigm: str, at: int) -> None:
+    s = 1
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / f"{paradigm}.h5"
+    local = ["--local-steps", "2"] if paradigm.endswith("-local") else []
+    done = ulfm_train("--paradigm", paradigm.removesuffix("-local"), "--staleness", str(s), *local,
+                      "--compute-time", "0.01", "--slowdown", "4=3", "--fault", f"kill@{KILLED}:{at}", out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"worker rank {KILLED} died after its gradient" in done.stderr
+    t = tables(out)
+    it, up, lost, summary = t["it"], t["up"], t["lost"], t["summary"]
+    living = [1, 2, 4]
+    rounds = STEPS // 2 if local else STEPS
+    for w in living:  # every step of the living, pushed and recorded
+        assert sorted(it["step"][it["rank"] == w].tolist()) == list(range(rounds))
+    died = lost[(lost["reason"] == 0) & (lost["shard"] == 0)]
+    assert died["worker"].tolist() == [KILLED]
+    first = up[up["shard"] == 0]
+    theirs = first[first["worker"] == KILLED]
+    cut_off = lost[(lost["worker"] == KILLED) & (lost["reason"] > 0) & (lost["shard"] == 0)]
+    pushed = sorted(theirs["worker_clock"].tolist() + cut_off["worker_clock"].tolist())
+    assert pushed == list(range(1, len(pushed) + 1))  # each of its pushes once, applied, dropped or lost
+    assert at <= len(pushed) <= at + 2  # it died at its push (a round, under local steps; eager: 2 in flight)
+    for w in living:
+        assert sorted(first["worker_clock"][first["worker"] == w].tolist()) == list(range(1, rounds + 1))
+    assert summary["gradients_pushed"] == 3 * rounds + len(pushed)
+    assert summary["gradients_pushed"] == (summary["gradients_applied"] + summary["gradients_dropped"]
+                                           + summary["gradients_lost"])
+    assert summary["workers_lost"] == 1
+    for w in living:  # time lost: the longest pause between two steps of a living worker
+        mine = np.sort(it["t_start"][it["rank"] == w])
+        assert np.diff(mine).max() < 5.0
+    if paradigm == "ssp":
+        death = float(died["t"][0])
+        for row in it[np.isin(it["rank"], living)]:
+            alive = living + ([KILLED] if row["t_start"] < death else [])
+            clocks = clocks_at(up, int(row["version"]), alive)
+            assert int(row["step"]) - min(clocks.values()) <= s, (row, clocks)
+
+
+def test_a_paradigm_that_does_not_run_through_ends_the_job_instead_of_hanging(tmp_path):
+    """hsp has no run-through: its shard, finding the worker dead, ends; the others find it dead in turn
+    and end, within seconds. (Under ULFM MPI_Abort ends no one and a nonzero exit hangs the job: a failing
+    rank kills itself instead.)"""
+    done = ulfm_train("--paradigm", "hsp", "--compute-time", "0.01", "--fault", f"kill@{KILLED}:15",
+                      out=tmp_path / "hsp.h5", timeout=90)
+    assert "does not run through a dead worker" in done.stderr
+    assert "rank 0 failed" in done.stderr  # the shard: the first to find the worker dead
+    assert "done in" not in done.stderr

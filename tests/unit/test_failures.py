@@ -1,0 +1,39 @@
+"""Run-through's mechanism without a failure: when ULFM is on, and what counts as a rank's death."""
+
+import pytest
+from mpi4py import MPI
+
+from hpcps.transport.failures import DeadRanks, is_failure, retried, ulfm_enabled
+
+
+def test_run_through_is_open_mpis_launched_with_ulfm_only():
+    ompi = "Open MPI v5.0.11, package: Open MPI ..."
+    assert ulfm_enabled(ompi, {"OMPI_MCA_mpi_ft_enable": "1"})
+    assert ulfm_enabled(ompi, {"OMPI_MCA_mpi_ft_enable": "true"})
+    assert not ulfm_enabled(ompi, {})  # mpirun without --with-ft ulfm
+    assert not ulfm_enabled(ompi, {"OMPI_MCA_mpi_ft_enable": "0"})
+    assert not ulfm_enabled("MPICH Version: 4.3.0", {"OMPI_MCA_mpi_ft_enable": "1"})  # fallbacks, not ULFM
+
+
+def test_only_a_dead_rank_counts_as_one():
+    assert is_failure(MPI.Exception(MPI.ERR_PROC_FAILED))
+    assert is_failure(MPI.Exception(MPI.ERR_PROC_FAILED_PENDING))
+    assert is_failure(MPI.Exception(MPI.ERR_REVOKED))
+    assert not is_failure(MPI.Exception(MPI.ERR_TRUNCATE))
+    assert not is_failure(ValueError("x"))
+
+
+def test_any_other_error_goes_on_up_unchanged():
+    dead = DeadRanks([MPI.COMM_SELF])
+    error = MPI.Exception(MPI.ERR_TRUNCATE)
+    with pytest.raises(MPI.Exception) as raised:
+        dead.found(error)
+    assert raised.value is error and dead.dead == set()
+
+    def fails():
+        raise error
+    with pytest.raises(MPI.Exception):
+        retried(dead, fails)
+    with pytest.raises(MPI.Exception):
+        retried(None, lambda: retried(None, fails))  # without run-through nothing is caught
+    assert retried(dead, lambda: 7) == 7

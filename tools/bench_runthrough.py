@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Run-through on Open MPI's ULFM: the same run with and without a worker killed mid-run, per paradigm.
+
+Per paradigm, one invocation runs ``mpirun --with-ft ulfm -n N hpcps train`` twice: clean, and with worker
+rank ``--rank`` SIGKILLed at step ``--kill-at`` (``--fault kill@RANK:STEP``), the job going on without it.
+It prints, per paradigm, the run's wall time both ways, the time the death cost the living (the longest
+pause between two step starts of a living worker, less the clean run's longest: the detection and the
+bounds moving), the dead worker's gradients pushed and lost, every gradient accounted for (pushed =
+applied + dropped + lost), and both final accuracies (the dead worker's share is not handed on, so the
+killed run trains fewer gradients).
+
+    /root/venvs/ompi/bin/python tools/bench_runthrough.py --paradigms bsp asp ssp dssp eager
+
+Run it with the Python of an environment whose mpi4py is Open MPI's (5.0 or newer, ULFM built in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import h5py
+import numpy as np
+
+
+def run(args, paradigm: str, out: str, kill: bool) -> dict:
+    train = [sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm, "--steps", str(args.steps),
+             "--compute-time", str(args.compute_time), "--no-progress", "--out", out, "--seed", str(args.seed)]
+    if paradigm in ("ssp", "dssp", "eager"):
+        train += ["--staleness", "2"]
+    if kill:
+        train += ["--fault", f"kill@{args.rank}:{args.kill_at}"]
+    env = {**os.environ, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
+    proc = subprocess.run([mpirun, "--with-ft", "ulfm", "-n", str(args.ranks), *train], capture_output=True,
+                          text=True, timeout=args.timeout, env=env)
+    if proc.returncode != 0 or "done in" not in proc.stderr:
+        raise SystemExit(f"{paradigm} ({'kill' if kill else 'clean'}) failed:\n{proc.stderr[-3000:]}")
+    with h5py.File(out) as f:
+        s, it, lost = f["summary"].attrs, f["workers/iterations"][()], f["servers/lost"][()]
+        living = [r for r in np.unique(it["rank"]) if not kill or r != args.rank]
+        pause = max(float(np.diff(np.sort(it["t_start"][it["rank"] == r])).max()) for r in living)
+        first = f["servers/updates"][()]
+        first = first[first["shard"] == 0]
+        return {"wall": float(s["wall_s"]), "accuracy": float(s["final_accuracy"]), "pause": pause,
+                "pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"]),
+                "dropped": int(s["gradients_dropped"]), "lost": int(s["gradients_lost"]),
+                "dead_pushed": int((first["worker"] == args.rank).sum()) + int(s["gradients_lost"]) if kill else 0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--paradigms", nargs="+", default=["bsp", "asp", "ssp", "dssp", "eager"])
+    p.add_argument("--ranks", type=int, default=5, help="ranks: one shard, the rest workers (default 5)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--compute-time", type=float, default=0.02)
+    p.add_argument("--rank", type=int, default=3, help="the worker rank killed (default 3)")
+    p.add_argument("--kill-at", type=int, default=100, help="the step it is killed at (default 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300)
+    args = p.parse_args()
+    print("| paradigm | wall clean s | wall killed s | time lost s | dead worker's pushes | lost | "
+          "pushed = applied + dropped + lost | accuracy clean | accuracy killed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for paradigm in args.paradigms:
+            clean = run(args, paradigm, os.path.join(tmp, f"{paradigm}-clean.h5"), kill=False)
+            killed = run(args, paradigm, os.path.join(tmp, f"{paradigm}-kill.h5"), kill=True)
+            exact = killed["pushed"] == killed["applied"] + killed["dropped"] + killed["lost"]
+            print(f"| {paradigm} | {clean['wall']:.2f} | {killed['wall']:.2f} | "
+                  f"{max(killed['pause'] - clean['pause'], 0.0):.2f} | {killed['dead_pushed']} | {killed['lost']} | "
+                  f"{killed['pushed']} = {killed['applied']} + {killed['dropped']} + {killed['lost']} "
+                  f"({'exact' if exact else 'NOT EXACT'}) | {clean['accuracy']:.4f} | {killed['accuracy']:.4f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ ends every rank with exit status 2 and one ``hpcps: error: ...`` line
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Literal, get_args, get_origin
@@ -437,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable)")
     e.add_argument("--chaos-seed", type=int, default=0, dest="chaos_seed", metavar="N",
                    help="the seed that draws --chaos's random nodes (default 0)")
+    e.add_argument("--ulfm", action="store_true",
+                   help="Open MPI: launch with its fault tolerance (--with-ft ulfm), so that a worker's death, a "
+                        "node's under --chaos kill, is run through (docs/running.md)")
     e.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="print the commands that would build the box and start the job, and exit")
     e.set_defaults(func=_emulate, command_args=[])  # the job's command after --: see main()
@@ -498,8 +502,21 @@ def _train(args: argparse.Namespace) -> int:
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))
     result = value[1] if value is not None else None
     if result is not None and result.summary.get("stopped_by") == "diverged":
-        return DIVERGED_STATUS
+        status = DIVERGED_STATUS
+    _end_without_the_dead(status)
     return status  # rank 0 has logged the run's one summary line
+
+
+def _end_without_the_dead(status: int) -> None:
+    """After a run that went on without a dead rank (ULFM), end this process at once, its files written:
+    Open MPI's MPI_Finalize waits for the dead for good across nodes."""
+    from hpcps.transport.failures import deaths_seen
+
+    if deaths_seen():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -642,8 +659,8 @@ def _emulate(args: argparse.Namespace) -> int:
     if args.dry_run:
         for fault in faults:
             print(f"# chaos at {fault.at:g} s: {fault.describe()}")
-        return launch.dry_run(cluster, args.command_args)
-    return launch.emulate(cluster, args.command_args, chaos=faults)
+        return launch.dry_run(cluster, args.command_args, ulfm=args.ulfm)
+    return launch.emulate(cluster, args.command_args, chaos=faults, ulfm=args.ulfm)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

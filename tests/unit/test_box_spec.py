@@ -114,6 +114,8 @@ def test_open_mpis_launcher_runs_in_the_first_nodes_namespace_and_starts_a_daemo
                          'hostname "$0" && exec "$@"', "hpcps9-n1", "mpirun"]
     assert " ".join(argv[11:]).split(" : ") == ["-n 2 --host 10.213.0.2:2 env HPCPS_NODE=1 hpcps train",
                                                 "-n 1 --host 10.213.0.3:1 env HPCPS_NODE=2 hpcps train"]
+    ulfm = mpmd_argv(c, "mpirun", ["hpcps", "train"], "openmpi", ["--with-ft", "ulfm"])  # hpcps emulate --ulfm
+    assert ulfm[:14] == argv[:11] + ["--with-ft", "ulfm", "-n"] and ulfm[13:] == argv[11:]
     env = mpi_environment(c, "openmpi", agent="/tmp/agent.sh")
     assert env["OMPI_MCA_btl"] == "self,tcp" and env["OMPI_MCA_osc"] == "rdma"
     assert env["OMPI_MCA_btl_tcp_if_include"] == env["PMIX_MCA_ptl_tcp_if_include"] == NODE_IFACE

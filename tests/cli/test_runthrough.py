@@ -28,7 +28,8 @@ SOAKED = [pytest.param(p, marks=pytest.mark.skipif(not SOAK, reason="soak only: 
 
 
 def ulfm_train(*args: str, out, n: int = 5, timeout: float = 150) -> subprocess.CompletedProcess:
-    return launch(n, "--with-ft", "ulfm", sys.executable, "-m", "hpcps", "train", "--steps", str(STEPS),
+    steps = [] if "--steps" in args else ["--steps", str(STEPS)]
+    return launch(n, "--with-ft", "ulfm", sys.executable, "-m", "hpcps", "train", *steps,
                   "--no-progress", "--out", str(out), *args, timeout=timeout)
 
 
@@ -108,3 +109,22 @@ def test_a_paradigm_that_does_not_run_through_ends_the_job_instead_of_hanging(tm
     assert "does not run through a dead worker" in done.stderr
     assert "rank 0 failed" in done.stderr  # the shard: the first to find the worker dead
     assert "done in" not in done.stderr
+
+
+def test_a_checkpoint_taken_after_the_death_gives_the_dead_workers_steps_back_to_a_resumed_job(tmp_path):
+    """ssp with periodic checkpoints: the cuts go on after worker rank 3 died at step 15 of 40, and keep its
+    clock at 15. Resumed from the newest (a plain launch), the job trains the steps each worker lacked, the
+    dead one's 25 included: across both runs every worker pushed its 40 once."""
+    ck = tmp_path / "ck"
+    done = ulfm_train("--paradigm", "ssp", "--steps", "40", "--compute-time", "0.02", "--checkpoint-interval", "0.2",
+                      "--checkpoint-dir", str(ck), "--fault", f"kill@{KILLED}:15", out=tmp_path / "first.h5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    newest = sorted(ck.glob("step-*.h5"))[-1]
+    with h5py.File(newest) as f:
+        clocks = f.attrs["worker_clocks"].tolist()
+    assert clocks[KILLED - 1] == 15 and min(clocks[i] for i in (0, 1, 3)) > 15  # taken after the death
+    resumed = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "ssp", "--steps", "40", "--no-progress",
+                     "--resume", str(newest), "--out", str(tmp_path / "second.h5"), timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    it = tables(tmp_path / "second.h5")["it"]
+    assert [int((it["rank"] == w).sum()) for w in (1, 2, 3, 4)] == [40 - c for c in clocks]

@@ -302,7 +302,8 @@ class PushInbox:
             self._lose(self.dead.found(exc), events)
             return self.header_req.Test(self.status)  # acknowledged: it matches the living again
 
-    def _payloads_done(self, events: list | None = None) -> list[int]:
+    def _payloads_done(self) -> list[int]:
+        """Workers whose payload came whole; one whose receive failed because it died leaves (next poll)."""
         done = []
         for w, reqs in list(self.receiving.items()):
             try:

@@ -163,6 +163,9 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             "mean_wait_ms": round(float(it["wait_s"].mean() * 1e3) if len(it) else float("nan"), 3),
             "mean_staleness": round(float(applied["staleness"].mean()) if len(applied) else float("nan"), 2),
             "gradients_applied": int(r.summary.get("gradients_applied", len(applied))),
+            # run-through (Open MPI's ULFM): workers that died and went on without, their gradients never applied
+            "workers_lost": int(r.summary.get("workers_lost", 0)),
+            "gradients_lost": int(r.summary.get("gradients_lost", 0)),
             "local_steps": every if every is not None else "-",
             "outer_updates": int(len(np.unique(applied["version"]))) if every is not None else "-",
             # a run that never wrote its summary ended without end(): it crashed or was killed

@@ -255,3 +255,10 @@ def test_the_loops_own_numbers_are_plotted_and_tabled_and_no_evaluation_is_not_n
     with open(out / "summary.csv") as f:
         row = next(csv.DictReader(f))
     assert (row["time_to_0.9_s"], row["final_accuracy"], row["final_loss"]) == ("-", "-", "-")
+
+
+def test_a_run_that_went_on_without_a_dead_worker_says_so_and_an_older_file_says_none(runs, tmp_path):
+    with h5py.File(runs[0], "a") as f:  # as run-through writes it (the others predate schema 9: no such attrs)
+        f["summary"].attrs["workers_lost"], f["summary"].attrs["gradients_lost"] = 1, 2
+    table = summary_rows([load_run(p) for p in runs], 0.9)
+    assert [(r["workers_lost"], r["gradients_lost"]) for r in table] == [(1, 2), (0, 0), (0, 0)]

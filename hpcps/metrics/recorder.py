@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import TABLES
+from hpcps.transport.failures import retried
 from hpcps.transport.poll import Backoff, wait_until
 
 TAG_ROWS = 21
@@ -139,13 +140,7 @@ class FileRecorder(_Recorder):
         return bool(got)
 
     def _probe(self, status: MPI.Status) -> bool:
-        try:
-            came = self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
-        except MPI.Exception as exc:
-            if self.dead is None:
-                raise
-            self.dead.found(exc)
-            came = self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+        came = retried(self.dead, lambda: self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status))
         if self.dead is not None:
             self.open_ranks -= self.dead.dead
         return came

@@ -142,8 +142,10 @@ def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
     lost = lost[lost["shard"] == 0] if lost is not None else np.zeros(0, LOST)
     dead = set(lost["worker"][lost["reason"] == 0].tolist())
     n_lost = int((lost["reason"] != 0).sum())
-    survivors = iterations[~np.isin(iterations["rank"], list(dead))] if dead else iterations
-    pushed = len(survivors) + int(np.isin(first_shard["worker"], list(dead)).sum()) + n_lost if dead else len(iterations)
+    pushed = len(iterations)
+    if dead:  # the living's rows, and what shard 0 applied, dropped and lost of the dead's
+        pushed = (int((~np.isin(iterations["rank"], list(dead))).sum()) +
+                  int(np.isin(first_shard["worker"], list(dead)).sum()) + n_lost)
     if isinstance(target, (int, float)):
         target = Target("accuracy", ">=", float(target))
     if target is None:

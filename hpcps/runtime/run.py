@@ -371,9 +371,10 @@ class _Run:
         (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and :meth:`end`, collective again.
         """
         comm, topo = self.topo.comm, self.topo
-        if ulfm_enabled() and self.layout.n_groups == 0 and policy_class(self.cfg.paradigm).runs_through:
+        ulfm = ulfm_enabled()
+        if ulfm and self.layout.n_groups == 0 and policy_class(self.cfg.paradigm).runs_through:
             self.dead = DeadRanks([topo.ps, topo.metrics])
-        elif ulfm_enabled() and comm.rank == 0:
+        elif ulfm and comm.rank == 0:
             log.warning("Open MPI's fault tolerance (ULFM) is on, but %s does not run through a dead worker: a "
                         "rank's death ends the job (resume it with --resume auto, or run under hpcps supervise)",
                         self.cfg.paradigm)

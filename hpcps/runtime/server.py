@@ -155,7 +155,6 @@ class ShardServer:
         self.clocks = [0] * len(self.worker_ranks)
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
-        self.dead: set[int] = set()  # workers found dead (run-through): never sent a notice again
         self.lost_clocks: dict[int, list[int]] = {}  # a dead worker's pushes cut off here (run-through)
         self.silent: list[tuple[float, int]] = []
         self.pushed: set[int] = set()  # workers heard from in this run: the others may still be compiling
@@ -203,8 +202,7 @@ class ShardServer:
                     self.on_published(self.version)
             tl.enter("notify")
             for worker, (flags, clock, version, staleness, lr) in notices.items():
-                if worker not in self.dead:
-                    self.notifier.send(worker, flags, clock, version, staleness, lr)
+                self.notifier.send(worker, flags, clock, version, staleness, lr)  # never to the dead (run-through)
             tl.enter("wait")
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
@@ -254,7 +252,7 @@ class ShardServer:
 
     def _lost(self, event: LostEvent, now: float, notices: dict[int, list]) -> None:
         """A worker died (run-through): its pushes in flight here are lost, each with a row; it leaves the
-        paradigm's bounds as a worker that finished does, and is never sent a notice again. A gradient of it
+        paradigm's bounds as a worker that finished does, and its notifier sends it nothing more. A gradient of it
         that came whole stays pending: the paradigm applies it like any other."""
         worker, rank = event.worker, self.worker_ranks[event.worker]
         if event.leaves:
@@ -264,12 +262,11 @@ class ShardServer:
         self.lost_clocks.setdefault(worker, []).extend(event.clocks)
         if not event.leaves:
             return
-        self.dead.add(worker)
         self.gone.add(worker)
         self.awaiting.discard(worker)
         lost = f"; its gradient(s) {', '.join(map(str, event.clocks))} lost in flight" if event.clocks else ""
         log.warning("shard %d: worker rank %d died after its gradient %d%s; going on with %d workers", self.shard,
-                    rank, self.clocks[worker], lost, len(self.worker_ranks) - len(self.dead))
+                    rank, self.clocks[worker], lost, len(self.worker_ranks) - len(self.inbox.lost))
         decision = self.policy.on_leave(worker, now)
         if self.round_sum is not None:
             self._sum_round()

@@ -91,13 +91,19 @@ class DeadRanks:
         _seen.update(ranks)
 
 
+def found_dead(dead: DeadRanks | None, exc: MPI.Exception) -> set[int]:
+    """The ranks newly dead that ``exc`` reports, acknowledged, where ``dead`` watches (run-through); ``exc``
+    raised again where nothing watches or it is not a rank's death."""
+    if dead is None:
+        raise exc
+    return dead.found(exc)
+
+
 def retried(dead: DeadRanks | None, call: Callable[[], T]) -> T:
     """``call()``; where it fails because a rank died (and ``dead`` watches: run-through), the death is
     acknowledged and ``call()`` made once more (a wildcard probe or receive, which then matches the living)."""
     try:
         return call()
     except MPI.Exception as exc:
-        if dead is None:
-            raise
-        dead.found(exc)
+        found_dead(dead, exc)
         return call()

@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.transport import wire
+from hpcps.transport.failures import found_dead
 from hpcps.transport.poll import Backoff, wait_until
 
 
@@ -45,9 +46,7 @@ class Notifier:
         try:
             req = self.comm.Isend(buf, dest=dest, tag=wire.TAG_NOTICE)
         except MPI.Exception as exc:
-            if self.dead is None:
-                raise
-            self.dead.found(exc)
+            found_dead(self.dead, exc)
             return
         self._pending.append((req, buf))
         if len(self._pending) >= self.max_pending:
@@ -62,9 +61,7 @@ class Notifier:
         try:
             return req.Test()
         except MPI.Exception as exc:  # to a worker that died: gone with it
-            if self.dead is None:
-                raise
-            self.dead.found(exc)
+            found_dead(self.dead, exc)
             return True
 
     def drain(self, backoff: Backoff | None = None) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.transport import wire
+from hpcps.transport.failures import found_dead
 
 
 class Pusher:
@@ -297,9 +298,7 @@ class PushInbox:
         try:
             return self.header_req.Test(self.status)
         except MPI.Exception as exc:  # a wildcard receive: PROC_FAILED_PENDING, still posted
-            if self.dead is None:
-                raise
-            self._lose(self.dead.found(exc), events)
+            self._lose(found_dead(self.dead, exc), events)
             return self.header_req.Test(self.status)  # acknowledged: it matches the living again
 
     def _payloads_done(self) -> list[int]:
@@ -309,9 +308,7 @@ class PushInbox:
             try:
                 complete = MPI.Request.Testall(reqs)
             except MPI.Exception as exc:
-                if self.dead is None:
-                    raise
-                self._lose(self.dead.found(exc) | {self.worker_ranks[w]}, self.early)
+                self._lose(found_dead(self.dead, exc) | {self.worker_ranks[w]}, self.early)
                 continue
             if complete:
                 del self.receiving[w]

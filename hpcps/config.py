@@ -34,6 +34,20 @@ DEFAULT_LOCAL_STEPS = 8
 FAMILY_OUTER = {"localsgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
                 "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
 AUTO_GROUPS = 2  # --groups auto
+
+
+def local_steps_of(paradigm: str | None, local_steps: int | None) -> int | None:
+    """Local steps per outer round: ``--local-steps``, else :data:`DEFAULT_LOCAL_STEPS` under a preset of the
+    local-SGD family; None: no local steps (every step's gradient is pushed)."""
+    if local_steps is not None:
+        return local_steps
+    return DEFAULT_LOCAL_STEPS if paradigm in FAMILY_OUTER else None
+
+
+def outer_rounds(steps: int, every: int) -> int:
+    """Outer rounds (pushes) of a worker that takes ``steps`` inner steps, ``every`` per round: the last
+    round is shorter where ``every`` does not divide ``steps``."""
+    return -(-steps // every)
 DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
 
@@ -143,7 +157,7 @@ class TrainConfig(BaseModel):
         if values.get("lr") is None:
             default = outer["lr"] if outer is not None else DEFAULT_LR.get(values.get("optimizer", "sgd"), DEFAULT_LR["sgd"])
             values = {**values, "lr": default}
-        local = values.get("local_steps") is not None or values.get("paradigm") in FAMILY_OUTER
+        local = local_steps_of(values.get("paradigm"), values.get("local_steps")) is not None
         if values.get("inner_lr") is None and local:  # (set only where read: else a warning would name it)
             values = {**values, "inner_lr": DEFAULT_LR.get(values.get("inner_optimizer", "sgd"), DEFAULT_LR["sgd"])}
         return values
@@ -294,9 +308,7 @@ class TrainConfig(BaseModel):
     def inner_steps(self) -> int | None:
         """Local steps per outer round (``--local-steps``; 8 under localsgd and diloco), or None: no local
         steps, every step's gradient is pushed (:mod:`hpcps.training.local`)."""
-        if self.local_steps is not None:
-            return self.local_steps
-        return DEFAULT_LOCAL_STEPS if self.paradigm in FAMILY_OUTER else None
+        return local_steps_of(self.paradigm, self.local_steps)
 
     def as_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

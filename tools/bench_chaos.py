@@ -8,7 +8,11 @@ the job again and it resumes from its newest periodic checkpoint (``--checkpoint
 ``--checkpoint-every``). It prints, per paradigm, both wall times (the supervisor's, launches and start-ups
 included), the time the kill cost, what the resumed run file's ``restart`` record says (the gradients
 shard 0 had received past the checkpoint, the seconds between the checkpoint and its last note, the
-seconds from that note to the resumed start), the launches, and both final accuracies.
+seconds from that note to the resumed run's start, every rank set up), the seconds from that start until
+every worker's first step is done (connections, first pulls: the rest of the restart), the launches, and both
+final accuracies. Last, the bound on the time lost: one checkpoint interval (the median spacing of the clean
+run's checkpoints, in seconds) plus the measured restart (relaunch and first step), against the cost. A kill
+before the first checkpoint was complete starts afresh ("fresh": no record).
 
     python tools/bench_chaos.py --paradigms bsp asp ssp dssp eager hsp --kill-at 16
 
@@ -18,6 +22,7 @@ Needs root (the box). Run it on an idle machine: the wall times are what it meas
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -26,6 +31,7 @@ import tempfile
 import time
 
 import h5py
+import numpy as np
 
 
 def run(args, paradigm: str, out: str, kill: bool) -> dict:
@@ -49,8 +55,14 @@ def run(args, paradigm: str, out: str, kill: bool) -> dict:
     with h5py.File(out) as f:
         s = f["summary"].attrs
         restart = json.loads(f.attrs["restart"]) if "restart" in f.attrs else {}
-        return {"wall": wall, "accuracy": float(s["final_accuracy"]), "restart": restart,
-                "launches": 1 + proc.stderr.count("hpcps supervise: launch ")}
+        it = f["workers/iterations"][()]
+        first_step = max(float(it["t_end"][it["rank"] == r].min()) for r in set(it["rank"].tolist()))
+        result = {"wall": wall, "accuracy": float(s["final_accuracy"]), "restart": restart,
+                  "launches": 1 + proc.stderr.count("hpcps supervise: launch "),
+                  "resumed": bool(f.attrs["resumed_from"]), "first_step": first_step}
+    written = sorted(os.path.getmtime(p) for p in glob.glob(os.path.splitext(out)[0] + "-checkpoints/step-*.h5"))
+    result["interval"] = float(np.median(np.diff(written))) if len(written) > 1 else float("nan")
+    return result
 
 
 def main() -> None:
@@ -82,14 +94,19 @@ def main() -> None:
           f"node {args.node} killed at {args.kill_at:g} s; checkpoints every {args.checkpoint_interval:g} s "
           f"(bsp, hsp: every {args.checkpoint_every} versions)\n")
     print("| paradigm | clean s | node killed s | cost s | launches | gradients repeated | s after the checkpoint "
-          "| relaunch s | accuracy clean | accuracy killed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| relaunch s | first step s | interval s | interval + restart s | accuracy clean | accuracy killed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for paradigm, clean, hit in rows:
         r = hit["restart"]
+        if r:
+            restart = [r["gradients_repeated"], r["training_lost_s"], r["restart_s"], f"{hit['first_step']:.2f}",
+                       f"{clean['interval']:.2f}", f"{clean['interval'] + r['restart_s'] + hit['first_step']:.1f}"]
+        else:  # no record: a fresh start (the kill came before a checkpoint was complete), or no note
+            restart = ["fresh" if not hit["resumed"] else "?"] * 3 + [f"{hit['first_step']:.2f}",
+                                                                      f"{clean['interval']:.2f}", "-"]
         print(f"| {paradigm} | {clean['wall']:.1f} | {hit['wall']:.1f} | {hit['wall'] - clean['wall']:.1f} | "
-              f"{hit['launches']} | {r.get('gradients_repeated', '?')} | {r.get('training_lost_s', '?')} | "
-              f"{r.get('restart_s', '?')} | {clean['accuracy']:.4f} | {hit['accuracy']:.4f} |")
-
+              f"{hit['launches']} | {' | '.join(map(str, restart))} | {clean['accuracy']:.4f} | "
+              f"{hit['accuracy']:.4f} |")
 
 if __name__ == "__main__":
     main()

@@ -149,9 +149,10 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
     if any(not f >= 1 for f in (slowdown or {}).values()):
         raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
-    from hpcps.config import DEFAULT_LOCAL_STEPS, FAMILY_OUTER
+    from hpcps.config import local_steps_of, outer_rounds
 
-    every = local_steps if local_steps is not None else DEFAULT_LOCAL_STEPS if paradigm in FAMILY_OUTER else 1
+    every = local_steps_of(paradigm, local_steps)
+    every = 1 if every is None else every
     if every < 1:
         raise ValueError(f"simulate: --local-steps must be 1 or more; got {every}")
     policy = make_policy(paradigm, n_workers, options, staleness=staleness, staleness_max=staleness_max)
@@ -177,7 +178,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     up, down = (FairLink(links.server), FairLink(links.server)) if links else (FairLink(), FairLink())
     cap = list(links.workers) if links else [machine.bandwidth] * n_workers
     apply_s = machine.update_s + nbytes / machine.apply_rate
-    batches, steps = steps, -(-steps // every)  # a worker's pushes: one per round of ``every`` batches
+    batches, steps = steps, outer_rounds(steps, every)  # a worker's pushes: one per round of ``every`` batches
 
     def compute(w: int) -> float:
         """The computation of worker ``w``'s next round: a draw per batch in it."""

@@ -106,7 +106,9 @@ def restart_cost(resume: str, written_clocks, now: float) -> dict | None:
     beside it: the gradients shard 0 had received past the checkpoint (their work is done again now), the
     seconds from the checkpoint to the last note (training, and waiting for a dead rank until the launcher ended
     the job), and the seconds from its last note to ``now`` (the failure's detection, the relaunch and this
-    start-up; at most 0.25 s of it training). None where no note is newer than the checkpoint."""
+    start-up; at most one note period, 0.25 s, of it training). A note no newer than the checkpoint (the launch
+    ended within a note period of it, or a stop's own checkpoint) counts from the checkpoint: nothing repeated,
+    no training lost. None where there is no note (no periodic checkpoints)."""
     note = os.path.join(os.path.dirname(os.path.abspath(resume)), PROGRESS_NOTE)
     try:
         with open(note) as f:
@@ -115,7 +117,7 @@ def restart_cost(resume: str, written_clocks, now: float) -> dict | None:
     except (OSError, ValueError):
         return None
     if last.get("time", 0) <= written:
-        return None
+        last = {"clocks": [int(c) for c in written_clocks], "time": written}
     return {"checkpoint": resume, "attempt": int(os.environ.get(ATTEMPT_VAR, "1")),
             "gradients_repeated": max(0, sum(last["clocks"]) - int(np.sum(written_clocks))),
             "training_lost_s": round(last["time"] - written, 3), "restart_s": round(now - last["time"], 3)}

@@ -41,6 +41,22 @@ def save_path(run, path: str) -> str:
     return run.cfg.save or os.path.splitext(path)[0] + ".pt"
 
 
+def note_restart(run, runfile: RunFile) -> None:
+    """Rank 0, at the run's start (every rank set up, the clocks agreed): what the launch that failed after the
+    checkpoint this run resumes lost, from its progress note (:func:`hpcps.runtime.checkpointing.restart_cost`),
+    into the run file's ``restart`` attribute and the log. Taken here rather than when the file opens, so that
+    its ``restart_s`` holds the whole start-up (windows, optimizers, the start barrier), not only the relaunch."""
+    if run.ckpt is None:
+        return
+    written = run.ckpt.written_clocks if run.ckpt.redealt else run.ckpt.worker_clocks
+    restart = checkpointing.restart_cost(run.cfg.resume, written, time.time())
+    if restart:
+        log.info("the launch before this one lost %d gradient(s) past the checkpoint and %.1f s after it, and "
+                 "%.1f s went to the relaunch and this start-up", restart["gradients_repeated"],
+                 restart["training_lost_s"], restart["restart_s"])
+        runfile.set_attrs(restart=json.dumps(restart))
+
+
 def open_runfile(run, path: str) -> RunFile:
     save = save_path(run, path)
     save_dir = os.path.dirname(os.path.abspath(save))
@@ -50,18 +66,10 @@ def open_runfile(run, path: str) -> RunFile:
         raise UserError(f"--save {save}: cannot create its directory ({exc})") from None
     if not os.access(save_dir, os.W_OK):
         raise UserError(f"--save {save}: directory {save_dir} is not writable")
-    restart = None
-    if run.ckpt is not None:  # what the launch that failed after the checkpoint lost (its progress note)
-        written = run.ckpt.written_clocks if run.ckpt.redealt else run.ckpt.worker_clocks
-        restart = checkpointing.restart_cost(run.cfg.resume, written, time.time())
-        if restart:
-            log.info("the launch before this one lost %d gradient(s) past the checkpoint and %.1f s after it, and "
-                     "%.1f s went to the relaunch and this start-up", restart["gradients_repeated"],
-                     restart["training_lost_s"], restart["restart_s"])
     try:
         return RunFile(path, {
             "hpcps_version": hpcps.__version__,
-            "restart": json.dumps(restart or {}),
+            "restart": "{}",  # note_restart(), once every rank is set up
             "config": json.dumps(run.cfg.as_json_dict(), sort_keys=True),
             "paradigm": run.cfg.paradigm,
             "world_size": run.layout.world_size,

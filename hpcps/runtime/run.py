@@ -39,14 +39,13 @@ from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.runtime.checkpoint import (Checkpoint, LoopState, check_compatible, check_same_optimizer, read_checkpoint,
                                       reshaped, restore_int_buffers)
-from hpcps.config import TrainConfig, steps_for
+from hpcps.config import TrainConfig, outer_rounds, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.cluster.emulation import emulated_compute_time
 from hpcps.cluster.effects import no_effect
 from hpcps.errors import RunAborted, UserError
 from hpcps.training.flat import FlatParameters
-from hpcps.training.local import LocalSteps
 from hpcps.cluster.grouping import speed_groups
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
@@ -344,7 +343,7 @@ class _Run:
     def rounds(self) -> int:
         """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
         every = self.cfg.inner_steps
-        return self.steps if every is None else LocalSteps.rounds(self.steps, every)
+        return self.steps if every is None else outer_rounds(self.steps, every)
 
     def clock(self) -> float:
         """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""
@@ -443,6 +442,8 @@ class _Run:
             warn=self.cfg.stall_warn, abort=self.cfg.stall_limit, log=log, error=RunAborted,
             describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
         self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
+        if comm.rank == 0:
+            records.note_restart(self, runfile)
         self.path, self.runfile, self.recorder = path, runfile, recorder
         self.master = master
 

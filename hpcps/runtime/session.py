@@ -37,6 +37,7 @@ from hpcps.cluster.emulation import BackwardCompute, emulated_compute_time, emul
 from hpcps.runtime import assembly
 from hpcps.cluster.effects import own_loop
 from hpcps.cluster.layout import Role
+from hpcps.transport.failures import is_failure
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
@@ -268,15 +269,16 @@ class Session:
         """Collective over the workers: ``value`` (a number, a tensor or an array, the same shape on
         every worker) averaged over them, of the same kind (a tensor on its device): ``hvd.allreduce``
         of a validation metric. Every worker must call it at the same point of its loop; while it
-        waits, this worker's transfers keep moving."""
+        waits, this worker's transfers keep moving. Under run-through (ULFM) after a worker died: over
+        the living."""
         if not self.is_worker:
             raise RuntimeError("ps.mean: call it on the worker ranks (every worker, at the same point)")
         is_tensor = torch.is_tensor(value)
         data = np.array(value.detach().cpu().double().numpy() if is_tensor else value, dtype=np.float64, order="C")
         total = np.empty_like(data)
-        self._wait(self.workers.Iallreduce(data, total, op=MPI.SUM).Test,
-                   "every worker's ps.mean (each calls it at the same point of its loop, while ps.running)")
-        total /= self.n_workers
+        self._collective(lambda comm: comm.Iallreduce(data, total, op=MPI.SUM),
+                         "every worker's ps.mean (each calls it at the same point of its loop, while ps.running)")
+        total /= self.workers.size
         if is_tensor:
             return torch.from_numpy(total).to(dtype=value.dtype, device=value.device)
         if isinstance(value, np.ndarray):
@@ -284,9 +286,33 @@ class Session:
         return float(total)
 
     def workers_barrier(self) -> None:
-        """Collective over the workers: return once every worker has called it."""
-        self._wait(self.workers.Ibarrier().Test,
-                   "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
+        """Collective over the workers (the living, after a death under run-through): return once every
+        worker has called it."""
+        self._collective(lambda comm: comm.Ibarrier(),
+                         "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
+
+    def _collective(self, start: Callable[[MPI.Comm], MPI.Request], what: str) -> None:
+        """``start(workers)`` a nonblocking collective over the workers and wait for it (:meth:`_wait`).
+
+        Under run-through (ULFM), a worker's death fails it on the living: each revokes the workers'
+        communicator, so that a living worker not yet in the collective, or in another, fails too when it
+        gets there rather than wait for the dead; they shrink it to the living and start the collective
+        again over them. (A collective that completed on some of the living before the death was seen is
+        not agreed on: the workers' collectives are the loop's own, at points the loop chose.)"""
+        while True:
+            try:
+                self._wait(start(self.workers).Test, what)
+                return
+            except MPI.Exception as exc:
+                if self.run.dead is None or not is_failure(exc):
+                    raise
+                self.workers.Revoke()
+                shrunk = self.workers.Shrink()
+                if shrunk.rank == 0:
+                    log.warning("worker rank %d: a worker died; the workers' collectives go on over the %d "
+                                "living", self.rank, shrunk.size)
+                # (the revoked communicator is not freed: its free would wait for the dead)
+                self.workers = shrunk
 
     def _wait(self, test: Callable[[], bool], what: str) -> None:
         """Poll ``test`` for a collective of the workers or a shard's answer, this worker's transfers moving

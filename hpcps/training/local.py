@@ -55,11 +55,6 @@ class LocalSteps:
         self.taken = 0  # inner steps taken in the round under way
         self.own = every  # this worker's steps per round: fewer for a slow worker (:func:`steps_by_speed`)
 
-    @staticmethod
-    def rounds(steps: int, every: int) -> int:
-        """Outer rounds (pushes) of a worker that takes ``steps`` inner steps, ``every`` per round."""
-        return -(-steps // every)
-
     def begin_round(self) -> None:
         """The pull the round starts from has landed in the model: note it."""
         self.anchor.copy_(self.flat.values())

@@ -45,6 +45,8 @@ def clocks_at(up: np.ndarray, version: int, workers) -> dict[int, int]:
     return {w: int(rows["worker_clock"][rows["worker"] == w].max(initial=0)) for w in workers}
 
 
+# the soak launches N jobs in one test, each bounded by its own 150 s: the test's limit grows with N
+@pytest.mark.timeout(240 + 150 * max(SOAK - 1, 0))
 @pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp", *SOAKED])
 def test_a_worker_killed_mid_run_is_run_through_with_every_gradient_accounted_for(tmp_path, paradigm):
     """Worker rank 3 SIGKILLs itself at step 15 of 60: the job ends by itself with exit status 0, the three
@@ -128,3 +130,49 @@ def test_a_checkpoint_taken_after_the_death_gives_the_dead_workers_steps_back_to
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     it = tables(tmp_path / "second.h5")["it"]
     assert [int((it["rank"] == w).sum()) for w in (1, 2, 3, 4)] == [40 - c for c in clocks]
+
+
+OWN_LOOP = '''
+import os, signal, sys
+import torch
+import torch.nn.functional as F
+import hpcps
+from hpcps.transport.failures import deaths_seen
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+ps = hpcps.init(net, optimizer="sgd", lr=0.05, paradigm="asp", steps=40, out=sys.argv[1])
+if ps.is_worker:
+    g = torch.Generator().manual_seed(ps.worker_index)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g)
+    step = 0
+    while ps.running:
+        loss = F.cross_entropy(ps.model(x), y)
+        ps.optimizer.zero_grad(); loss.backward(); ps.step(); step += 1
+        if ps.rank == %(killed)d and step == 15:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step %% 10 == 0:
+            print(f"mean at {step}: {ps.mean(float(ps.worker_index)):.6f}", flush=True)
+ps.close()
+if deaths_seen():  # (MPI_Finalize would wait for the dead across nodes)
+    os._exit(0)
+''' % {"killed": KILLED}
+
+
+def test_an_own_loop_whose_worker_dies_goes_on_and_its_ps_mean_averages_the_living(tmp_path):
+    """hpcps.init's loop under asp: worker rank 3 (worker 2) SIGKILLs itself at step 15 of 40; ps.mean of each
+    worker's index is 1.5 at step 10 (all four) and 4/3 from step 20 on (0, 1, 3: the living), on each of the
+    three living workers, and the job ends by itself with every living gradient applied."""
+    script = tmp_path / "own.py"
+    script.write_text(OWN_LOOP)
+    done = launch(5, "--with-ft", "ulfm", sys.executable, str(script), str(tmp_path / "own.h5"), timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    means = sorted(line for line in done.stdout.splitlines() if line.startswith("mean at"))
+    assert means == sorted([f"mean at 10: {1.5:.6f}"] * 4 + [f"mean at {s}: {4 / 3:.6f}" for s in (20, 30, 40)] * 3)
+    assert "the workers' collectives go on over the 3 living" in done.stderr
+    summary = tables(tmp_path / "own.h5")["summary"]
+    assert summary["workers_lost"] == 1 and summary["gradients_pushed"] == 3 * 40 + 15
+    assert summary["gradients_pushed"] == summary["gradients_applied"] + summary["gradients_dropped"] + \
+        summary["gradients_lost"]

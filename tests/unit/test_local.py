@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcps.config import outer_rounds
 from hpcps.training.flat import FlatParameters
 from hpcps.training.local import InnerFiles, LocalSteps, steps_by_speed
 from hpcps.training.optim import builtin_optimizer
@@ -42,7 +43,7 @@ def test_the_last_round_ends_at_the_runs_last_step_and_a_skipped_step_moves_noth
     m = model()
     flat = FlatParameters(m)
     local = LocalSteps(m, flat, builtin_optimizer("sgd", lr=0.1), every=4, steps=10)
-    assert LocalSteps.rounds(10, 4) == 3 and LocalSteps.rounds(8, 4) == 2
+    assert outer_rounds(10, 4) == 3 and outer_rounds(8, 4) == 2
     local.begin_round()
     before = flat.params_t.clone()
     flat.grads_t.fill_(1.0)

@@ -50,7 +50,7 @@ def test_resume_auto_starts_afresh_where_there_is_no_checkpoint_and_needs_a_dire
         resolve_resume(make_config({"paradigm": "bsp", "resume": "auto"}))
 
 
-def test_a_restart_costs_the_gradients_past_the_checkpoint_and_the_time_since_the_last_note(tmp_path):
+def test_a_restart_costs_the_gradients_past_the_checkpoint_and_the_time_since_the_last_note_or_the_checkpoint(tmp_path):
     path = _checkpoint(tmp_path, 80, [20, 20], parts=(0, 1))
     assert restart_cost(path, [20, 20], time.time()) is None  # no note: nothing known
     written = os.path.getmtime(path)
@@ -59,7 +59,9 @@ def test_a_restart_costs_the_gradients_past_the_checkpoint_and_the_time_since_th
     assert cost == {"checkpoint": path, "attempt": 1, "gradients_repeated": 9, "training_lost_s": 1.5,
                     "restart_s": 2.5}
     (tmp_path / PROGRESS_NOTE).write_text(json.dumps({"clocks": [19, 20], "time": written - 1}))
-    assert restart_cost(path, [20, 20], written + 4.0) is None  # a note older than the checkpoint
+    # a note older than the checkpoint: the launch ended within a note period of it; counted from the checkpoint
+    assert restart_cost(path, [20, 20], written + 4.0) == {
+        "checkpoint": path, "attempt": 1, "gradients_repeated": 0, "training_lost_s": 0.0, "restart_s": 4.0}
 
 
 @pytest.mark.parametrize("status,stopped,final", [

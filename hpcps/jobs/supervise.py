@@ -9,7 +9,11 @@ Which endings are final is pure policy (:func:`verdict`): a clean end (status 0,
 signal ended with a checkpoint), bad input (2: the same command would fail again), a diverged run (3:
 restarting would diverge again), and a supervisor that was itself told to stop (it passes the signal on to
 the job). Anything else, a rank that died, was killed, or took the launcher down, is a failure to restart
-after ``delay`` seconds, up to ``restarts`` times. Outside a scheduler the command runs again as written,
+after ``delay`` seconds, up to ``restarts`` times. So is a status 0 from a launch whose hpcps run began and
+never finished: each launch names a mark file (``HPCPS_LAUNCH_MARK``, in the working directory, which a
+job's nodes usually share) where rank 0 writes ``started`` and then ``finished``; Open MPI's launcher under
+``--with-ft ulfm`` returns 0 whatever the ranks did. A launch that wrote no mark (not hpcps, or a rank 0
+that cannot see the file) is taken at its status. Outside a scheduler the command runs again as written,
 on the same hosts. Inside a Slurm allocation (``--no-kill``: a failed node does not end the job) an
 ``srun`` command runs again on the allocation's nodes that sinfo says are alive, with as many ranks per
 node as before: the run resumes on that smaller shape (hpcps resumes a checkpoint on another shape).
@@ -25,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from hpcps.runtime.faults import ATTEMPT_VAR
+from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR
 
 log = logging.getLogger("hpcps")
 
@@ -34,16 +38,21 @@ FINAL = {0: "finished", 2: "bad input: the same command would fail again",
          3: "training diverged: a restart would diverge again"}
 
 
-def verdict(status: int, stopped: bool) -> str | None:
+def verdict(status: int, stopped: bool, unfinished: bool = False) -> str | None:
     """Why supervision ends after a launch that exited with ``status`` (negative: killed by that signal),
-    or None to launch again; ``stopped``: the supervisor itself was told to stop."""
+    or None to launch again; ``stopped``: the supervisor itself was told to stop; ``unfinished``: the run
+    began and never finished, whatever the status says."""
     if stopped:
         return "stopped by a signal"
+    if unfinished and status == 0:
+        return None
     return FINAL.get(status)
 
 
-def describe(status: int) -> str:
-    """``status 1`` or ``killed by SIGKILL``."""
+def describe(status: int, unfinished: bool = False) -> str:
+    """``status 1`` or ``killed by SIGKILL``; a status 0 of a run that never finished says so."""
+    if unfinished and status == 0:
+        return "status 0, its run unfinished (the launcher said 0 for a run whose rank 0 never reached its end)"
     if status < 0:
         try:
             return f"killed by {signal.Signals(-status).name}"
@@ -111,6 +120,7 @@ class Launch:
     began: float
     ended: float = 0.0
     status: int = 0
+    unfinished: bool = False  # its hpcps run began and never finished (the launch's mark says)
 
 
 @dataclass
@@ -125,7 +135,8 @@ class Supervisor:
     _child: subprocess.Popen | None = None
 
     def run(self) -> int:
-        """Launch until done; return the last launch's exit status (as a shell gives it: 128 + signal)."""
+        """Launch until done; return the last launch's exit status (as a shell gives it: 128 + signal; 1 for
+        a status 0 whose run never finished)."""
         if not any(a == "auto" and b == "--resume" for b, a in zip(self.command, self.command[1:])) \
                 and "--resume=auto" not in self.command:
             log.warning("hpcps supervise: the command has no --resume auto, so each launch starts from the "
@@ -134,14 +145,14 @@ class Supervisor:
         try:
             while True:
                 launch = self._launch(len(self.launches) + 1)
-                reason = verdict(launch.status, self._stop is not None)
+                reason = verdict(launch.status, self._stop is not None, launch.unfinished)
                 if reason is not None:
                     break
                 if len(self.launches) > self.restarts:
                     reason = f"no restarts left (--restarts {self.restarts})"
                     break
                 log.warning("hpcps supervise: launch %d ended with %s after %.1f s; launching again in %g s "
-                            "(restart %d of %d)", launch.attempt, describe(launch.status),
+                            "(restart %d of %d)", launch.attempt, describe(launch.status, launch.unfinished),
                             launch.ended - launch.began, self.delay, launch.attempt, self.restarts)
                 time.sleep(self.delay)
                 if self._stop is not None:
@@ -151,19 +162,28 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         log.info("hpcps supervise: %s after %d launch(es), last %s", reason, len(self.launches),
-                 describe(launch.status))
+                 describe(launch.status, launch.unfinished))
+        if launch.unfinished and launch.status == 0:
+            return 1  # the launcher's 0 is not the run's
         return launch.status if launch.status >= 0 else 128 - launch.status
 
     def _launch(self, attempt: int) -> Launch:
         launch = Launch(attempt, time.time())
         self.launches.append(launch)
         command = list(self.command) if attempt == 1 else slurm_relaunch(self.command, os.environ)
+        mark = os.path.abspath(f".hpcps-launch.{os.getpid()}.{attempt}")
         # its own process group: a signal the supervisor passes on reaches the launcher, which passes it on
-        self._child = subprocess.Popen(command, env={**os.environ, ATTEMPT_VAR: str(attempt)},
+        self._child = subprocess.Popen(command, env={**os.environ, ATTEMPT_VAR: str(attempt), MARK_VAR: mark},
                                        start_new_session=True)
         launch.status = self._child.wait()
         launch.ended = time.time()
         self._child = None
+        try:
+            with open(mark) as f:
+                launch.unfinished = f.read().strip() == "started"
+            os.remove(mark)
+        except OSError:  # no mark: not an hpcps run, or its rank 0 could not reach the file
+            pass
         return launch
 
     def _on_signal(self, signum, frame) -> None:

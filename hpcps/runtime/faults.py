@@ -18,6 +18,7 @@ STEP and would meet the same fault again.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -48,6 +49,22 @@ def parse_fault(spec: str) -> Fault:
 
 #: the launch a supervisor is at (1 for the first; hpcps.jobs.supervise sets it)
 ATTEMPT_VAR = "HPCPS_ATTEMPT"
+#: a file the supervisor names for each launch: rank 0 writes ``started`` into it once the run is set up and
+#: ``finished`` once its run file is complete, so that a launcher that says 0 for a run that never finished
+#: (Open MPI's under ``--with-ft ulfm`` says 0 whatever the ranks did) is not taken at its word
+MARK_VAR = "HPCPS_LAUNCH_MARK"
+
+
+def mark_launch(state: str, environ=None) -> None:
+    """Write ``state`` (``started``, ``finished``) into the supervisor's mark for this launch, if it named one
+    (:data:`MARK_VAR`); a mark that cannot be written is left out (the supervisor then trusts the status)."""
+    path = (os.environ if environ is None else environ).get(MARK_VAR)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(state)
+        except OSError:
+            pass
 
 
 def armed(faults: list[Fault], environ) -> list[Fault]:

@@ -58,6 +58,7 @@ from hpcps.metrics.schema import RANK, summarize
 from hpcps.training.optim import ShardOptimizer, describe_optimizer
 from hpcps.training.paramgroups import resolve_groups
 from hpcps.policies import Policy, policy_class
+from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
@@ -444,6 +445,7 @@ class _Run:
         self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         if comm.rank == 0:
             records.note_restart(self, runfile)
+            mark_launch("started")
         self.path, self.runfile, self.recorder = path, runfile, recorder
         self.master = master
 
@@ -488,7 +490,11 @@ class _Run:
                 group_window.free()
         else:  # a window's free is a collective over every rank it was made on, the dead too: left to MPI
             self.window = self.group_window = None
-        return self._finish(runfile, wall_s, self.path, ranks, stopped_by, saved_ckpt) if comm.rank == 0 else None
+        if comm.rank != 0:
+            return None
+        result = self._finish(runfile, wall_s, self.path, ranks, stopped_by, saved_ckpt)
+        mark_launch("finished")
+        return result
 
     def _survivors(self) -> MPI.Comm:
         """Collective over the living (run-through): the run's communicator, or where ranks died, a shrunk

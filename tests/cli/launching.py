@@ -43,10 +43,11 @@ def launch(n: int, *args: str, timeout: float, cwd: str | None = None,
 LAUNCHER_FAILED_TO_START = ("The PMIx server's listener thread failed to start",)
 
 
-def run_bounded(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_bounded(argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: str | None = None) -> subprocess.CompletedProcess:
     """``argv`` in a process group of its own and a clean environment (plus ``env``), output captured; on
     timeout kill the whole group and fail."""
-    proc = subprocess.Popen(argv, env=clean_environ(PYTHONUNBUFFERED="1", **(env or {})), text=True,
+    proc = subprocess.Popen(argv, env=clean_environ(PYTHONUNBUFFERED="1", **(env or {})), text=True, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

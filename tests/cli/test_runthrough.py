@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from launching import FAMILY, launch, needs_mpiexec
+from launching import FAMILY, MPIEXEC, OVERSUBSCRIBE, launch, needs_mpiexec, run_bounded
 
 pytestmark = [needs_mpiexec, pytest.mark.skipif(FAMILY != "openmpi", reason="run-through needs Open MPI's ULFM "
                                                                              "(mpirun --with-ft ulfm)")]
@@ -176,3 +176,26 @@ def test_an_own_loop_whose_worker_dies_goes_on_and_its_ps_mean_averages_the_livi
     assert summary["workers_lost"] == 1 and summary["gradients_pushed"] == 3 * 40 + 15
     assert summary["gradients_pushed"] == summary["gradients_applied"] + summary["gradients_dropped"] + \
         summary["gradients_lost"]
+
+
+def test_a_paradigm_that_does_not_run_through_is_restarted_by_the_supervisor_though_mpirun_says_0(tmp_path):
+    """hsp under --with-ft ulfm, worker rank 3 SIGKILLed at step 30 of 60, periodic checkpoints, under
+    ``hpcps supervise``: the job ends and Open MPI's launcher says 0, but rank 0 never marked the run
+    finished, so the supervisor launches it again; the second launch resumes and finishes, pushing exactly
+    what the checkpoint lacked of every worker's 60."""
+    out = tmp_path / "hsp.h5"
+    proc = run_bounded([sys.executable, "-m", "hpcps", "supervise", "--delay", "0", "--restarts", "2", "--",
+                        MPIEXEC, "-n", "5", "--with-ft", "ulfm", sys.executable, "-m", "hpcps", "train",
+                        "--paradigm", "hsp", "--steps", str(STEPS), "--compute-time", "0.02", "--checkpoint-every",
+                        "40", "--seed", "1", "--no-progress", "--out", str(out), "--resume", "auto",
+                        "--fault", f"kill@{KILLED}:30"], timeout=240, env=OVERSUBSCRIBE, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launch 1 ended with status 0, its run unfinished" in proc.stderr
+    assert "finished after 2 launch(es)" in proc.stderr
+    assert not list(tmp_path.glob(".hpcps-launch.*"))
+    with h5py.File(out) as f:
+        resumed, s = f.attrs["resumed_from"], f["summary"].attrs
+        pushed, handled = int(s["gradients_pushed"]), int(s["gradients_applied"] + s["gradients_dropped"])
+    with h5py.File(resumed) as f:
+        cut = int(f.attrs["worker_clocks"].sum())
+    assert 0 < cut < 4 * STEPS and pushed == handled and pushed + cut == 4 * STEPS, (pushed, cut)

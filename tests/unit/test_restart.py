@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hpcps.errors import UserError
 from hpcps.jobs.supervise import Supervisor, describe, verdict
 from hpcps.runtime.checkpoint import checkpoint_path, optimizer_state_path, write_checkpoint
 from hpcps.runtime.checkpointing import PROGRESS_NOTE, resolve_resume, restart_cost
-from hpcps.runtime.faults import ATTEMPT_VAR, armed, parse_fault
+from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR, armed, parse_fault, mark_launch
 
 
 def _checkpoint(directory, version, clocks, parts=(0,)):
@@ -89,6 +90,31 @@ def test_the_supervisor_launches_again_until_the_job_ends_well(tmp_path):
     supervisor = Supervisor(command + ["--resume", "auto"], restarts=5, delay=0)
     assert supervisor.run() == 0
     assert seen.read_text().split() == ["1", "2", "3"] and len(supervisor.launches) == 3
+
+
+def test_a_status_0_whose_run_began_and_never_finished_is_launched_again(tmp_path):
+    """Open MPI's launcher under --with-ft ulfm says 0 whatever the ranks did: a launch's mark that says its
+    run started and never finished makes it a failure; one that finished, or none at all, is taken at 0."""
+    seen = tmp_path / "seen"
+    code = (f"import os; p = {str(seen)!r}; n = len(open(p).read().split()) if os.path.exists(p) else 0; "
+            f"open(p, 'a').write('x '); open(os.environ[{MARK_VAR!r}], 'w').write(['started', 'started', "
+            f"'finished'][n])")
+    supervisor = Supervisor([sys.executable, "-c", code], restarts=5, delay=0)
+    assert supervisor.run() == 0 and len(supervisor.launches) == 3
+    assert [launch.unfinished for launch in supervisor.launches] == [True, True, False]
+    assert not list(tmp_path.glob(".hpcps-launch.*")) and not list(Path.cwd().glob(".hpcps-launch.*"))
+    seen.unlink()
+    assert Supervisor([sys.executable, "-c", code], restarts=0, delay=0).run() == 1  # started, no restarts left
+    assert verdict(0, False, unfinished=True) is None and verdict(0, False) == "finished"
+    assert "unfinished" in describe(0, unfinished=True)
+
+
+def test_rank_0_marks_the_launch_only_where_the_supervisor_named_a_file(tmp_path):
+    mark = tmp_path / "mark"
+    mark_launch("started", {})
+    mark_launch("started", {MARK_VAR: str(mark)})
+    assert mark.read_text() == "started"
+    mark_launch("finished", {MARK_VAR: str(tmp_path / "no" / "such" / "dir")})  # left out, no error
 
 
 def test_the_supervisor_stops_at_bad_input_and_after_its_last_restart(tmp_path):

@@ -33,7 +33,8 @@ from mpi4py import MPI
 from hpcps.data.batches import BatchSource, to_device
 from hpcps.runtime.checkpoint import (LoopState, checkpoint_files, checkpoint_path, newest_clocks, read_loop_state,
                                       restore_int_buffers, write_user_state)
-from hpcps.cluster.emulation import BackwardCompute, emulated_compute_time, emulated_sleep, end_pass, forward_compute
+from hpcps.cluster.emulation import (BackwardCompute, Overruns, emulated_compute_time, emulated_sleep, end_pass,
+                                     forward_compute)
 from hpcps.runtime import assembly
 from hpcps.cluster.effects import own_loop
 from hpcps.cluster.layout import Role
@@ -120,6 +121,7 @@ class Session:
                 lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
         self._backward = None
         self._target: float | None = None  # the step's emulated compute time, when drawn before the pass ends
+        self.overruns = Overruns()  # steps whose real pass outran --compute-time (a warning at the end)
         # before the backward pushes' hooks (put on at the first push): compute, then send. With pushes during
         # backward, the emulated compute not spent in the forward and backward passes comes before the first
         # gradient, not after the pass, where the push would overlap it
@@ -194,7 +196,7 @@ class Session:
         # a partitioned pull's waits in the pass are not compute
         t0 = self.t0 + self.worker.pass_waited - self._waited0
         end_pass(self.flat, t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
-                 poke=self.worker.poke, timeline=self.worker.tl, target=self._target)
+                 poke=self.worker.poke, timeline=self.worker.tl, target=self._target, overruns=self.overruns)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         compute_s = time.perf_counter() - t0
         if self.local is not None:
@@ -486,6 +488,9 @@ class Session:
                     and own_loop(self.run.cfg)):
                 log.warning("target %s had no effect: in your own loop, the run's evaluation is what it gives "
                             "ps.evaluated(...), and it never called it", self.run.cfg.stop_target)
+            overran = self.overruns.warning(self.rank)
+            if overran:
+                log.warning(overran)
             try:
                 self.worker.finish()
             finally:

@@ -91,3 +91,28 @@ def test_an_emulated_computation_pokes_every_millisecond_and_lasts_as_long():
     assert 1 <= len(pokes) <= round(0.05 / POKE_EVERY)
     emulated_sleep(0.0, lambda: pokes.append(None))  # nothing to emulate: no poke
     assert None not in pokes
+
+
+def test_a_straggler_whose_real_pass_outruns_its_target_is_named_and_an_even_one_is_not():
+    from hpcps.cluster.emulation import Overruns, end_pass
+    from hpcps.training.flat import FlatParameters
+    import time
+    import torch
+
+    flat = FlatParameters(torch.nn.Linear(4, 2))
+    rng = np.random.default_rng(0)
+    over = Overruns()
+    for _ in range(12):  # the real pass (0 s of compute here, but begun 5 ms ago) outruns a 1 ms target
+        end_pass(flat, time.perf_counter() - 0.005, ComputeTime(0.001), rng, overruns=over)
+    assert (over.steps, over.over) == (12, 12) and 0.004 * 12 <= over.excess_s
+    assert "worker rank 3: the real pass outran --compute-time in 12 of 12 steps" in over.warning(3)
+    held = Overruns()
+    for _ in range(12):  # a 20 ms target tops up the same pass: it holds
+        end_pass(flat, time.perf_counter() - 0.005, ComputeTime(0.02), rng, overruns=held)
+    assert (held.steps, held.over) == (12, 0) and held.warning(3) is None
+    few = Overruns()
+    for real in (0.2, 0.2, 0.2):
+        few.add(real, 0.1)
+    assert few.warning(1) is None  # fewer than 10 steps: no verdict
+    half = Overruns(steps=10, over=5, excess_s=1.0)
+    assert half.warning(1) is None  # half is not most

@@ -291,13 +291,19 @@ def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:
 
 def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int) -> None:
     """UserError naming every way ``ckpt`` does not fit this run."""
-    from hpcps.config import TrainConfig
+    from hpcps.config import TrainConfig, local_steps_of
 
     defaults = TrainConfig().as_json_dict()  # options an older checkpoint predates had their defaults
     keys = [k for k in MUST_MATCH if "optimizer_ran" not in ckpt.config or k not in OPTIMIZER_KEYS]
     theirs = {key: ckpt.config.get(key, defaults.get(key)) for key in keys}
     problems = [f"{key} is {config.get(key)!r} here but {theirs[key]!r} in the checkpoint"
                 for key in keys if config.get(key) != theirs[key]]
+    # a worker's clock counts outer rounds under local steps: another H would resume it at another batch
+    mine = local_steps_of(config.get("paradigm"), config.get("local_steps"))
+    before = local_steps_of(ckpt.config.get("paradigm"), ckpt.config.get("local_steps"))
+    if mine != before:
+        problems.append(f"local steps per round are {mine or 'none'} here but {before or 'none'} in the checkpoint "
+                        f"(a worker's clock counts its rounds)")
     if len(ckpt.params) != n_params:
         problems.append(f"the model has {n_params} parameters, the checkpoint {len(ckpt.params)}")
     if problems:

@@ -34,6 +34,20 @@ def test_a_checkpoint_that_does_not_fit_names_every_mismatch(tmp_path):
     check_compatible(ck, "x.h5", make_config({"paradigm": "bsp", "servers": 3}).as_json_dict(), n_params=6)
 
 
+def test_a_checkpoint_of_other_local_steps_is_refused_and_a_presets_default_spelled_out_is_not(tmp_path):
+    """A worker's clock counts outer rounds under --local-steps: resumed with another H it would start at
+    another batch. diloco's default H (8) given explicitly is the same H."""
+    ck = read_checkpoint(_write(tmp_path, paradigm="diloco"))
+    check_compatible(ck, "x.h5", make_config({"paradigm": "diloco", "local_steps": 8}).as_json_dict(), n_params=6)
+    with pytest.raises(UserError, match=r"local steps per round are 4 here but 8 in the checkpoint"):
+        check_compatible(ck, "x.h5", make_config({"paradigm": "diloco", "local_steps": 4}).as_json_dict(),
+                         n_params=6)
+    plain = read_checkpoint(_write(tmp_path / "b", paradigm="bsp"))
+    with pytest.raises(UserError, match=r"local steps per round are 2 here but none in the checkpoint"):
+        check_compatible(plain, "x.h5", make_config({"paradigm": "bsp", "local_steps": 2}).as_json_dict(),
+                         n_params=6)
+
+
 def test_a_checkpoint_takes_the_shape_of_the_run_that_resumes_it(tmp_path):
     from hpcps.runtime.checkpoint import reshaped
 

@@ -82,6 +82,16 @@ def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int |
     return schedule
 
 
+#: the built-in optimizers take torch's fused kernels where torch has them. Their rounding depends on where
+#: an element sits in its tensor: on an AVX-512 CPU (torch 2.13) the fused sgd with momentum, adam and adamw
+#: compute a tensor's last elements, short of a whole vector, on a path that rounds otherwise than the vector
+#: body (1 ulp, a few elements in ten thousand a step). A run is still reproducible on one shape; the same
+#: run on another slicing of the shards' chunks (other shard counts, ``--partition-mb``'s stripes) ends a
+#: few ulp apart. False: torch's default kernels, whose rounding does not depend on the position (3x slower
+#: for adamw here), for a run that must end bit for bit across slicings.
+FUSED = True
+
+
 def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
                       weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                       eps: float = 1e-8, momentum_period: int = 1) -> OptimizerFactory:
@@ -108,6 +118,8 @@ def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: 
 
     def make(params):
         params = list(params)
+        if not FUSED:
+            return cls(params, **options)
         try:
             return cls(params, fused=True, **options)
         except (RuntimeError, TypeError, ValueError):  # no fused kernel for these tensors or this torch

@@ -23,10 +23,14 @@ pytestmark = pytest.mark.mpi(min_size=5)
     # one group: its server is the central shards' only client, and pushes to them in their wire order
     ("mlp", "digits", 2, "none", {"paradigm": "grouped", "groups": 1}),
 ], ids=["mlp-1", "resnet18-2", "bf16-2", "adamw-3", "grouped-2"])
-def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, model, dataset, servers,
-                                                                compress, extra):
+def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, monkeypatch, model, dataset,
+                                                                servers, compress, extra):
     """With several shards, partitions also stripe the shards' slices (hpcps.cluster.slices): the same values
-    are stepped the same way, only held elsewhere."""
+    are stepped the same way, only held elsewhere. (adamw with torch's default kernels: its fused one rounds a
+    tensor's last elements otherwise than the rest on AVX-512 CPUs, so striped chunks, ending elsewhere,
+    ended 1 ulp apart there; hpcps.training.optim.FUSED)"""
+    if extra.get("optimizer") == "adamw":
+        monkeypatch.setattr("hpcps.training.optim.FUSED", False)
     # on the CPU, a visible GPU too: bit for bit needs deterministic kernels, and CUDA's defaults (cuDNN's
     # convolutions) are not; test_cuda_mpi.py holds partitions on the GPU to the GPU's own run-to-run spread
     common = {"paradigm": "bsp", "model": model, "dataset": dataset, "servers": servers, "compress": compress,

@@ -34,6 +34,7 @@ DEFAULT_LOCAL_STEPS = 8
 FAMILY_OUTER = {"localsgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
                 "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
 AUTO_GROUPS = 2  # --groups auto
+DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
 
 def local_steps_of(paradigm: str | None, local_steps: int | None) -> int | None:
@@ -48,7 +49,6 @@ def outer_rounds(steps: int, every: int) -> int:
     """Outer rounds (pushes) of a worker that takes ``steps`` inner steps, ``every`` per round: the last
     round is shorter where ``every`` does not divide ``steps``."""
     return -(-steps // every)
-DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
 
 class TrainConfig(BaseModel):

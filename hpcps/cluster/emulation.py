@@ -171,11 +171,13 @@ class ComputeTime:
             return None
         return self.mean * self.factor_at(now) * self.jitter_sample(rng)
 
-    def sleep_after(self, real_s: float, rng: np.random.Generator, now: float | None = None) -> float:
-        """Seconds to sleep after a real pass of ``real_s`` seconds that began at ``now`` (run clock)."""
+    def sleep_after(self, real_s: float, rng: np.random.Generator, now: float | None = None,
+                    target: float | None = None) -> float:
+        """Seconds to sleep after a real pass of ``real_s`` seconds that began at ``now`` (run clock);
+        ``target``: the pass's compute time where the caller drew it already (:meth:`target`)."""
         if self.mean is None:
             return (self.factor_at(now) - 1.0) * real_s
-        return max(0.0, self.target(rng, now) - real_s)
+        return max(0.0, (self.target(rng, now) if target is None else target) - real_s)
 
 
 def emulated_compute_time(cfg: "TrainConfig", rank: int, layout: "Layout") -> ComputeTime:
@@ -227,12 +229,9 @@ def end_pass(flat: "FlatParameters", started: float, compute_time: ComputeTime, 
     if timeline is not None:
         timeline.enter("emulated")
     real = time.perf_counter() - started
-    if compute_time.mean is None:  # real compute: a --slowdown factor's share of it on top
-        sleep = compute_time.sleep_after(real, rng, now)
-    else:
-        goal = compute_time.target(rng, now) if target is None else target
-        sleep = max(0.0, goal - real)
-        if overruns is not None:
-            overruns.add(real, goal)
-    emulated_sleep(sleep, poke)
+    if compute_time.mean is not None and target is None:  # emulated compute: this pass's time, drawn once
+        target = compute_time.target(rng, now)
+    if overruns is not None and target is not None:
+        overruns.add(real, target)
+    emulated_sleep(compute_time.sleep_after(real, rng, now, target=target), poke)
     return time.perf_counter() - started

@@ -351,14 +351,20 @@ class Session:
 
     def _share_by_speed(self) -> None:
         """``--local-steps-by-speed``, at the end of this run's first round (every worker gets there: a stop is
-        seen only between rounds): the workers' seconds per step, gathered, make each one's steps per round."""
+        seen only between rounds): the workers' seconds per step, gathered, make each one's steps per round.
+        Under run-through after a death: the living's (a worker's place is its rank among them)."""
         mine = np.array([self._round_compute / max(1, self.local.taken)])
-        every = np.empty(self.n_workers)
-        self._wait(self.workers.Iallgather(mine, every).Test,
-                   "every worker's first round (--local-steps-by-speed times them)")
+        gathered: list[np.ndarray] = []
+
+        def start(comm: MPI.Comm) -> MPI.Request:
+            gathered[:] = [np.empty(comm.size)]  # sized anew where a death shrank the workers
+            return comm.Iallgather(mine, gathered[0])
+
+        self._collective(start, "every worker's first round (--local-steps-by-speed times them)")
+        every = gathered[0]
         shares = steps_by_speed(self.local.every, every.tolist())
-        self.local.own = shares[self.worker_index]
-        if self.worker_index == 0:
+        self.local.own = shares[self.workers.rank]
+        if self.workers.rank == 0:
             log.info("local steps by speed: %s per round (seconds per step %s)", shares,
                      ", ".join(f"{s:.3g}" for s in every))
 

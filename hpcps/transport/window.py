@@ -11,7 +11,9 @@ version they belong to. Two protocols guarantee that:
     Every rank holds a shared ``Lock_all`` for the window's lifetime and
     nobody ever locks exclusively, so a pull needs nothing from the
     server's CPU: within a node it is a copy out of shared memory, across
-    nodes an RDMA read. The shard keeps :data:`SLOTS` copies of its
+    nodes an RDMA read (over TCP, which has no RDMA, the MPI library
+    carries reads and atomics as messages its progress on the server
+    answers: the server's polls serve them). The shard keeps :data:`SLOTS` copies of its
     parameters. A reader reads which slot holds the newest publish, *pins*
     that slot (an atomic increment of the slot's reader count), copies it
     with the version it holds, and unpins it. The shard writes a publish

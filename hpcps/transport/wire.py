@@ -60,7 +60,7 @@ memory, every other rank exposes none)::
 Two protocols keep a pull from ever mixing two versions
 (:mod:`hpcps.transport.window` has the details): ``pinned`` (the default
 where the MPI library gives the unified memory model) never locks
-exclusively, so a pull needs nothing from the server's CPU; readers pin the
+exclusively, so a pull needs no server lock (nor, over RDMA, its CPU); readers pin the
 slot they copy and the shard writes only unpinned slots; ``locked`` (the
 fallback) publishes under an exclusive lock and reads under shared locks.
 """

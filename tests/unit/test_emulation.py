@@ -18,6 +18,17 @@ def test_model_tops_up_the_real_pass_to_mean_times_factor():
     assert ComputeTime(mean=0.001).sleep_after(0.01, rng) == 0.0  # real pass already longer
 
 
+def test_a_target_drawn_already_is_topped_up_to_without_a_second_draw():
+    rng, twin = np.random.default_rng(3), np.random.default_rng(3)
+    model = ComputeTime(mean=0.05, jitter="uniform", cv=0.3)
+    target = model.target(rng)
+    assert model.sleep_after(0.01, rng, target=target) == pytest.approx(target - 0.01)
+    model.target(twin)
+    assert rng.random() == twin.random()  # one draw in all: the sleep took the target it was given
+    assert model.sleep_after(0.2, rng, target=target) == 0.0  # the pass outran it
+    assert ComputeTime(factor=3.0).sleep_after(0.01, rng, target=None) == pytest.approx(0.02)  # real compute
+
+
 @pytest.mark.parametrize("jitter,cv", [("uniform", 0.3), ("lognormal", 0.2), ("exponential", 1.0)])
 def test_jitter_has_mean_one_and_the_requested_spread(jitter, cv):
     model = ComputeTime(mean=1.0, jitter=jitter, cv=cv)

@@ -298,23 +298,43 @@ class Session:
 
         Under run-through (ULFM), a worker's death fails it on the living: each revokes the workers'
         communicator, so that a living worker not yet in the collective, or in another, fails too when it
-        gets there rather than wait for the dead; they shrink it to the living and start the collective
-        again over them. (A collective that completed on some of the living before the death was seen is
-        not agreed on: the workers' collectives are the loop's own, at points the loop chose.)"""
+        gets there rather than wait for the dead. Then the living agree (``MPIX_Comm_agree``, which runs
+        through failures) whether it completed on every one of them: a collective can complete on some and
+        fail on others, and those must not go on to their next one while these start this one again. Where
+        it did not, they shrink the communicator to the living and start it again over them."""
         while True:
             try:
                 self._wait(start(self.workers).Test, what)
-                return
+                done = True
             except MPI.Exception as exc:
                 if self.run.dead is None or not is_failure(exc):
                     raise
                 self.workers.Revoke()
-                shrunk = self.workers.Shrink()
-                if shrunk.rank == 0:
-                    log.warning("worker rank %d: a worker died; the workers' collectives go on over the %d "
-                                "living", self.rank, shrunk.size)
-                # (the revoked communicator is not freed: its free would wait for the dead)
-                self.workers = shrunk
+                done = False
+            if self.run.dead is None:
+                return
+            if self._agree(done, what):
+                return
+            shrunk = self.workers.Shrink()
+            if shrunk.rank == 0:
+                log.warning("worker rank %d: a worker died; the workers' collectives go on over the %d "
+                            "living", self.rank, shrunk.size)
+            # (the revoked communicator is not freed: its free would wait for the dead)
+            self.workers = shrunk
+
+    def _agree(self, done: bool, what: str) -> bool:
+        """Run-through: whether every living worker completed the collective (``done`` here), waited for as
+        :meth:`_wait` does. The agreement fails alike on every living worker where a worker died
+        unacknowledged: then it did not complete, everywhere."""
+        flag = np.array([int(done)], dtype=np.intc)  # in: this worker's; out: the bitwise AND of the living's
+        try:
+            self._wait(self.workers.Iagree(flag).Test, f"the living workers' agreement on {what}")
+            return bool(flag[0])
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
+            self.workers.Ack_failed()  # (what the agreement found: the shrink below leaves them out)
+            return False
 
     def _wait(self, test: Callable[[], bool], what: str) -> None:
         """Poll ``test`` for a collective of the workers or a shard's answer, this worker's transfers moving

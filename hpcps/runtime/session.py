@@ -316,11 +316,24 @@ class Session:
             if self._agree(done, what):
                 return
             shrunk = self.workers.Shrink()
+            self._note_dead(shrunk)
             if shrunk.rank == 0:
                 log.warning("worker rank %d: a worker died; the workers' collectives go on over the %d "
                             "living", self.rank, shrunk.size)
             # (the revoked communicator is not freed: its free would wait for the dead)
             self.workers = shrunk
+
+    def _note_dead(self, shrunk: MPI.Comm) -> None:
+        """The workers that the shrink to ``shrunk`` left out are dead: the run's record of the dead, so
+        that ``deaths_seen()`` tells this worker's loop, though no transfer of its own met the death."""
+        before, after, run = self.workers.Get_group(), shrunk.Get_group(), self.run.topo.comm.Get_group()
+        try:
+            living = set(MPI.Group.Translate_ranks(after, list(range(after.Get_size())), before))
+            gone = [r for r in range(before.Get_size()) if r not in living]
+            self.run.dead.add(set(MPI.Group.Translate_ranks(before, gone, run)))
+        finally:
+            for group in (before, after, run):
+                group.Free()
 
     def _agree(self, done: bool, what: str) -> bool:
         """Run-through: whether every living worker completed the collective (``done`` here), waited for as

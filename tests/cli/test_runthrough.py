@@ -155,6 +155,8 @@ if ps.is_worker:
             os.kill(os.getpid(), signal.SIGKILL)
         if step %% 10 == 0:
             print(f"mean at {step}: {ps.mean(float(ps.worker_index)):.6f}", flush=True)
+            if step == 20:
+                print(f"deaths seen at 20: {deaths_seen()}", flush=True)
 ps.close()
 if deaths_seen():  # (MPI_Finalize would wait for the dead across nodes)
     os._exit(0)
@@ -164,7 +166,8 @@ if deaths_seen():  # (MPI_Finalize would wait for the dead across nodes)
 def test_an_own_loop_whose_worker_dies_goes_on_and_its_ps_mean_averages_the_living(tmp_path):
     """hpcps.init's loop under asp: worker rank 3 (worker 2) SIGKILLs itself at step 15 of 40; ps.mean of each
     worker's index is 1.5 at step 10 (all four) and 4/3 from step 20 on (0, 1, 3: the living), on each of the
-    three living workers, and the job ends by itself with every living gradient applied."""
+    three living workers, who know of the death from then on (deaths_seen), and the job ends by itself with every
+    living gradient applied."""
     script = tmp_path / "own.py"
     script.write_text(OWN_LOOP)
     done = launch(5, "--with-ft", "ulfm", sys.executable, str(script), str(tmp_path / "own.h5"), timeout=150)
@@ -172,6 +175,9 @@ def test_an_own_loop_whose_worker_dies_goes_on_and_its_ps_mean_averages_the_livi
     means = sorted(line for line in done.stdout.splitlines() if line.startswith("mean at"))
     assert means == sorted([f"mean at 10: {1.5:.6f}"] * 4 + [f"mean at {s}: {4 / 3:.6f}" for s in (20, 30, 40)] * 3)
     assert "the workers' collectives go on over the 3 living" in done.stderr
+    # each living worker knows of the death from its collective (its loop may os._exit at the end)
+    assert [line for line in done.stdout.splitlines() if line.startswith("deaths seen")] == \
+        ["deaths seen at 20: True"] * 3
     summary = tables(tmp_path / "own.h5")["summary"]
     assert summary["workers_lost"] == 1 and summary["gradients_pushed"] == 3 * 40 + 15
     assert summary["gradients_pushed"] == summary["gradients_applied"] + summary["gradients_dropped"] + \

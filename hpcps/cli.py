@@ -137,6 +137,11 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                    help="dynamic local updates: the workers time their first round and each takes H times the "
                         "fastest's speed over its own steps per round from then on (at least 1), so a slow "
                         "worker's round ends with the others' (default {default})")
+    g.add_argument("--overlap-steps", type=int, dest="overlap_steps", metavar="T",
+                   help="hide the outer step behind computation (Streaming DiLoCo's overlap): after pushing a "
+                        "round a worker takes the next round's first T steps on its own parameters, then takes "
+                        "the new global ones with those T steps' change on top; 0 waits for them (less than H; "
+                        "default {default})")
     g.add_argument("--inner-optimizer", dest="inner_optimizer",
                    help="the workers' inner torch.optim rule (default {default})")
     g.add_argument("--inner-lr", type=float, dest="inner_lr", metavar="LR",
@@ -356,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--local-steps", dest="local_steps", type=int, metavar="H",
                    help="computations per push (the local-SGD family; default 1, 8 under localsgd and diloco): "
                         "--steps counts the batches, iterations/s too")
+    m.add_argument("--overlap-steps", dest="overlap_steps", type=int, default=0, metavar="T",
+                   help="of a round's computations, those before its pull, as hpcps train's --overlap-steps "
+                        "(default 0)")
     m.add_argument("--latency", type=float, default=50e-6, help="seconds per transfer (default 50e-6)")
     m.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s of a transfer (default 10e9)")
     m.add_argument("--link", action="append", default=[], metavar="[NODE=]RATE",
@@ -559,7 +567,7 @@ def _simulate(args: argparse.Namespace) -> int:
                             progress=sys.stderr.isatty(), links=args.link or None,
                             nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
                             jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed, groups=args.groups,
-                            options=options, local_steps=args.local_steps,
+                            options=options, local_steps=args.local_steps, overlap_steps=args.overlap_steps,
                             machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,
                                             args.update_s))
     except ValueError as exc:
@@ -572,7 +580,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.out:
         settings = (f"{args.params:,} parameters, compute {args.compute_time * 1e3:g} ms, jitter {args.jitter}, "
                     f"straggler {args.straggler:g}x, staleness {args.staleness}, {args.steps} steps"
-                    + (f", {args.local_steps} local steps" if args.local_steps else ""))
+                    + (f", {args.local_steps} local steps" if args.local_steps else "")
+                    + (f", {args.overlap_steps} overlapped" if args.overlap_steps else ""))
         for path in write_outputs(predictions, args.out, settings):
             print(path)
     return 0

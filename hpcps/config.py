@@ -91,6 +91,7 @@ class TrainConfig(BaseModel):
     hsp_max_stale: int = Field(1, ge=0)
     local_steps: int | None = Field(None, ge=1)  # None: 8 under localsgd and diloco, else no local steps
     local_steps_by_speed: bool = False  # each worker's H from its speed, timed over the first round
+    overlap_steps: int = Field(0, ge=0)  # inner steps of the next round taken while a round's outer step is under way
     inner_optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     inner_lr: float = Field(0.1, gt=0)  # default by --inner-optimizer, as --lr's by --optimizer
     inner_momentum: float = Field(0.0, ge=0)

@@ -15,7 +15,9 @@ the ratios against bsp and DDP of the same invocation:
 * the free form, ``asp --local-steps H`` (the first H) with Delayed Nesterov outside
   (``--momentum-period`` = the worker count), and the bounded one, ``ssp --local-steps H --staleness 1``,
   likewise (with Nesterov applied on every arrival instead, the bounded form diverged here after 340 s
-  at a loss of 3.1).
+  at a loss of 3.1);
+* with ``--overlap-steps T ...``, ``diloco`` at each H with the outer step hidden behind the next round's
+  first T steps (``hpcps train --overlap-steps``).
 
 The model is examples/nanogpt_style.py's GPT (3 layers, 96 wide, 48 characters of context, no dropout:
 0.35M parameters, 1.4 MB); the text is Python's own standard library (argparse, inspect, typing and
@@ -237,9 +239,11 @@ def main() -> None:
     p.add_argument("--compute-time", type=float, default=0.05, help="emulated seconds per batch (default 0.05)")
     p.add_argument("--eval-interval", type=float, default=2.0, help="seconds between evaluations (default 2)")
     p.add_argument("--local-steps", type=int, nargs="+", default=[8, 32], metavar="H")
+    p.add_argument("--overlap-steps", type=int, nargs="*", default=[], metavar="T",
+                   help="also diloco at each H with --overlap-steps T, each T less than H (method 'overlap')")
     p.add_argument("--partition-mb", type=float, default=0.25)
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP's bucket_cap_mb (default 1)")
-    p.add_argument("--methods", nargs="+", help="only these (bsp, ddp, diloco, async, bounded)")
+    p.add_argument("--methods", nargs="+", help="only these (bsp, ddp, diloco, overlap, async, bounded)")
     p.add_argument("--inner-ddp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("options", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -254,6 +258,9 @@ def main() -> None:
                f"DDP (gloo), {a.bucket_mb:g} MB buckets": ("ddp", None),
                **{f"diloco H={h}": ("diloco", ["--paradigm", "diloco", "--local-steps", str(h), *outer])
                   for h in a.local_steps},
+               **{f"diloco H={h}, --overlap-steps {t}": ("overlap", ["--paradigm", "diloco", "--local-steps", str(h),
+                                                                     "--overlap-steps", str(t), *outer])
+                  for h in a.local_steps for t in a.overlap_steps if t < h},
                f"asp H={h0} (free), Delayed Nesterov": ("async", ["--paradigm", "asp", "--local-steps", str(h0), *outer,
                                                                   "--momentum-period", str(a.nodes)]),
                f"ssp s=1 H={h0} (bounded), Delayed Nesterov": ("bounded", [

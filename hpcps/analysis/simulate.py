@@ -29,7 +29,10 @@ iteration is a round of H computations (each drawn as above; the last round
 shorter where H does not divide ``steps``) between its pull and its push, so
 the links carry one push and one pull per H batches; ``steps`` still counts
 batches, and the throughput is batches per second. The paradigm's rule runs
-over the rounds, as the runtime's does.
+over the rounds, as the runtime's does. With ``overlap_steps`` T a worker
+computes its next round's first T batches as soon as it has pushed, while
+its pull goes as before (with the push, or at its grant), and the rest of
+the round once both are done, as the runtime's ``--overlap-steps`` does.
 
 Grouped (``groups`` G): each group server runs BSP over its block of
 workers (contiguous, as ``--group-by rank``) as the server above does;
@@ -126,7 +129,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
              slowdown: dict[int, float] | None = None, jitter: str = "none", jitter_cv: float = 0.1,
              machine: Machine = Machine(), staleness: int = 2, staleness_max: int | None = None,
              seed: int = 0, groups: int = 2, links: Links | None = None,
-             options: dict | None = None, local_steps: int | None = None) -> Prediction:
+             options: dict | None = None, local_steps: int | None = None, overlap_steps: int = 0) -> Prediction:
     """Run ``steps`` iterations of ``n_workers`` workers (indices 0..N-1) under ``paradigm``.
 
     ``paradigm``: a built-in name or your own (``file.py:Class``, ``pkg.mod:Class``), whose
@@ -137,7 +140,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     on the server's link, shared max-min fairly with the others in its direction
     (:class:`hpcps.analysis.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
     ``machine.transfer(nbytes)`` whatever else moves.
-    ``local_steps``: H computations per push (None: 1; 8 under localsgd and diloco, as ``hpcps train``).
+    ``local_steps``: H computations per push (None: 1; 8 under localsgd and diloco, as ``hpcps train``);
+    ``overlap_steps``: of them, those a round computes before its pull (``--overlap-steps``; less than H).
     """
     if steps < 1:
         raise ValueError(f"simulate: --steps must be 1 or more; got {steps}")
@@ -155,6 +159,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     every = 1 if every is None else every
     if every < 1:
         raise ValueError(f"simulate: --local-steps must be 1 or more; got {every}")
+    if overlap_steps and not 0 <= overlap_steps < every:
+        raise ValueError(f"simulate: --overlap-steps must be less than --local-steps ({every}); got {overlap_steps}")
     policy = make_policy(paradigm, n_workers, options, staleness=staleness, staleness_max=staleness_max)
     if every > 1 and (policy.uses_groups or policy.eager_pull):
         raise ValueError(f"simulate: paradigm {paradigm!r} takes no local steps (as hpcps train refuses them)")
@@ -180,10 +186,16 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     apply_s = machine.update_s + nbytes / machine.apply_rate
     batches, steps = steps, outer_rounds(steps, every)  # a worker's pushes: one per round of ``every`` batches
 
-    def compute(w: int) -> float:
-        """The computation of worker ``w``'s next round: a draw per batch in it."""
-        n = min(every, batches - every * (started[w]))
+    def draw(w: int, n: int) -> float:
+        """``n`` computations of worker ``w``: a draw per batch."""
         return sum(clocks[w].sleep_after(0.0, rngs[w]) for _ in range(n))
+
+    def compute(w: int) -> float:
+        """The computation of worker ``w``'s next round after its pull: a draw per batch in it (under
+        overlap, those the round did not compute before the pull)."""
+        if w in rest:
+            return draw(w, rest.pop(w))
+        return draw(w, min(every, batches - every * (started[w])))
 
     events: list[tuple] = []  # (time, tie-break, kind, worker or link, link generation)
     tick = itertools.count()
@@ -205,6 +217,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     waits, stale, finished = [], [], [0.0] * n_workers
     server_free = 0.0
     gone: set[int] = set()
+    head_done: dict[int, float] = {}  # overlap: when a worker's next round's first batches are computed
+    rest: dict[int, int] = {}  # overlap: the batches of its round left for after its pull
 
     def start_iteration(w: int, t: float) -> None:
         if started[w] >= steps:
@@ -221,6 +235,10 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     def computed(w: int, t: float) -> None:
         started[w] += 1
         pushed_on[w] = computed_on[w]
+        if overlap_steps and started[w] < steps:  # the next round's first batches go on at once
+            n = min(every, batches - every * started[w])
+            head = min(overlap_steps, n)
+            head_done[w], rest[w] = t + draw(w, head), n - head
         if not policy.worker_blocks:  # its next pull begins with the push (and goes the other way)
             start_iteration(w, t)
         transfer(down, t, ("push", w))
@@ -238,8 +256,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             done = who.next_done()
             if done is not None:
                 at(done[0], "link", who, who.generation)
-            if what == "pull":
-                at(t + machine.latency + compute(w), "computed", w)
+            if what == "pull":  # (under overlap the rest of the round follows its first batches too)
+                at(max(t + machine.latency, head_done.pop(w, 0.0)) + compute(w), "computed", w)
             else:
                 at(t + machine.latency, "arrive", w)
             continue
@@ -254,8 +272,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         else:
             clock[w] += 1
             pending[w] = pushed_on[w]
-            if policy.worker_blocks:
-                blocked_since[w] = t
+            if policy.worker_blocks:  # (under overlap, from when its round's first batches are done)
+                blocked_since[w] = max(t, head_done.get(w, t))
             decision = policy.on_push(w, clock[w], pushed_on[w], begin)
             cost = machine.server_s
         for group in decision.updates:
@@ -268,7 +286,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         server_free = begin + cost
         for g in decision.grants:
             if g in blocked_since and g not in gone:
-                waits.append(server_free - blocked_since.pop(g))
+                waits.append(max(0.0, server_free - blocked_since.pop(g)))
                 start_iteration(g, server_free)
     return _prediction(paradigm, batches, finished, waits, stale, pushes=steps)
 

@@ -53,7 +53,8 @@ FEATURES: tuple[Reader, ...] = (
     Reader("sgd with --momentum (not with --momentum-period)", frozenset({"stale_momentum"}),
            lambda cfg: cfg.optimizer == "sgd" and cfg.momentum > 0 and cfg.momentum_period == 1),
     Reader("local steps (--local-steps; --paradigm localsgd, diloco)",
-           frozenset({"inner_optimizer", "inner_lr", "inner_momentum", "inner_weight_decay", "local_steps_by_speed"}),
+           frozenset({"inner_optimizer", "inner_lr", "inner_momentum", "inner_weight_decay", "local_steps_by_speed",
+                      "overlap_steps"}),
            lambda cfg: cfg.inner_steps is not None),
     Reader("the emulated compute's jitter (--jitter)", frozenset({"jitter_cv"}), lambda cfg: cfg.jitter != "none"),
     Reader("group servers (--groups)", frozenset({"group_by"}), lambda cfg: cfg.groups > 0),
@@ -138,6 +139,10 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: f"--local-steps: --paradigm {cfg.paradigm} does not take local steps; they are for the "
                         f"paradigms whose rule is over the workers' clocks, which then count outer rounds: bsp "
                         f"(lock-step), ssp and dssp (bounded), asp (free), localsgd and diloco"),
+    Refusal(lambda cfg, cls: cfg.inner_steps is not None and cfg.overlap_steps >= cfg.inner_steps,
+            lambda cfg: f"--overlap-steps {cfg.overlap_steps}: a worker takes the new parameters after that many "
+                        f"steps of its next round, so it must be less than the round's {cfg.inner_steps} local "
+                        f"steps (--local-steps)"),
     Refusal(lambda cfg, cls: own_loop(cfg) and cfg.group_by == "speed",
             lambda cfg: "groups by speed time hpcps's own loop; under hpcps.init give groups by rank"),
 )

@@ -261,8 +261,11 @@ def make_worker(run) -> Worker:
             run.model, run.flat._spans, stripe_elements(cfg.partition_mb), timeline=tl,
             upload=None if run.flat.transfer == "shared" else run.flat.upload_ranges)
     # pushes from a copy, so that a push leaves while the next pass computes: eager and hsp compute
-    # while they wait; a partitioned pull's pass begins while the pull (and the push) are in flight
-    if policy.eager_pull or policy.extra_gradients or "partitions" in extra:
+    # while they wait; a partitioned pull's pass begins while the pull (and the push) are in flight; under
+    # --overlap-steps the next round's first steps compute before the grant and the pull
+    if cfg.inner_steps is not None and cfg.overlap_steps:  # the next round computes while its push is under way
+        extra["defer_pull"] = True
+    if policy.eager_pull or policy.extra_gradients or "partitions" in extra or "defer_pull" in extra:
         buffers = extra["send_buffers"] = [new_buffer() for _ in range(2)]
     if striped or not codec.identity_push:  # reordered, encoded (hpcps.transport.compress) into the push buffer
         stage = stager(run, codec, run.flat.grads_t, bounds, striped=striped)

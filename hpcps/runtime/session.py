@@ -203,12 +203,20 @@ class Session:
             self.local.inner_step(skip)
             self._round_compute += compute_s
             self._round_losses.append(value)
-            if not self.local.round_over(self.worker.step):
+            over = self.local.round_over(self.worker.step)
+            if self.worker.pending:  # --overlap-steps: the outer step the round's first steps hide
+                if over or self.local.taken >= self.run.cfg.overlap_steps:
+                    self._take_round()
+                else:
+                    self.worker.poke()  # (its pull begins as soon as it may)
+            if not over:
                 self._begin_pass()  # the round's next inner step: nothing goes to the servers
                 return True
             if self.run.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
                 self._share_by_speed()
             self.local.pseudo_gradient()
+            if self.worker.defer_pull:
+                self.local.mark_pushed()
             self._write_inner(self.worker.clock_count + 1)  # on disk before a checkpoint can count this round
             value, compute_s, skip = float(np.mean(self._round_losses)), self._round_compute, False
             self._round_compute, self._round_losses = 0.0, []
@@ -360,15 +368,31 @@ class Session:
 
     def _open(self) -> None:
         self.open = self.worker.open_step()
-        version = self.version  # (bsp pulls at the end of every step: the final version too)
-        if self.checkpoint_every and version and version % self.checkpoint_every == 0 and version != self._saved_at:
-            self._due = version  # this version's checkpoint is the servers'; the loop's part waits for the loop
+        if not self.open and self.worker.pending:
+            self._take_round()  # the last round's outer step: the model ends on the servers' parameters
+        self._note_version()
         if not self.open:
             return
         if self.local is not None:
-            self.settle()  # a round starts from the whole pull: the parameters its pseudo-gradient is against
-            self.local.begin_round()
+            if self.worker.pending:  # --overlap-steps: from the parameters just pushed, the pull to come
+                self.local.begin_round(pulled=False)
+            else:
+                self.settle()  # a round starts from the whole pull: the parameters its pseudo-gradient is against
+                self.local.begin_round()
         self._begin_pass()
+
+    def _note_version(self) -> None:
+        """The version the loop computes on now came in: where it is a checkpoint's, the loop's part is due."""
+        version = self.version  # (bsp pulls at the end of every step: the final version too)
+        if self.checkpoint_every and version and version % self.checkpoint_every == 0 and version != self._saved_at:
+            self._due = version  # this version's checkpoint is the servers'; the loop's part waits for the loop
+
+    def _take_round(self) -> None:
+        """``--overlap-steps``: the outer step of the round last pushed, which this round's first steps hid:
+        its grant (where the paradigm waits) and its pull, then the rebase onto it
+        (:meth:`hpcps.training.local.LocalSteps.rebase`)."""
+        self.local.rebase(self.worker.take_round(self.worker.row if self.open else None), moved=self.open)
+        self._note_version()
 
     def _begin_pass(self) -> None:
         """Before a step's computation: zero the gradients, note the buffers, start its clock."""

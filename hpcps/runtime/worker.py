@@ -91,7 +91,8 @@ class Worker:
                  take_signal: Callable[[], str | None] | None = None, timeline=None,
                  stage: Callable[[np.ndarray, bool], None] | None = None,
                  partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None,
-                 backward_pushes: BackwardPushes | None = None, overflow: float = math.inf) -> None:
+                 backward_pushes: BackwardPushes | None = None, overflow: float = math.inf,
+                 defer_pull: bool = False) -> None:
         """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
         where compression encodes it (hpcps.transport.compress); by default the flat buffer's own;
         ``partitions``: pull in partitions, the pass starting before the last has come
@@ -100,7 +101,15 @@ class Worker:
         ``backward_pushes``: in hpcps's own loop, push each piece of the gradient as backward produces it
         (:mod:`hpcps.runtime.backward`, :meth:`before_backward`); ``overflow``: where a finite value
         becomes infinite on the wire (:attr:`hpcps.transport.compress.Codec.overflow`), for the verdict on
-        each gradient that its push carries (:meth:`_verdict`)."""
+        each gradient that its push carries (:meth:`_verdict`); ``defer_pull`` (``--overlap-steps``, needs
+        ``send_buffers``): a push is not followed by the grant's wait and the pull, which come when the loop
+        asks for them (:meth:`take_round`), computation going on meanwhile."""
+        if defer_pull and send_buffers is None:
+            raise ValueError("a worker that defers its pull pushes from a copy (send_buffers)")
+        self.defer_pull = defer_pull
+        self.pending = False  # a push whose grant and pull are still to be taken (defer_pull)
+        self.deferred: Pull | None = None  # that pull, once begun (into ``side``, not the model's memory)
+        self.side = np.empty(flat.size, np.float32) if defer_pull else None
         self.overflow = overflow
         self._verdict_sends: list = []  # (request, buffer) of verdicts sent after a push begun in backward
         self.send_buffers = send_buffers
@@ -211,7 +220,10 @@ class Worker:
         early, begun = None, 0.0
         if not self.blocks:
             tl.enter("pull")
-            early, begun = self._timed(self._begin_pull)
+            if self.defer_pull:  # into the side buffer: the model computes on meanwhile
+                self.deferred, begun = self._timed(self.window.begin_pull, self.side, self.backoff)
+            else:
+                early, begun = self._timed(self._begin_pull)
             tl.enter("push")
         if during_backward:
             self.backward_pushes.finish()  # the pieces backward did not complete, the buffers' change
@@ -221,13 +233,17 @@ class Worker:
         else:
             self._push(self.versions, row, flags=flags)
         row["push_s"] = time.perf_counter() - t - begun + (self.early_push_s if during_backward else 0.0)
-        tl.enter("grant")
-        row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
-                         if self.blocks else 0.0)
-        tl.enter("pull")
-        t = time.perf_counter()
-        self.versions, self.stop = self._pull(early)
-        row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
+        if self.defer_pull:  # the grant and the pull come meanwhile, the next computation under way
+            self.pending = True
+            row["pull_s"] = row["pull_wait_s"] = begun
+        else:
+            tl.enter("grant")
+            row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
+                             if self.blocks else 0.0)
+            tl.enter("pull")
+            t = time.perf_counter()
+            self.versions, self.stop = self._pull(early)
+            row["pull_s"] = row["pull_wait_s"] = time.perf_counter() - t + begun
         if not slotted:  # the gradient buffer is the push's: it must have left before the next pass
             tl.enter("push")
             row["push_s"] += self._wait(self.pusher.test, "its push to leave")
@@ -236,10 +252,45 @@ class Worker:
         self.step += 1
         tl.at(self.step)
 
+    def _advance_deferred(self) -> bool:
+        """``defer_pull``: begin the pull of the round last pushed once it may (at once where the paradigm
+        does not block, else at its grant; into :attr:`side`); keep it moving. Whether it has begun."""
+        if self.deferred is None:
+            if not self.pending or self.grants.min() < self.clock_count:
+                return False
+            self.deferred = self.window.begin_pull(self.side, self.backoff)
+        self.deferred.test()  # (drives MPI's progress)
+        return True
+
+    def take_round(self, row: dict | None) -> np.ndarray:
+        """``defer_pull``: the round last pushed, now: wait for its grant where the paradigm blocks and for
+        its pull, begun as soon as it could be (:meth:`poke`); return the parameters pulled (:attr:`side`: the
+        model's own are untouched, the loop rebases onto them, and may write there until the next push). The
+        waits count in ``row`` (the round under way's; None: nowhere), which computes on the versions pulled
+        from now on."""
+        self._settle_pull()
+        with self.tl.within("grant"):
+            waited = self._wait(self._advance_deferred, "its grant") if self.deferred is None else 0.0
+        with self.tl.within("pull"):
+            t = time.perf_counter()
+            self.versions, self.stop = self.deferred.wait()
+            pulled = time.perf_counter() - t
+        self.pending, self.deferred = False, None
+        self._seen(self.versions)
+        if row is not None:
+            row["wait_s"] += waited
+            row["pull_s"] = row.get("pull_s", 0.0) + pulled
+            row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + pulled
+            row["version"], row["lag"] = int(self.versions.min()), self._lag(self.versions)
+        return self.side
+
     def finish(self) -> int:
         """Leave (``DONE``, then every shard's ``BYE``); return the number of gradients pushed."""
         self.tl.enter("other")
         self._settle_pull()
+        if self.deferred is not None:  # (a loop that left before taking its last round: unpin the slots)
+            self.deferred.wait()
+            self.pending, self.deferred = False, None
         self._leave()
         self.tl.close()
         return self.clock_count
@@ -369,6 +420,8 @@ class Worker:
         self.pusher.test()
         if self.parts is not None:
             self.parts.poke()
+        if self.pending:
+            self._advance_deferred()
 
     def _inject(self, fault: Fault) -> None:
         """``--fault``: poison the gradient, raise, or die (see hpcps.runtime.faults)."""

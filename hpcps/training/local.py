@@ -21,6 +21,18 @@ the data feeds inner step ``k`` as without local steps. With
 ``--local-steps-by-speed`` the workers time their first round and each takes
 its own share of H per round from then on (:func:`steps_by_speed`).
 
+With ``--overlap-steps T`` (Streaming DiLoCo's overlap, Douillard et al.
+2025) the outer step is hidden behind computation: a worker pushes its
+round and goes on at once with the next round's first T steps, on its own
+parameters (those it pushed, ``p``); the round closes and its new global
+parameters ``g`` come meanwhile (under bsp the worker waits for its grant
+only then). After those T steps it *rebases*: its parameters become
+``g + (now - p)``, the new global ones with the change of the T steps on
+top, and the round's anchor is ``g``, so the round's pseudo-gradient is
+still against the global parameters it builds on (:meth:`LocalSteps.rebase`).
+With one worker and outer sgd at rate 1, ``g = p`` and the run is the
+plain local loop, as without overlap.
+
 The inner optimizer's state is checkpointed by each worker (one file per
 worker and round: :class:`InnerFiles`) and taken back when a run resumes at
 that round.
@@ -32,6 +44,7 @@ import glob
 import os
 import re
 
+import numpy as np
 import torch
 
 from hpcps.training.optim import OptimizerFactory
@@ -54,11 +67,34 @@ class LocalSteps:
         self.anchor = flat.values().detach().clone()  # the parameters and buffers the round started from
         self.taken = 0  # inner steps taken in the round under way
         self.own = every  # this worker's steps per round: fewer for a slow worker (:func:`steps_by_speed`)
+        self.pushed: np.ndarray | None = None  # --overlap-steps: the parameters pushed, until the rebase
 
-    def begin_round(self) -> None:
-        """The pull the round starts from has landed in the model: note it."""
-        self.anchor.copy_(self.flat.values())
+    def begin_round(self, pulled: bool = True) -> None:
+        """A round begins: from the pull that has landed in the model (``pulled``), which is its anchor;
+        or, under overlap, from the parameters just pushed, the anchor to come with the rebase."""
+        if pulled:
+            self.anchor.copy_(self.flat.values())
         self.taken = 0
+
+    def mark_pushed(self) -> None:
+        """Under overlap: the round's pseudo-gradient is about to go; keep the parameters it leaves at (host
+        memory: a copy, as the model's own go on changing)."""
+        self.pushed = self.flat.values().detach().cpu().numpy().copy()
+
+    def rebase(self, pulled: np.ndarray, moved: bool = True) -> None:
+        """Under overlap: the global parameters ``pulled`` (host, the whole flat vector) after the round last
+        pushed. The model's parameters and float buffers become ``pulled + (now - pushed)``; the anchor of
+        the round under way becomes ``pulled``. ``pulled`` is written (it holds the result). ``moved``
+        False: no step was taken since the push (the run's end), so the model takes ``pulled`` as it is."""
+        flat = self.flat
+        self.anchor.copy_(torch.from_numpy(pulled))
+        if moved:
+            now = flat.values().detach().cpu().numpy()  # (on the CPU a view of the model's own memory)
+            pulled += now
+            pulled -= self.pushed
+        flat.params[:] = pulled
+        flat.upload()
+        self.pushed = None
 
     def inner_step(self, skip: bool = False) -> None:
         """Step the inner optimizer on the gradient backward left (not for a ``skip``ped step)."""

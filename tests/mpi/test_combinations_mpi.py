@@ -64,6 +64,8 @@ def combinations(draw) -> dict:
         cfg["staleness_max"] = cfg["staleness"] + draw(st.integers(0, 2))
     if paradigm in ("bsp", "asp", "ssp", "dssp"):  # the local-SGD family: a push per round of H batches
         cfg["local_steps"] = draw(st.sampled_from([None, None, 2, 3]))
+        if cfg["local_steps"] is not None:  # the next round's first steps hide the outer step (or none)
+            cfg["overlap_steps"] = draw(st.integers(0, cfg["local_steps"] - 1))
     rounds = _rounds(cfg)
     if draw(st.booleans()):  # one worker pushes a NaN gradient (pseudo-gradient) once
         worker = draw(st.integers(servers + groups, WORLD - 1))

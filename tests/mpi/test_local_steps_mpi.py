@@ -83,17 +83,20 @@ def lm_batch(step: int):
     return x, torch.roll(x, -1, 1)
 
 
-@pytest.mark.parametrize("every", [1, 4, 7])
-def test_one_worker_diloco_is_its_plain_loop_with_the_inner_optimizer(world, mpi_tmp_path, every):
+@pytest.mark.parametrize("every,overlap", [(1, 0), (4, 0), (7, 0), (4, 2), (7, 6)])
+def test_one_worker_diloco_is_its_plain_loop_with_the_inner_optimizer(world, mpi_tmp_path, every, overlap):
     """One worker, outer sgd at rate 1 without momentum, any H: the outer step sets the parameters to the
     worker's own, so the run is the worker's torch loop with AdamW (18 steps: the last round is shorter
-    where H does not divide them), through ``ps.step()``; a row per round."""
+    where H does not divide them), through ``ps.step()``; a row per round. So too with ``--overlap-steps``:
+    the parameters it rebases onto are those it pushed (H=7, T=6: the last round, of 4 steps, takes its
+    outer step before its push)."""
     steps, lr = 18, 1e-2
     comm = sub(world, 2)
     facts = None
     if comm != MPI.COMM_NULL:
         ps = hpcps.init(TinyLM, device="cpu", paradigm="diloco", local_steps=every, inner_optimizer="adamw",
-                        inner_lr=lr, lr=1.0, momentum=0.0, steps=steps, out=str(mpi_tmp_path / f"one{every}.h5"),
+                        inner_lr=lr, lr=1.0, momentum=0.0, steps=steps, overlap_steps=overlap,
+                        out=str(mpi_tmp_path / f"one{every}-{overlap}.h5"),
                         progress=False, exit_on_error=False, comm=comm)
         with ps:
             while ps.running:
@@ -117,6 +120,90 @@ def test_one_worker_diloco_is_its_plain_loop_with_the_inner_optimizer(world, mpi
     assert facts["moved"] > 1e-2
     assert facts["err"] < 1e-5, facts["err"]
     assert facts["pushed"] == -(-steps // every)
+
+
+def flat_of(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def set_flat(model: torch.nn.Module, values: torch.Tensor) -> None:
+    """Copy ``values`` into the parameters (torch's ``vector_to_parameters`` would make them views of it)."""
+    at = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(values[at:at + p.numel()].view_as(p))
+            at += p.numel()
+
+
+def overlapped_replay(workers: int, steps: int, every: int, overlap: int, eta: float, momentum: float) -> torch.Tensor:
+    """Lock-step DiLoCo with ``--overlap-steps`` in plain torch: inner sgd at ``eta`` on worker ``w``'s batches
+    ``lm_batch(1000 w + k)``; a round's mean pseudo-gradient stepped by outer sgd at rate 1 with ``momentum``;
+    after a push each worker takes ``overlap`` steps of its next round on its own parameters, then takes
+    the new global ones plus those steps' change, the global ones its anchor. The final global parameters."""
+    torch.manual_seed(0)
+    base = TinyLM()
+    glob = torch.nn.Parameter(flat_of(base).clone())
+    outer = torch.optim.SGD([glob], lr=1.0, momentum=momentum)
+    models = [TinyLM() for _ in range(workers)]
+    for m in models:
+        set_flat(m, glob.detach())
+    inner = [torch.optim.SGD(m.parameters(), lr=eta) for m in models]
+    anchor = [glob.detach().clone() for _ in range(workers)]
+    pushed: list[torch.Tensor | None] = [None] * workers
+
+    def rebase() -> None:
+        for w, m in enumerate(models):
+            set_flat(m, glob.detach() + (flat_of(m) - pushed[w]))
+            anchor[w], pushed[w] = glob.detach().clone(), None
+
+    for r in range(-(-steps // every)):
+        length = min(every, steps - r * every)
+        if pushed[0] is not None and overlap == 0:  # no overlap: each round starts on the global parameters
+            rebase()
+        for k in range(length):
+            for w, m in enumerate(models):
+                m(*lm_batch(1000 * w + r * every + k)).backward()
+                inner[w].step()
+                inner[w].zero_grad()
+            if pushed[0] is not None and (k + 1 == overlap or k + 1 == length):
+                rebase()
+        deltas = [anchor[w] - flat_of(m) for w, m in enumerate(models)]
+        pushed = [flat_of(m).clone() for m in models]
+        outer.zero_grad()
+        glob.grad = torch.stack(deltas).mean(0)
+        outer.step()
+    return glob.detach().clone()
+
+
+def test_overlapped_rounds_rebase_each_worker_onto_the_global_parameters_as_streaming_diloco_does(world, mpi_tmp_path):
+    """Two workers, lock-step rounds of 4 inner sgd steps, outer sgd with momentum 0.5, ``--overlap-steps 2``:
+    the final parameters are the plain-torch replay's (each worker's next round begins on the parameters
+    it pushed and rebases after 2 steps), which differ from the same run without overlap; a row and an
+    applied pseudo-gradient per worker and round."""
+    steps, every, overlap, eta, momentum = 16, 4, 2, 0.5, 0.5
+    comm = sub(world, 3)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        ps = hpcps.init(TinyLM, device="cpu", paradigm="diloco", local_steps=every, inner_optimizer="sgd",
+                        inner_lr=eta, lr=1.0, momentum=momentum, nesterov=False, steps=steps,
+                        overlap_steps=overlap, out=str(mpi_tmp_path / "overlap.h5"), progress=False,
+                        exit_on_error=False, comm=comm)
+        with ps:
+            while ps.running:
+                ps.model(*lm_batch(1000 * ps.worker_index + ps.iteration)).backward()
+                ps.step()
+        if comm.rank == 0:
+            ref = overlapped_replay(2, steps, every, overlap, eta, momentum)
+            plain = overlapped_replay(2, steps, every, 0, eta, momentum)
+            got = torch.from_numpy(ps.result.params[:len(ref)])
+            summary = ps.result.summary
+            facts = {"err": float((got - ref).abs().max()), "apart": float((ref - plain).abs().max()),
+                     "pushed": int(summary["gradients_pushed"]), "applied": int(summary["gradients_applied"])}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["apart"] > 1e-3  # the overlap changes the run
+    assert facts["err"] < 1e-5, facts["err"]
+    assert facts["pushed"] == facts["applied"] == 2 * steps // every
 
 
 def test_the_bounded_form_keeps_every_outer_clock_within_s_of_the_slowest(world, mpi_tmp_path):

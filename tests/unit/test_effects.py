@@ -102,6 +102,7 @@ def test_every_declared_option_is_an_option_of_the_config():
     (dict(paradigm="eager", local_steps=4), "--local-steps: --paradigm eager does not take local steps"),
     (dict(paradigm="hsp", local_steps=4), "--local-steps: --paradigm hsp does not take local steps"),
     (dict(paradigm="grouped", groups=2, local_steps=4), "--local-steps: --paradigm grouped does not take local"),
+    (dict(paradigm="diloco", local_steps=4, overlap_steps=4), "--overlap-steps 4: a worker takes the new parameters"),
 ])
 def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flags, says):
     cfg = make_config(flags)
@@ -119,3 +120,7 @@ def test_the_inner_optimizers_options_without_local_steps_are_named_and_quiet_wi
     assert lines(paradigm="ssp", local_steps=4, inner_lr=0.3) == []
     assert lines(paradigm="diloco", inner_optimizer="adamw") == []
     assert lines(paradigm="bsp") == []  # the inner rate's default is not the user's setting
+    assert lines(paradigm="bsp", overlap_steps=2) == [
+        "--overlap-steps has no effect in this run: it is read by local steps (--local-steps; --paradigm "
+        "localsgd, diloco)"]
+    assert lines(paradigm="diloco", overlap_steps=2) == []

@@ -3,6 +3,8 @@ steps of each worker by speed, the inner state's files."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from hpcps.config import outer_rounds
@@ -69,3 +71,45 @@ def test_inner_files_are_per_worker_and_round_and_older_rounds_go(tmp_path):
     assert a.read(3) is None and a.read(4) is None and a.read(5) == {"round": 5}
     assert b.read(3) == {"round": 3}  # another worker's files stay
     assert not list((tmp_path / "inner").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("transfer", ["shared", "staged"])
+def test_a_rebase_puts_the_steps_since_the_push_on_top_of_the_global_parameters(transfer):
+    """--overlap-steps: pushed at p, two more inner steps to q, the global g comes: the model (parameters and
+    BatchNorm's buffers) holds g + (q - p), the next pseudo-gradient is against g; at the run's end (no step
+    since the push) the model holds g exactly. ``staged``: the GPU's copies, on the CPU."""
+    m = model()
+    flat = FlatParameters(m, transfer=transfer)
+    local = LocalSteps(m, flat, builtin_optimizer("sgd", lr=0.1), every=4, steps=8)
+    local.begin_round()
+
+    def inner_step(k: int) -> None:
+        flat.begin_pass()
+        m(torch.randn(8, 3, generator=torch.Generator().manual_seed(k))).square().sum().backward()
+        flat.end_pass()
+        local.inner_step()
+
+    for k in range(4):
+        inner_step(k)
+    local.pseudo_gradient()
+    local.mark_pushed()
+    p = flat.values().clone()
+    local.begin_round(pulled=False)
+    for k in range(4, 6):
+        inner_step(k)
+    q = flat.values().clone()
+    g = p.numpy() + np.linspace(-1, 1, flat.size, dtype=np.float32)  # the outer step's result, as pulled
+    local.rebase(g.copy())
+    want = torch.from_numpy(g) + (q - p)
+    assert torch.allclose(flat.values(), want, atol=1e-6)
+    n = flat.n_params
+    got = [t.detach().reshape(-1) for t in list(m.parameters()) + [m[1].running_mean, m[1].running_var]]
+    assert torch.allclose(torch.cat(got), want, atol=1e-6)  # the model's own tensors, not only the packed copy
+    for k in range(6, 8):
+        inner_step(k)
+    local.pseudo_gradient()
+    assert torch.allclose(flat.grads_t[:n], torch.from_numpy(g[:n]) - flat.values()[:n], atol=1e-6)
+    local.mark_pushed()
+    end = g + 1.0
+    local.rebase(end.copy(), moved=False)
+    assert torch.equal(flat.values(), torch.from_numpy(end))

@@ -36,6 +36,24 @@ def test_local_steps_pay_one_pull_and_one_push_per_round_of_h_batches(paradigm, 
     assert r.gradients == 4 * rounds and r.mean_staleness == 0.0
 
 
+@pytest.mark.parametrize("overlap", [0, 2, 5])
+def test_overlapped_rounds_hide_the_pull_behind_their_first_batches(overlap):
+    """One worker, H=6, 30 batches (5 rounds): without overlap a round is L + 6C + L (pull, compute, push);
+    with T of them overlapped, each round after the first computes T batches while its push and the next
+    pull (2L) go, so a round after the first costs max(T C, 2L) + (6 - T) C, the first L + 6C, and the
+    last push L."""
+    r = simulate("diloco", 1, steps=30, nbytes=0, compute_time=C, machine=FREE, local_steps=6,
+                 overlap_steps=overlap)
+    wall = L + 6 * C + 4 * (max(overlap * C, 2 * L) + (6 - overlap) * C) + L if overlap else 5 * (6 * C + 2 * L)
+    assert r.per_worker_rate[0] == pytest.approx(30 / wall)
+    assert r.gradients == 5
+
+
+def test_overlap_steps_must_be_fewer_than_the_local_steps():
+    with pytest.raises(ValueError, match="--overlap-steps must be less than --local-steps"):
+        simulate("diloco", 2, steps=8, nbytes=0, compute_time=C, machine=FREE, local_steps=4, overlap_steps=4)
+
+
 def test_the_free_form_of_local_steps_is_asp_over_rounds():
     """asp with H local steps: a period of H*C + L per round (the pull goes with the push)."""
     r = simulate("asp", 3, steps=60, nbytes=0, compute_time=C, machine=FREE, local_steps=6)

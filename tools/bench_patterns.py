@@ -62,8 +62,8 @@ def _inner(a: argparse.Namespace) -> None:
     def get() -> None:
         MPI.Request.Waitall([win.Rget(recv[j * k:(j + 1) * k], j) for j in range(n) if j != r])
 
-    def allreduce() -> None:
-        comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)
+    def allreduce() -> None:  # (into recv: summed in place, the values would grow n-fold per repetition)
+        comm.Allreduce(send, recv, op=MPI.SUM)
 
     patterns = {"ring": ring, "fan": fan, "rotated": rotated, "get": get, "allreduce": allreduce}
     times: dict[str, list[float]] = {name: [] for name in patterns}

@@ -62,7 +62,7 @@ from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
-from hpcps.transport.failures import DeadRanks, ulfm_enabled
+from hpcps.transport.failures import DeadRanks, left_out, ulfm_enabled
 from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
 from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
@@ -505,10 +505,7 @@ class _Run:
             shrunk.Free()
             return comm
         self.stack.callback(shrunk.Free)
-        group, alive = comm.Get_group(), shrunk.Get_group()
-        gone = set(range(comm.size)) - set(MPI.Group.Translate_ranks(alive, list(range(alive.size)), group))
-        group.Free()
-        alive.Free()
+        gone = left_out(comm, shrunk)
         self.dead.add(gone)
         if comm.rank == 0:
             log.warning("the run ended without rank(s) %s, which died: their rows not yet sent are lost",

@@ -38,7 +38,7 @@ from hpcps.cluster.emulation import (BackwardCompute, Overruns, emulated_compute
 from hpcps.runtime import assembly
 from hpcps.cluster.effects import own_loop
 from hpcps.cluster.layout import Role
-from hpcps.transport.failures import is_failure
+from hpcps.transport.failures import is_failure, left_out
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
@@ -334,14 +334,7 @@ class Session:
     def _note_dead(self, shrunk: MPI.Comm) -> None:
         """The workers that the shrink to ``shrunk`` left out are dead: the run's record of the dead, so
         that ``deaths_seen()`` tells this worker's loop, though no transfer of its own met the death."""
-        before, after, run = self.workers.Get_group(), shrunk.Get_group(), self.run.topo.comm.Get_group()
-        try:
-            living = set(MPI.Group.Translate_ranks(after, list(range(after.Get_size())), before))
-            gone = [r for r in range(before.Get_size()) if r not in living]
-            self.run.dead.add(set(MPI.Group.Translate_ranks(before, gone, run)))
-        finally:
-            for group in (before, after, run):
-                group.Free()
+        self.run.dead.add(left_out(self.workers, shrunk, into=self.run.topo.comm))
 
     def _agree(self, done: bool, what: str) -> bool:
         """Run-through: whether every living worker completed the collective (``done`` here), waited for as

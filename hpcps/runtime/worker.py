@@ -235,7 +235,8 @@ class Worker:
         row["push_s"] = time.perf_counter() - t - begun + (self.early_push_s if during_backward else 0.0)
         if self.defer_pull:  # the grant and the pull come meanwhile, the next computation under way
             self.pending = True
-            row["pull_s"] = row["pull_wait_s"] = begun
+            row["pull_s"] = row.get("pull_s", 0.0) + begun
+            row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + begun
         else:
             tl.enter("grant")
             row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")

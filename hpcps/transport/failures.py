@@ -91,6 +91,20 @@ class DeadRanks:
         _seen.update(ranks)
 
 
+def left_out(before: MPI.Comm, after: MPI.Comm, into: MPI.Comm | None = None) -> set[int]:
+    """The ranks of ``before`` that its shrink to ``after`` left out (the dead), as ranks of ``into``
+    (default: of ``before``)."""
+    groups = [before.Get_group(), after.Get_group()] + ([into.Get_group()] if into is not None else [])
+    try:
+        old, new = groups[0], groups[1]
+        living = set(MPI.Group.Translate_ranks(new, list(range(new.Get_size())), old))
+        gone = [r for r in range(old.Get_size()) if r not in living]
+        return set(MPI.Group.Translate_ranks(old, gone, groups[2])) if into is not None else set(gone)
+    finally:
+        for group in groups:
+            group.Free()
+
+
 def found_dead(dead: DeadRanks | None, exc: MPI.Exception) -> set[int]:
     """The ranks newly dead that ``exc`` reports, acknowledged, where ``dead`` watches (run-through); ``exc``
     raised again where nothing watches or it is not a rank's death."""

@@ -166,7 +166,9 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             # run-through (Open MPI's ULFM): workers that died and went on without, their gradients never applied
             "workers_lost": int(r.summary.get("workers_lost", 0)),
             "gradients_lost": int(r.summary.get("gradients_lost", 0)),
-            "local_steps": every if every is not None else "-",
+            # "32, 24 overlapped": the outer step hidden behind the next round's first 24 (--overlap-steps)
+            "local_steps": ("-" if every is None else f"{every}, {r.config['overlap_steps']} overlapped"
+                            if r.config.get("overlap_steps") else every),
             "outer_updates": int(len(np.unique(applied["version"]))) if every is not None else "-",
             # a run that never wrote its summary ended without end(): it crashed or was killed
             "stopped_by": (str(r.summary.get("stopped_by", "")) or "-") if "wall_s" in r.summary else "no summary (crashed?)",

@@ -229,17 +229,18 @@ def test_the_bounded_form_keeps_every_outer_clock_within_s_of_the_slowest(world,
     assert facts["fast_wait"] > 0.0
 
 
-@pytest.mark.parametrize("paradigm", ["diloco", "asp"])
-def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, mpi_tmp_path, paradigm):
+@pytest.mark.parametrize("paradigm, overlap", [("diloco", 0), ("asp", 0), ("asp", 1)])
+def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, mpi_tmp_path, paradigm, overlap):
     """Inner sgd with momentum 0.9 (its state matters), 20 rounds of 2 local steps, a checkpoint every 10
     versions. diloco (lock-step rounds): resumed at round 10 the run ends bit for bit as the uninterrupted
     one, and without the inner state (its file removed) it does not. asp (a cut while the run goes on): every
-    worker finds its state at its clock in the cut, and the resumed run pushes exactly the rest. diloco resumed
+    worker finds its state at its clock in the cut, and the resumed run pushes exactly the rest (also with
+    ``--overlap-steps 1``, a push's pull taken after the next round's first step). diloco resumed
     with adam inside instead trains its 10 rounds, each worker's inner state afresh (sgd's is not adam's)."""
-    ckdir = mpi_tmp_path / f"ck-{paradigm}"
+    ckdir = mpi_tmp_path / f"ck-{paradigm}-{overlap}"
     common = dict(paradigm=paradigm, local_steps=2, steps=40, seed=4, inner_momentum=0.9, inner_lr=0.05,
-                  checkpoint_every=10, checkpoint_dir=str(ckdir))
-    full, _ = train(mpi_tmp_path / f"full-{paradigm}.h5", **common)
+                  checkpoint_every=10, checkpoint_dir=str(ckdir), overlap_steps=overlap)
+    full, _ = train(mpi_tmp_path / f"full-{paradigm}-{overlap}.h5", **common)
     facts = None
     if world.rank == 0:
         # the newest: a worker keeps its inner states from the newest complete checkpoint on (asp's cut falls
@@ -251,7 +252,7 @@ def test_a_resume_from_a_periodic_checkpoint_takes_back_the_inner_state(world, m
     facts = share(world, facts)
     assert all(facts["found"]), facts
     path = facts["path"]
-    resumed, t = train(mpi_tmp_path / f"resumed-{paradigm}.h5", resume=path,
+    resumed, t = train(mpi_tmp_path / f"resumed-{paradigm}-{overlap}.h5", resume=path,
                        **{**common, "checkpoint_dir": str(ckdir / "again")})
     if paradigm == "diloco":  # another inner optimizer: its state is not loaded into this one (it starts afresh)
         other, _ = train(mpi_tmp_path / "other.h5", resume=path, **{**common, "inner_optimizer": "adam", "inner_momentum": 0.0,

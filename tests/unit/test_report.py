@@ -262,3 +262,13 @@ def test_a_run_that_went_on_without_a_dead_worker_says_so_and_an_older_file_says
         f["summary"].attrs["workers_lost"], f["summary"].attrs["gradients_lost"] = 1, 2
     table = summary_rows([load_run(p) for p in runs], 0.9)
     assert [(r["workers_lost"], r["gradients_lost"]) for r in table] == [(1, 2), (0, 0), (0, 0)]
+
+
+def test_local_steps_name_the_overlap_where_a_run_had_one(runs):
+    """``local_steps``: H, or "H, T overlapped" under --overlap-steps T, "-" without local steps."""
+    for path, config in zip(runs, [{"local_steps": 32, "overlap_steps": 24}, {"local_steps": 8, "overlap_steps": 0},
+                                   {}]):
+        with h5py.File(path, "a") as f:
+            f.attrs["config"] = json.dumps(config)
+    table = summary_rows([load_run(p) for p in runs], 0.9)
+    assert [r["local_steps"] for r in table] == ["32, 24 overlapped", 8, "-"]

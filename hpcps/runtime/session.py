@@ -363,7 +363,8 @@ class Session:
         self.open = self.worker.open_step()
         if not self.open and self.worker.pending:
             self._take_round()  # the last round's outer step: the model ends on the servers' parameters
-        self._note_version()
+        else:
+            self._note_version()  # (a take notes the version it brings)
         if not self.open:
             return
         if self.local is not None:

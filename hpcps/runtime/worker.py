@@ -239,8 +239,7 @@ class Worker:
             row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + begun
         else:
             tl.enter("grant")
-            row["wait_s"] = (self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
-                             if self.blocks else 0.0)
+            row["wait_s"] = self._wait(self._granted, "its grant") if self.blocks else 0.0
             tl.enter("pull")
             t = time.perf_counter()
             self.versions, self.stop = self._pull(early)
@@ -253,11 +252,15 @@ class Worker:
         self.step += 1
         tl.at(self.step)
 
+    def _granted(self) -> bool:
+        """Whether every shard has granted the worker's last push (its clock)."""
+        return self.grants.min() >= self.clock_count
+
     def _advance_deferred(self) -> bool:
         """``defer_pull``: begin the pull of the round last pushed once it may (at once where the paradigm
         does not block, else at its grant; into :attr:`side`); keep it moving. Whether it has begun."""
         if self.deferred is None:
-            if not self.pending or self.grants.min() < self.clock_count:
+            if not self.pending or not self._granted():
                 return False
             self.deferred = self.window.begin_pull(self.side, self.backoff)
         self.deferred.test()  # (drives MPI's progress)
@@ -620,14 +623,14 @@ class HSPWorker(_SlottedWorker):
         self.tl.at(self.step)
         if not self.extra:  # the round's gradient: idle until its turn to stream in is over
             row["push_s"] += self._wait(lambda: self.pusher.test(slot), "its turn to transfer")
-        if self.extras < self.max_extra and self.grants.min() < self.clock_count and self.step < self.steps:
+        if self.extras < self.max_extra and not self._granted() and self.step < self.steps:
             row["pull_s"] = row["pull_wait_s"] = 0.0  # go on computing on the parameters it has
             self.tl.enter("other")
             self._finish_row(row)
             self.extra = True
             return
         self.tl.enter("grant")
-        row["wait_s"] = self._wait(lambda: self.grants.min() >= self.clock_count, "its grant")
+        row["wait_s"] = self._wait(self._granted, "its grant")
         self.extras, self.extra = 0, False
         self.tl.enter("pull")
         t = time.perf_counter()

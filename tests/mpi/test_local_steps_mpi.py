@@ -105,13 +105,13 @@ def test_one_worker_diloco_is_its_plain_loop_with_the_inner_optimizer(world, mpi
         if comm.rank == 0:
             torch.manual_seed(0)
             model = TinyLM()
-            start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            start = flat_of(model)
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # (hpcps's default decay)
             for it in range(steps):
                 model(*lm_batch(it)).backward()
                 opt.step()
                 opt.zero_grad()
-            ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            ref = flat_of(model)
             got = torch.from_numpy(ps.result.params[:len(ref)])
             facts = {"err": float((got - ref).abs().max()), "moved": float((ref - start).abs().max()),
                      "pushed": int(ps.result.summary["gradients_pushed"])}

@@ -2,9 +2,11 @@
 their planned steps in the same job, nothing restarted (subprocess, bounded by a timeout).
 
 Open MPI only (CI's second stage, .ci/openmpi): under MPICH mpi4py's ULFM calls are fallbacks, and the
-launcher ends the job on a rank's death. CI kills worker rank 3 at step 15 under asp, ssp and dssp; the soak
+launcher ends the job on a rank's death. CI kills worker rank 3 at step 15 under asp, ssp and dssp, and at
+round 15 of ssp's rounds of 2 local steps with ``--overlap-steps 1`` (a pull deferred past the push); the soak
 (``HPCPS_SOAK_RUNTHROUGH=N python -m pytest tests/cli/test_runthrough.py``) also runs eager, bsp and the
-asynchronous local-SGD form, N times each with the step drawn at random (the seed is printed).
+asynchronous local-SGD form with and without overlap, N times each with the step drawn at random (the seed
+is printed).
 """
 
 import os
@@ -24,7 +26,7 @@ pytestmark = [needs_mpiexec, pytest.mark.skipif(FAMILY != "openmpi", reason="run
 STEPS, KILLED = 60, 3
 SOAK = int(os.environ.get("HPCPS_SOAK_RUNTHROUGH", "0") or 0)
 SOAKED = [pytest.param(p, marks=pytest.mark.skipif(not SOAK, reason="soak only: HPCPS_SOAK_RUNTHROUGH=N"))
-          for p in ("eager", "bsp", "asp-local")]
+          for p in ("eager", "bsp", "asp-local", "asp-overlap")]
 
 
 def ulfm_train(*args: str, out, n: int = 5, timeout: float = 150) -> subprocess.CompletedProcess:
@@ -47,7 +49,7 @@ def clocks_at(up: np.ndarray, version: int, workers) -> dict[int, int]:
 
 # the soak launches N jobs in one test, each bounded by its own 150 s: the test's limit grows with N
 @pytest.mark.timeout(240 + 150 * max(SOAK - 1, 0))
-@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp", *SOAKED])
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp", "ssp-overlap", *SOAKED])
 def test_a_worker_killed_mid_run_is_run_through_with_every_gradient_accounted_for(tmp_path, paradigm):
     """Worker rank 3 SIGKILLs itself at step 15 of 60: the job ends by itself with exit status 0, the three
     others having pushed all their 60 steps; shard 0 names the dead worker, and what it pushed is what the
@@ -56,7 +58,7 @@ def test_a_worker_killed_mid_run_is_run_through_with_every_gradient_accounted_fo
     step more than s ahead of the slowest living worker."""
     seed = random.randrange(1 << 30)
     for attempt in range(max(SOAK, 1)):
-        pushes = STEPS // 2 if paradigm.endswith("-local") else STEPS
+        pushes = STEPS // 2 if "-" in paradigm else STEPS  # rounds of 2 local steps
         at = random.Random(seed + attempt).randrange(2, pushes - 2) if SOAK else 15
         print(f"{paradigm}: worker rank {KILLED} killed at step {at} (seed {seed + attempt})")
         killed_at(tmp_path / f"{attempt}", paradigm, at)
@@ -66,8 +68,10 @@ def killed_at(tmp_path, paradigm: str, at: int) -> None:
     s = 1
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / f"{paradigm}.h5"
-    local = ["--local-steps", "2"] if paradigm.endswith("-local") else []
-    done = ulfm_train("--paradigm", paradigm.removesuffix("-local"), "--staleness", str(s), *local,
+    name, _, form = paradigm.partition("-")
+    # rounds of 2 local steps; "overlap": the next round's first step computed while the pull is deferred
+    local = {"": [], "local": ["--local-steps", "2"], "overlap": ["--local-steps", "2", "--overlap-steps", "1"]}[form]
+    done = ulfm_train("--paradigm", name, "--staleness", str(s), *local,
                       "--compute-time", "0.01", "--slowdown", "4=3", "--fault", f"kill@{KILLED}:{at}", out=out)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"worker rank {KILLED} died after its gradient" in done.stderr
@@ -94,7 +98,7 @@ def killed_at(tmp_path, paradigm: str, at: int) -> None:
     for w in living:  # time lost: the longest pause between two steps of a living worker
         mine = np.sort(it["t_start"][it["rank"] == w])
         assert np.diff(mine).max() < 5.0
-    if paradigm == "ssp":
+    if name == "ssp":
         death = float(died["t"][0])
         for row in it[np.isin(it["rank"], living)]:
             alive = living + ([KILLED] if row["t_start"] < death else [])

@@ -493,7 +493,6 @@ def _train(args: argparse.Namespace) -> int:
     from hpcps.runtime.faults import InjectedFault
     from hpcps.cluster.launcher import check_world
     from hpcps.log import setup_logging
-    from hpcps.runtime.run import run_training
 
     comm = MPI.COMM_WORLD
     setup_logging(comm.rank)
@@ -505,6 +504,9 @@ def _train(args: argparse.Namespace) -> int:
 
     def train():
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
+        # torch (~2 s a rank) only once the options are known good: a mistyped option is answered at once
+        from hpcps.runtime.run import run_training
+
         return cfg, run_training(cfg, comm)
 
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))

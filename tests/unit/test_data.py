@@ -1,5 +1,8 @@
 """Data sets and the deterministic batch schedule."""
 
+import subprocess
+import sys
+
 import h5py
 import numpy as np
 import pytest
@@ -14,6 +17,22 @@ def test_digits_split_is_fixed_and_disjoint():
     assert a.x_train.shape == (1438, 1, 8, 8) and a.x_test.shape == (359, 1, 8, 8) and a.n_classes == 10
     assert np.array_equal(a.y_test, b.y_test)
     assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
+
+
+def test_digits_are_scikit_learns_exactly_and_load_without_importing_it():
+    """The bundled CSV read directly gives load_digits' arrays bit for bit, and a fresh interpreter that loads
+    ``digits`` never imports scikit-learn (its import was most of a small run's start-up)."""
+    from sklearn.datasets import load_digits
+
+    from hpcps.data.loaders import _digits_file
+
+    images, target = _digits_file()
+    bunch = load_digits()
+    assert images.dtype == bunch.images.dtype and target.dtype == bunch.target.dtype
+    assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
+    probe = ("import sys; from hpcps.data.loaders import load_dataset; load_dataset('digits'); "
+             "print('sklearn' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_workers_see_disjoint_batches_within_an_epoch():

@@ -9,8 +9,10 @@ them with the workload's evaluation function in ``model.eval()`` under
 and ``accuracy``; NaN where the evaluation gives none, and any other named
 metric in ``/eval_metrics``). The first time the ``target``
 (:class:`hpcps.training.target.Target`: any metric the evaluation returns) is met it
-calls ``on_target``. Console lines, every ``log_every`` seconds, name the
-metrics the evaluation has (never a NaN one).
+calls ``on_target`` (the run's stop), and no periodic evaluation follows:
+versions go on while the stop reaches the workers, and evaluating them would
+only keep shard 0 from serving the last pushes; the final evaluation remains. Console lines, every
+``log_every`` seconds, name the metrics the evaluation has (never a NaN one).
 
 With ``background=True`` (the run uses it where the window protocol is the
 pinned and MPI gives ``THREAD_MULTIPLE``) the pull and the forward passes
@@ -84,6 +86,8 @@ class Evaluator:
         return True
 
     def _due(self) -> bool:
+        if self.reached:  # the run is stopping; the final evaluation (evaluate) is the one left to take
+            return False
         if self.every is not None:
             return self.version() - self.last_version >= self.every
         return self.clock() - self.last >= self.interval

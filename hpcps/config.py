@@ -33,6 +33,8 @@ DEFAULT_LOCAL_STEPS = 8
 #: ``--nesterov``): localsgd averages (sgd at rate 1), diloco steps with Nesterov sgd (Douillard et al. 2023)
 FAMILY_OUTER = {"localsgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
                 "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+#: ``--lr`` of an outer sgd under ``--local-steps`` with another paradigm: the round's change as it is, localsgd's
+OUTER_SGD_LR = FAMILY_OUTER["localsgd"]["lr"]
 AUTO_GROUPS = 2  # --groups auto
 DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
@@ -144,7 +146,8 @@ class TrainConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _default_lr(cls, values: Any) -> Any:
-        """``--lr`` defaults to the optimizer's usual rate: 0.1 for sgd, 1e-3 for adam and adamw; under the
+        """``--lr`` defaults to the optimizer's usual rate: 0.1 for sgd, 1e-3 for adam and adamw, but 1 for sgd
+        as the outer optimizer of ``--local-steps``; under the
         local-SGD family's presets, sgd as the preset says (:data:`FAMILY_OUTER`), for each of ``--lr``,
         ``--momentum`` and ``--nesterov`` the user did not set. ``--inner-lr`` likewise, by ``--inner-optimizer``."""
         if not isinstance(values, dict):
@@ -155,10 +158,14 @@ class TrainConfig(BaseModel):
             momentum = given.get("momentum", outer["momentum"])
             nesterov = given.get("nesterov", outer["nesterov"] and momentum > 0)
             values = {**values, "momentum": momentum, "nesterov": nesterov}
+        local = local_steps_of(values.get("paradigm"), values.get("local_steps")) is not None
         if values.get("lr") is None:
             default = outer["lr"] if outer is not None else DEFAULT_LR.get(values.get("optimizer", "sgd"), DEFAULT_LR["sgd"])
+            if outer is None and local and values.get("optimizer", "sgd") == "sgd":
+                # an outer sgd rate is in units of the round's change: 1 takes the workers' average (0.1, a
+                # single worker's rate, took a tenth of it: 40 steps of asp --local-steps 2 ended at 21%)
+                default = OUTER_SGD_LR
             values = {**values, "lr": default}
-        local = local_steps_of(values.get("paradigm"), values.get("local_steps")) is not None
         if values.get("inner_lr") is None and local:  # (set only where read: else a warning would name it)
             values = {**values, "inner_lr": DEFAULT_LR.get(values.get("inner_optimizer", "sgd"), DEFAULT_LR["sgd"])}
         return values

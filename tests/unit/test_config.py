@@ -131,13 +131,16 @@ def test_min_lr_is_the_cosine_schedules_floor_below_lr():
 
 
 @pytest.mark.parametrize("flags, expected", [
-    # the presets' outer optimizer where the user sets none, their H; another paradigm is untouched
+    # the presets' outer optimizer where the user sets none, their H; without local steps, untouched
     ({"paradigm": "diloco"}, (0.7, 0.9, True, 8, 0.1)),
     ({"paradigm": "localsgd"}, (1.0, 0.0, False, 8, 0.1)),
     ({"paradigm": "diloco", "momentum": 0.0}, (0.7, 0.0, False, 8, 0.1)),
     ({"paradigm": "diloco", "lr": 0.5, "nesterov": False, "local_steps": 32}, (0.5, 0.9, False, 32, 0.1)),
     ({"paradigm": "diloco", "optimizer": "adam", "inner_optimizer": "adamw"}, (1e-3, 0.0, False, 8, 1e-3)),
-    ({"paradigm": "asp", "local_steps": 4, "inner_optimizer": "adamw"}, (0.1, 0.0, False, 4, 1e-3)),
+    # local steps under another paradigm: its outer sgd takes the round's change as it is (rate 1)
+    ({"paradigm": "asp", "local_steps": 4, "inner_optimizer": "adamw"}, (1.0, 0.0, False, 4, 1e-3)),
+    ({"paradigm": "ssp", "local_steps": 4, "optimizer": "adamw"}, (1e-3, 0.0, False, 4, 0.1)),
+    ({"paradigm": "asp", "local_steps": 4, "lr": 0.3}, (0.3, 0.0, False, 4, 0.1)),
     ({"paradigm": "bsp"}, (0.1, 0.0, False, None, 0.1)),
 ])
 def test_the_local_sgd_presets_defaults(flags, expected):

@@ -110,6 +110,7 @@ paradigms() {
     "bsp-partitions-topk|--paradigm bsp --partition-mb 0.01 --compress topk:0.1"
     "eager-bf16-adam|--paradigm eager --compress bf16 --optimizer adam --lr 0.001")
   local r name args bad=0 pids=() names=()
+  : > "$out/par-rc"
   for r in "${runs[@]}"; do
     name=${r%%|*}; args=${r#*|}
     # shellcheck disable=SC2086

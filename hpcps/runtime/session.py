@@ -42,7 +42,7 @@ from hpcps.transport.failures import is_failure, left_out
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
-from hpcps.training.local import InnerFiles, LocalSteps, steps_by_speed
+from hpcps.training.local import InnerFiles, LocalSteps, seconds_per_step, steps_by_speed
 from hpcps.training.optim import builtin_optimizer
 from hpcps.training.optstate import cut, from_torch, join, to_torch
 from hpcps.runtime.optstate import ask, hand
@@ -109,6 +109,7 @@ class Session:
                 weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.steps)
             self._resume_inner()
         self._round_compute, self._round_losses, self._waited0 = 0.0, [], 0.0
+        self._first_round: list[float] = []  # --local-steps-by-speed: the first round's steps' computation times
         self._ckpt_files: tuple[str, ...] = ()  # the checkpoint files the inner files were last pruned by
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's)
@@ -203,6 +204,8 @@ class Session:
             self.local.inner_step(skip)
             self._round_compute += compute_s
             self._round_losses.append(value)
+            if self.run.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
+                self._first_round.append(compute_s)
             over = self.local.round_over(self.worker.step)
             if self.worker.pending:  # --overlap-steps: the outer step the round's first steps hide
                 if over or self.local.taken >= self.run.cfg.overlap_steps:
@@ -404,7 +407,7 @@ class Session:
         """``--local-steps-by-speed``, at the end of this run's first round (every worker gets there: a stop is
         seen only between rounds): the workers' seconds per step, gathered, make each one's steps per round.
         Under run-through after a death: the living's (a worker's place is its rank among them)."""
-        mine = np.array([self._round_compute / max(1, self.local.taken)])
+        mine = np.array([seconds_per_step(self._first_round)])
         gathered: list[np.ndarray] = []
 
         def start(comm: MPI.Comm) -> MPI.Request:

@@ -18,7 +18,7 @@ as their change over the round, which the shards add as they add a pass's.
 The worker's clock counts rounds: a run of ``--steps S`` takes ``ceil(S/H)``
 rounds, the last one shorter where H does not divide S, and batch ``k`` of
 the data feeds inner step ``k`` as without local steps. With
-``--local-steps-by-speed`` the workers time their first round and each takes
+``--local-steps-by-speed`` the workers time their first round (:func:`seconds_per_step`) and each takes
 its own share of H per round from then on (:func:`steps_by_speed`).
 
 With ``--overlap-steps T`` (Streaming DiLoCo's overlap, Douillard et al.
@@ -116,6 +116,13 @@ class LocalSteps:
             torch.sub(self.anchor[:n], now[:n], out=flat.grads_t[:n])
             if flat.size > n:
                 torch.sub(now[n:], self.anchor[n:], out=flat.grads_t[n:])
+
+
+def seconds_per_step(steps: list[float]) -> float:
+    """A worker's seconds per step from the computation times of its first round's ``steps``: the median of
+    all but the first, which also pays for warming up (caches, allocators, and on a GPU the libraries'
+    first calls: far longer than a step), or the only one there is."""
+    return float(np.median(steps[1:] if len(steps) > 1 else steps))
 
 
 def steps_by_speed(every: int, seconds: list[float]) -> list[int]:

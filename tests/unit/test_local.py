@@ -9,7 +9,7 @@ import torch
 
 from hpcps.config import outer_rounds
 from hpcps.training.flat import FlatParameters
-from hpcps.training.local import InnerFiles, LocalSteps, steps_by_speed
+from hpcps.training.local import InnerFiles, LocalSteps, seconds_per_step, steps_by_speed
 from hpcps.training.optim import builtin_optimizer
 
 
@@ -54,6 +54,18 @@ def test_the_last_round_ends_at_the_runs_last_step_and_a_skipped_step_moves_noth
     local.inner_step()
     assert local.round_over(2)  # round 2 starts at step 8: steps 8 and 9 are the run's last
     assert not local.round_over(1)
+
+
+def test_a_workers_speed_is_its_first_rounds_median_step_after_the_warm_up():
+    assert seconds_per_step([0.9, 0.1, 0.12, 0.1]) == 0.1  # the first step's warm-up weighs nothing
+    assert seconds_per_step([0.9, 0.1, 0.2]) == pytest.approx(0.15)
+    assert seconds_per_step([0.9, 0.2]) == 0.2
+    assert seconds_per_step([0.3]) == 0.3  # H=1: the only step there is
+    # two equal workers, one of whose first steps warmed up 0.5 s longer: by the mean steps they split H=8
+    # as [8, 5]; by the median after the first, each takes all 8
+    a, b = [0.1] + [0.1] * 7, [0.6] + [0.1] * 7
+    assert steps_by_speed(8, [sum(a) / 8, sum(b) / 8]) == [8, 5]
+    assert steps_by_speed(8, [seconds_per_step(a), seconds_per_step(b)]) == [8, 8]
 
 
 def test_steps_by_speed_give_each_worker_its_share_of_h():

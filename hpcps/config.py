@@ -160,11 +160,15 @@ class TrainConfig(BaseModel):
             values = {**values, "momentum": momentum, "nesterov": nesterov}
         local = local_steps_of(values.get("paradigm"), values.get("local_steps")) is not None
         if values.get("lr") is None:
-            default = outer["lr"] if outer is not None else DEFAULT_LR.get(values.get("optimizer", "sgd"), DEFAULT_LR["sgd"])
-            if outer is None and local and values.get("optimizer", "sgd") == "sgd":
+            optimizer = values.get("optimizer", "sgd")
+            if outer is not None:
+                default = outer["lr"]
+            elif local and optimizer == "sgd":
                 # an outer sgd rate is in units of the round's change: 1 takes the workers' average (0.1, a
                 # single worker's rate, took a tenth of it: 40 steps of asp --local-steps 2 ended at 21%)
                 default = OUTER_SGD_LR
+            else:
+                default = DEFAULT_LR.get(optimizer, DEFAULT_LR["sgd"])
             values = {**values, "lr": default}
         if values.get("inner_lr") is None and local:  # (set only where read: else a warning would name it)
             values = {**values, "inner_lr": DEFAULT_LR.get(values.get("inner_optimizer", "sgd"), DEFAULT_LR["sgd"])}

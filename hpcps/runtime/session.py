@@ -108,8 +108,10 @@ class Session:
                 cfg.inner_optimizer, lr=cfg.inner_lr, momentum=cfg.inner_momentum,
                 weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.steps)
             self._resume_inner()
-        self._round_compute, self._round_losses, self._waited0 = 0.0, [], 0.0
-        self._first_round: list[float] = []  # --local-steps-by-speed: the first round's steps' computation times
+        #: under local steps, the round's steps so far: each one's computation seconds and loss
+        self._round_steps: list[float] = []
+        self._round_losses: list[float] = []
+        self._waited0 = 0.0
         self._ckpt_files: tuple[str, ...] = ()  # the checkpoint files the inner files were last pruned by
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's)
@@ -202,10 +204,8 @@ class Session:
         compute_s = time.perf_counter() - t0
         if self.local is not None:
             self.local.inner_step(skip)
-            self._round_compute += compute_s
+            self._round_steps.append(compute_s)
             self._round_losses.append(value)
-            if self.run.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
-                self._first_round.append(compute_s)
             over = self.local.round_over(self.worker.step)
             if self.worker.pending:  # --overlap-steps: the outer step the round's first steps hide
                 if over or self.local.taken >= self.run.cfg.overlap_steps:
@@ -221,8 +221,8 @@ class Session:
             if self.worker.defer_pull:
                 self.local.mark_pushed()
             self._write_inner(self.worker.clock_count + 1)  # on disk before a checkpoint can count this round
-            value, compute_s, skip = float(np.mean(self._round_losses)), self._round_compute, False
-            self._round_compute, self._round_losses = 0.0, []
+            value, compute_s, skip = float(np.mean(self._round_losses)), sum(self._round_steps), False
+            self._round_steps, self._round_losses = [], []
         self.worker.close_step(value, compute_s, skip=skip)
         self._open()
         return self.open
@@ -407,7 +407,7 @@ class Session:
         """``--local-steps-by-speed``, at the end of this run's first round (every worker gets there: a stop is
         seen only between rounds): the workers' seconds per step, gathered, make each one's steps per round.
         Under run-through after a death: the living's (a worker's place is its rank among them)."""
-        mine = np.array([seconds_per_step(self._first_round)])
+        mine = np.array([seconds_per_step(self._round_steps)])
         gathered: list[np.ndarray] = []
 
         def start(comm: MPI.Comm) -> MPI.Request:

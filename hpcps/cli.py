@@ -259,6 +259,11 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "says stopped_by diverged and the exit status is 3; ignore: train on")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
                    help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, kill, hang or usr1 (repeatable; under hpcps supervise, in the first launch only)")
+    g.add_argument("--spare-workers", type=int, dest="spare_workers", metavar="K",
+                   help="the last K ranks wait as spares: under Open MPI's fault tolerance (mpirun --with-ft ulfm) "
+                        "a spare takes a dead worker's place, its share of the data and its clock, and the run "
+                        "trains its planned amount (asp, ssp, dssp, eager, with or without --local-steps; "
+                        "default {default})")
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
                    help="log which ranks a server or worker has waited on for this long, and in what state (default {default})")
     g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",

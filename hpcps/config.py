@@ -62,6 +62,7 @@ class TrainConfig(BaseModel):
     paradigm_option: dict[str, Any] = Field(default_factory=dict)  # NAME=VALUE: your paradigm's own options
     servers: int = Field(1, ge=1)
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
+    spare_workers: int = Field(0, ge=0)  # the last ranks: idle until a worker dies (run-through), then in its place
     group_by: Literal["rank", "speed"] = "rank"
     placement: Literal["spread", "rank"] = "spread"
     model: str = "mlp"  # a built-in name, or a plug-in: pkg.mod:name, path/file.py:name

@@ -166,6 +166,8 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             # run-through (Open MPI's ULFM): workers that died and went on without, their gradients never applied
             "workers_lost": int(r.summary.get("workers_lost", 0)),
             "gradients_lost": int(r.summary.get("gradients_lost", 0)),
+            # --spare-workers: spares that took a dead worker's place (the run trained its planned amount)
+            "workers_joined": int(r.summary.get("workers_joined", 0)),
             # "32, 24 overlapped": the outer step hidden behind the next round's first 24 (--overlap-steps)
             "local_steps": ("-" if every is None else f"{every}, {r.config['overlap_steps']} overlapped"
                             if r.config.get("overlap_steps") else every),

@@ -143,6 +143,16 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: f"--overlap-steps {cfg.overlap_steps}: a worker takes the new parameters after that many "
                         f"steps of its next round, so it must be less than the round's {cfg.inner_steps} local "
                         f"steps (--local-steps)"),
+    Refusal(lambda cfg, cls: bool(cfg.spare_workers) and not (cls.takes_spares and cls.runs_through),
+            lambda cfg: f"--spare-workers: --paradigm {cfg.paradigm} does not take a spare in a dead worker's "
+                        f"place mid-run; the asynchronous paradigms do (asp, ssp, dssp, eager): a round (bsp, "
+                        f"localsgd, diloco) would not know which of its rounds the newcomer's first push is for"),
+    Refusal(lambda cfg, cls: bool(cfg.spare_workers) and own_loop(cfg),
+            lambda cfg: "--spare-workers: a spare takes a dead worker's place in hpcps's own loop (hpcps train, "
+                        "hpcps.train); a loop of your own (hpcps.init) would have to start on a spare mid-run"),
+    Refusal(lambda cfg, cls: bool(cfg.spare_workers) and cfg.local_steps_by_speed,
+            lambda cfg: "--spare-workers with --local-steps-by-speed: the workers time their first round "
+                        "together, which a spare that joins later cannot"),
     Refusal(lambda cfg, cls: own_loop(cfg) and cfg.group_by == "speed",
             lambda cfg: "groups by speed time hpcps's own loop; under hpcps.init give groups by rank"),
 )

@@ -180,11 +180,12 @@ class ComputeTime:
         return max(0.0, (self.target(rng, now) if target is None else target) - real_s)
 
 
-def emulated_compute_time(cfg: "TrainConfig", rank: int, layout: "Layout") -> ComputeTime:
+def emulated_compute_time(cfg: "TrainConfig", rank: int, layout: "Layout", index: int | None = None) -> ComputeTime:
     """The emulated compute time of worker ``rank`` (``--compute-time``, its ``--slowdown``, ``--jitter``,
-    ``--straggler-episodes``)."""
+    ``--straggler-episodes``); ``index``: its worker index (a spare's is the dead worker's it replaces)."""
     return ComputeTime(cfg.compute_time, cfg.slowdown.get(rank, 1.0), cfg.jitter, cfg.jitter_cv,
-                       episodes=cfg.straggler_episodes, worker=layout.worker_index(rank), n_workers=layout.n_workers)
+                       episodes=cfg.straggler_episodes, worker=layout.worker_index(rank) if index is None else index,
+                       n_workers=layout.n_workers)
 
 
 @dataclass

@@ -4,10 +4,13 @@ Ranks are laid out in three consecutive blocks::
 
     0 .. S-1          central server shards
     S .. S+G-1        group servers (only for paradigms that use them)
-    S+G .. world-1    workers
+    S+G .. world-K-1  workers
+    world-K .. world-1  spare workers (``--spare-workers K``; none by default)
 
 so ``mpiexec -n 5`` with the defaults gives one server (rank 0) and four
-workers (ranks 1-4), and ``--slowdown 4=3`` names the last worker.
+workers (ranks 1-4), and ``--slowdown 4=3`` names the last worker. A spare
+waits, idle, until a worker dies (under run-through) and it takes that
+worker's index, data share and clock (:mod:`hpcps.runtime.spares`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Role(str, Enum):
     SERVER = "server"
     GROUP = "group"
     WORKER = "worker"
+    SPARE = "spare"
 
 
 def shard_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -44,12 +48,20 @@ class Layout:
     n_groups: int = 0
     #: explicit group membership (world ranks per group; ``--group-by speed``), else contiguous blocks
     members: tuple[tuple[int, ...], ...] | None = None
+    n_spares: int = 0
 
     def __post_init__(self) -> None:
         if self.n_servers < 1:
             raise UserError(f"--servers must be at least 1 (got {self.n_servers})")
         if self.n_groups < 0:
             raise UserError(f"--groups must be 0 or more (got {self.n_groups})")
+        if self.n_spares < 0:
+            raise UserError(f"--spare-workers must be 0 or more (got {self.n_spares})")
+        if self.n_workers < 1 and self.n_spares:
+            raise UserError(f"world of {self.world_size} rank(s) is too small for --servers {self.n_servers}, "
+                            f"--groups {self.n_groups} and --spare-workers {self.n_spares}: at least "
+                            f"{self.n_servers + self.n_groups + self.n_spares + 1} ranks are needed "
+                            f"(start more with mpiexec -n / srun -n)")
         if self.n_workers < 1:
             raise UserError(
                 f"world of {self.world_size} rank(s) is too small for --servers "
@@ -66,7 +78,7 @@ class Layout:
 
     @property
     def n_workers(self) -> int:
-        return self.world_size - self.n_servers - self.n_groups
+        return self.world_size - self.n_servers - self.n_groups - self.n_spares
 
     @property
     def first_worker(self) -> int:
@@ -77,6 +89,8 @@ class Layout:
             return Role.SERVER
         if rank < self.first_worker:
             return Role.GROUP
+        if rank >= self.world_size - self.n_spares:
+            return Role.SPARE
         return Role.WORKER
 
     def worker_index(self, rank: int) -> int:
@@ -89,6 +103,13 @@ class Layout:
         return self.first_worker + index
 
     def worker_ranks(self) -> range:
+        return range(self.first_worker, self.world_size - self.n_spares)
+
+    def spare_ranks(self) -> range:
+        return range(self.world_size - self.n_spares, self.world_size)
+
+    def training_ranks(self) -> range:
+        """The workers and the spares: the ranks that hold a model to train (a spare once it takes a place)."""
         return range(self.first_worker, self.world_size)
 
     def group_members(self) -> list[list[int]]:
@@ -115,5 +136,8 @@ class Layout:
         parts = [f"{self.n_servers} server shard(s) (rank 0-{self.n_servers - 1})"]
         if self.n_groups:
             parts.append(f"{self.n_groups} group server(s)")
-        parts.append(f"{self.n_workers} worker(s) (rank {self.first_worker}-{self.world_size - 1})")
+        last = self.world_size - self.n_spares - 1
+        parts.append(f"{self.n_workers} worker(s) (rank {self.first_worker}-{last})")
+        if self.n_spares:
+            parts.append(f"{self.n_spares} spare worker(s) (rank {last + 1}-{self.world_size - 1})")
         return ", ".join(parts)

@@ -18,12 +18,12 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     """Check the options (:func:`hpcps.cluster.effects.refuse`) and those that depend on the world size;
     return the rank layout."""
     refuse(cfg)  # the combinations that cannot work, whatever the world size
-    layout = Layout(world_size, cfg.servers, cfg.groups)
+    layout = Layout(world_size, cfg.servers, cfg.groups, n_spares=cfg.spare_workers)
     layout.check_groups()
     # your own paradigm's options are checked by building it, before any rank waits on another
     make_policy(cfg.paradigm, layout.n_groups or layout.n_workers, cfg.paradigm_option, staleness=cfg.s_lo,
                 staleness_max=cfg.s_hi)
-    workers = f"ranks {layout.first_worker}-{world_size - 1}"
+    workers = f"ranks {layout.first_worker}-{world_size - layout.n_spares - 1}"
     for fault in cfg.faults:
         if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
             raise UserError(f"--fault {fault.kind}@{fault.rank}:{fault.step}: rank {fault.rank} is not a worker "

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 9  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
+SCHEMA_VERSION = 10  # 2: workers/iterations.lag, servers/transfers; 3: eval_metrics, ranks, saved_model, dataset_kind;
 #                     4: workers/scalars, optimizer; 5: timeline; 6: servers/updates.lr, reason 3;
-#                     7: servers/hypers; 8: servers/updates.momentum; 9: servers/lost, gradients_lost, workers_lost
+#                     7: servers/hypers; 8: servers/updates.momentum; 9: servers/lost, gradients_lost, workers_lost;
+#                     10: servers/joins, workers_joined
 
 #: ``/workers/iterations``: one row per worker iteration (= one gradient pushed).
 #: ``version``: version the gradient was computed on (smallest over shards);
@@ -67,6 +68,12 @@ LOST_REASONS = {0: "the worker died", 1: "its worker died while pushing it",
 REASONS = {0: "applied", 1: "non-finite gradient", 2: "skipped by its worker", 3: "dropped by the paradigm"}
 
 #: ``/eval``: one row per evaluation of the global parameters on the held-out set.
+#: ``/servers/joins`` (``--spare-workers``): a spare that took a dead worker's place, one row per shard:
+#: ``worker`` the dead worker's rank, ``spare`` the spare's, ``worker_clock`` the dead worker's gradients
+#: that shard had received whole when the spare joined (shard 0's: the spare pushes from the next on).
+JOIN = np.dtype([("rank", "i4"), ("shard", "i4"), ("t", "f8"), ("worker", "i4"), ("spare", "i4"),
+                 ("worker_clock", "i8")])
+
 EVAL = np.dtype([("t", "f8"), ("version", "i8"), ("loss", "f8"), ("accuracy", "f8")])
 
 #: ``/eval_metrics``: the named metrics of an evaluation other than loss and accuracy (a user's
@@ -108,6 +115,7 @@ TABLES = {
     "groups/updates": UPDATE,
     "servers/transfers": TRANSFER,
     "servers/lost": LOST,
+    "servers/joins": JOIN,
     "eval": EVAL,
     "eval_metrics": EVAL_METRIC,
     "workers/scalars": SCALAR,
@@ -120,13 +128,13 @@ ROOT_ATTRS = ("schema_version", "hpcps_version", "config", "paradigm", "world_si
               "n_workers", "n_servers", "n_groups", "mpi_library", "start_time")
 
 SUMMARY_ATTRS = ("wall_s", "gradients_pushed", "gradients_applied", "gradients_dropped", "gradients_lost",
-                 "workers_lost",
+                 "workers_lost", "workers_joined",
                  "final_accuracy", "final_loss", "time_to_target_s")
 
 
 def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
               wall_s: float, target=None, eval_metrics: np.ndarray | None = None,
-              lost: np.ndarray | None = None) -> dict[str, float | int]:
+              lost: np.ndarray | None = None, joins: np.ndarray | None = None) -> dict[str, float | int]:
     """The ``/summary`` attributes, derived from the tables so they always agree.
 
     Every gradient is recorded once per shard; counts use shard 0's rows. A worker that died (``lost``,
@@ -162,6 +170,7 @@ def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
         "gradients_dropped": int(len(first_shard) - applied),
         "gradients_lost": n_lost,
         "workers_lost": len(dead),
+        "workers_joined": int((joins["shard"] == 0).sum()) if joins is not None else 0,
         "final_accuracy": float(evals["accuracy"][-1]) if len(evals) else float("nan"),
         "final_loss": float(evals["loss"][-1]) if len(evals) else float("nan"),
         "time_to_target_s": reached,

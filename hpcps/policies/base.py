@@ -12,6 +12,8 @@ on two events, one at a time, and carries out what it returns:
   0..N-1) pushed its ``clock``-th gradient, computed on parameter
   ``version``; ``now`` is seconds since the run's start (rank 0's clock).
 * ``on_leave(worker, now)``: the worker has finished and will push no more.
+* ``on_join(worker, now)``: a spare took the place of ``worker``, which died (``--spare-workers``, under
+  run-through): it pushes from the dead worker's clock on. Called only where ``takes_spares`` is true.
 
 Each returns a :class:`Decision`:
 
@@ -97,6 +99,10 @@ class Policy(ABC):
     #: whether a worker that dies (Open MPI's ULFM: docs/running.md) may leave the run as one that finished
     #: does (``on_leave``), the others going on; False: its death ends the job, as under any other MPI
     runs_through: ClassVar[bool] = True
+    #: whether a spare worker may take a dead worker's place mid-run (``--spare-workers``; :meth:`on_join`):
+    #: the asynchronous paradigms, whose rules hold a newcomer at any clock; a round (bsp) would not know
+    #: which of its rounds the newcomer's first push belongs to
+    takes_spares: ClassVar[bool] = False
     #: whether every decision on a push applies that gradient at once (asp, ssp, dssp, eager): a shard then
     #: receives into a small pool of buffers; otherwise it keeps one receive buffer per worker, as it
     #: may hold every worker's gradient at once
@@ -196,4 +202,11 @@ class Policy(ABC):
     def on_leave(self, worker: int, now: float) -> Decision:
         """``worker`` finished; by default it simply stops counting."""
         self.active.discard(worker)
+        return Decision()
+
+    def on_join(self, worker: int, now: float) -> Decision:
+        """A spare took the place of ``worker``, which died (and left through :meth:`on_leave`): it counts
+        again, at the clock the dead worker's last push here left it, from now on. By default it simply
+        counts again."""
+        self.active.add(worker)
         return Decision()

@@ -79,6 +79,13 @@ class DSSP(SSP):
     def _tie_break(self, worker: int) -> float:
         return self.last_push[worker] or 0.0
 
+    def on_join(self, worker: int, now: float):
+        """The newcomer's pace is its own: the dead worker's push times and bound are forgotten (the controller
+        predicts from push intervals, and the newcomer's first is measured from its first push)."""
+        self.last_push[worker] = self.interval[worker] = self.last_decision[worker] = None
+        self.bound[worker] = self.staleness
+        return super().on_join(worker, now)
+
     def on_push(self, worker: int, clock: int, version: int, now: float):
         if self.last_push[worker] is not None:
             self.interval[worker] = now - self.last_push[worker]

@@ -19,6 +19,7 @@ from hpcps.policies.sync import ASP
 class Grouped(ASP):
     name = "grouped"
     runs_through = False  # a group server would have to run through its workers too: not built
+    takes_spares = False
     summary = "BSP groups under --groups G group servers, asynchronous central server (G=1: bsp, G=N: asp)"
     uses_groups = True
     #: workers wait for their group's round to close

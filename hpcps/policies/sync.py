@@ -72,6 +72,7 @@ class SSP(Policy):
     name = "ssp"
     summary = "stale synchronous: apply on arrival, bound the clock gap by --staleness s"
     applies_on_arrival = True
+    takes_spares = True
     reads = frozenset({"staleness"})
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
@@ -132,6 +133,14 @@ class SSP(Policy):
         self.waiting.discard(worker)
         return Decision(grants=self._release())
 
+    def on_join(self, worker: int, now: float) -> Decision:
+        """The newcomer counts in the bound at the dead worker's clock: it may be the slowest again, and the
+        others wait for it as they waited for the dead one (its heap entry was dropped when it left)."""
+        super().on_join(worker, now)
+        heapq.heappush(self._by_clock, (self.clocks[worker], self._tie_break(worker), worker))
+        self._heaped[worker] = self.clocks[worker]
+        return Decision()
+
     def may_go_on(self, worker: int, floor: int) -> bool:
         """Whether ``worker`` may start its next iteration, the slowest being at clock ``floor``
         (``clock - threshold <= floor``: the key the waiting heap is ordered by)."""
@@ -155,6 +164,7 @@ class ASP(Policy):
     summary = "asynchronous: apply every gradient on arrival, never wait for others"
     worker_blocks = False
     applies_on_arrival = True
+    takes_spares = True
 
     def on_push(self, worker: int, clock: int, version: int, now: float) -> Decision:
         return Decision(updates=((worker,),), grants=(worker,))

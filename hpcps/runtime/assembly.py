@@ -29,6 +29,7 @@ from hpcps.runtime.progress import Progress
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.snapshot import ClockCut, RoundCut
+from hpcps.runtime.spares import SpareDesk
 from hpcps.runtime.worker import EagerWorker, HSPWorker, Worker
 from hpcps.training import rates
 from hpcps.training.momentum import StaleMomentum
@@ -86,8 +87,10 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
     rounds = RoundSum(len(master), trainable, len(workers), policy.active, ordered=not serial) \
         if policy.holds_rounds and not grouped else None
     pooled = rounds is not None or policy.applies_on_arrival or grouped
+    spares = SpareDesk(topo.ps, shard=topo.rank, shards=run.shards, spares=layout.spare_ranks(),
+                       rounds=run.rounds, dead=run.dead) if layout.n_spares else None  # (idle ones told to end)
     inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=run.codec.push_len(len(master)),
-                      dtype=run.codec.push_dtype, clock=run.clock,
+                      dtype=run.codec.push_dtype, clock=run.clock, spares=layout.spare_ranks(),
                       on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                       pool=RECEIVE_POOL if pooled else None,
                       reserve=rounds.expected if rounds and rounds.ordered else None,
@@ -134,7 +137,7 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
         worker_ranks=workers, recorder=recorder, clock=run.clock,
         progress=lambda: retried(run.dead, lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)),
         side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=run.backoff,
-        round_sum=rounds, timeline=timeline(run, recorder), codec=run.codec,
+        round_sum=rounds, timeline=timeline(run, recorder), codec=run.codec, spares=spares,
     )
     if run.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
         server.clocks = [int(c) for c in run.ckpt.worker_clocks]
@@ -142,6 +145,8 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
     if snapshots is not None:
         snapshots.server, snapshots.last_version = server, start_version
     server.run()
+    if spares is not None:  # shard 0: no spare will be needed now
+        spares.close(run.backoff)
     if snapshots is not None:
         snapshots.finish(run.backoff)  # a checkpoint under way completes; shard 0 says none follows
     run.final_version = server.version
@@ -296,7 +301,7 @@ def make_worker(run) -> Worker:
                  clock=run.clock, steps=run.rounds, lr=cfg.lr * lr_scale(run),
                  lr_staleness=cfg.lr_staleness or policy.default_lr_staleness,
                  faults=[f for f in faults.armed(cfg.faults, os.environ) if f.rank == topo.rank],
-                 start_step=int(run.ckpt.worker_clocks[run.layout.worker_index(topo.rank)]) if run.ckpt else 0,
+                 start_step=run.start_clock,
                  stall_warn=cfg.stall_warn, stall_abort=cfg.stall_limit,
                  backoff=run.backoff, take_signal=run.signals.take, timeline=tl,
                  overflow=codec.overflow, **extra)

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcps.cluster.layout import Role
 from hpcps.cluster.slices import Slices
 from hpcps.config import TrainConfig
 from hpcps.policies import Policy
@@ -153,7 +152,7 @@ def checkpoint_at_stop(run, comm: MPI.Comm, loop: LoopState | None) -> str:
     Returns the path (on every rank).
     """
     shard_versions = [v for v in comm.allgather(run.final_version) if v is not None]
-    clocks = comm.gather((run.topo.rank, run.final_clock), root=0)
+    clocks = comm.gather((run.index, run.final_clock), root=0)  # by worker index (a spare's: its place's)
     path = checkpoint_path(run.ckpt_dir, shard_versions[0])
     if run.optimizer is not None:
         write_optimizer_state(path, run.topo.rank, run.optimizer.state_dict(),
@@ -162,9 +161,9 @@ def checkpoint_at_stop(run, comm: MPI.Comm, loop: LoopState | None) -> str:
         write_user_state(path, loop)
     if comm.rank == 0:
         worker_clocks = np.zeros(run.layout.n_workers, np.int64)
-        for rank, clock in clocks:
-            if clock is not None and run.layout.role(rank) is Role.WORKER:
-                worker_clocks[run.layout.worker_index(rank)] = clock
+        for index, clock in clocks:
+            if clock is not None and index is not None:
+                worker_clocks[index] = clock
         write_checkpoint(path, run.flat.params, version=shard_versions[0], worker_clocks=worker_clocks,
                          config=run.ran_config(), n_servers=run.layout.n_servers,
                          shard_versions=shard_versions)

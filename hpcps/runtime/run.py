@@ -60,6 +60,7 @@ from hpcps.training.paramgroups import resolve_groups
 from hpcps.policies import Policy, policy_class
 from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
+from hpcps.runtime.spares import wait_for_place
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
 from hpcps.transport.failures import DeadRanks, left_out, ulfm_enabled
@@ -145,7 +146,9 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
 
     with open_run(cfg, comm, workload) as run:
         run.start()
-        if run.topo.role is Role.WORKER:
+        if run.topo.role is Role.SPARE and not run.wait_for_place():
+            return run.end()  # the run needed no spare
+        if run.index is not None:  # a worker, or a spare in a dead worker's place
             with Session(run) as session:
                 session.train_on(run.batches, run.workload.loss)
                 return session.close()
@@ -212,7 +215,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         workload = agree(comm, lambda: workload_from_config(cfg))
     if workload.prepare is not None:  # once, on rank 0, before anyone loads (agree: everyone waits)
         agree(comm, lambda: workload.prepare() if comm.rank == 0 else None)
-    loads_data = comm.rank == 0 or layout.role(comm.rank) is Role.WORKER  # workers train, rank 0 evaluates
+    # workers train (and spares, once in a dead worker's place); rank 0 evaluates
+    loads_data = comm.rank == 0 or layout.role(comm.rank) in (Role.WORKER, Role.SPARE)
     source = agree(comm, lambda: workload.data() if loads_data and workload.data is not None else None)
     facts = comm.bcast(agree(comm, lambda: _data_facts(source) if comm.rank == 0 else None), root=0)
     model = agree(comm, lambda: workload.build_model(seed=cfg.seed, in_shape=facts["in_shape"],
@@ -227,21 +231,24 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     if ckpt is not None:
         flat.params[:] = ckpt.params
         flat.upload()
-    if layout.role(comm.rank) is Role.WORKER:  # every worker its own random stream (dropout, the user's batches)
-        index = layout.worker_index(comm.rank)
+    index = layout.worker_index(comm.rank) if layout.role(comm.rank) is Role.WORKER else None
+    if index is not None:  # every worker its own random stream (dropout, the user's batches)
         torch.manual_seed(worker_seed(cfg.seed, index, int(ckpt.worker_clocks[index]) if ckpt is not None else 0))
     redeal = Redeal(tuple(int(c) for c in ckpt.written_clocks), int(ckpt.worker_clocks[0])) \
         if ckpt is not None and ckpt.redealt else None  # another worker count: the epochs' rest dealt again
-    batches = agree(comm, lambda: source.for_worker(
-        layout.worker_index(comm.rank), layout.n_workers, batch_size=cfg.batch_size, seed=cfg.seed,
-        device=flat.device, steps=steps, redeal=redeal)
-        if layout.role(comm.rank) is Role.WORKER and source is not None else None)
+
+    def deal(worker: int):
+        """Worker ``worker``'s batches (a spare's, once it takes that worker's place)."""
+        return source.for_worker(worker, layout.n_workers, batch_size=cfg.batch_size, seed=cfg.seed,
+                                 device=flat.device, steps=steps, redeal=redeal) if source is not None else None
+
+    batches = agree(comm, lambda: deal(index) if index is not None else None)
     if cfg.group_by == "speed" and layout.n_groups:
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     topo = stack.enter_context(Topology(comm, layout))
     signals = stack.enter_context(StopSignals(announce(comm.rank)))
     return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals,
-                world_ranks, stack)
+                world_ranks, stack, index=index, deal=deal)
 
 
 #: how far apart the seeds of a resumed run's workers are from the first run's, per step done
@@ -259,7 +266,7 @@ def worker_seed(seed: int, worker_index: int, start_step: int = 0) -> int:
 
 def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
     """Collective: this rank's device (``--device``) and how its tensors reach MPI (``--cuda-aware``)."""
-    local = node_local_index(comm, layout.worker_ranks())
+    local = node_local_index(comm, layout.training_ranks())
     n_gpus = torch.cuda.device_count() if local is not None and cfg.device != "cpu" else 0
     plan = agree(comm, lambda: plan_device(
         cfg.device, cfg.cuda_aware, local, n_gpus,
@@ -311,13 +318,17 @@ class _Run:
     def __init__(self, cfg: TrainConfig, topo: Topology, workload: Workload, source: DataSource | None,
                  facts: dict[str, Any], batches, model: torch.nn.Module, flat: FlatParameters, steps: int,
                  ckpt: Checkpoint | None, devices: list[str], signals: StopSignals, world_ranks: list[int],
-                 stack: ExitStack) -> None:
+                 stack: ExitStack, *, index: int | None = None, deal=None) -> None:
+        """``index``: this rank's worker index (None on a server, and on a spare until it takes a place);
+        ``deal(worker)``: worker ``worker``'s batches."""
         self.stack = stack  # the run's communicators and signal handlers, released by __exit__
         self.ran: dict = {}  # rank 0: what ran (the optimizer and schedule), for the run file and checkpoints
         self.window: ParamWindow | None = None  # start() makes them; __exit__ frees what it made
         self.group_window: ParamWindow | None = None
         self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
         self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
+        self.index, self.deal = index, deal
+        self.placed_at: int | None = None  # a spare: the dead worker's clock it took over
         self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
         self.ckpt = ckpt
         self.signals = signals
@@ -350,6 +361,29 @@ class _Run:
         """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""
         return self.run_clock()
 
+    @property
+    def start_clock(self) -> int:
+        """The gradients this worker's index had pushed when its loop starts: its checkpoint's clock on
+        resume, a spare's the dead worker's, else 0."""
+        if self.placed_at is not None:
+            return self.placed_at
+        return int(self.ckpt.worker_clocks[self.index]) if self.ckpt is not None and self.index is not None else 0
+
+    def wait_for_place(self) -> bool:
+        """A spare (:mod:`hpcps.runtime.spares`): wait, idle, until shard 0 gives this rank a dead worker's
+        place (then take it: the worker's index, batches and random stream from its clock; True) or the run
+        ends without needing it (False)."""
+        placed = wait_for_place(self.topo.ps, self.shards[0])
+        if placed is None:
+            return False
+        worker, clock = placed
+        log.info("spare rank %d: taking the place of worker %d (rank %d) from its gradient %d on", self.topo.rank,
+                 worker, self.layout.worker_rank(worker), clock + 1)
+        self.index, self.placed_at = worker, clock
+        torch.manual_seed(worker_seed(self.cfg.seed, worker, clock))
+        self.batches = self.deal(worker)
+        return True
+
     def __enter__(self) -> "_Run":
         return self
 
@@ -378,6 +412,10 @@ class _Run:
             log.warning("Open MPI's fault tolerance (ULFM) is on, but %s does not run through a dead worker: a "
                         "rank's death ends the job (resume it with --resume auto, or run under hpcps supervise)",
                         self.cfg.paradigm)
+        if self.layout.n_spares and self.dead is None and comm.rank == 0:
+            log.warning("--spare-workers %d: the spares stay idle, since a death ends the job under this MPI; "
+                        "they take a dead worker's place under Open MPI's fault tolerance (mpirun --with-ft ulfm)",
+                        self.layout.n_spares)
         path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
         self.ckpt_dir = checkpointing.checkpoint_dir(self.cfg, path)
         runfile = agree(comm, lambda: records.open_runfile(self, path) if comm.rank == 0 else None)
@@ -409,7 +447,7 @@ class _Run:
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
             optimizer = self.optimizer = assembly.shard_optimizer(self, master[:assembly.n_params(self, shard)], shard)
-        elif topo.role is Role.WORKER and self.cfg.inner_steps is not None:
+        elif topo.role in (Role.WORKER, Role.SPARE) and self.cfg.inner_steps is not None:
             # likewise a worker's inner optimizer under --local-steps, built with its session after the start:
             # the import counted in the run's clock (2.5 s of a 2.7 s run of 10 rounds here)
             warm_optimizers()
@@ -526,7 +564,8 @@ class _Run:
         iterations = runfile.read("workers/iterations")
         summary = summarize(iterations, runfile.read("servers/updates"),
                             runfile.read("eval"), wall_s=wall_s, target=self.cfg.stop_target,
-                            eval_metrics=runfile.read("eval_metrics"), lost=runfile.read("servers/lost"))
+                            eval_metrics=runfile.read("eval_metrics"), lost=runfile.read("servers/lost"),
+                            joins=runfile.read("servers/joins"))
         summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
         runfile.write_summary(summary)
         self.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on

@@ -55,6 +55,7 @@ from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
 from hpcps.transport.compress import Codec, all_finite
 from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent, PushInbox
+from hpcps.runtime.spares import JoinEvent, SpareDesk
 from hpcps.transport.window import ParamWindow
 
 log = logging.getLogger("hpcps")
@@ -113,8 +114,9 @@ class ShardServer:
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
                  backoff: Backoff | None = None, round_sum: RoundSum | None = None, timeline=None,
-                 codec: Codec | None = None) -> None:
-        """``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it;
+                 codec: Codec | None = None, spares: SpareDesk | None = None) -> None:
+        """``spares``: where spare workers take dead workers' places (:mod:`hpcps.runtime.spares`);
+        ``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it;
         ``side_tasks``: ``(phase, task)`` pairs called every loop, the time of one that returns true
         going to its phase of the timeline; ``timeline``: where the loop's phases go
         (:mod:`hpcps.metrics.timeline`; none by default); ``codec``: what a push's payload holds
@@ -156,6 +158,8 @@ class ShardServer:
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
         self.lost_clocks: dict[int, list[int]] = {}  # a dead worker's pushes cut off here (run-through)
+        self.spares = spares
+        self.dead_workers: set[int] = set()  # workers whose death this loop has handled, no spare in their place
         self.silent: list[tuple[float, int]] = []
         self.pushed: set[int] = set()  # workers heard from in this run: the others may still be compiling
         self.held_up: list[int] = []  # workers whose push waits for this shard's buffer or turn
@@ -170,10 +174,13 @@ class ShardServer:
         tl.enter("publish")
         self.window.publish(self.master, self.version)
         tl.enter("wait")
-        while self.inbox.open:
+        while self.inbox.open or (self.spares is not None and self.spares.pending()):
             self.window.publish_held()  # a version deferred while a lapped reader held this shard
             t = self.clock() if tl.enabled else 0.0
             events = self.inbox.poll()
+            if self.spares is not None:  # after the deaths found in this poll: a join follows its death
+                events += self.spares.poll(self.dead_workers.__contains__, self.clocks,
+                                           self.inbox.dead.check if self.inbox.dead is not None else None)
             if events:  # the poll that completed them: their last bytes' copy (an empty poll is waiting)
                 tl.enter("receive", t)
                 tl.enter("other")
@@ -221,6 +228,9 @@ class ShardServer:
         now = self.clock()
         if isinstance(event, LostEvent):
             self._lost(event, now, notices)
+            return
+        if isinstance(event, JoinEvent):
+            self._join(event, now, notices)
             return
         self.heard[event.worker] = now
         if isinstance(event, PushEvent):
@@ -272,6 +282,24 @@ class ShardServer:
             self._sum_round()
             self.inbox.offer()
         self._carry_out(decision, notices)
+        self.dead_workers.add(worker)
+        if self.spares is not None:
+            self.spares.died(worker, self.clocks[worker], rank)
+
+    def _join(self, event: JoinEvent, now: float, notices: dict[int, list]) -> None:
+        """A spare takes the place of a dead worker (:mod:`hpcps.runtime.spares`): its messages are that
+        worker's from now on, and the paradigm counts it again, at the dead worker's clock."""
+        worker, dead = event.worker, self.worker_ranks[event.worker]
+        self.dead_workers.discard(worker)
+        self.worker_ranks[worker] = self.notifier.worker_ranks[worker] = event.rank
+        self.inbox.rejoin(worker, event.rank)
+        self.gone.discard(worker)
+        self.pushed.discard(worker)  # its first step may warm up as any worker's first did
+        self.heard[worker] = now
+        self.recorder.add("servers/joins", (self.rank, self.shard, now, dead, event.rank, event.clock))
+        log.warning("shard %d: spare rank %d takes the place of worker rank %d, from its gradient %d on",
+                    self.shard, event.rank, dead, event.clock + 1)
+        self._carry_out(self.policy.on_join(worker, now), notices)
 
     def _sum_round(self) -> None:
         """Add the round's gradients whose turn has come (worker order); free their buffers at once."""

@@ -37,7 +37,6 @@ from hpcps.cluster.emulation import (BackwardCompute, Overruns, emulated_compute
                                      forward_compute)
 from hpcps.runtime import assembly
 from hpcps.cluster.effects import own_loop
-from hpcps.cluster.layout import Role
 from hpcps.transport.failures import is_failure, left_out
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
@@ -72,10 +71,10 @@ class Session:
         self.closed = False
         self.state: dict[str, Any] = {}  # the user's own checkpoint fields (worker 0's are saved)
         layout, rank = run.layout, run.topo.rank
-        self.is_worker = run.topo.role is Role.WORKER
+        self.is_worker = run.index is not None  # a worker, or a spare in a dead worker's place
         self.rank = rank
         self.n_workers = layout.n_workers
-        self.worker_index = layout.worker_index(rank) if self.is_worker else None
+        self.worker_index = run.index
         self.model = run.model
         self._optimizer = None
         self._resumed_groups: list | None = None  # ps.optimizer's hyperparameters as a checkpointed loop left them
@@ -86,7 +85,7 @@ class Session:
         cfg = run.cfg
         self.flat = run.flat
         self.clip_norm = cfg.clip_norm
-        self.compute_time = emulated_compute_time(cfg, rank, layout)
+        self.compute_time = emulated_compute_time(cfg, rank, layout, self.worker_index)
         self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
         # bsp checkpoints at a round's close, where worker 0's loop belongs to the checkpoint; the other
         # paradigms' periodic checkpoints are cuts taken while the workers go on (hpcps.runtime.snapshot)
@@ -427,9 +426,13 @@ class Session:
         """A resumed run under local steps: the inner optimizer's state as this worker left it after the round
         the checkpoint resumes at; where the checkpoint cannot give it, the state starts afresh (said once)."""
         run, w = self.run, self.worker_index
+        if run.placed_at is not None:
+            log.warning("local steps: spare rank %d starts its inner optimizer afresh (worker %d's died with it)",
+                        self.rank, w)
+            return
         if run.ckpt is None:
             return
-        clock = int(run.ckpt.worker_clocks[w])
+        clock = run.start_clock
         if run.ckpt.redealt:
             if w == 0:
                 log.warning("local steps: the run resumes with another worker count, so each worker's inner "

@@ -198,13 +198,14 @@ class PushInbox:
                  on_transfer: Callable[[int], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
                  reserve: Callable[[], int | None] | None = None, dtype: np.dtype = np.dtype(np.float32),
-                 pieces: Sequence[tuple[int, int]] | None = None, dead=None) -> None:
+                 pieces: Sequence[tuple[int, int]] | None = None, dead=None, spares: Sequence[int] = ()) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload;
         ``shard_len`` and ``dtype``: a payload's elements and their type (compressed pushes:
         :mod:`hpcps.transport.compress`); ``pieces``: the ``(lo, hi)`` ranges of a payload, one message
         each, in the order the workers send them (:class:`Pusher`'s; by default the whole payload);
         ``dead``: a :class:`~hpcps.transport.failures.DeadRanks` over ``comm`` (run-through): a worker that
-        dies comes out of :meth:`poll` as a :class:`LostEvent` instead of an MPI error."""
+        dies comes out of :meth:`poll` as a :class:`LostEvent` instead of an MPI error; ``spares``: the ranks
+        that may take a dead worker's place (:meth:`rejoin`; their headers before it wait)."""
         n = len(worker_ranks)
         self.dead = dead
         self.comm, self.worker_ranks = comm, list(worker_ranks)
@@ -233,6 +234,8 @@ class PushInbox:
         self.round_cut: int | None = None  # a checkpoint's cut: the regular pushes taken up per worker
         self.open = n  # workers whose leave poll() has not returned yet
         self.lost: set[int] = set()  # workers found dead (run-through)
+        self.spares = set(spares)
+        self.unplaced: dict[int, deque[np.ndarray]] = {}  # a spare's headers that came before its join here
 
     @property
     def pooled(self) -> bool:
@@ -250,6 +253,9 @@ class PushInbox:
             header = self.incoming.copy()
             self.header_req.Start()
             i = self.index_of.get(source)
+            if i is None and source in self.spares:  # a spare whose join has not reached this shard yet
+                self.unplaced.setdefault(source, deque()).append(header)
+                continue
             if i is None:
                 raise RuntimeError(f"push header from rank {source}, which is not a worker of this server")
             if i in self.lost:  # sent before it died: its payload will never be received
@@ -336,6 +342,19 @@ class PushInbox:
             if self.streaming is not None and self.streaming[0] == i:
                 self.streaming = None
             events.append(LostEvent(i, tuple(clocks)))
+
+    def rejoin(self, worker: int, rank: int) -> None:
+        """Spare ``rank`` takes the place of ``worker``, found dead (:mod:`hpcps.runtime.spares`): its messages
+        are that worker's from now on, the headers it sent before this first."""
+        self.index_of.pop(self.worker_ranks[worker], None)
+        self.worker_ranks[worker] = rank
+        self.index_of[rank] = worker
+        self.lost.discard(worker)
+        self.headers[worker] = 0
+        self.backlog[worker] = self.unplaced.pop(rank, deque())
+        self.listening.add(worker)
+        self.open += 1
+        self._take_up_queued(worker)
 
     def _give_buffers(self) -> None:
         """Start the payload receive of waiting workers, in arrival order, while buffers are free;

@@ -78,6 +78,7 @@ TAG_HYPER = 14  # a worker's optimizer hyperparameters, before the push header f
 TAG_VERDICT = 17  # int64[1]: 1 finite, 0 not, after a payload whose header said VERDICT
 TAG_STATE = 15  # ps.optimizer's state requests, worker -> shard (hpcps.runtime.optstate)
 TAG_STATE_REPLY = 16  # their answers, shard -> worker
+TAG_SPARE = 18  # int64[3], spare workers' words: shard 0 -> a spare, shard 0 -> the shards (hpcps.runtime.spares)
 
 HEADER_LEN = 6
 KIND_PUSH = 1

@@ -122,6 +122,22 @@ def test_an_option_the_paradigm_does_not_read_is_one_warning_line_and_the_run_go
         assert f["summary"].attrs["gradients_applied"] == 2 * 10
 
 
+def test_a_spare_no_death_needs_waits_idle_and_ends_with_the_run(tmp_path):
+    """Without run-through (no --with-ft ulfm) a spare cannot take anyone's place: one warning says so, the
+    spare trains nothing, and shard 0 releases it at the end, so the job ends as it would without it."""
+    out = tmp_path / "ssp.h5"
+    proc = hpcps(4, "train", "--paradigm", "ssp", "--steps", "10", "--spare-workers", "1", "--no-progress",
+                 "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "--spare-workers 1: the spares stay idle" in proc.stderr
+    assert "2 worker(s) (rank 1-2), 1 spare worker(s) (rank 3-3)" in proc.stderr
+    with h5py.File(out) as f:
+        assert f["ranks"]["role"].tolist() == [b"server", b"worker", b"worker", b"spare"]
+        assert sorted(set(f["workers/iterations"]["rank"].tolist())) == [1, 2]
+        assert len(f["servers/joins"]) == 0
+        assert f["summary"].attrs["gradients_applied"] == 2 * 10 and f["summary"].attrs["workers_joined"] == 0
+
+
 def test_module_entry_point_and_version():
     proc = subprocess.run([sys.executable, "-m", "hpcps", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("hpcps ")

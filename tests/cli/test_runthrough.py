@@ -6,7 +6,9 @@ launcher ends the job on a rank's death. CI kills worker rank 3 at step 15 under
 round 15 of ssp's rounds of 2 local steps with ``--overlap-steps 1`` (a pull deferred past the push); the soak
 (``HPCPS_SOAK_RUNTHROUGH=N python -m pytest tests/cli/test_runthrough.py``) also runs eager, bsp and the
 asynchronous local-SGD form with and without overlap, N times each with the step drawn at random (the seed
-is printed).
+is printed). With ``--spare-workers 1`` CI kills worker rank 3 at step 15 under asp, ssp, dssp, eager, ssp
+on two shards and ssp's rounds of local steps with overlap: a spare takes its place and the run trains its
+planned amount.
 """
 
 import os
@@ -104,6 +106,83 @@ def killed_at(tmp_path, paradigm: str, at: int) -> None:
             alive = living + ([KILLED] if row["t_start"] < death else [])
             clocks = clocks_at(up, int(row["version"]), alive)
             assert int(row["step"]) - min(clocks.values()) <= s, (row, clocks)
+
+
+SPARE = 5  # --spare-workers 1 in a world of 6 (7 with two shards): the last rank
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("paradigm", ["asp", "ssp", "dssp", "ssp-2shards", "eager", "ssp-local"])
+def test_a_spare_takes_a_dead_workers_place_and_the_run_trains_its_planned_amount(tmp_path, paradigm):
+    """Worker rank 3 SIGKILLs itself at step 15 of 60 with one spare launched: shard 0 hands the spare the dead
+    worker's place at the clock it had received whole, every shard takes the spare in, and the run trains
+    every worker index's 60 gradients: shard 0 applied each clock of the dead worker's index once, from the
+    dead worker up to the join and from the spare after it, and the spare computed exactly the steps from
+    there on. pushed = applied + dropped + lost; under ssp no worker started a step more than s ahead of the
+    slowest living one, the spare counted at the dead worker's clock from its join."""
+    name, _, form = paradigm.partition("-")
+    shards = 2 if form == "2shards" else 1
+    spare, killed = SPARE + shards - 1, KILLED
+    slow = f"{spare - 1}=3"  # the last regular worker: a straggler the bound waits for
+    local = ["--local-steps", "2", "--overlap-steps", "1"] if form == "local" else []
+    rounds = STEPS // 2 if local else STEPS
+    out, s = tmp_path / f"{paradigm}.h5", 1
+    done = ulfm_train("--paradigm", name, "--staleness", str(s), "--servers", str(shards), *local,
+                      "--compute-time", "0.01", "--slowdown", slow, "--fault", f"kill@{killed}:15",
+                      "--spare-workers", "1", out=out, n=4 + shards + 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for shard in range(shards):
+        assert f"shard {shard}: spare rank {spare} takes the place of worker rank {killed}" in done.stderr
+    t = tables(out)
+    it, up, lost, summary = t["it"], t["up"], t["lost"], t["summary"]
+    with h5py.File(out) as f:
+        joins = f["servers/joins"][()]
+    first = joins[joins["shard"] == 0]
+    assert first["worker"].tolist() == [killed] and first["spare"].tolist() == [spare]
+    assert len(joins) == shards
+    handed = int(first["worker_clock"][0])
+    assert 1 <= handed <= rounds - 1
+    rows = up[(up["shard"] == 0) & (up["applied"] == 1)]
+    dead = sorted(rows["worker_clock"][rows["worker"] == killed].tolist())
+    by_spare = sorted(rows["worker_clock"][rows["worker"] == spare].tolist())
+    assert dead == list(range(1, handed + 1))  # a gradient cut off at shard 0 is the spare's to push again
+    assert by_spare == list(range(handed + 1, rounds + 1))
+    assert sorted(it["step"][it["rank"] == spare].tolist()) == list(range(handed, rounds))
+    living = [r for r in range(shards, shards + 4) if r != killed]
+    for w in living:
+        assert sorted(it["step"][it["rank"] == w].tolist()) == list(range(rounds))
+    assert summary["workers_lost"] == 1 and summary["workers_joined"] == 1
+    assert summary["gradients_applied"] + summary["gradients_dropped"] == 4 * rounds
+    assert summary["gradients_pushed"] == (summary["gradients_applied"] + summary["gradients_dropped"]
+                                           + summary["gradients_lost"])
+    if name == "ssp":
+        death = float(lost["t"][(lost["reason"] == 0) & (lost["shard"] == 0)][0])
+        joined = float(first["t"][0])
+        for row in it[np.isin(it["rank"], living + [spare])]:
+            t0 = float(row["t_start"])
+            at = up[(up["shard"] == 0) & (up["version"] < int(row["version"]))]
+            clocks = [int(at["worker_clock"][at["worker"] == w].max(initial=0)) for w in living]
+            if t0 < death or t0 >= joined:  # the dead worker's index: its clock, the dead's or the spare's
+                clocks.append(int(at["worker_clock"][np.isin(at["worker"], [killed, spare])].max(initial=0)))
+            assert int(row["step"]) - min(clocks) <= s, (row, clocks)
+
+
+@pytest.mark.timeout(240)
+def test_a_second_death_with_the_spare_taken_runs_through_without_one(tmp_path):
+    """ssp, one spare: worker rank 3 dies at step 15 and the spare takes its place; worker rank 2 dies at step
+    30 with no spare left: shard 0 says so, the run goes on without it, and ends by itself with every
+    gradient accounted for: 60 each of ranks 1 and 4 and of the first dead worker's index, 30 of the second."""
+    out = tmp_path / "ssp.h5"
+    done = ulfm_train("--paradigm", "ssp", "--compute-time", "0.01", "--fault", "kill@3:15", "--fault", "kill@2:30",
+                      "--spare-workers", "1", out=out, n=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shard 0: spare rank 5 takes the place of worker rank 3" in done.stderr
+    assert "shard 0: no spare worker left to take the place of worker rank 2" in done.stderr
+    summary = tables(out)["summary"]
+    assert summary["workers_lost"] == 2 and summary["workers_joined"] == 1
+    assert summary["gradients_applied"] + summary["gradients_dropped"] + summary["gradients_lost"] == \
+        summary["gradients_pushed"]
+    assert 3 * STEPS + 30 <= summary["gradients_pushed"] <= 3 * STEPS + 32
 
 
 def test_a_paradigm_that_does_not_run_through_ends_the_job_instead_of_hanging(tmp_path):

@@ -103,6 +103,13 @@ def test_every_declared_option_is_an_option_of_the_config():
     (dict(paradigm="hsp", local_steps=4), "--local-steps: --paradigm hsp does not take local steps"),
     (dict(paradigm="grouped", groups=2, local_steps=4), "--local-steps: --paradigm grouped does not take local"),
     (dict(paradigm="diloco", local_steps=4, overlap_steps=4), "--overlap-steps 4: a worker takes the new parameters"),
+    (dict(paradigm="bsp", spare_workers=1), "--spare-workers: --paradigm bsp does not take a spare"),
+    (dict(paradigm="diloco", spare_workers=1), "--spare-workers: --paradigm diloco does not take a spare"),
+    (dict(paradigm="hsp", spare_workers=1), "--spare-workers: --paradigm hsp does not take a spare"),
+    (dict(paradigm="grouped", groups=2, spare_workers=1), "--spare-workers: --paradigm grouped does not take"),
+    (dict(dataset="own-loop", steps=5, paradigm="asp", spare_workers=1), "--spare-workers: a spare takes a dead"),
+    (dict(paradigm="asp", local_steps=4, local_steps_by_speed=True, spare_workers=1),
+     "--spare-workers with --local-steps-by-speed"),
 ])
 def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flags, says):
     cfg = make_config(flags)

@@ -26,3 +26,20 @@ def test_too_few_ranks_says_how_many_are_needed():
     with pytest.raises(UserError, match=r"world of 3 rank\(s\) is too small for --servers 2 and --groups 1: "
                                         r"at least 4 ranks"):
         Layout(3, n_servers=2, n_groups=1)
+
+
+def test_spares_are_the_last_ranks_and_not_workers():
+    lay = Layout(7, n_servers=2, n_spares=2)
+    assert [lay.role(r) for r in range(7)] == [Role.SERVER] * 2 + [Role.WORKER] * 3 + [Role.SPARE] * 2
+    assert lay.n_workers == 3 and list(lay.worker_ranks()) == [2, 3, 4]
+    assert list(lay.spare_ranks()) == [5, 6] and list(lay.training_ranks()) == [2, 3, 4, 5, 6]
+    assert lay.describe().endswith("3 worker(s) (rank 2-4), 2 spare worker(s) (rank 5-6)")
+    with pytest.raises(ValueError):
+        lay.worker_index(5)
+    assert Layout(5).spare_ranks() == range(5, 5) and Layout(5).n_workers == 4
+
+
+def test_too_few_ranks_for_the_spares_says_how_many_are_needed():
+    with pytest.raises(UserError, match=r"world of 3 rank\(s\) is too small for --servers 1, --groups 0 and "
+                                        r"--spare-workers 2: at least 4 ranks"):
+        Layout(3, n_spares=2)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpcps.metrics.runfile import RunFile
-from hpcps.metrics.schema import EVAL, ITERATION, LOST, SCHEMA_VERSION, SUMMARY_ATTRS, UPDATE, summarize
+from hpcps.metrics.schema import EVAL, ITERATION, JOIN, LOST, SCHEMA_VERSION, SUMMARY_ATTRS, UPDATE, summarize
 
 
 def _updates(rows):
@@ -24,8 +24,8 @@ def test_summary_counts_each_gradient_once_over_shards():
     ev = np.array([(0.5, 1, 1.0, 0.80), (1.0, 2, 0.5, 0.95), (1.5, 3, 0.4, 0.93)], dtype=EVAL)
     s = summarize(it, up, ev, wall_s=2.0, target=0.9)
     assert s == {"wall_s": 2.0, "gradients_pushed": 3, "gradients_applied": 2, "gradients_dropped": 1,
-                 "gradients_lost": 0, "workers_lost": 0, "final_accuracy": 0.93, "final_loss": 0.4,
-                 "time_to_target_s": 1.0}
+                 "gradients_lost": 0, "workers_lost": 0, "workers_joined": 0, "final_accuracy": 0.93,
+                 "final_loss": 0.4, "time_to_target_s": 1.0}
     assert math.isnan(summarize(it, up, ev, wall_s=2.0, target=0.99)["time_to_target_s"])
     assert set(s) == set(SUMMARY_ATTRS)
 
@@ -43,6 +43,19 @@ def test_a_dead_workers_pushes_are_counted_from_the_shards_side():
     s = summarize(it, up, np.zeros(0, EVAL), wall_s=1.0, lost=lost)
     assert (s["gradients_pushed"], s["gradients_applied"], s["gradients_lost"], s["workers_lost"]) == (5, 4, 1, 1)
     assert s["gradients_pushed"] == s["gradients_applied"] + s["gradients_dropped"] + s["gradients_lost"]
+
+
+def test_a_spares_pushes_are_its_own_rows_and_the_join_is_counted_once_over_shards():
+    """Worker rank 2 died after its gradient 1; spare rank 3 took its place and pushed gradient 2: its row
+    counts as a living worker's, the dead worker's from shard 0's side, and the join once (two shards' rows)."""
+    it = np.zeros(3, ITERATION)
+    it["rank"] = [1, 1, 3]
+    up = _updates([(0, 0, 0.1, 1, 1, 0, 0, -1, 1, 0), (0, 0, 0.1, 2, 1, 1, 0, -1, 1, 0),
+                   (0, 0, 0.2, 1, 2, 2, 0, -1, 1, 0), (0, 0, 0.3, 3, 2, 3, 0, -1, 1, 0)])
+    lost = np.array([(0, 0, 0.15, 2, 1, 0), (1, 1, 0.15, 2, 1, 0)], dtype=LOST)
+    joins = np.array([(0, 0, 0.16, 2, 3, 1), (1, 1, 0.17, 2, 3, 1)], dtype=JOIN)
+    s = summarize(it, up, np.zeros(0, EVAL), wall_s=1.0, lost=lost, joins=joins)
+    assert (s["gradients_pushed"], s["gradients_applied"], s["workers_lost"], s["workers_joined"]) == (4, 4, 1, 1)
 
 
 def test_the_time_to_target_reads_any_metric_the_evaluation_returned():

@@ -220,3 +220,41 @@ def test_dssp_holds_memory_of_the_worker_count_however_long_the_run():
     sizes = {k: len(v) for k, v in vars(p).items() if isinstance(v, (list, dict, set, tuple))}
     assert len(decided) > 1000, len(decided)  # the controller decided again and again
     assert max(sizes.values()) <= 4, sizes  # (SSP's lazily cleaned heaps hold a few stale entries)
+
+
+def test_a_spare_in_a_dead_workers_place_is_held_to_the_ssp_bound_at_the_dead_workers_clock():
+    """ssp, s=1: worker 2 pushed 2 gradients and died (on_leave); the others run on to clock 5, unbounded by
+    it. A spare joins in its place (on_join): its clock is 2 again, so a worker at clock 5 is not granted
+    until the newcomer's pushes bring the slowest clock to 4."""
+    p = make_policy("ssp", 3, staleness=1)
+    for clock in (1, 2):
+        for w in (0, 1, 2):
+            p.on_push(w, clock, 0, 0.0)
+    p.on_leave(2, 0.0)
+    for clock in (3, 4, 5):  # the dead worker, at 2, holds nobody back
+        assert p.on_push(0, clock, 0, 0.0).grants == (0,)
+        assert p.on_push(1, clock, 0, 0.0).grants == (1,)
+    assert p.slowest_clock() == 5
+    assert p.on_join(2, 1.0) == Decision()
+    assert p.slowest() == 2 and p.slowest_clock() == 2
+    assert p.on_push(0, 6, 0, 1.0).grants == () and p.on_push(1, 6, 0, 1.0).grants == ()
+    assert p.on_push(2, 3, 0, 1.0).grants == (2,)
+    assert p.on_push(2, 4, 0, 1.0).grants == (2,)
+    assert p.on_push(2, 5, 0, 1.0).grants == (0, 1, 2)  # the slowest is at 5 now: clock 6 - 1 <= 5
+
+
+def test_a_spare_under_dssp_starts_from_the_lower_bound_with_no_push_times_of_the_dead():
+    p = make_policy("dssp", 2, staleness=1, staleness_max=4)
+    for t, clock in ((0.0, 1), (1.0, 2)):
+        p.on_push(1, clock, 0, t)
+    p.bound[1] = 3
+    p.on_leave(1, 2.0)
+    p.on_join(1, 5.0)
+    assert p.bound[1] == 1 and p.last_push[1] is None and p.interval[1] is None
+    assert 1 in p.active and p.slowest() == 0
+
+
+def test_the_asynchronous_paradigms_take_spares_and_the_rounds_do_not():
+    takes = {name for name, cls in paradigms().items() if cls.takes_spares and cls.runs_through}
+    assert {"asp", "ssp", "dssp", "eager"} <= takes
+    assert not takes & {"bsp", "hsp", "grouped", "localsgd", "diloco"}

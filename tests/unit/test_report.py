@@ -260,8 +260,10 @@ def test_the_loops_own_numbers_are_plotted_and_tabled_and_no_evaluation_is_not_n
 def test_a_run_that_went_on_without_a_dead_worker_says_so_and_an_older_file_says_none(runs, tmp_path):
     with h5py.File(runs[0], "a") as f:  # as run-through writes it (the others predate schema 9: no such attrs)
         f["summary"].attrs["workers_lost"], f["summary"].attrs["gradients_lost"] = 1, 2
+        f["summary"].attrs["workers_joined"] = 1  # a spare took its place (schema 10)
     table = summary_rows([load_run(p) for p in runs], 0.9)
-    assert [(r["workers_lost"], r["gradients_lost"]) for r in table] == [(1, 2), (0, 0), (0, 0)]
+    assert [(r["workers_lost"], r["gradients_lost"], r["workers_joined"]) for r in table] == [
+        (1, 2, 1), (0, 0, 0), (0, 0, 0)]
 
 
 def test_local_steps_name_the_overlap_where_a_run_had_one(runs):

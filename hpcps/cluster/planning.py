@@ -24,14 +24,17 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
     make_policy(cfg.paradigm, layout.n_groups or layout.n_workers, cfg.paradigm_option, staleness=cfg.s_lo,
                 staleness_max=cfg.s_hi)
     workers = f"ranks {layout.first_worker}-{world_size - layout.n_spares - 1}"
+    if layout.n_spares:
+        workers += f", spares ranks {world_size - layout.n_spares}-{world_size - 1}"
+    trains = (Role.WORKER, Role.SPARE)  # a spare's fault or slowdown acts once it is in a dead worker's place
     for fault in cfg.faults:
-        if not 0 <= fault.rank < world_size or layout.role(fault.rank) is not Role.WORKER:
+        if not 0 <= fault.rank < world_size or layout.role(fault.rank) not in trains:
             raise UserError(f"--fault {fault.kind}@{fault.rank}:{fault.step}: rank {fault.rank} is not a worker "
                             f"(workers are {workers})")
     for rank in cfg.slowdown:
         if not 0 <= rank < world_size:
             raise UserError(f"--slowdown {rank}=...: no rank {rank} in a world of {world_size} (workers are {workers})")
-        if layout.role(rank) is not Role.WORKER:
+        if layout.role(rank) not in trains:
             raise UserError(f"--slowdown {rank}=...: rank {rank} is a {layout.role(rank).value}, not a worker "
                             f"(workers are {workers})")
     return layout

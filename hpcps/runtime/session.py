@@ -113,8 +113,10 @@ class Session:
         self._waited0 = 0.0
         self._ckpt_files: tuple[str, ...] = ()  # the checkpoint files the inner files were last pruned by
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
-        #: loop's traffic never meets hpcps's)
-        self.workers = run.topo.role_comm.Dup()
+        #: loop's traffic never meets hpcps's). A spare in a dead worker's place has none to share: its
+        #: role's communicator holds the other spares, idle, and a duplicate of it would wait for them (the
+        #: loops that use these collectives, your own and --local-steps-by-speed, take no spares)
+        self.workers = (MPI.COMM_SELF if run.placed_at is not None else run.topo.role_comm).Dup()
         self._hooks = []
         self._target_reached = self._evaluated = False
         if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute

@@ -185,6 +185,27 @@ def test_a_second_death_with_the_spare_taken_runs_through_without_one(tmp_path):
     assert 3 * STEPS + 30 <= summary["gradients_pushed"] <= 3 * STEPS + 32
 
 
+@pytest.mark.timeout(240)
+def test_a_spare_that_dies_in_its_place_is_replaced_by_the_next(tmp_path):
+    """asp, two spares (ranks 5 and 6): worker rank 3 dies at step 15, spare rank 5 takes its place and dies
+    at its step 40, spare rank 6 takes the place from there: shard 0 applied each of the index's 60 clocks
+    once, from the three ranks in turn, and the run counts two deaths and two joins."""
+    out = tmp_path / "asp.h5"
+    done = ulfm_train("--paradigm", "asp", "--compute-time", "0.01", "--fault", "kill@3:15", "--fault", "kill@5:40",
+                      "--spare-workers", "2", out=out, n=7)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shard 0: spare rank 5 takes the place of worker rank 3" in done.stderr
+    assert "shard 0: spare rank 6 takes the place of worker rank 5" in done.stderr
+    t = tables(out)
+    up, summary = t["up"], t["summary"]
+    rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, 5, 6])]
+    assert sorted(rows["worker_clock"].tolist()) == list(range(1, STEPS + 1))
+    for a, b in ((3, 5), (5, 6)):  # each rank's clocks before the next one's
+        assert rows["worker_clock"][rows["worker"] == a].max() < rows["worker_clock"][rows["worker"] == b].min()
+    assert summary["workers_lost"] == 2 and summary["workers_joined"] == 2
+    assert summary["gradients_applied"] + summary["gradients_dropped"] == 4 * STEPS
+
+
 def test_a_paradigm_that_does_not_run_through_ends_the_job_instead_of_hanging(tmp_path):
     """hsp has no run-through: its shard, finding the worker dead, ends; the others find it dead in turn
     and end, within seconds. (Under ULFM MPI_Abort ends no one and a nonzero exit hangs the job: a failing

@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.transport import wire
-from hpcps.transport.failures import DeadRanks, found_dead
+from hpcps.transport.failures import DeadRanks, completed, found_dead
 from hpcps.transport.poll import Backoff, wait_until
 
 log = logging.getLogger("hpcps")
@@ -89,11 +89,11 @@ class SpareDesk:
         if not self.idle:
             log.warning("shard 0: no spare worker left to take the place of worker rank %d", rank)
             return
-        rank = self.idle.popleft()
-        self._send(rank, ASSIGN, worker, clock)
+        spare = self.idle.popleft()
+        self._send(spare, ASSIGN, worker, clock)
         for s in self.shards[1:]:
-            self._send(s, JOIN, worker, rank)
-        self.ready.append(JoinEvent(worker, rank, clock))
+            self._send(s, JOIN, worker, spare)
+        self.ready.append(JoinEvent(worker, spare, clock))
 
     def poll(self, lost: Callable[[int], bool], clocks: Sequence[int],
              check: Callable[[], object] | None = None) -> list[JoinEvent]:
@@ -148,14 +148,7 @@ class SpareDesk:
             found_dead(self.dead, exc)
 
     def _progress(self) -> None:
-        self._sends = [(r, b) for r, b in self._sends if not self._test(r)]
-
-    def _test(self, req: MPI.Request) -> bool:
-        try:
-            return req.Test()
-        except MPI.Exception as exc:  # to a rank that died: gone with it
-            found_dead(self.dead, exc)
-            return True
+        self._sends = [(r, b) for r, b in self._sends if not completed(self.dead, r)]
 
 
 def wait_for_place(comm: MPI.Comm, coordinator: int, backoff: Backoff | None = None) -> tuple[int, int] | None:

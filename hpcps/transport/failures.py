@@ -113,6 +113,16 @@ def found_dead(dead: DeadRanks | None, exc: MPI.Exception) -> set[int]:
     return dead.found(exc)
 
 
+def completed(dead: DeadRanks | None, req: MPI.Request) -> bool:
+    """Whether the send ``req`` completed; one to a rank that died counts as complete, gone with it (the
+    death acknowledged where ``dead`` watches; the error raised again where nothing watches)."""
+    try:
+        return req.Test()
+    except MPI.Exception as exc:
+        found_dead(dead, exc)
+        return True
+
+
 def retried(dead: DeadRanks | None, call: Callable[[], T]) -> T:
     """``call()``; where it fails because a rank died (and ``dead`` watches: run-through), the death is
     acknowledged and ``call()`` made once more (a wildcard probe or receive, which then matches the living)."""

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcps.transport import wire
-from hpcps.transport.failures import found_dead
+from hpcps.transport.failures import completed, found_dead
 from hpcps.transport.poll import Backoff, wait_until
 
 
@@ -55,14 +55,7 @@ class Notifier:
     def progress(self) -> None:
         """Forget the notices whose sends completed."""
         if self._pending:
-            self._pending = [(r, b) for r, b in self._pending if not self._test(r)]
-
-    def _test(self, req: MPI.Request) -> bool:
-        try:
-            return req.Test()
-        except MPI.Exception as exc:  # to a worker that died: gone with it
-            found_dead(self.dead, exc)
-            return True
+            self._pending = [(r, b) for r, b in self._pending if not completed(self.dead, r)]
 
     def drain(self, backoff: Backoff | None = None) -> None:
         def done() -> bool:

@@ -8,7 +8,8 @@ round 15 of ssp's rounds of 2 local steps with ``--overlap-steps 1`` (a pull def
 asynchronous local-SGD form with and without overlap, N times each with the step drawn at random (the seed
 is printed). With ``--spare-workers 1`` CI kills worker rank 3 at step 15 under asp, ssp, dssp, eager, ssp
 on two shards and ssp's rounds of local steps with overlap: a spare takes its place and the run trains its
-planned amount.
+planned amount; also a second death with the spare taken, a spare that dies in its place, and checkpoints
+after a join.
 """
 
 import os
@@ -234,6 +235,29 @@ def test_a_checkpoint_taken_after_the_death_gives_the_dead_workers_steps_back_to
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     it = tables(tmp_path / "second.h5")["it"]
     assert [int((it["rank"] == w).sum()) for w in (1, 2, 3, 4)] == [40 - c for c in clocks]
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_after_a_join_carry_the_dead_workers_index_on_through_the_spare(tmp_path):
+    """ssp on two shards with periodic checkpoints and a spare: worker rank 4 dies at step 15 of 40 and the spare
+    (rank 6) takes its place. The newest checkpoint's clock of that worker index is past 15, where the spare
+    brought it (a cut counts the spare's pushes as the index's), and a job resumed from it without spares trains
+    exactly what each index lacked."""
+    ck = tmp_path / "ck"
+    done = ulfm_train("--paradigm", "ssp", "--servers", "2", "--steps", "40", "--compute-time", "0.02",
+                      "--checkpoint-interval", "0.2", "--checkpoint-dir", str(ck), "--fault", "kill@4:15",
+                      "--spare-workers", "1", out=tmp_path / "first.h5", n=7)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shard 1: spare rank 6 takes the place of worker rank 4" in done.stderr
+    newest = sorted(ck.glob("step-*.h5"))[-1]
+    with h5py.File(newest) as f:
+        clocks = f.attrs["worker_clocks"].tolist()
+    assert len(clocks) == 4 and clocks[2] > 16, clocks  # worker index 2 is rank 4
+    resumed = launch(6, sys.executable, "-m", "hpcps", "train", "--paradigm", "ssp", "--servers", "2", "--steps", "40",
+                     "--no-progress", "--resume", str(newest), "--out", str(tmp_path / "second.h5"), timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    it = tables(tmp_path / "second.h5")["it"]
+    assert [int((it["rank"] == w).sum()) for w in (2, 3, 4, 5)] == [40 - c for c in clocks]
 
 
 OWN_LOOP = '''

@@ -57,16 +57,12 @@ class Layout:
             raise UserError(f"--groups must be 0 or more (got {self.n_groups})")
         if self.n_spares < 0:
             raise UserError(f"--spare-workers must be 0 or more (got {self.n_spares})")
-        if self.n_workers < 1 and self.n_spares:
-            raise UserError(f"world of {self.world_size} rank(s) is too small for --servers {self.n_servers}, "
-                            f"--groups {self.n_groups} and --spare-workers {self.n_spares}: at least "
-                            f"{self.n_servers + self.n_groups + self.n_spares + 1} ranks are needed "
-                            f"(start more with mpiexec -n / srun -n)")
         if self.n_workers < 1:
+            taken = [f"--servers {self.n_servers}", f"--groups {self.n_groups}"] + \
+                ([f"--spare-workers {self.n_spares}"] if self.n_spares else [])
             raise UserError(
-                f"world of {self.world_size} rank(s) is too small for --servers "
-                f"{self.n_servers} and --groups {self.n_groups}: at least "
-                f"{self.n_servers + self.n_groups + 1} ranks are needed "
+                f"world of {self.world_size} rank(s) is too small for {', '.join(taken[:-1])} and {taken[-1]}: "
+                f"at least {self.n_servers + self.n_groups + self.n_spares + 1} ranks are needed "
                 f"(start more with mpiexec -n / srun -n)"
             )
 

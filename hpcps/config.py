@@ -123,6 +123,7 @@ class TrainConfig(BaseModel):
     progress_every: float = Field(30.0, gt=0)
     compress: str = "none"  # none, bf16, fp16, topk:RATIO (hpcps.transport.compress)
     partition_mb: float = Field(0.0, ge=0)  # 0: whole pulls; else partitioned pulls (hpcps.runtime.partitions)
+    shards_at_once: int = Field(0, ge=0)  # 0: pushes and pulls reach every shard at once; K: K at a time (fan-in)
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     nonfinite: Literal["skip", "abort"] = "skip"
     divergence: Literal["stop", "ignore"] = "stop"  # hpcps.training.divergence

@@ -284,7 +284,8 @@ def make_worker(run) -> Worker:
     comm, shards = (topo.group, [0]) if grouped else (topo.ps, run.shards)
     pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=codec.push_bounds(bounds),
                     worker_rank=topo.rank, serial=policy.serial_transfers,
-                    pieces=None if grouped else send_pieces(run, codec, wire_order=True))
+                    pieces=None if grouped else send_pieces(run, codec, wire_order=True),
+                    fanout=cfg.shards_at_once, first=run.index or 0)
     notices = NoticeBox(comm, shard_ranks=shards)
     if pushes_during_backward(run, policy, striped, bool(extra.get("send_buffers"))):
         extra["backward_pushes"] = BackwardPushes(

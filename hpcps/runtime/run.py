@@ -380,6 +380,7 @@ class _Run:
         log.info("spare rank %d: taking the place of worker %d (rank %d) from its gradient %d on", self.topo.rank,
                  worker, self.layout.worker_rank(worker), clock + 1)
         self.index, self.placed_at = worker, clock
+        self.window.first = worker % len(self.shards)  # the dead worker's place in the pulls' rotation
         torch.manual_seed(worker_seed(self.cfg.seed, worker, clock))
         self.batches = self.deal(worker)
         return True
@@ -427,8 +428,12 @@ class _Run:
             agree_module.last_words.append(recorder.flush)
         shard = comm.rank if topo.role is Role.SERVER else None
         window = ParamWindow(topo.ps, shard_ranks=self.shards, slices=self.slices,
-                             local_len=self.slices.length(shard) if shard is not None else 0, codec=self.codec)
+                             local_len=self.slices.length(shard) if shard is not None else 0, codec=self.codec,
+                             fanin=self.cfg.shards_at_once, first=self.index or 0)
         self.window = window  # freed by __exit__ if start() goes no further
+        if self.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
+            log.warning("--shards-at-once %d: ignored by the locked window protocol, whose pulls read every shard "
+                        "at once under locks", self.cfg.shards_at_once)
         group_window = None
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
             n = self.flat.size

@@ -469,6 +469,8 @@ class Worker:
         if self.take_signal is not None and self.take_signal():
             self.window.request_stop()  # every shard's stop flag: the whole job sees it at its next pull
         self.recorder.tick()
+        if self.pusher.fanout:  # a push's next shards get their turn as the last ones' pieces leave
+            self.pusher.test()
         n_shards = len(self.grants)
         for note in self.notices.poll():
             if note.flags & wire.TRANSFER:

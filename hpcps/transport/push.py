@@ -8,6 +8,15 @@ travels in a separate small message ahead of the gradient (format in
 :mod:`wire`). Buffer ownership: a started push owns its slot's buffer until
 ``test(slot)`` returns true.
 
+With ``fanout=K`` a push's payloads go to at most ``K`` shards at once: the shards in a rotation that
+starts at shard ``S - 1 - first`` (``first``: the worker's index) and goes down, so that in a lock-step
+round each phase's pushes reach every shard from one worker (a permutation: no shard's link takes
+every worker's push at once), and the first shard a worker's rotation reaches is the one whose pieces
+backward produces first for worker 0 (pieces go last layers first, and striped slices deal the last
+chunks to the last shards). A shard's pieces are sent as they are ready once its turn has come; the
+next shard's turn comes when one shard's pieces have all left. The rotation moves on whenever the
+worker tests its push (:meth:`Pusher.test`, which every wait of a worker calls).
+
 With ``serial=True`` (hsp) a push sends its headers only, and the payload
 to shard s leaves when shard s says ``TRANSFER`` (:meth:`Pusher.transfer`);
 the inbox then lets one worker at a time stream into the shard and keeps a
@@ -39,9 +48,14 @@ class Pusher:
 
     def __init__(self, comm: MPI.Comm, *, buffers: Sequence[np.ndarray], shard_ranks: Sequence[int],
                  bounds: Sequence[tuple[int, int]], worker_rank: int, serial: bool = False,
-                 pieces: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+                 pieces: Sequence[Sequence[tuple[int, int]]] | None = None, fanout: int = 0,
+                 first: int = 0) -> None:
         self.comm = comm
         self.serial = serial
+        n = len(shard_ranks)
+        #: shards a push's payloads go to at once (0: all; serial pushes take their turns from the shards)
+        self.fanout = fanout if 0 < fanout < n and not serial else 0
+        self.order = [(n - 1 - first - j) % n for j in range(n)]  # the fan-out's rotation of the shards
         self.waiting: list[deque[int]] = [deque() for _ in shard_ranks]  # serial: slots owed to each shard
         self.worker_rank = worker_rank
         self.shard_ranks = list(shard_ranks)
@@ -50,13 +64,15 @@ class Pusher:
         self.headers = np.zeros((len(buffers), len(self.shard_ranks), wire.HEADER_LEN), np.int64)
         self.header_reqs: list[list[MPI.Prequest]] = []  # [slot][shard]
         self.data_reqs: list[list[list[MPI.Prequest]]] = []  # [slot][shard][piece]
-        self.sent: list[list[list[bool]]] = []  # [slot][shard][piece]: started in the push under way
+        self.sent: list[list[list[bool]]] = []  # [slot][shard][piece]: ready to go in the push under way
+        self.started: list[list[list[bool]]] = []  # [slot][shard][piece]: on the wire (differs under a fan-out)
         for slot, buf in enumerate(buffers):
             self.header_reqs.append([comm.Send_init(self.headers[slot, s], dest=rank, tag=wire.TAG_PUSH_HEADER)
                                      for s, rank in enumerate(self.shard_ranks)])
             self.data_reqs.append([[comm.Send_init(buf[lo:hi], dest=rank, tag=wire.TAG_PUSH_DATA)
                                     for lo, hi in self.pieces[s]] for s, rank in enumerate(self.shard_ranks)])
             self.sent.append([[True] * len(p) for p in self.pieces])
+            self.started.append([[True] * len(p) for p in self.pieces])
         # every persistent send of a slot, in one list (a poll tests them at once)
         self.requests = [[*h, *(r for rs in d for r in rs)] for h, d in zip(self.header_reqs, self.data_reqs)]
         self._done: list[tuple[MPI.Request, np.ndarray]] = []
@@ -78,15 +94,36 @@ class Pusher:
             wire.encode_header(self.headers[slot, s], wire.KIND_PUSH, self.worker_rank, clock, int(versions[s]), lr,
                                flags)
             self.sent[slot][s] = [False] * len(self.pieces[s])
+            self.started[slot][s] = [False] * len(self.pieces[s])
         MPI.Prequest.Startall(self.header_reqs[slot])
 
     def start_piece(self, slot: int, shard: int, k: int) -> None:
-        """Send piece ``k`` of ``shard`` from ``slot`` (its values are in the buffer); the pieces of a shard
-        must be sent in their order."""
+        """Send piece ``k`` of ``shard`` from ``slot`` (its values are in the buffer; under a fan-out, once
+        the shard's turn has come); the pieces of a shard must be sent in their order."""
         if self.sent[slot][shard][k] or (k and not self.sent[slot][shard][k - 1]):
             raise RuntimeError(f"piece {k} of shard {shard} sent out of order")
         self.sent[slot][shard][k] = True
-        self.data_reqs[slot][shard][k].Start()
+        if self.fanout:
+            self._advance(slot)
+        else:
+            self.started[slot][shard][k] = True
+            self.data_reqs[slot][shard][k].Start()
+
+    def _advance(self, slot: int) -> None:
+        """Fan-out: start the ready pieces of the first ``fanout`` shards in the rotation whose pieces have
+        not all left."""
+        turns = 0
+        for s in self.order:
+            started = self.started[slot][s]
+            if all(started) and MPI.Request.Testall(self.data_reqs[slot][s]):
+                continue  # (an inactive persistent request tests complete: pieces of no push under way)
+            for k, ready in enumerate(self.sent[slot][s]):
+                if ready and not started[k]:
+                    started[k] = True
+                    self.data_reqs[slot][s][k].Start()
+            turns += 1
+            if turns == self.fanout:
+                return
 
     def start_rest(self, slot: int, shard: int | None = None) -> None:
         """Send every piece of ``slot`` not sent yet (to ``shard``, or to every shard), in order."""
@@ -104,7 +141,10 @@ class Pusher:
         if any(slot in owed if slot is not None else owed for owed in self.waiting):
             return False
         slots = range(len(self.buffers)) if slot is None else (slot,)
-        return all(all(map(all, self.sent[k])) and MPI.Request.Testall(self.requests[k]) for k in slots)
+        if self.fanout:
+            for k in slots:
+                self._advance(k)
+        return all(all(map(all, self.started[k])) and MPI.Request.Testall(self.requests[k]) for k in slots)
 
     def start_done(self, clock: int) -> None:
         """Tell every shard this worker leaves after ``clock`` pushes (after any push in flight)."""

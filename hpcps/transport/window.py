@@ -55,6 +55,15 @@ version they belong to. Two protocols guarantee that:
     exclusive one is granted only when the target is inside MPI, so pulls
     then wait for the server's next poll.
 
+**Fan-in** (``fanin``, pinned): by default a pull reads every shard at once, so each reader's link
+takes every shard's reply together, and each shard's link serves every reader together. Over TCP
+that fan-in collapses on slow links (MPICH carries a ``Get`` as active messages; at 8 nodes on 10
+Mbit/s, every other node's slice read at once took 4x the time of the same bytes read one node at a
+time: ``tools/bench_patterns.py``). With ``fanin=K`` a pull reads at most ``K`` shards at once, in a
+rotation that starts at shard ``first`` (the worker's index, so that each phase of a lock-step
+round reads every shard once: a permutation), each shard's partitions in their order, and the next
+shard's copies start as soon as one shard's have come.
+
 ``HPCPS_WINDOW={auto,pinned,locked}`` overrides the choice. Every rank
 must say the same (it is checked: a mismatch ends every rank with one
 message); ``auto`` is the default.
@@ -64,6 +73,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from typing import Sequence
 
 import numpy as np
@@ -134,13 +144,21 @@ class ParamWindow:
     16-bit copies of the shard's parameters (``bf16``, ``fp16``), which a pull widens into its fp32
     ``out``. A 16-bit window also holds the shard's fp32 master weights after its slots
     (:attr:`master`, where the shard keeps and steps them), which an ``exact`` pull reads.
+
+    ``fanin`` (pinned; 0: every shard at once): the shards this rank's pulls read at once, in a
+    rotation from shard :attr:`first` (module docstring).
     """
 
     def __init__(self, comm: MPI.Comm, *, shard_ranks: Sequence[int],
                  bounds: Sequence[tuple[int, int]] | None = None, slices: Slices | None = None,
-                 local_len: int = 0, protocol: str | None = None, codec: Codec | None = None) -> None:
+                 local_len: int = 0, protocol: str | None = None, codec: Codec | None = None,
+                 fanin: int = 0, first: int = 0) -> None:
         if (bounds is None) == (slices is None):
             raise ValueError("a window is given either bounds or slices")
+        if fanin < 0:
+            raise ValueError("fanin is 0 (every shard at once) or the shards read at once")
+        self.fanin = fanin if fanin < len(shard_ranks) else 0
+        self.first = first % len(shard_ranks)  # where this rank's rotation of the shards starts (fanin)
         self.protocol = choose_protocol(comm, protocol)
         self.n_slots = SLOTS if self.protocol == "pinned" else 1
         self.codec = codec or Codec()
@@ -418,10 +436,16 @@ class ParamWindow:
         land = self._landing(out)
         if parts is None:
             parts = [list(ranges) for ranges in self.slices.pieces]  # one partition per shard: its whole slice
-        copies = [[self._get_range(win, land, *piece, slots)
-                   for lo, hi in ranges for piece in self.slices.split(lo, hi)] for ranges in parts]
+        pieces = [(k, piece) for k, ranges in enumerate(parts) for lo, hi in ranges
+                  for piece in self.slices.split(lo, hi)]  # piece: (shard, at, lo, hi)
+        if self.fanin:  # each shard's pieces in partition order, the shards in this rank's rotation
+            groups = [[(k, p) for k, p in pieces if p[0] == s] for s in ((self.first + j) % n for j in range(n))]
+            groups = [g for g in groups if g]
+        else:
+            groups = [pieces]
         return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
-                    copies, list(parts), land)
+                    list(parts), land, groups=groups,
+                    issue=lambda piece: self._get_range(win, land, *piece, slots))
 
     def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, at: int, lo: int, hi: int,
                    slots: np.ndarray) -> MPI.Request:
@@ -454,29 +478,60 @@ class Pull:
     """A pull in flight (:meth:`ParamWindow.begin_pull`): it owns ``out``, and pins one slot of every
     shard, until :meth:`wait` returns. Its copies come as partitions (one per shard unless the pull
     was given ``parts``): :meth:`wait_part` waits for one, and a 16-bit window's values are widened
-    into ``out`` partition by partition, as each is waited for."""
+    into ``out`` partition by partition, as each is waited for.
 
-    __slots__ = ("window", "out", "heard", "result", "backoff", "slots", "copies", "ranges", "done", "land")
+    ``groups``: the copies, as lists of ``(partition, piece)`` started a group at a time, at most the
+    window's ``fanin`` groups in flight (every group at once without one); ``issue(piece)`` starts
+    one copy. Waiting on the pull (any of its calls) starts the next group once one has come."""
+
+    __slots__ = ("window", "out", "heard", "result", "backoff", "slots", "copies", "ranges", "done", "land",
+                 "missing", "queue", "flight", "issue")
 
     def __init__(self, window: ParamWindow, out: np.ndarray, heard, result, backoff: Backoff | None,
-                 slots: np.ndarray | None = None, copies: list | None = None, ranges: list | None = None,
-                 land: np.ndarray | None = None) -> None:
+                 slots: np.ndarray | None = None, ranges: list | None = None, land: np.ndarray | None = None,
+                 groups: list | None = None, issue=None) -> None:
         self.window, self.out, self.heard, self.result = window, out, heard, result
         self.backoff, self.slots = backoff, slots
         #: where the copies land (``out``, or a 16-bit window's buffer of the thread that began the pull: a
         #: pull begun on one thread may be waited on another, which must widen what came, not its own buffer)
         self.land = out if land is None else land
-        self.copies, self.ranges = copies or [], ranges or []
-        self.done = [False] * len(self.copies)  # partitions waited for (and widened)
+        self.ranges = ranges or []
+        self.copies: list[list[MPI.Request]] = [[] for _ in self.ranges]  # per partition: its copies started
+        self.missing = [0] * len(self.ranges)  # per partition: its copies not started yet
+        for group in groups or ():
+            for k, _ in group:
+                self.missing[k] += 1
+        self.queue = deque(groups or ())
+        self.flight: list[list[MPI.Request]] = []  # the groups started and not yet come
+        self.issue = issue
+        self.done = [False] * len(self.ranges)  # partitions waited for (and widened)
+        self._advance()
+
+    def _advance(self) -> None:
+        """Forget the groups that have come; start the next while fewer than the fan-in are in flight."""
+        self.flight = [g for g in self.flight if not MPI.Request.Testall(g)]
+        limit = self.window.fanin or len(self.queue)
+        while self.queue and len(self.flight) < limit:
+            group = []
+            for k, piece in self.queue.popleft():
+                request = self.issue(piece)
+                self.copies[k].append(request)
+                self.missing[k] -= 1
+                group.append(request)
+            self.flight.append(group)
+
+    def _came(self, k: int) -> bool:
+        self._advance()
+        return not self.missing[k] and MPI.Request.Testall(self.copies[k])
 
     @property
     def n_parts(self) -> int:
-        return len(self.copies)
+        return len(self.ranges)
 
     def test(self) -> bool:
-        """Whether every copy has arrived (drives MPI progress)."""
+        """Whether every copy has arrived (drives MPI progress, and starts the copies the fan-in held)."""
         return self.heard is None or (MPI.Request.Testall(self.heard) and
-                                      all(self.done[k] or MPI.Request.Testall(c) for k, c in enumerate(self.copies)))
+                                      all([self.done[k] or self._came(k) for k in range(self.n_parts)]))
 
     def versions(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the versions of the pinned slots only (they are read first); return them and
@@ -490,7 +545,7 @@ class Pull:
         """Wait politely for partition ``k``'s copies; its values are then in ``out``."""
         if k >= self.n_parts or self.done[k]:  # (a locked window's pull has arrived whole already)
             return
-        wait_until(lambda: MPI.Request.Testall(self.copies[k]), self.backoff)
+        wait_until(lambda: self._came(k), self.backoff)
         self.done[k] = True
         land = self.land
         if land is not self.out:  # a 16-bit window: widen what came into fp32

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.mpi(min_size=5)
     ("mlp", "digits", 3, "none", {"optimizer": "adamw", "weight_decay": 0.1}),
     # one group: its server is the central shards' only client, and pushes to them in their wire order
     ("mlp", "digits", 2, "none", {"paradigm": "grouped", "groups": 1}),
-], ids=["mlp-1", "resnet18-2", "bf16-2", "adamw-3", "grouped-2"])
+    # pulls reading one shard at a time, each worker from its own shard on (both runs: whole pulls too)
+    ("mlp", "digits", 3, "none", {"shards_at_once": 1}),
+], ids=["mlp-1", "resnet18-2", "bf16-2", "adamw-3", "grouped-2", "fanin-3"])
 def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, monkeypatch, model, dataset,
                                                                 servers, compress, extra):
     """With several shards, partitions also stripe the shards' slices (hpcps.cluster.slices): the same values
@@ -92,3 +94,18 @@ def test_a_gpu_workers_partitions_go_up_as_they_come_and_bsp_ends_bit_for_bit(wo
     facts = share(world, facts)
     assert facts["same"] and facts["applied"] == 3 * 6
     assert all("forced by the test" in d for d in facts["devices"][2:])
+
+
+@pytest.mark.timeout(120)
+def test_the_locked_window_says_it_ignores_the_fan_in_and_loses_nothing(world, mpi_tmp_path, monkeypatch, capsys):
+    """The locked protocol reads every shard at once under locks: --shards-at-once is named in a warning, not
+    dropped without a word, and the run trains what it would."""
+    monkeypatch.setenv("HPCPS_WINDOW", "locked")
+    _, t = train(mpi_tmp_path / "locked-fanin.h5", paradigm="bsp", servers=2, shards_at_once=1, steps=4, seed=2)
+    said = capsys.readouterr().err  # (the run's log handler writes to the stderr it found at its start)
+    facts = None
+    if world.rank == 0:
+        facts = {"warned": "--shards-at-once 1: ignored by the locked window protocol" in said,
+                 "pushed": int(t["summary"]["gradients_pushed"]), "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts == {"warned": True, "pushed": 12, "applied": 12}

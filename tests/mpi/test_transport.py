@@ -453,3 +453,92 @@ def test_a_16_bit_pull_begun_on_one_thread_is_widened_from_its_own_buffer_on_ano
     window.free()
     facts = share(world, facts)
     assert facts[1:] == [(2, True)] * (world.size - 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("parted", [False, True], ids=["whole", "partitions"])
+def test_a_pull_with_a_fan_in_of_one_reads_one_shard_at_a_time_in_its_rotation(world, parted):
+    """``fanin=1``: a reader starts a shard's copies only once every copy from the shards before it has come,
+    the shards in its rotation (reader k from shard k on), and the pull is the published values and versions,
+    whole or in partitions that cut across the shards' bounds (waited for in their order)."""
+    n, shards = 3000, [0, 1, 2]
+    bounds = shard_bounds(n, 3)
+    reader = world.rank - 3 if world.rank >= 3 else None
+    lo, hi = bounds[world.rank] if reader is None else (0, 0)
+    window = ParamWindow(world, shard_ranks=shards, bounds=bounds, local_len=hi - lo, protocol="pinned", fanin=1,
+                         first=reader or 0)
+    if reader is None:
+        window.publish(np.arange(lo, hi, dtype=np.float32), 5 + world.rank)
+    world.Barrier()
+    facts = None
+    if reader is not None:
+        issued = []  # (shard, whether every copy from another shard had come when this one started)
+        start = window._get_range
+
+        def get_range(win, land, s, at, a, b, slots):
+            came = all(r == MPI.REQUEST_NULL for t, _, r in issued if t != s)
+            request = start(win, land, s, at, a, b, slots)
+            issued.append((s, came, request))
+            return request
+
+        window._get_range = get_range
+        out = np.zeros(n, np.float32)
+        parts = [[(0, 700)], [(700, 1500)], [(1500, 2300)], [(2300, 3000)]] if parted else None
+        pull = window.begin_pull(out, parts=parts)
+        for k in range(pull.n_parts):
+            pull.wait_part(k)
+        versions, _ = pull.wait()
+        order = [s for k, (s, _, _) in enumerate(issued) if k == 0 or issued[k - 1][0] != s]
+        facts = (order, all(came for _, came, _ in issued), versions.tolist(),
+                 bool(np.array_equal(out, np.arange(n, dtype=np.float32))))
+    facts = world.gather(facts, root=0)
+    world.Barrier()
+    window.free()
+    facts = share(world, facts)
+    assert facts[3:] == [([0, 1, 2], True, [5, 6, 7], True), ([1, 2, 0], True, [5, 6, 7], True)]
+
+
+@pytest.mark.timeout(60)
+def test_a_push_with_a_fan_out_of_one_sends_to_one_shard_at_a_time_in_its_rotation(world):
+    """``fanout=1``: a worker's pieces go to one shard at a time, the shards in its rotation (worker k from
+    shard S-1-k down); a shard's turn comes only once the last shard's pieces have all left (held here: the
+    shards post no receive until the workers have looked, and 4 MB pieces wait for their receive), and every
+    shard gets each worker's pieces whole and in order."""
+    from hpcps.transport.push import Pusher
+
+    shards, piece = [0, 1, 2], 1 << 20  # floats: 4 MB
+    worker = world.rank - 3 if world.rank >= 3 else None
+    bounds = [(s * 2 * piece, (s + 1) * 2 * piece) for s in range(3)]
+    facts = None
+    if worker is not None:
+        grad = np.arange(6 * piece, dtype=np.float32) + 1000 * worker
+        pusher = Pusher(world, buffers=[grad], shard_ranks=shards, bounds=bounds, worker_rank=world.rank,
+                        pieces=[[(lo, lo + piece), (lo + piece, hi)] for lo, hi in bounds], fanout=1, first=worker)
+        pusher.start_header(1, np.zeros(3, np.int64), 0.1)
+        for s in (2, 1, 0):  # (as backward makes them: the last layers first)
+            for k in range(2):
+                pusher.start_piece(0, s, k)
+        before = [s for s in range(3) if any(pusher.started[0][s])]
+        world.Barrier()  # the shards receive from here on
+        order = [s for s in before]
+        while not pusher.test():
+            order += [s for s in range(3) if any(pusher.started[0][s]) and s not in order]
+        facts = (before, order)
+        pusher.free()
+    else:
+        world.Barrier()
+        got = np.empty(2 * piece, np.float32)
+        whole = []
+        for w in (0, 1):
+            header = np.empty(wire.HEADER_LEN, np.int64)
+            world.Recv(header, source=3 + w, tag=wire.TAG_PUSH_HEADER)
+            for k in range(2):
+                world.Recv(got[k * piece:(k + 1) * piece], source=3 + w, tag=wire.TAG_PUSH_DATA)
+            lo, hi = bounds[world.rank]
+            whole.append(bool(np.array_equal(got, np.arange(lo, hi, dtype=np.float32) + 1000 * w)))
+        facts = whole
+    facts = world.gather(facts, root=0)
+    polite_barrier(world)
+    facts = share(world, facts)
+    assert facts[:3] == [[True, True]] * 3
+    assert facts[3:] == [([2], [2, 1, 0]), ([1], [1, 0, 2])]

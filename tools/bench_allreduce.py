@@ -174,6 +174,9 @@ def main() -> None:
     p.add_argument("--partitions", type=float, nargs="+", metavar="MB",
                    help="with --link: the colocated hpcps placement once per --partition-mb MB (0: whole "
                         "transfers), in this invocation")
+    p.add_argument("--shards-at-once", dest="fanin", type=int, nargs="+", metavar="K",
+                   help="with --link: the colocated hpcps placement once per --shards-at-once K (0: every shard at "
+                        "once) and partition size, in this invocation")
     p.add_argument("options", nargs="*", help="after --: hpcps train options shared by every run (model, batch)")
     a = p.parse_args()
     if a.inner:
@@ -186,16 +189,18 @@ def main() -> None:
         rows[f"DDP (gloo), {mb:g} MB buckets"] = (n, [_run_inner("ddp", n, a.steps, o, _box(n, a), mb)
                                                      for o in seeded])
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
-    runs = ([(f"hpcps bsp S={s}", s, None, None) for s in sorted({1, 2, n})] if a.link is None else
-            [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else ""), n,
-              _box(n, a, ranks_per_node=2), mb) for mb in (a.partitions or [None])] * ("colocated" in a.placements) +
+    runs = ([(f"hpcps bsp S={s}", s, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
+            [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else "") +
+              (f", --shards-at-once {k}" if a.fanin else ""), n, _box(n, a, ranks_per_node=2), mb, k)
+             for mb in (a.partitions or [None]) for k in (a.fanin or [None])] * ("colocated" in a.placements) +
             [(f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
-              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1", None)] * ("spare" in a.placements) +
-            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a), None) for s in (1, 2)] * ("dedicated" in a.placements))
+              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1", None, None)] * ("spare" in a.placements) +
+            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a), None, None)
+             for s in (1, 2)] * ("dedicated" in a.placements))
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, s, box, mb in runs:
-            part = [] if mb is None else ["--partition-mb", f"{mb:g}"]
+        for name, s, box, mb, k in runs:
+            part = ([] if mb is None else ["--partition-mb", f"{mb:g}"]) + ([] if k is None else ["--shards-at-once", str(k)])
             its = [train(s + n, Path(tmp) / f"bsp{s}.h5",
                          ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *NO_EVAL, *o, *part],
                          emulate=box)["it"]

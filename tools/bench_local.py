@@ -7,7 +7,8 @@ validation loss (``--target``) and its validation loss after a fixed wall time (
 the ratios against bsp and DDP of the same invocation:
 
 * ``bsp`` with partitions (``--partition-mb``), a shard beside each worker (S = nodes), AdamW on the
-  shards;
+  shards; and once more per ``--shards-at-once K`` given (method ``bsp-rotated``): pushes and pulls
+  reaching K shards at once, in a rotation;
 * ``DDP`` (torch's ``DistributedDataParallel`` over gloo on the box's links, ``--bucket-mb``), AdamW,
   the same emulated compute layer by layer (:mod:`hpcps.cluster.emulation`'s hooks), evaluated by rank 0
   every ``--eval-interval`` seconds with the clock stopped while it evaluates;
@@ -243,7 +244,10 @@ def main() -> None:
                    help="also diloco at each H with --overlap-steps T, each T less than H (method 'overlap')")
     p.add_argument("--partition-mb", type=float, default=0.25)
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP's bucket_cap_mb (default 1)")
-    p.add_argument("--methods", nargs="+", help="only these (bsp, ddp, diloco, overlap, async, bounded)")
+    p.add_argument("--shards-at-once", dest="fanin", type=int, nargs="*", default=[], metavar="K",
+                   help="a bsp row more per K, with --shards-at-once K (method bsp-rotated)")
+    p.add_argument("--methods", nargs="+",
+                   help="only these (bsp, bsp-rotated, ddp, diloco, overlap, async, bounded)")
     p.add_argument("--inner-ddp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("options", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -255,6 +259,9 @@ def main() -> None:
     h0 = a.local_steps[0]
     methods = {f"bsp, --partition-mb {a.partition_mb:g}": ("bsp", ["--paradigm", "bsp", "--partition-mb",
                                                                      str(a.partition_mb)]),
+               **{f"bsp, --partition-mb {a.partition_mb:g}, --shards-at-once {k}": (
+                   "bsp-rotated", ["--paradigm", "bsp", "--partition-mb", str(a.partition_mb), "--shards-at-once", str(k)])
+                  for k in a.fanin},
                f"DDP (gloo), {a.bucket_mb:g} MB buckets": ("ddp", None),
                **{f"diloco H={h}": ("diloco", ["--paradigm", "diloco", "--local-steps", str(h), *outer])
                   for h in a.local_steps},

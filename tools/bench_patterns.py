@@ -13,6 +13,8 @@ pattern, and this measures what the pattern alone costs on the box's links, with
 * ``rotated``: the fan in N-1 phases, one peer each way per phase;
 * ``get``: every other node's slice read at once with one-sided ``Rget`` under ``Lock_all`` (the pull;
   over TCP, MPICH carries it as active messages);
+* ``get-rotated``: the reads one node at a time, each rank starting at another (``--shards-at-once 1``);
+* ``get-pieces``: every slice read at once in 64 KB pieces (as partitioned pulls cut them);
 * ``allreduce``: ``MPI_Allreduce`` of the model (twice the bytes: both phases), for reference.
 
 Each row's "of line" is the seconds its bytes need at the link's rate over the median measured; "vs ring"
@@ -62,10 +64,21 @@ def _inner(a: argparse.Namespace) -> None:
     def get() -> None:
         MPI.Request.Waitall([win.Rget(recv[j * k:(j + 1) * k], j) for j in range(n) if j != r])
 
+    def get_rotated() -> None:
+        for j in range(1, n):
+            frm = (r - j) % n
+            win.Rget(recv[frm * k:(frm + 1) * k], frm).Wait()
+
+    def get_pieces() -> None:  # every slice read in pieces of 64 KB, all at once (as partitioned pulls do)
+        step = 1 << 14
+        MPI.Request.Waitall([win.Rget(recv[j * k + a:j * k + min(a + step, k)], j, (a, min(step, k - a), MPI.FLOAT))
+                             for j in range(n) if j != r for a in range(0, k, step)])
+
     def allreduce() -> None:  # (into recv: summed in place, the values would grow n-fold per repetition)
         comm.Allreduce(send, recv, op=MPI.SUM)
 
-    patterns = {"ring": ring, "fan": fan, "rotated": rotated, "get": get, "allreduce": allreduce}
+    patterns = {"ring": ring, "fan": fan, "rotated": rotated, "get": get, "get-rotated": get_rotated,
+                "get-pieces": get_pieces, "allreduce": allreduce}
     times: dict[str, list[float]] = {name: [] for name in patterns}
     for _ in range(a.reps):  # interleaved, so a slow spell of the machine falls on every pattern
         for name, move in patterns.items():

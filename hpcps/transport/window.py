@@ -508,7 +508,11 @@ class Pull:
         self._advance()
 
     def _advance(self) -> None:
-        """Forget the groups that have come; start the next while fewer than the fan-in are in flight."""
+        """Forget the groups that have come; start the next while fewer than the fan-in are in flight.
+        Nothing to do once every group has started (at once, without a fan-in): a poll then tests only the
+        copies it waits for, as before groups."""
+        if not self.queue:
+            return
         self.flight = [g for g in self.flight if not MPI.Request.Testall(g)]
         limit = self.window.fanin or len(self.queue)
         while self.queue and len(self.flight) < limit:
@@ -522,6 +526,10 @@ class Pull:
 
     def _came(self, k: int) -> bool:
         self._advance()
+        return self._here(k)
+
+    def _here(self, k: int) -> bool:
+        """Whether partition ``k``'s copies have all started and come."""
         return not self.missing[k] and MPI.Request.Testall(self.copies[k])
 
     @property
@@ -530,8 +538,10 @@ class Pull:
 
     def test(self) -> bool:
         """Whether every copy has arrived (drives MPI progress, and starts the copies the fan-in held)."""
-        return self.heard is None or (MPI.Request.Testall(self.heard) and
-                                      all([self.done[k] or self._came(k) for k in range(self.n_parts)]))
+        if self.heard is None:
+            return True
+        self._advance()
+        return MPI.Request.Testall(self.heard) and all(self.done[k] or self._here(k) for k in range(self.n_parts))
 
     def versions(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the versions of the pinned slots only (they are read first); return them and

@@ -504,6 +504,7 @@ def _train(args: argparse.Namespace) -> int:
     from hpcps.config import make_config
     from hpcps.runtime.faults import InjectedFault
     from hpcps.cluster.launcher import check_world
+    from hpcps.cluster.planning import plan
     from hpcps.log import setup_logging
 
     comm = MPI.COMM_WORLD
@@ -516,7 +517,9 @@ def _train(args: argparse.Namespace) -> int:
 
     def train():
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
-        # torch (~2 s a rank) only once the options are known good: a mistyped option is answered at once
+        # torch (~2 s a rank, minutes for a large job on a shared file system) only once the options and their
+        # fit to the world size are known good: a mistyped option is answered at once
+        agree(comm, lambda: plan(cfg, comm.size))
         from hpcps.runtime.run import run_training
 
         return cfg, run_training(cfg, comm)

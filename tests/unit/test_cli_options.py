@@ -32,3 +32,21 @@ def test_a_choice_among_names_shows_the_configs_names(actions, name):
     annotation = TrainConfig.model_fields[name].annotation
     literal = next((a for a in get_args(annotation) if get_args(a)), annotation)
     assert actions[name].metavar == "{" + ",".join(get_args(literal)) + "}"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--paradigm", "nope"], "unknown paradigm 'nope'"),
+    (["--servers", "3"], "world of 1 rank(s) is too small for --servers 3"),
+    (["--paradigm", "grouped"], "--paradigm grouped needs --groups G"),
+])
+def test_options_the_world_cannot_take_are_refused_before_torch_is_imported(args, message):
+    """Every rank imports torch (about 2 s, minutes for a large job reading it from a shared file system) only
+    once the options and their fit to the world size are known good: a mistyped option is answered at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hpcps.cli import main; status = main(['train', *sys.argv[1:]]); "
+            "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(status)")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == "torch not imported", proc.stdout

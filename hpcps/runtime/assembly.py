@@ -292,7 +292,7 @@ def make_worker(run) -> Worker:
             run.model, run.flat._spans,
             order=[run.slices.send_order(s, run.flat.n_params) for s in range(run.slices.n_shards)],
             bases=[w for w, _ in run.slices.wire_bounds], n_params=run.flat.n_params, grads=run.flat.grads,
-            buffers=buffers, send=pusher.start_piece)
+            buffers=buffers, send=pusher.start_piece, overflow=codec.overflow)
     worker_class = EagerWorker if policy.eager_pull else HSPWorker if policy.extra_gradients else Worker
     run.model.train()
     run._transfers = (pusher, notices)

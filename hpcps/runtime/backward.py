@@ -9,6 +9,10 @@ the gradient while backward computes the rest, as P3 and ByteScheduler do; what 
 parameters backward did not reach, the BatchNorm statistics' change, known only after the pass) goes
 when the pass ends.
 
+Each piece is checked for non-finite values as it is copied to the wire (:attr:`BackwardPushes.finite`), so
+the push's verdict is ready when the pass ends: a scan of the whole gradient after backward (about 1 ms for
+4.8 MB on a shared core) sat between the pass's end and the verdict every shard waits for to close its round.
+
 Only where nothing changes a gradient after backward and the push's header is known before it: hpcps's
 own loop (a user's loop may accumulate several backward passes or scale and clip them), paradigms that
 wait for their grant (the pull follows the push; asp's would queue behind it over TCP), pushes not
@@ -20,21 +24,29 @@ from __future__ import annotations
 
 from typing import Callable
 
+import math
+
 import numpy as np
 import torch
+
+from hpcps.transport.compress import all_finite
 
 
 class BackwardPushes:
     """A worker's pushes during backward. ``order[s]``: shard ``s``'s ranges in send order, ``(local, lo,
     hi)`` (:meth:`~hpcps.cluster.slices.Slices.send_order`); ``bases[s]``: where shard ``s``'s part of a
     push buffer begins; ``n_params``: trainable values (a range beyond is buffers, sent at the end);
-    ``send(slot, shard, k)``: start piece ``k`` of ``shard`` from ``slot``'s buffer (the pusher's)."""
+    ``send(slot, shard, k)``: start piece ``k`` of ``shard`` from ``slot``'s buffer (the pusher's);
+    ``overflow``: where a finite value becomes infinite on the wire (the worker's verdict's bound)."""
 
     def __init__(self, model: torch.nn.Module, spans, order: list[list[tuple[int, int, int]]], bases: list[int],
                  n_params: int, grads: np.ndarray, buffers: list[np.ndarray],
-                 send: Callable[[int, int, int], None]) -> None:
+                 send: Callable[[int, int, int], None], overflow: float = math.inf) -> None:
         self.model, self.order, self.bases, self.grads, self.buffers, self.send = \
             model, order, bases, grads, buffers, send
+        self.overflow = overflow
+        #: whether every value sent by the push under way was finite (and below ``overflow``) so far
+        self.finite = True
         params = [(p, off, off + n) for p, _, _, off, n in spans if p is not None]
         self.needs: dict[tuple[int, int], int] = {}  # piece -> parameters it waits for
         self.pieces_of: dict[int, list[tuple[int, int]]] = {}  # a parameter's id -> the pieces it is in
@@ -66,6 +78,7 @@ class BackwardPushes:
                     seen.add(id(p))
                     self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
         self.slot, self.left, self.next = slot, dict(self.needs), [0] * len(self.order)
+        self.finite = True
         for s in range(len(self.order)):  # pieces that wait for no parameter
             self._advance(s)
 
@@ -88,16 +101,21 @@ class BackwardPushes:
     def _send(self, s: int, k: int) -> None:
         at, lo, hi = self.order[s][k]
         w = self.bases[s] + at
-        np.copyto(self.buffers[self.slot][w:w + hi - lo], self.grads[lo:hi])
+        piece = self.buffers[self.slot][w:w + hi - lo]
+        np.copyto(piece, self.grads[lo:hi])
+        if self.finite:  # (one non-finite piece decides the verdict: the others need no look)
+            self.finite = all_finite(torch.from_numpy(piece), self.overflow)
         self.send(self.slot, s, k)
         self.next[s] += 1
 
-    def finish(self) -> None:
-        """After the pass: send what is left (pieces backward did not complete, the buffers' change)."""
+    def finish(self) -> bool:
+        """After the pass: send what is left (pieces backward did not complete, the buffers' change); return
+        whether every value the push sent was finite (the push's verdict)."""
         for s, ranges in enumerate(self.order):
             while self.next[s] < len(ranges):
                 self._send(s, self.next[s])
         self.slot = None
+        return self.finite
 
     def remove(self) -> None:
         for handle in self.handles:

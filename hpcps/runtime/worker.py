@@ -226,8 +226,8 @@ class Worker:
                 early, begun = self._timed(self._begin_pull)
             tl.enter("push")
         if during_backward:
-            self.backward_pushes.finish()  # the pieces backward did not complete, the buffers' change
-            self._send_verdict()
+            # the pieces backward did not complete, the buffers' change; each piece was checked as it left
+            self._send_verdict(self.backward_pushes.finish())
         elif slotted:
             self._push_copy(self.step, self.versions, row, flags)
         else:
@@ -364,9 +364,10 @@ class Worker:
             finite = all_finite(self.flat.grads_t[:self.flat.size], self.overflow)
         return wire.CHECKED if finite else wire.NONFINITE
 
-    def _send_verdict(self) -> None:
-        """After a push begun during backward: its verdict to every shard (each waits for it to apply)."""
-        verdict = np.array([1 if self._verdict() == wire.CHECKED else 0], np.int64)
+    def _send_verdict(self, finite: bool) -> None:
+        """After a push begun during backward: its verdict to every shard (each waits for it to apply);
+        ``finite``: whether every value it sent was (checked piece by piece as they left)."""
+        verdict = np.array([1 if finite else 0], np.int64)
         self._verdict_sends = [(r, b) for r, b in self._verdict_sends if not r.Test()]
         self._verdict_sends += [(self.pusher.comm.Isend(verdict, dest=rank, tag=wire.TAG_VERDICT), verdict)
                                 for rank in self.pusher.shard_ranks]

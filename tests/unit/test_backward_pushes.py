@@ -122,3 +122,31 @@ def test_a_lead_is_spent_before_the_first_gradient_is_ready():
     loss.backward()
     assert leads == [1.0] and abs(clock.now - 1.5) < 1e-9  # asked once per pass, told the backward time
     assert sent and min(when for *_, when in sent) > 0.5
+
+
+def test_the_pushs_verdict_is_whether_every_value_it_sent_was_finite():
+    """Each piece is checked as it is copied to the wire, so the verdict is ready as the pass ends: finite
+    for a clean pass; not, for a NaN in a parameter's gradient (sent during backward), in the buffers' change
+    (sent by finish), or a value the wire would make infinite; and each push is judged afresh."""
+    model, flat, _, _, buffers, sent, pushes, _, _ = _setup()
+
+    def push(nan_in_input=False, nan_in_buffers=False, big=None):
+        loss = _pass(model, flat)
+        if nan_in_input:
+            loss = loss * float("nan")  # every gradient NaN: the first piece out is not finite
+        pushes.arm(0)
+        loss.backward()
+        flat.end_pass()
+        if nan_in_buffers:
+            flat.grads[flat.n_params] = float("nan")  # the BatchNorm statistics' change, sent after the pass
+        if big is not None:
+            flat.grads[flat.n_params + 1] = big
+        return pushes.finish()
+
+    assert push() is True
+    assert push(nan_in_input=True) is False
+    assert push() is True  # judged afresh
+    assert push(nan_in_buffers=True) is False
+    assert np.isnan(buffers[0]).sum() == 1  # (the NaN went on the wire, with every other value finite)
+    pushes.overflow = 1e4
+    assert push(big=1e5) is False and push(big=1e3) is True

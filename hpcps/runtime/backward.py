@@ -22,9 +22,8 @@ encoded (``--compress``) nor clipped (``--clip-norm`` needs the whole gradient),
 
 from __future__ import annotations
 
-from typing import Callable
-
 import math
+from typing import Callable
 
 import numpy as np
 import torch

@@ -46,7 +46,7 @@ from hpcps.box.spec import describe_record
 from hpcps.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
 from hpcps.analysis.timeline import PHASE_ORDER, chrome_trace, explained, phase_totals, window
-from hpcps.metrics.schema import RANK, SCALAR, TIMELINE, TRANSFER
+from hpcps.metrics.schema import JOIN, RANK, SCALAR, TIMELINE, TRANSFER
 from hpcps.metrics.timeline import PHASES
 
 #: transfers drawn in transfers.png (a whole run's are too many bars to read)
@@ -69,6 +69,7 @@ class Run:
     timeline: np.ndarray = field(default_factory=lambda: np.zeros(0, TIMELINE))
     scalars: np.ndarray = field(default_factory=lambda: np.zeros(0, SCALAR))  # the loop's own (ps.log)
     cluster: dict = field(default_factory=dict)  # the emulated cluster (hpcps emulate), {} or emulated=False
+    joins: np.ndarray = field(default_factory=lambda: np.zeros(0, JOIN))  # spares in dead workers' places
 
     @property
     def label(self) -> str:
@@ -85,6 +86,10 @@ class Run:
     def worker_rates(self) -> dict[int, float]:
         return worker_rates(self.iterations)
 
+    def place_rates(self) -> dict[int, float]:
+        """Iterations per second of each worker's place (a spare's rows counted in the place it took)."""
+        return worker_rates(self.iterations, places(self.joins))
+
 
 def time_to(evals: np.ndarray, target: float) -> float:
     """Time of the first evaluation at ``target`` accuracy or above (NaN: never)."""
@@ -92,11 +97,28 @@ def time_to(evals: np.ndarray, target: float) -> float:
     return float(hits.min()) if len(hits) else float("nan")
 
 
-def worker_rates(iterations: np.ndarray) -> dict[int, float]:
-    """Iterations per second of each worker rank, over its own active time."""
+def worker_rates(iterations: np.ndarray, places: dict[int, int] | None = None) -> dict[int, float]:
+    """Iterations per second of each worker rank, over its own active time; with ``places`` (a spare's
+    rank -> the rank of the worker whose place it took, :func:`places`), of each place: its first
+    worker's rows and its spares' together, over the time to the last of them."""
     it = iterations
-    return {int(r): float((it["rank"] == r).sum() / it["t_end"][it["rank"] == r].max())
-            for r in np.unique(it["rank"])}
+    owner = it["rank"].copy()
+    for spare, worker in (places or {}).items():
+        owner[it["rank"] == spare] = worker
+    return {int(r): float((owner == r).sum() / it["t_end"][owner == r].max()) for r in np.unique(owner)}
+
+
+def places(joins: np.ndarray) -> dict[int, int]:
+    """From ``/servers/joins``: each spare rank that took a dead worker's place -> the rank of the worker
+    that held the place first (a spare that died in its turn, and was replaced, passes it on)."""
+    took = {int(j["spare"]): int(j["worker"]) for j in joins}
+    first = {}
+    for spare in took:
+        worker = took[spare]
+        while worker in took:
+            worker = took[worker]
+        first[spare] = worker
+    return first
 
 
 def max_clock_gap(iterations: np.ndarray, updates: np.ndarray, steps: int) -> int:
@@ -126,6 +148,7 @@ def load_run(path: str | os.PathLike) -> Run:
                        **({"ranks": f["ranks"][()]} if "ranks" in f else {}),
                        **({"timeline": f["timeline"][()]} if "timeline" in f else {}),
                        **({"scalars": f["workers/scalars"][()]} if "workers/scalars" in f else {}),
+                       **({"joins": f["servers/joins"][()]} if "servers/joins" in f else {}),
                        cluster=json.loads(f.attrs.get("cluster", "{}")))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
@@ -143,7 +166,8 @@ def local_steps(config: dict) -> int | None:
 
 
 def summary_rows(runs: list[Run], target: float) -> list[dict]:
-    """One row per run. Under local steps a worker's row in the file is a round of H batches: the rate counts
+    """One row per run. ``workers`` counts places, not ranks (a spare in a dead worker's place is that place:
+    :func:`places`). Under local steps a worker's row in the file is a round of H batches: the rate counts
     batches (H per round), ``mean_staleness`` is the pseudo-gradients' in outer versions, and
     ``outer_updates`` the updates the shards applied (rounds under the lock-step forms)."""
     rows = []
@@ -151,7 +175,7 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
         it = r.iterations
         applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
         every = local_steps(r.config)
-        rates = {w: rate * (every or 1) for w, rate in r.worker_rates().items()}
+        rates = {w: rate * (every or 1) for w, rate in r.place_rates().items()}
         evaluated = len(r.evals) > 0  # a step-API loop without test data evaluates nothing: "-", not "never"
         rows.append({
             "run": r.name, "paradigm": r.paradigm, "workers": len(rates),

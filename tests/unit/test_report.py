@@ -10,8 +10,8 @@ import pytest
 from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
-from hpcps.metrics.schema import EVAL, ITERATION, RANK, SCALAR, TRANSFER, UPDATE
-from hpcps.analysis.report import Run, load_run, make_report, summary_rows
+from hpcps.metrics.schema import EVAL, ITERATION, JOIN, RANK, SCALAR, TRANSFER, UPDATE
+from hpcps.analysis.report import Run, load_run, make_report, places, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -274,3 +274,28 @@ def test_local_steps_name_the_overlap_where_a_run_had_one(runs):
             f.attrs["config"] = json.dumps(config)
     table = summary_rows([load_run(p) for p in runs], 0.9)
     assert [r["local_steps"] for r in table] == ["32, 24 overlapped", 8, "-"]
+
+
+def test_a_spare_in_a_dead_workers_place_is_not_another_worker(tmp_path):
+    """``workers`` counts places, not ranks with rows: worker rank 2 died after 2 iterations, spare rank 3 took
+    its place for 3 more, and the run had 2 workers; the place's rate is its 5 rows over the time to its last.
+    A spare that dies in its turn passes the place on (rank 4 after rank 3: still rank 2's place)."""
+    rows = [(1, k, 0.1 * (k + 1)) for k in range(5)] + [(2, 0, 0.1), (2, 1, 0.2), (3, 2, 0.6), (3, 3, 0.7),
+                                                          (3, 4, 0.8)]
+    it = np.zeros(len(rows), ITERATION)
+    for k, (rank, step, t_end) in enumerate(rows):
+        it[k]["rank"], it[k]["step"], it[k]["t_end"] = rank, step, t_end
+    joins = np.array([(0, 0, 0.4, 2, 3, 2), (5, 1, 0.4, 2, 3, 2)], JOIN)  # one row per shard
+    run = Run(name="r", paradigm="asp", config={}, iterations=it, updates=np.zeros(0, UPDATE),
+              evals=np.zeros(0, EVAL), summary={}, joins=joins)
+    row = summary_rows([run], 0.9)[0]
+    assert row["workers"] == 2
+    assert row["iterations_per_s_per_worker"] == round((5 / 0.5 + 5 / 0.8) / 2, 1)
+    assert places(np.array([(0, 0, 0.4, 2, 3, 2), (0, 0, 0.9, 3, 4, 4)], JOIN)) == {3: 2, 4: 2}
+    path = tmp_path / "r.h5"  # and from a file: the joins are read with the rest
+    with RunFile(path, {"paradigm": "asp", "config": "{}"}) as rf:
+        rf.append("workers/iterations", it)
+        rf.append("servers/updates", np.zeros(0, UPDATE))
+        rf.append("eval", np.zeros(0, EVAL))
+        rf.append("servers/joins", joins)
+    assert summary_rows([load_run(path)], 0.9)[0]["workers"] == 2

@@ -251,10 +251,10 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "start each layer as soon as its own have arrived (CPU workers; not eager, which pulls "
                         "behind its computation); default {default}: whole pulls")
     g.add_argument("--shards-at-once", type=int, dest="shards_at_once", metavar="K",
-                   help="a worker's push goes to, and its pull reads from, at most K shards at once, each worker "
-                        "starting its rotation at a different shard, so that no link carries every worker's push "
-                        "or every shard's reply at once (over TCP on slow links, such a fan-in collapses); default "
-                        "{default}: every shard at once")
+                   help="a worker's (and a group server's) push goes to, and its pull reads from, at most K "
+                        "shards at once, each starting its rotation at a different shard, so that no link carries "
+                        "every worker's push or every shard's reply at once (over TCP on slow links, such a fan-in "
+                        "collapses); default {default}: every shard at once")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default {default})")

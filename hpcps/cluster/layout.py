@@ -125,6 +125,17 @@ class Layout:
                 return g
         return None
 
+    def rotation_start(self, rank: int, index: int | None = None) -> int:
+        """Where ``rank``'s rotation of the central shards starts (``--shards-at-once``): a worker's index
+        (``index``, else from its rank), a group server's group (the group servers are the central shards'
+        clients, and start apart as the workers do), else 0 (a central shard's own reads)."""
+        if index is not None:
+            return index
+        role = self.role(rank)
+        if role is Role.WORKER:
+            return self.worker_index(rank)
+        return self.group_of(rank) if role is Role.GROUP else 0
+
     def group_server_rank(self, group: int) -> int:
         return self.n_servers + group
 

@@ -222,9 +222,11 @@ def serve_group(run, central: ParamWindow, window: ParamWindow, recorder) -> Non
     if send is not agg:
         stage = stager(run, codec, torch.from_numpy(agg), bounds, striped=run.slices.striped)
         encode = lambda keep: stage(send, keep)  # noqa: E731
+    # --shards-at-once: to one central shard at a time, in a rotation from its group (as a worker from its index)
     central_pusher = Pusher(topo.ps, buffers=[send], shard_ranks=run.shards,
                             bounds=codec.push_bounds(bounds), worker_rank=topo.rank,
-                            pieces=send_pieces(run, codec, wire_order=True))
+                            pieces=send_pieces(run, codec, wire_order=True), fanout=cfg.shards_at_once,
+                            first=run.layout.rotation_start(topo.rank))
     central_notices = NoticeBox(topo.ps, shard_ranks=run.shards)
     policy = make_policy(policy_class(cfg.paradigm).group_policy, len(members))
     rounds = RoundSum(n, run.flat.n_params, len(members), policy.active)  # the group's rounds, summed

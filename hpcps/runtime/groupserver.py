@@ -103,10 +103,11 @@ class GroupServer(ShardServer):
         dropped: list[int] = []
 
         def receipts_in() -> bool:
+            sent = self.central_pusher.test()  # (every poll: under a fan-out the next shard's turn comes so)
             for note in self.central_notices.poll():
                 if note.flags & wire.RECEIPT and note.clock == self.rounds:
                     (dropped if note.flags & wire.DROPPED else applied_at).append(note.version)
-            return len(applied_at) + len(dropped) == len(self.central_versions) and self.central_pusher.test()
+            return len(applied_at) + len(dropped) == len(self.central_versions) and sent
 
         wait_until(receipts_in, self.backoff)
         if dropped:  # every central shard alike (the verdict above): the group's round is in no parameter

@@ -429,7 +429,7 @@ class _Run:
         shard = comm.rank if topo.role is Role.SERVER else None
         window = ParamWindow(topo.ps, shard_ranks=self.shards, slices=self.slices,
                              local_len=self.slices.length(shard) if shard is not None else 0, codec=self.codec,
-                             fanin=self.cfg.shards_at_once, first=self.index or 0)
+                             fanin=self.cfg.shards_at_once, first=self.layout.rotation_start(topo.rank, self.index))
         self.window = window  # freed by __exit__ if start() goes no further
         if self.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
             log.warning("--shards-at-once %d: ignored by the locked window protocol, whose pulls read every shard "

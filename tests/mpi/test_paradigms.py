@@ -372,6 +372,37 @@ def test_grouped_with_one_group_equals_single_process_sgd(world, mpi_tmp_path):
     assert facts["workers_stale"] == 0 and facts["groups"] == '{"1": [2, 3, 4]}'
 
 
+@pytest.mark.timeout(120)
+def test_a_group_server_pushes_to_one_central_shard_at_a_time_under_shards_at_once(world, mpi_tmp_path,
+                                                                                   monkeypatch):
+    """--shards-at-once 1 under grouped (2 central shards, 1 group server, 2 workers): the group server's push
+    to the central shards goes in a rotation too (it ignored the option), its round's receipts still come
+    (each poll gives the next shard its turn), and the run ends bit for bit as with every shard at once (its
+    pushes are the central shards' only ones), every gradient applied."""
+    import hpcps.runtime.assembly as assembly
+
+    made = []
+
+    class Recording(assembly.Pusher):
+        def __init__(self, comm, **kwargs):
+            made.append((len(kwargs["shard_ranks"]), kwargs.get("fanout", 0), kwargs.get("first", 0)))
+            super().__init__(comm, **kwargs)
+
+    monkeypatch.setattr(assembly, "Pusher", Recording)
+    common = dict(paradigm="grouped", servers=2, groups=1, steps=8, seed=3, lr=0.1)
+    every, _ = train(mpi_tmp_path / "every.h5", **common)
+    one, t = train(mpi_tmp_path / "one.h5", shards_at_once=1, **common)
+    facts = world.gather(made, root=0)
+    if world.rank == 0:
+        s = t["summary"]
+        facts = {"group server's pushers": facts[2], "same": bool(np.array_equal(every.params, one.params)),
+                 "pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts["group server's pushers"] == [(2, 0, 0), (2, 1, 0)]  # to the 2 central shards: all, then 1
+    assert facts["same"]
+    assert facts["pushed"] == facts["applied"] == 2 * 8
+
+
 def test_grouped_with_two_groups_loses_nothing(world, mpi_tmp_path):
     steps = 20
     _, t = train(mpi_tmp_path / "g2.h5", paradigm="grouped", groups=2, steps=steps, slowdown=["4=3"])

@@ -43,3 +43,12 @@ def test_too_few_ranks_for_the_spares_says_how_many_are_needed():
     with pytest.raises(UserError, match=r"world of 3 rank\(s\) is too small for --servers 1, --groups 0 and "
                                         r"--spare-workers 2: at least 4 ranks"):
         Layout(3, n_spares=2)
+
+
+def test_each_client_of_the_central_shards_starts_its_rotation_at_its_own_shard():
+    """--shards-at-once: a worker's rotation starts at its index, a group server's at its group (were every group
+    server to start at shard 0, their reads would all fan into one shard's link first), a central shard's at 0;
+    a spare placed at a worker's index starts at that index."""
+    lay = Layout(9, n_servers=2, n_groups=3, n_spares=1)  # servers 0-1, group servers 2-4, workers 5-7, spare 8
+    assert [lay.rotation_start(r) for r in range(8)] == [0, 0, 0, 1, 2, 0, 1, 2]
+    assert lay.rotation_start(8, index=1) == 1

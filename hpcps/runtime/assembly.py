@@ -287,7 +287,7 @@ def make_worker(run) -> Worker:
     pusher = Pusher(comm, buffers=buffers, shard_ranks=shards, bounds=codec.push_bounds(bounds),
                     worker_rank=topo.rank, serial=policy.serial_transfers,
                     pieces=None if grouped else send_pieces(run, codec, wire_order=True),
-                    fanout=cfg.shards_at_once, first=run.index or 0)
+                    fanout=cfg.shards_at_once, first=run.layout.rotation_start(topo.rank, run.index))
     notices = NoticeBox(comm, shard_ranks=shards)
     if pushes_during_backward(run, policy, striped, bool(extra.get("send_buffers"))):
         extra["backward_pushes"] = BackwardPushes(

@@ -255,6 +255,12 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "shards at once, each starting its rotation at a different shard, so that no link carries "
                         "every worker's push or every shard's reply at once (over TCP on slow links, such a fan-in "
                         "collapses); default {default}: every shard at once")
+    g.add_argument("--pull", choices=["get", "send"],
+                   help="how a worker gets a round's parameters under bsp and its presets (localsgd, diloco): get "
+                        "(each worker reads them out of the shards' windows after its grant, one-sided, as under "
+                        "every paradigm) or send (each shard sends them to every worker as the round closes, "
+                        "two-sided: over TCP it saves the reads' round trips); not with 16-bit pulls (--compress "
+                        "bf16/fp16), --overlap-steps or --shards-at-once; default {default}")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default {default})")

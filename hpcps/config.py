@@ -124,6 +124,7 @@ class TrainConfig(BaseModel):
     compress: str = "none"  # none, bf16, fp16, topk:RATIO (hpcps.transport.compress)
     partition_mb: float = Field(0.0, ge=0)  # 0: whole pulls; else partitioned pulls (hpcps.runtime.partitions)
     shards_at_once: int = Field(0, ge=0)  # 0: pushes and pulls reach every shard at once; K: K at a time (fan-in)
+    pull: Literal["get", "send"] = "get"  # bsp: workers read a round's values (get) or the shards send them (send)
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     nonfinite: Literal["skip", "abort"] = "skip"
     divergence: Literal["stop", "ignore"] = "stop"  # hpcps.training.divergence

@@ -27,7 +27,8 @@ method emulates ``--compute-time`` the same way, ``--compute-forward`` and ``--c
 included: the shares spent layer by layer inside the passes by hpcps's own hooks
 (:mod:`hpcps.cluster.emulation`), the rest as a sleep after the pass. ``--partitions MB [MB ...]``
 runs the colocated hpcps placement once per partition size (0: whole transfers), in the same
-invocation.
+invocation, and ``--pulls get send`` once per ``--pull`` (the shards send a round's parameters, or the
+workers read them).
 
     python tools/bench_allreduce.py --workers 4 -- --hidden 1024
     python tools/bench_allreduce.py --workers 4 --steps 20 -- --model resnet18 \
@@ -177,6 +178,9 @@ def main() -> None:
     p.add_argument("--shards-at-once", dest="fanin", type=int, nargs="+", metavar="K",
                    help="with --link: the colocated hpcps placement once per --shards-at-once K (0: every shard at "
                         "once) and partition size, in this invocation")
+    p.add_argument("--pulls", nargs="+", choices=["get", "send"],
+                   help="with --link: the colocated hpcps placement once per --pull (get: workers read the window; "
+                        "send: the shards send each round's parameters), in this invocation")
     p.add_argument("options", nargs="*", help="after --: hpcps train options shared by every run (model, batch)")
     a = p.parse_args()
     if a.inner:
@@ -191,16 +195,19 @@ def main() -> None:
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
     runs = ([(f"hpcps bsp S={s}", s, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
             [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else "") +
-              (f", --shards-at-once {k}" if a.fanin else ""), n, _box(n, a, ranks_per_node=2), mb, k)
-             for mb in (a.partitions or [None]) for k in (a.fanin or [None])] * ("colocated" in a.placements) +
+              (f", --shards-at-once {k}" if a.fanin else "") + (f", --pull {pull}" if a.pulls else ""),
+              n, _box(n, a, ranks_per_node=2), mb, k, pull)
+             for mb in (a.partitions or [None]) for k in (a.fanin or [None]) for pull in (a.pulls or [None])]
+            * ("colocated" in a.placements) +
             [(f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
-              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1", None, None)] * ("spare" in a.placements) +
-            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a), None, None)
+              _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1", None, None, None)] * ("spare" in a.placements) +
+            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a), None, None, None)
              for s in (1, 2)] * ("dedicated" in a.placements))
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, s, box, mb, k in runs:
-            part = ([] if mb is None else ["--partition-mb", f"{mb:g}"]) + ([] if k is None else ["--shards-at-once", str(k)])
+        for name, s, box, mb, k, pull in runs:
+            part = ([] if mb is None else ["--partition-mb", f"{mb:g}"]) + ([] if k is None else ["--shards-at-once", str(k)]) \
+                + ([] if pull is None else ["--pull", pull])
             its = [train(s + n, Path(tmp) / f"bsp{s}.h5",
                          ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *NO_EVAL, *o, *part],
                          emulate=box)["it"]

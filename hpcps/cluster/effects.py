@@ -21,6 +21,7 @@ from typing import Callable
 
 from hpcps.config import TrainConfig
 from hpcps.errors import UserError
+from hpcps.policies.sync import BSP
 
 #: ``hpcps.init`` files the run's data as this (the loop brings its own batches)
 OWN_LOOP = "own-loop"
@@ -119,6 +120,15 @@ def _periodic(cfg: TrainConfig) -> str | None:
         else None
 
 
+HALF_PULLS = ("bf16", "fp16")  # --compress values whose pulls read the window's 16-bit copies
+
+
+def releases_rounds(cls: type) -> bool:
+    """Whether paradigm ``cls`` releases every worker of a round at its close, each then pulling once: bsp
+    and its presets (hsp, a subclass, also pulls between a round's extra gradients and transfers serially)."""
+    return issubclass(cls, BSP) and not cls.extra_gradients and not cls.serial_transfers
+
+
 #: the combinations refused at start-up, in the order they are checked (the first that applies is the line)
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(lambda cfg, cls: bool(cfg.groups) and not cls.uses_groups,
@@ -143,6 +153,19 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: f"--overlap-steps {cfg.overlap_steps}: a worker takes the new parameters after that many "
                         f"steps of its next round, so it must be less than the round's {cfg.inner_steps} local "
                         f"steps (--local-steps)"),
+    Refusal(lambda cfg, cls: cfg.pull == "send" and not releases_rounds(cls),
+            lambda cfg: f"--pull send: --paradigm {cfg.paradigm} does not release every worker at a round's close; "
+                        f"the shards send a round's parameters under bsp and its presets (localsgd, diloco)"),
+    Refusal(lambda cfg, cls: cfg.pull == "send" and cfg.compress in HALF_PULLS,
+            lambda cfg: f"--pull send with --compress {cfg.compress}: the shards send fp32 values, and a 16-bit "
+                        f"pull reads the window's 16-bit copies: give one or the other"),
+    Refusal(lambda cfg, cls: cfg.pull == "send" and bool(cfg.shards_at_once),
+            lambda cfg: f"--pull send with --shards-at-once {cfg.shards_at_once}: a shard sends a round to every "
+                        f"worker at once, and a worker takes every shard's at once; the rotation is for reads and "
+                        f"pushes: give one or the other"),
+    Refusal(lambda cfg, cls: cfg.pull == "send" and cfg.inner_steps is not None and bool(cfg.overlap_steps),
+            lambda cfg: "--pull send with --overlap-steps: a worker that overlaps takes its round's parameters "
+                        "when its first steps are done, out of the window; give one or the other"),
     Refusal(lambda cfg, cls: bool(cfg.spare_workers) and not (cls.takes_spares and cls.runs_through),
             lambda cfg: f"--spare-workers: --paradigm {cfg.paradigm} does not take a spare in a dead worker's "
                         f"place mid-run; the asynchronous paradigms do (asp, ssp, dssp, eager): a round (bsp, "

@@ -41,6 +41,7 @@ from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.failures import retried
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.push import Pusher, PushInbox
+from hpcps.transport.sent import ParamSender, SentPull
 from hpcps.transport.window import ParamWindow
 
 log = logging.getLogger("hpcps")
@@ -63,6 +64,21 @@ def n_params(run, shard: int) -> int:
     """Trainable values at the start of central shard ``shard``'s slice; the rest of it is buffers
     (BatchNorm statistics)."""
     return run.slices.trainable(shard, run.flat.n_params)
+
+
+def sends_pulls(run) -> bool:
+    """Whether a round's parameters are sent by the shards (``--pull send``; the paradigm and the options
+    were checked at start-up, :mod:`hpcps.cluster.effects`). Not under run-through (ULFM): a send to a
+    worker that died would fail the shard, so the workers read the window as by default, which shard 0
+    says once."""
+    if run.cfg.pull != "send":
+        return False
+    if run.dead is not None:
+        if run.topo.comm.rank == 0:
+            log.warning("--pull send: Open MPI's fault tolerance (ULFM) is on, and a shard's send to a worker that "
+                        "died would fail it; the workers read each round's parameters out of the window instead")
+        return False
+    return True
 
 
 def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, recorder) -> None:
@@ -138,6 +154,8 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
         progress=lambda: retried(run.dead, lambda: topo.ps.Iprobe(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)),
         side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=run.backoff,
         round_sum=rounds, timeline=timeline(run, recorder), codec=run.codec, spares=spares,
+        sender=ParamSender(topo.ps, worker_ranks=workers, ranges=run.slices.local_ranges(topo.rank),
+                           length=len(master)) if sends_pulls(run) and not grouped else None,
     )
     if run.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
         server.clocks = [int(c) for c in run.ckpt.worker_clocks]
@@ -289,6 +307,8 @@ def make_worker(run) -> Worker:
                     pieces=None if grouped else send_pieces(run, codec, wire_order=True),
                     fanout=cfg.shards_at_once, first=run.layout.rotation_start(topo.rank, run.index))
     notices = NoticeBox(comm, shard_ranks=shards)
+    if sends_pulls(run) and not grouped:
+        extra["sent_pull"] = lambda out, parts: SentPull(comm, shards, run.slices, out, parts, run.backoff)
     if pushes_during_backward(run, policy, striped, bool(extra.get("send_buffers"))):
         extra["backward_pushes"] = BackwardPushes(
             run.model, run.flat._spans,

@@ -55,6 +55,7 @@ from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
 from hpcps.transport.compress import Codec, all_finite
 from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent, PushInbox
+from hpcps.transport.sent import ParamSender
 from hpcps.runtime.spares import JoinEvent, SpareDesk
 from hpcps.transport.window import ParamWindow
 
@@ -114,14 +115,17 @@ class ShardServer:
                  on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
                  stall_abort: float | None = None, table: str = "servers/updates",
                  backoff: Backoff | None = None, round_sum: RoundSum | None = None, timeline=None,
-                 codec: Codec | None = None, spares: SpareDesk | None = None) -> None:
+                 codec: Codec | None = None, spares: SpareDesk | None = None,
+                 sender: ParamSender | None = None) -> None:
         """``spares``: where spare workers take dead workers' places (:mod:`hpcps.runtime.spares`);
         ``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it;
         ``side_tasks``: ``(phase, task)`` pairs called every loop, the time of one that returns true
         going to its phase of the timeline; ``timeline``: where the loop's phases go
         (:mod:`hpcps.metrics.timeline`; none by default); ``codec``: what a push's payload holds
-        (:mod:`hpcps.transport.compress`; fp32 by default)."""
+        (:mod:`hpcps.transport.compress`; fp32 by default); ``sender``: ``--pull send``, a granted worker's
+        round parameters sent to it after its grant (:mod:`hpcps.transport.sent`)."""
         self.shard = shard
+        self.sender = sender
         self.rank = rank
         self.policy = policy
         self.inbox = inbox
@@ -194,6 +198,8 @@ class ShardServer:
             if not events:
                 tl.enter("wait")
                 self.notifier.progress()
+                if self.sender is not None:
+                    self.sender.progress()
                 self.backoff.pause()
                 continue
             self.backoff.reset()
@@ -210,12 +216,17 @@ class ShardServer:
             tl.enter("notify")
             for worker, (flags, clock, version, staleness, lr) in notices.items():
                 self.notifier.send(worker, flags, clock, version, staleness, lr)  # never to the dead (run-through)
+            if self.sender is not None:  # after the grants, which must not queue behind the values on the wire
+                self.sender.send([w for w, (flags, *_) in notices.items() if flags & wire.GRANT], self.master,
+                                 self.version, self.window.stop_raised(), self.backoff)
             tl.enter("wait")
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")
         while not self.window.publish_held():  # the final version goes out whatever readers were doing
             self.backoff.pause()
         self.notifier.drain(self.backoff)
+        if self.sender is not None:
+            self.sender.drain(self.backoff)
         self.tl.close()
 
     def _log_transfers(self) -> None:

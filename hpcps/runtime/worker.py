@@ -71,6 +71,7 @@ from hpcps.transport.notices import NoticeBox
 from hpcps.errors import RunAborted
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.transport.push import Pusher
+from hpcps.transport.sent import SentPull
 from hpcps.transport.window import ParamWindow, Pull
 
 log = logging.getLogger("hpcps")
@@ -92,7 +93,7 @@ class Worker:
                  stage: Callable[[np.ndarray, bool], None] | None = None,
                  partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None,
                  backward_pushes: BackwardPushes | None = None, overflow: float = math.inf,
-                 defer_pull: bool = False) -> None:
+                 defer_pull: bool = False, sent_pull: Callable[..., SentPull] | None = None) -> None:
         """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
         where compression encodes it (hpcps.transport.compress); by default the flat buffer's own;
         ``partitions``: pull in partitions, the pass starting before the last has come
@@ -103,10 +104,15 @@ class Worker:
         becomes infinite on the wire (:attr:`hpcps.transport.compress.Codec.overflow`), for the verdict on
         each gradient that its push carries (:meth:`_verdict`); ``defer_pull`` (``--overlap-steps``, needs
         ``send_buffers``): a push is not followed by the grant's wait and the pull, which come when the loop
-        asks for them (:meth:`take_round`), computation going on meanwhile."""
+        asks for them (:meth:`take_round`), computation going on meanwhile; ``sent_pull(out, parts)``
+        (``--pull send``, bsp): after each push, the round's values as the shards send them after the grant
+        (:class:`~hpcps.transport.sent.SentPull`), in the place of a window pull."""
         if defer_pull and send_buffers is None:
             raise ValueError("a worker that defers its pull pushes from a copy (send_buffers)")
         self.defer_pull = defer_pull
+        if sent_pull is not None and defer_pull:
+            raise ValueError("a sent pull is taken after each push's grant, not deferred")
+        self.sent_pull = sent_pull
         self.pending = False  # a push whose grant and pull are still to be taken (defer_pull)
         self.deferred: Pull | None = None  # that pull, once begun (into ``side``, not the model's memory)
         self.side = np.empty(flat.size, np.float32) if defer_pull else None
@@ -238,6 +244,8 @@ class Worker:
             row["pull_s"] = row.get("pull_s", 0.0) + begun
             row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + begun
         else:
+            if self.sent_pull is not None and self.blocks:  # --pull send: the receives, before the values come
+                early = self.sent_pull(self.flat.params, self.parts.plan.parts if self.parts is not None else None)
             tl.enter("grant")
             row["wait_s"] = self._wait(self._granted, "its grant") if self.blocks else 0.0
             tl.enter("pull")

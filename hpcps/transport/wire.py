@@ -78,6 +78,8 @@ TAG_HYPER = 14  # a worker's optimizer hyperparameters, before the push header f
 TAG_VERDICT = 17  # int64[1]: 1 finite, 0 not, after a payload whose header said VERDICT
 TAG_STATE = 15  # ps.optimizer's state requests, worker -> shard (hpcps.runtime.optstate)
 TAG_STATE_REPLY = 16  # their answers, shard -> worker
+TAG_SENT_HEAD = 19  # int64[2] (version, stop flag): a shard's sent round, shard -> worker (hpcps.transport.sent)
+TAG_SENT = 20  # its values, one message per range of the shard's slice, after the header
 TAG_SPARE = 18  # int64[3], spare workers' words: shard 0 -> a spare, shard 0 -> the shards (hpcps.runtime.spares)
 
 HEADER_LEN = 6

@@ -1,5 +1,5 @@
 """Features combined, drawn by Hypothesis: paradigm x local steps x shards (reached all at once or one at a
-time) x partitions x compression x periodic checkpoints, the loop (hpcps's own or the user's, through
+time) x partitions x compression x periodic checkpoints x bsp's rounds sent or read (``--pull``), the loop (hpcps's own or the user's, through
 hpcps.init), group servers, an injected NaN gradient and placement; each run's file is checked for what holds
 across shards.
 
@@ -69,6 +69,12 @@ def combinations(draw) -> dict:
         cfg["local_steps"] = draw(st.sampled_from([None, None, 2, 3]))
         if cfg["local_steps"] is not None:  # the next round's first steps hide the outer step (or none)
             cfg["overlap_steps"] = draw(st.integers(0, cfg["local_steps"] - 1))
+    if paradigm == "bsp":  # the shards send each round's parameters (fp32, to every worker at once), or not
+        cfg["pull"] = draw(st.sampled_from(["get", "send"]))
+        if cfg["pull"] == "send":
+            cfg.update(shards_at_once=0, compress="none" if cfg["compress"] == "bf16" else cfg["compress"])
+            if cfg.get("overlap_steps"):
+                cfg["overlap_steps"] = 0
     rounds = _rounds(cfg)
     if draw(st.booleans()):  # one worker pushes a NaN gradient (pseudo-gradient) once
         worker = draw(st.integers(servers + groups, WORLD - 1))

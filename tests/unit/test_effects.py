@@ -110,6 +110,12 @@ def test_every_declared_option_is_an_option_of_the_config():
     (dict(dataset="own-loop", steps=5, paradigm="asp", spare_workers=1), "--spare-workers: a spare takes a dead"),
     (dict(paradigm="asp", local_steps=4, local_steps_by_speed=True, spare_workers=1),
      "--spare-workers with --local-steps-by-speed"),
+    (dict(paradigm="ssp", pull="send"), "--pull send: --paradigm ssp does not release every worker at a round's"),
+    (dict(paradigm="hsp", pull="send"), "--pull send: --paradigm hsp does not release every worker"),
+    (dict(paradigm="grouped", groups=2, pull="send"), "--pull send: --paradigm grouped does not release"),
+    (dict(paradigm="bsp", pull="send", compress="bf16"), "--pull send with --compress bf16: the shards send fp32"),
+    (dict(paradigm="bsp", pull="send", shards_at_once=1), "--pull send with --shards-at-once 1"),
+    (dict(paradigm="diloco", local_steps=4, overlap_steps=2, pull="send"), "--pull send with --overlap-steps"),
 ])
 def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flags, says):
     cfg = make_config(flags)
@@ -117,6 +123,12 @@ def test_a_combination_that_cannot_work_is_one_error_line_before_any_layout(flag
         with pytest.raises(UserError) as err:
             check()
         assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flags", [dict(paradigm="bsp"), dict(paradigm="localsgd"), dict(paradigm="diloco", local_steps=4),
+                                   dict(paradigm="bsp", compress="topk:0.1"), dict(paradigm="bsp", partition_mb=0.5)])
+def test_the_shards_send_rounds_under_bsp_and_its_presets(flags):
+    refuse(make_config({**flags, "pull": "send"}))  # (nothing to refuse)
 
 
 def test_the_inner_optimizers_options_without_local_steps_are_named_and_quiet_with_them():

@@ -1,0 +1,109 @@
+"""``--pull send``: under bsp the shards send each round's parameters to the workers (hpcps.transport.sent)
+instead of each worker reading them out of the window. The values are the same, so a run is bit for bit the
+window's; every push is followed by exactly one sent round; a stop raised by a worker reaches every worker
+through the sent headers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpcps
+from hpcps.data.loaders import load_dataset
+from hpcps.data.sharding import batch_indices
+from mpitest import force_transfer, share, train
+
+pytestmark = pytest.mark.mpi(min_size=5)
+
+
+def _count_sent_pulls(monkeypatch) -> list:
+    """Record each sent round a worker takes (one per push that waits for its grant)."""
+    import hpcps.runtime.assembly as assembly
+
+    made = []
+
+    class Recording(assembly.SentPull):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(assembly, "SentPull", Recording)
+    return made
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("extra", [{}, {"partition_mb": 0.004}, {"paradigm": "diloco", "local_steps": 3},
+                                   {"partition_mb": 0.004, "transfer": "staged"}],
+                         ids=["whole", "partitions", "diloco", "staged-partitions"])
+def test_a_round_the_shards_send_ends_bit_for_bit_as_one_the_workers_read(world, mpi_tmp_path, monkeypatch, extra):
+    """2 shards, 3 workers, 8 steps: with the rounds sent, the final parameters equal those of the run whose
+    workers read the window (whole pulls; striped partitions pushed during backward and pulled in the pass's
+    order; diloco's outer rounds of 3 local steps; a GPU worker's path, the values landing in a staging
+    buffer and going up partition by partition, on the CPU), every gradient applied, and each worker took
+    one sent round per push."""
+    extra = dict(extra)
+    if "transfer" in extra:
+        force_transfer(monkeypatch, extra.pop("transfer"))
+    made = _count_sent_pulls(monkeypatch)
+    common = {"paradigm": "bsp", "servers": 2, "steps": 8, "seed": 4, "lr": 0.1, **extra}
+    read, _ = train(mpi_tmp_path / "get.h5", **common)
+    assert not made  # (the window's pulls)
+    sent, t = train(mpi_tmp_path / "send.h5", pull="send", **common)
+    counts = world.gather(len(made), root=0)
+    rounds = 8 if "local_steps" not in extra else math.ceil(8 / extra["local_steps"])
+    facts = None
+    if world.rank == 0:
+        s, up = t["summary"], t["servers/updates"]
+        facts = {"same": bool(np.array_equal(read.params, sent.params)),
+                 "moved": float(np.abs(read.params - sent.params).max()),
+                 "counts": counts, "pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"]),
+                 "versions": sorted(set(up["version"][up["shard"] == 0].tolist()))}
+    facts = share(world, facts)
+    assert facts["same"], facts["moved"]
+    assert facts["counts"] == [0, 0, rounds, rounds, rounds]  # ranks 0-1 the shards, 2-4 the workers
+    assert facts["pushed"] == facts["applied"] == 3 * rounds
+    assert facts["versions"] == list(range(rounds))  # one update per round
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_asked_by_one_worker_reaches_every_worker_through_the_sent_rounds(world, mpi_tmp_path, monkeypatch):
+    """The user's loop, ``ps.stop()`` by worker 0 at step 3 of 12, rounds sent: every worker ends after the
+    same step (the stop flag travels in each shard's header), and every gradient pushed was applied."""
+    made = _count_sent_pulls(monkeypatch)
+    data = load_dataset("digits")
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    ps = hpcps.init(make, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", servers=2, steps=12, pull="send",
+                    progress=False, out=str(mpi_tmp_path / "stop.h5"), exit_on_error=False, comm=world)
+    steps = 0
+    with ps:
+        while ps.running:
+            idx = batch_indices(len(y), batch_size=16, n_workers=ps.n_workers, worker=ps.worker_index,
+                                step=ps.iteration, seed=0)
+            F.cross_entropy(ps.model(x[idx]), y[idx]).backward()
+            if ps.iteration == 3 and ps.worker_index == 0:
+                ps.stop("enough")
+            ps.step()
+            steps += 1
+    ran = world.gather((steps, len(made)), root=0)
+    facts = None
+    if world.rank == 0:
+        import h5py
+
+        with h5py.File(ps.result.path) as f:
+            s = dict(f["summary"].attrs)
+        facts = {"ran": ran, "stopped_by": str(s["stopped_by"]), "pushed": int(s["gradients_pushed"]),
+                 "applied": int(s["gradients_applied"])}
+    facts = share(world, facts)
+    workers = facts["ran"][2:]
+    assert len({n for n, _ in workers}) == 1 and 4 <= workers[0][0] < 12, facts  # all alike, stopped early
+    assert all(n == took for n, took in workers), facts  # a sent round per push
+    assert facts["stopped_by"] == "loop: enough"
+    assert facts["pushed"] == facts["applied"] == 3 * workers[0][0]

@@ -56,16 +56,22 @@ def test_a_new_job_gets_the_users_mpi_settings_but_not_the_launchers(monkeypatch
     assert {k: env[k] for k in user} == user and env["EXTRA"] == "x"
 
 
+EAGER = {"OMPI_MCA_btl_tcp_eager_limit": "1048576", "OMPI_MCA_btl_tcp_rndv_eager_limit": "1048576",
+         "OMPI_MCA_btl_tcp_max_send_size": "1048576"}
+
+
 @pytest.mark.parametrize("environ, devices, added", [
-    ({"OMPI_COMM_WORLD_SIZE": "5"}, [], {"OMPI_MCA_osc": "^ucx"}),           # Open MPI, no RDMA device
-    ({"OMPI_COMM_WORLD_SIZE": "5"}, None, {"OMPI_MCA_osc": "^ucx"}),         # no /sys/class/infiniband at all
-    ({"OMPI_COMM_WORLD_SIZE": "5"}, ["mlx5_0"], {}),                         # InfiniBand: osc/ucx is the one
-    ({"OMPI_COMM_WORLD_SIZE": "5", "OMPI_MCA_osc": "ucx"}, [], {}),          # the user's choice stands
+    ({"OMPI_COMM_WORLD_SIZE": "5"}, [], {"OMPI_MCA_osc": "^ucx", **EAGER}),  # Open MPI, no RDMA device
+    ({"OMPI_COMM_WORLD_SIZE": "5"}, None, {"OMPI_MCA_osc": "^ucx", **EAGER}),  # no /sys/class/infiniband at all
+    ({"OMPI_COMM_WORLD_SIZE": "5"}, ["mlx5_0"], EAGER),                      # InfiniBand: osc/ucx is the one
+    ({"OMPI_COMM_WORLD_SIZE": "5", "OMPI_MCA_osc": "ucx"}, [], EAGER),       # the user's choice stands
+    ({"OMPI_COMM_WORLD_SIZE": "5", "OMPI_MCA_btl_tcp_eager_limit": "4096"}, ["mlx5_0"],  # and so does this one
+     {k: v for k, v in EAGER.items() if k != "OMPI_MCA_btl_tcp_eager_limit"}),
     ({"PMI_SIZE": "5"}, [], {}),                                             # MPICH's launcher
     ({}, [], {}),                                                            # no launcher
 ])
-def test_open_mpis_ucx_window_component_is_left_out_only_where_it_has_nothing_to_run_on(tmp_path, environ, devices,
-                                                                                         added):
+def test_open_mpis_defaults_are_added_only_where_the_user_set_none_and_ucx_windows_only_left_out_without_rdma(
+        tmp_path, environ, devices, added):
     folder = tmp_path / "infiniband"
     if devices is not None:
         folder.mkdir()

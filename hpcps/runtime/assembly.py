@@ -308,7 +308,7 @@ def make_worker(run) -> Worker:
                     fanout=cfg.shards_at_once, first=run.layout.rotation_start(topo.rank, run.index))
     notices = NoticeBox(comm, shard_ranks=shards)
     if sends_pulls(run) and not grouped:
-        extra["sent_pull"] = lambda out, parts: SentPull(comm, shards, run.slices, out, parts, run.backoff)
+        extra["sent_pull"] = lambda out, parts, watch: SentPull(comm, shards, run.slices, out, parts, run.backoff, watch)
     if pushes_during_backward(run, policy, striped, bool(extra.get("send_buffers"))):
         extra["backward_pushes"] = BackwardPushes(
             run.model, run.flat._spans,

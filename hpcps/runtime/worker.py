@@ -104,7 +104,7 @@ class Worker:
         becomes infinite on the wire (:attr:`hpcps.transport.compress.Codec.overflow`), for the verdict on
         each gradient that its push carries (:meth:`_verdict`); ``defer_pull`` (``--overlap-steps``, needs
         ``send_buffers``): a push is not followed by the grant's wait and the pull, which come when the loop
-        asks for them (:meth:`take_round`), computation going on meanwhile; ``sent_pull(out, parts)``
+        asks for them (:meth:`take_round`), computation going on meanwhile; ``sent_pull(out, parts, watch)``
         (``--pull send``, bsp): after each push, the round's values as the shards send them after the grant
         (:class:`~hpcps.transport.sent.SentPull`), in the place of a window pull."""
         if defer_pull and send_buffers is None:
@@ -245,7 +245,8 @@ class Worker:
             row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + begun
         else:
             if self.sent_pull is not None and self.blocks:  # --pull send: the receives, before the values come
-                early = self.sent_pull(self.flat.params, self.parts.plan.parts if self.parts is not None else None)
+                early = self.sent_pull(self.flat.params, self.parts.plan.parts if self.parts is not None else None,
+                                       lambda: self._stall_watch("its round's parameters from the shards (--pull send)"))
             tl.enter("grant")
             row["wait_s"] = self._wait(self._granted, "its grant") if self.blocks else 0.0
             tl.enter("pull")
@@ -470,9 +471,13 @@ class Worker:
         def ready() -> bool:
             self._read_notices()
             return condition()
-        watch = StallWatch(warn=self.stall_warn, abort=self.stall_abort, log=log, error=RunAborted,
-                           describe=lambda: f"worker rank {self.rank} (gradient {self.clock_count}) waiting for {what}")
-        return wait_until(ready, self.backoff, watch)
+        return wait_until(ready, self.backoff, self._stall_watch(what))
+
+    def _stall_watch(self, what: str) -> StallWatch:
+        """One wait's stall watch: a warning every ``stall_warn`` seconds, :class:`RunAborted` past
+        ``stall_abort``, naming ``what`` is awaited."""
+        return StallWatch(warn=self.stall_warn, abort=self.stall_abort, log=log, error=RunAborted,
+                          describe=lambda: f"worker rank {self.rank} (gradient {self.clock_count}) waiting for {what}")
 
     def _read_notices(self) -> None:
         if self.take_signal is not None and self.take_signal():

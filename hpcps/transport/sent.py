@@ -19,7 +19,7 @@ the two sides' messages match in order (MPI keeps one sender's messages in the o
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -78,13 +78,16 @@ class SentPull:
     """A worker's side: one sent round, received into ``out`` (the flat vector, fp32), with the interface
     of a window's :class:`~hpcps.transport.window.Pull`: :meth:`versions`, :meth:`wait_part` (``parts``:
     the flat vector's partitions, each a list of ``(lo, hi)``, in the order the pass wants them; without
-    them, one partition per shard), :meth:`test`, :meth:`wait`. Its receives are posted at once."""
+    them, one partition per shard), :meth:`test`, :meth:`wait`. Its receives are posted at once. ``watch()``
+    (optional) makes each wait's watchdog (:class:`~hpcps.transport.poll.StallWatch`): a round that never
+    comes is reported, then ends the run, rather than waited for forever."""
 
-    __slots__ = ("heads", "heard", "received", "copies", "ranges", "done", "backoff")
+    __slots__ = ("heads", "heard", "received", "copies", "ranges", "done", "backoff", "watch")
 
     def __init__(self, comm: MPI.Comm, shard_ranks: Sequence[int], slices: Slices, out: np.ndarray,
-                 parts: Sequence[Sequence[tuple[int, int]]] | None = None, backoff: Backoff | None = None) -> None:
-        self.backoff = backoff
+                 parts: Sequence[Sequence[tuple[int, int]]] | None = None, backoff: Backoff | None = None,
+                 watch: Callable[[], Callable[[float], object]] | None = None) -> None:
+        self.backoff, self.watch = backoff, watch
         self.heads = np.zeros((len(shard_ranks), 2), np.int64)
         self.heard = [comm.Irecv(self.heads[s], source=r, tag=wire.TAG_SENT_HEAD) for s, r in enumerate(shard_ranks)]
         received: list[tuple[int, int, MPI.Request]] = []
@@ -109,14 +112,14 @@ class SentPull:
 
     def versions(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the shards' headers; return their versions and whether any raised the stop flag."""
-        wait_until(lambda: MPI.Request.Testall(self.heard), self.backoff)
+        self._wait(lambda: MPI.Request.Testall(self.heard))
         return self.heads[:, 0].copy(), bool(self.heads[:, 1].any())
 
     def wait_part(self, k: int) -> None:
         """Wait politely for partition ``k``; its values are then in ``out``."""
         if k >= self.n_parts or self.done[k]:
             return
-        wait_until(lambda: MPI.Request.Testall(self.copies[k]), self.backoff)
+        self._wait(lambda: MPI.Request.Testall(self.copies[k]))
         self.done[k] = True
 
     def wait(self) -> tuple[np.ndarray, bool]:
@@ -124,5 +127,8 @@ class SentPull:
         result = self.versions()
         for k in range(self.n_parts):
             self.wait_part(k)
-        wait_until(lambda: MPI.Request.Testall(self.received), self.backoff)  # (a range in no partition)
+        self._wait(lambda: MPI.Request.Testall(self.received))  # (a range in no partition)
         return result
+
+    def _wait(self, test: Callable[[], bool]) -> None:
+        wait_until(test, self.backoff, self.watch() if self.watch is not None else None)

@@ -107,3 +107,30 @@ def test_a_stop_asked_by_one_worker_reaches_every_worker_through_the_sent_rounds
     assert all(n == took for n, took in workers), facts  # a sent round per push
     assert facts["stopped_by"] == "loop: enough"
     assert facts["pushed"] == facts["applied"] == 3 * workers[0][0]
+
+
+@pytest.mark.timeout(60)
+def test_a_round_that_never_comes_is_reported_and_ends_the_wait(world):
+    """A sent round whose shard never sends (each rank alone, on its own communicator): the wait's stall watch
+    says what it waits for, then ends it (RunAborted), rather than waiting forever."""
+    import logging
+
+    from mpi4py import MPI
+
+    from hpcps.cluster.slices import Slices
+    from hpcps.errors import RunAborted
+    from hpcps.transport.poll import StallWatch
+    from hpcps.transport.sent import SentPull
+
+    comm = MPI.COMM_SELF.Dup()
+    said = []
+    watch = lambda: StallWatch(warn=0.05, abort=0.3, log=logging.getLogger("test"), error=RunAborted,  # noqa: E731
+                               describe=lambda: said.append(1) or "a round that never comes")
+    pull = SentPull(comm, [0], Slices.contiguous([(0, 10)]), np.zeros(10, np.float32), watch=watch)
+    with pytest.raises(RunAborted, match="a round that never comes"):
+        pull.versions()
+    for request in [*pull.heard, *pull.received]:  # (nothing will ever match them)
+        request.Cancel()
+        request.Wait()
+    comm.Free()
+    assert len(said) >= 2  # warned, then aborted

@@ -247,7 +247,8 @@ def main() -> None:
     p.add_argument("--shards-at-once", dest="fanin", type=int, nargs="*", default=[], metavar="K",
                    help="a bsp row more per K, with --shards-at-once K (method bsp-rotated)")
     p.add_argument("--methods", nargs="+",
-                   help="only these (bsp, bsp-rotated, ddp, diloco, overlap, async, bounded)")
+                   help="only these (bsp, bsp-rotated, bsp-sent, ddp, diloco, overlap, async, bounded; bsp-sent, "
+                        "bsp with --pull send, only when named)")
     p.add_argument("--inner-ddp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("options", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -262,6 +263,8 @@ def main() -> None:
                **{f"bsp, --partition-mb {a.partition_mb:g}, --shards-at-once {k}": (
                    "bsp-rotated", ["--paradigm", "bsp", "--partition-mb", str(a.partition_mb), "--shards-at-once", str(k)])
                   for k in a.fanin},
+               f"bsp, --partition-mb {a.partition_mb:g}, --pull send": ("bsp-sent", [
+                   "--paradigm", "bsp", "--partition-mb", str(a.partition_mb), "--pull", "send"]),
                f"DDP (gloo), {a.bucket_mb:g} MB buckets": ("ddp", None),
                **{f"diloco H={h}": ("diloco", ["--paradigm", "diloco", "--local-steps", str(h), *outer])
                   for h in a.local_steps},
@@ -273,7 +276,8 @@ def main() -> None:
                f"ssp s=1 H={h0} (bounded), Delayed Nesterov": ("bounded", [
                    "--paradigm", "ssp", "--staleness", "1", "--local-steps", str(h0), *outer,
                    "--momentum-period", str(a.nodes)])}
-    methods = {k: v for k, v in methods.items() if not a.methods or v[0] in a.methods}
+    methods = {k: v for k, v in methods.items() if v[0] in a.methods} if a.methods else \
+        {k: v for k, v in methods.items() if v[0] != "bsp-sent"}  # (bsp-sent when asked for)
     results: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in methods}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in a.seeds:

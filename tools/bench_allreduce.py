@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import data_parallel_replica, fmt, train
+from benchlib import config_of, data_parallel_replica, fmt, train
 
 
 #: hpcps evaluates only at the start and the end, as the data-parallel runs do not evaluate at all: rank 0's
@@ -78,14 +78,11 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
     from mpi4py import MPI
 
     from hpcps.cluster.emulation import BackwardCompute, ComputeTime, forward_compute
-    from hpcps.config import make_config
     from hpcps.data.batches import to_device
     from hpcps.training.flat import FlatParameters
 
     comm = MPI.COMM_WORLD
-    flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
-    flags.pop("partition_mb", None)  # (hpcps's; the data-parallel runs have nothing to partition)
-    cfg = make_config(flags)
+    cfg = config_of(options, drop=("partition_mb",))  # (hpcps's; the data-parallel runs have nothing to partition)
     torch.set_num_threads(cfg.threads)
     workload, model, batches = data_parallel_replica(cfg, comm, steps)
     flat = FlatParameters(model)

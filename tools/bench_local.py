@@ -103,20 +103,18 @@ def _ddp(options: list[str], bucket_mb: float, budget: float, target: float) -> 
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from benchlib import data_parallel_replica
+    from benchlib import config_of, data_parallel_replica, flags_of
     from hpcps.box.spec import NODE_IFACE, Cluster
     from hpcps.cluster.emulation import BackwardCompute, ComputeTime, forward_compute
-    from hpcps.config import make_config
     from hpcps.training.optim import builtin_optimizer
     from hpcps.training.workload import default_evaluate
 
     comm = MPI.COMM_WORLD
-    flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
-    slow = float(flags.pop("straggler", 1.0))
-    eval_every = float(flags.pop("eval_every_s", 2.0))
-    for hpcps_only in ("partition_mb", "servers", "paradigm", "eval_interval", "target", "local_steps"):
-        flags.pop(hpcps_only, None)
-    cfg = make_config(flags)
+    flags = flags_of(options)
+    slow = float(flags.get("straggler", 1.0))
+    eval_every = float(flags.get("eval_every_s", 2.0))
+    cfg = config_of(options, drop=("straggler", "eval_every_s", "partition_mb", "servers", "paradigm",
+                                   "eval_interval", "target", "local_steps"))
     torch.set_num_threads(cfg.threads)
     workload, model, batches = data_parallel_replica(cfg, comm, cfg.steps)
     emulated = ComputeTime(cfg.compute_time, slow if comm.rank == comm.size - 1 else 1.0)

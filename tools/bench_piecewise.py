@@ -49,7 +49,9 @@ from benchlib import fmt, launch_argv, train
 
 
 class Poller:
-    """Outstanding requests, tested between short sleeps that grow (50 us to 1 ms), as hpcps's waits."""
+    """Outstanding requests, moved while a rank waits or emulates compute, as hpcps's waits do: polls with a
+    backoff (:func:`hpcps.transport.poll.wait_until`) and sleeps that poke (:func:`hpcps.cluster.emulation.
+    emulated_sleep`)."""
 
     def __init__(self) -> None:
         self.pending: list = []
@@ -62,26 +64,20 @@ class Poller:
 
     def drain(self) -> None:
         """Wait for every outstanding request."""
-        pause = 5e-5
-        while self.pending:
-            self.poke()
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        self.until(lambda: self.poke() or not self.pending)
 
     def sleep(self, seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while (left := end - time.perf_counter()) > 0:
-            time.sleep(min(left, 1e-3))
-            self.poke()
+        from hpcps.cluster.emulation import emulated_sleep
+        emulated_sleep(seconds, self.poke)
 
     def wait(self, request) -> float:
         """Wait for ``request``, moving the others; return the seconds waited."""
-        t, pause = time.perf_counter(), 5e-5
-        while not request.Test():
-            self.poke()
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        return time.perf_counter() - t
+        return self.until(lambda: request.Test() or self.poke())
+
+    @staticmethod
+    def until(test) -> float:
+        from hpcps.transport.poll import Backoff, wait_until
+        return wait_until(test, Backoff(first=5e-5))
 
 
 #: the prototype's runs: how a round closes and how its parameters reach the workers
@@ -164,18 +160,19 @@ def _worker(cfg, comm, shards: list[int], steps: int, chunk: int, mode: str,
         waited[0] = 0.0
         if win is not None and step:  # each shard's grant, then its chunks read in the forward pass's order
             grants = [comm.Irecv(grant, source=r, tag=GRANT) for r in shards]
-            t_grant, due = time.perf_counter(), set(shards)
-            while due:
+            due = set(shards)
+
+            def granted() -> bool:
                 for r, g in zip(shards, grants):
                     if r in due and g.Test():
                         due.discard(r)
                         for c in (c for c in range(len(chunks)) if owner[c] == r):
                             lo, hi = chunks[c]
                             arrivals[c] = win.Rget(flat.params[lo:hi], r, (lo, hi - lo, MPI.FLOAT))
-                if due:
-                    poller.poke()
-                    time.sleep(5e-5)
-            waited[0] += time.perf_counter() - t_grant
+                poller.poke()
+                return not due
+
+            waited[0] += poller.until(granted)
         batch = to_device(batches.batch(step), flat.device)
         flat.zero_grad()
         bwd.begin()
@@ -202,8 +199,10 @@ def _worker(cfg, comm, shards: list[int], steps: int, chunk: int, mode: str,
 
 
 def _shard(cfg, comm, shards: list[int], workers: list[int], steps: int, chunk: int, mode: str, assign: str) -> None:
-    """One shard's rounds (module docstring), ``mode`` ``round`` or ``piece``."""
+    """One shard's rounds (module docstring), ``mode`` one of :data:`MODES`."""
     from mpi4py import MPI
+
+    from hpcps.transport.poll import Backoff
 
     from benchlib import data_parallel_replica
     from hpcps.training.flat import FlatParameters
@@ -228,15 +227,14 @@ def _shard(cfg, comm, shards: list[int], workers: list[int], steps: int, chunk: 
         reqs = [comm.Irecv(inbox[k], source=workers[k[0]], tag=k[1]) for k in keys]
         have = dict.fromkeys(mine, 0)
         closed: list[int] = []
-        pause = 5e-5
+        backoff = Backoff(first=5e-5)
         while len(closed) < len(mine):
             idx = MPI.Request.Testsome(reqs)
             poller.poke()
             if not idx:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                backoff.pause()
                 continue
-            pause = 5e-5
+            backoff.reset()
             for i in idx:
                 c = keys[i][1]
                 have[c] += 1
@@ -279,11 +277,10 @@ def _inner(mode: str, assign: str, steps: int, chunk_mb: float, options: list[st
     import torch
     from mpi4py import MPI
 
-    from hpcps.config import make_config
+    from benchlib import config_of
 
     comm = MPI.COMM_WORLD
-    flags = dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
-    cfg = make_config(flags)
+    cfg = config_of(options)
     torch.set_num_threads(cfg.threads)
     workers, shards = list(range(0, comm.size, 2)), list(range(1, comm.size, 2))
     chunk = max(1, int(chunk_mb * 2**20 / 4))

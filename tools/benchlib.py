@@ -41,6 +41,22 @@ def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: di
                 "cluster": str(f.attrs.get("cluster", "{}"))}
 
 
+def flags_of(options: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs (as given after ``--``) as config field names and their values."""
+    return dict(zip([o.lstrip("-").replace("-", "_") for o in options[::2]], options[1::2]))
+
+
+def config_of(options: list[str], drop: tuple[str, ...] = ()):
+    """The hpcps train config of ``options`` (:func:`flags_of`), less the fields in ``drop``: what a
+    benchmark's own ranks build the same workload from."""
+    from hpcps.config import make_config
+
+    flags = flags_of(options)
+    for name in drop:
+        flags.pop(name, None)
+    return make_config(flags)
+
+
 def data_parallel_replica(cfg, comm, steps: int):
     """A data-parallel rank's share of ``hpcps train``'s workload under ``cfg`` (collective over ``comm``):
     the workload, the model ``hpcps train`` would build and this rank's batches, on the CPU."""

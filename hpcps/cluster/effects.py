@@ -124,9 +124,10 @@ HALF_PULLS = ("bf16", "fp16")  # --compress values whose pulls read the window's
 
 
 def releases_rounds(cls: type) -> bool:
-    """Whether paradigm ``cls`` releases every worker of a round at its close, each then pulling once: bsp
-    and its presets (hsp, a subclass, also pulls between a round's extra gradients and transfers serially)."""
-    return issubclass(cls, BSP) and not cls.extra_gradients and not cls.serial_transfers
+    """Whether paradigm ``cls`` releases every worker of a round at its close, each then pulling once from
+    the central shards: bsp and its presets (hsp, a subclass, also pulls between a round's extra gradients
+    and transfers serially; a subclass with group servers pulls from those)."""
+    return issubclass(cls, BSP) and not (cls.extra_gradients or cls.serial_transfers or cls.uses_groups)
 
 
 #: the combinations refused at start-up, in the order they are checked (the first that applies is the line)

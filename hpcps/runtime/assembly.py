@@ -155,7 +155,7 @@ def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, rec
         side_tasks=side_tasks, on_applied=bar.update if bar is not None else None, backoff=run.backoff,
         round_sum=rounds, timeline=timeline(run, recorder), codec=run.codec, spares=spares,
         sender=ParamSender(topo.ps, worker_ranks=workers, ranges=run.slices.local_ranges(topo.rank),
-                           length=len(master)) if sends_pulls(run) and not grouped else None,
+                           length=len(master)) if sends_pulls(run) else None,
     )
     if run.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
         server.clocks = [int(c) for c in run.ckpt.worker_clocks]
@@ -307,7 +307,7 @@ def make_worker(run) -> Worker:
                     pieces=None if grouped else send_pieces(run, codec, wire_order=True),
                     fanout=cfg.shards_at_once, first=run.layout.rotation_start(topo.rank, run.index))
     notices = NoticeBox(comm, shard_ranks=shards)
-    if sends_pulls(run) and not grouped:
+    if sends_pulls(run):
         extra["sent_pull"] = lambda out, parts, watch: SentPull(comm, shards, run.slices, out, parts, run.backoff, watch)
     if pushes_during_backward(run, policy, striped, bool(extra.get("send_buffers"))):
         extra["backward_pushes"] = BackwardPushes(

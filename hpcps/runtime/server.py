@@ -216,9 +216,9 @@ class ShardServer:
             tl.enter("notify")
             for worker, (flags, clock, version, staleness, lr) in notices.items():
                 self.notifier.send(worker, flags, clock, version, staleness, lr)  # never to the dead (run-through)
-            if self.sender is not None:  # after the grants, which must not queue behind the values on the wire
-                self.sender.send([w for w, (flags, *_) in notices.items() if flags & wire.GRANT], self.master,
-                                 self.version, self.window.stop_raised(), self.backoff)
+            granted = [w for w, (flags, *_) in notices.items() if flags & wire.GRANT] if self.sender is not None else []
+            if granted:  # after the grants, which must not queue behind the values on the wire
+                self.sender.send(granted, self.master, self.version, self.window.stop_raised(), self.backoff)
             tl.enter("wait")
         if self.pending:
             raise RuntimeError(f"shard {self.shard}: gradients of workers {sorted(self.pending)} never applied")

@@ -7,8 +7,8 @@ slot's version and pin, then its copies), and over TCP a ``Get`` is served as a 
 behind whatever else the shard's link carries. The shard knows when the values are ready and who wants
 them, so it can simply send them: a header (the version and the stop flag), then its slice's ranges in
 their local order (the flat order: a pass's first layers first), one message each, as a push's pieces
-go the other way. Measured by ``tools/bench_piecewise.py`` before it was built: the same round, its
-parameters sent rather than read, took the 4-node, 1 Gbit/s step from 1.03x DDP's to 0.92x.
+go the other way. ``tools/bench_piecewise.py`` measured it before it was built, and
+``tools/bench_allreduce.py --pulls get send`` measures it against DDP (docs/results.md).
 
 :class:`ParamSender` is the shard's side; :class:`SentPull` the worker's: its receives are posted when
 the worker's push has begun, and it answers as a window pull does (:class:`~hpcps.transport.window.Pull`:
@@ -48,11 +48,9 @@ class ParamSender:
 
     def send(self, workers: Sequence[int], params: np.ndarray, version: int, stop: bool,
              backoff: Backoff | None = None) -> None:
-        """Send ``params`` (the slice, fp32), published as ``version``, to ``workers`` (indices): each gets
-        the header, then the ranges; the workers take turns per range, starting at a different one each
-        round so that no worker is always served last."""
-        if not workers:
-            return
+        """Send ``params`` (the slice, fp32), published as ``version``, to ``workers`` (indices, at least
+        one): each gets the header, then the ranges; the workers take turns per range, starting at a
+        different one each round so that no worker is always served last."""
         self.drain(backoff)
         self.copy[:] = params
         self.head[:] = (version, int(stop))

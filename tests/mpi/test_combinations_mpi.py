@@ -1,7 +1,7 @@
 """Features combined, drawn by Hypothesis: paradigm x local steps x shards (reached all at once or one at a
-time) x partitions x compression x periodic checkpoints x bsp's rounds sent or read (``--pull``), the loop (hpcps's own or the user's, through
-hpcps.init), group servers, an injected NaN gradient and placement; each run's file is checked for what holds
-across shards.
+time) x partitions x compression x periodic checkpoints x bsp's rounds sent or read (``--pull``), the loop
+(hpcps's own or the user's, through hpcps.init), group servers, an injected NaN gradient and placement; each
+run's file is checked for what holds across shards.
 
 * a gradient is applied by every shard or by none;
 * every shard records every gradient once, and pushed = applied + dropped, the dropped being exactly

@@ -69,16 +69,9 @@ def n_params(run, shard: int) -> int:
 def sends_pulls(run) -> bool:
     """Whether a round's parameters are sent by the shards (``--pull send``; the paradigm and the options
     were checked at start-up, :mod:`hpcps.cluster.effects`). Not under run-through (ULFM): a send to a
-    worker that died would fail the shard, so the workers read the window as by default, which shard 0
-    says once."""
-    if run.cfg.pull != "send":
-        return False
-    if run.dead is not None:
-        if run.topo.comm.rank == 0:
-            log.warning("--pull send: Open MPI's fault tolerance (ULFM) is on, and a shard's send to a worker that "
-                        "died would fail it; the workers read each round's parameters out of the window instead")
-        return False
-    return True
+    worker that died would fail the shard, so the workers read the window as by default (rank 0 says so
+    at the start, :meth:`hpcps.runtime.run.Run.start`, and the run file's ``pull`` says what ran)."""
+    return run.cfg.pull == "send" and run.dead is None
 
 
 def serve_shard(run, window: ParamWindow, master, optimizer: ShardOptimizer, recorder) -> None:

@@ -88,6 +88,7 @@ def open_runfile(run, path: str) -> RunFile:
             "cluster": json.dumps(cluster_record() or {"emulated": False}),
             "dataset_kind": run.facts["kind"],
             "compress": json.dumps(assembly.wire_record(run)),
+            "pull": "send" if assembly.sends_pulls(run) else "get",
             "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         })
     except OSError as exc:

@@ -413,6 +413,9 @@ class _Run:
             log.warning("Open MPI's fault tolerance (ULFM) is on, but %s does not run through a dead worker: a "
                         "rank's death ends the job (resume it with --resume auto, or run under hpcps supervise)",
                         self.cfg.paradigm)
+        if self.dead is not None and self.cfg.pull == "send" and comm.rank == 0:
+            log.warning("--pull send: Open MPI's fault tolerance (ULFM) is on, and a shard's send to a worker that "
+                        "died would fail it; the workers read each round's parameters out of the window instead")
         if self.layout.n_spares and self.dead is None and comm.rank == 0:
             log.warning("--spare-workers %d: the spares stay idle, since a death ends the job under this MPI; "
                         "they take a dead worker's place under Open MPI's fault tolerance (mpirun --with-ft ulfm)",

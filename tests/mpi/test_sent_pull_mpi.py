@@ -44,13 +44,13 @@ def test_a_round_the_shards_send_ends_bit_for_bit_as_one_the_workers_read(world,
     workers read the window (whole pulls; striped partitions pushed during backward and pulled in the pass's
     order; diloco's outer rounds of 3 local steps; a GPU worker's path, the values landing in a staging
     buffer and going up partition by partition, on the CPU), every gradient applied, and each worker took
-    one sent round per push."""
+    one sent round per push; each run file records which way its rounds came."""
     extra = dict(extra)
     if "transfer" in extra:
         force_transfer(monkeypatch, extra.pop("transfer"))
     made = _count_sent_pulls(monkeypatch)
     common = {"paradigm": "bsp", "servers": 2, "steps": 8, "seed": 4, "lr": 0.1, **extra}
-    read, _ = train(mpi_tmp_path / "get.h5", **common)
+    read, r = train(mpi_tmp_path / "get.h5", **common)
     assert not made  # (the window's pulls)
     sent, t = train(mpi_tmp_path / "send.h5", pull="send", **common)
     counts = world.gather(len(made), root=0)
@@ -61,12 +61,14 @@ def test_a_round_the_shards_send_ends_bit_for_bit_as_one_the_workers_read(world,
         facts = {"same": bool(np.array_equal(read.params, sent.params)),
                  "moved": float(np.abs(read.params - sent.params).max()),
                  "counts": counts, "pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"]),
-                 "versions": sorted(set(up["version"][up["shard"] == 0].tolist()))}
+                 "versions": sorted(set(up["version"][up["shard"] == 0].tolist())),
+                 "recorded": (str(r["attrs"]["pull"]), str(t["attrs"]["pull"]))}
     facts = share(world, facts)
     assert facts["same"], facts["moved"]
     assert facts["counts"] == [0, 0, rounds, rounds, rounds]  # ranks 0-1 the shards, 2-4 the workers
     assert facts["pushed"] == facts["applied"] == 3 * rounds
     assert facts["versions"] == list(range(rounds))  # one update per round
+    assert facts["recorded"] == ("get", "send")  # the run file says how the rounds came
 
 
 @pytest.mark.timeout(120)

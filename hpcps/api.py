@@ -149,7 +149,11 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     worker rank the model (``ps.model``) holds the parameters of the first step.
 
     ``model``, ``optimizer``, ``lr_schedule``, ``param_groups``, ``config``, ``comm``
-    and ``exit_on_error`` are as :func:`train` takes them; ``options`` are
+    and ``exit_on_error`` are as :func:`train` takes them. With ``exit_on_error``
+    (the default), an uncaught exception anywhere in the script after ``init``
+    (inside ``with ps:`` or not), or a worker's script that ends with its
+    session open, ends the job on every rank with one line naming the rank
+    (:mod:`hpcps.runtime.guard`), as ``python -m mpi4py`` does; ``options`` are
     :func:`train`'s, less the data's (the loop brings its own batches):
     ``steps`` is required (the most steps a worker takes: schedules and the
     progress line count on it; the loop may stop sooner), a number or a
@@ -215,7 +219,12 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
             run.__exit__(*sys.exc_info())  # no collective frees: the other ranks may not be coming
             raise
 
-    return _collectively(comm, start, exit_on_error)
+    session = _collectively(comm, start, exit_on_error)
+    if exit_on_error:  # outside `with ps:` too, a rank that dies ends the job (python -m mpi4py's convention)
+        from hpcps.runtime.guard import guard
+
+        guard(session, comm)
+    return session
 
 
 def _collectively(comm, step: Callable[[], Any], exit_on_error: bool) -> Any:

@@ -68,12 +68,15 @@ def from_shard(state: dict, spans: Sequence[tuple[int, int]], length: int) -> Fl
 
 def to_shard(flat: FlatState, spans: Sequence[tuple[int, int]], built: dict) -> dict:
     """The shard optimizer state dict (``built``: its own ``state_dict()``, for the param groups) that holds
-    ``flat`` (over the shard's slice): each chunk gets the keys that cover it, and the scalars."""
+    ``flat`` (over the shard's slice): each chunk gets every key that any of its values has, zero where a
+    value has none (a chunk that spans a parameter with state and one without: the state is kept, the other
+    starts from zero), and the scalars only with per-value state (a chunk of ``step`` alone is a state
+    torch's Adam cannot step from; a chunk with none starts afresh, as torch starts a parameter)."""
     state = dict(built)
     chunks = {}
     for k, (a, b) in enumerate(spans):
-        entry = {key: values[a:b].clone() for key, values in flat.values.items() if flat.covers(key, a, b)}
-        if entry or flat.scalars:
+        entry = {key: values[a:b].clone() for key, values in flat.values.items() if flat.filled[key][a:b].any()}
+        if entry:
             entry.update({key: v.clone() if torch.is_tensor(v) else v for key, v in flat.scalars.items()})
             chunks[k] = entry
     state["state"] = chunks
@@ -94,15 +97,39 @@ def to_torch(flat: FlatState, ranges: Sequence[tuple[int, int]], shapes: Sequenc
     return {"state": state, "param_groups": param_groups}
 
 
-def from_torch(state: dict, ranges: Sequence[tuple[int, int]], size: int) -> FlatState:
-    """The flat vector's state (``size`` values) from torch's per-parameter ``state`` (keyed by the
-    parameter's number, as :func:`to_torch` numbers them): a tensor shaped as its parameter is per value,
-    anything else a scalar."""
-    out = FlatState()
+#: the per-parameter scalars of torch's optimizers (Adam's and its kin's ``step``, NAdam's ``mu_product``, ASGD's
+#: ``eta`` and ``mu``): what decides a key that only parameters of one value hold, whose per-value state and
+#: scalars look alike (a 0-dim tensor either way)
+TORCH_SCALARS = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+def per_value_keys(state: dict, ranges: Sequence[tuple[int, int]]) -> set[str]:
+    """The keys of torch's per-parameter ``state`` that hold one number per parameter value, decided per key
+    by size, not by dimension: a key is per value where every parameter holding it holds a tensor of as many
+    values as the parameter has. A 0-dim parameter (a learnable scale) has 0-dim moments, as a 0-dim ``step``
+    is: where only such parameters hold a key, :data:`TORCH_SCALARS` decides."""
+    sized: dict[str, bool] = {}  # key -> every holder's value has the parameter's size
+    wide: set[str] = set()  # keys held by a parameter of more than one value
     for i, entry in state.items():
         a, b = ranges[i]
         for key, value in entry.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == b - a:
+            fits = torch.is_tensor(value) and value.numel() == b - a
+            sized[key] = sized.get(key, True) and fits
+            if b - a > 1:
+                wide.add(key)
+    return {key for key, fits in sized.items() if fits and (key in wide or key not in TORCH_SCALARS)}
+
+
+def from_torch(state: dict, ranges: Sequence[tuple[int, int]], size: int) -> FlatState:
+    """The flat vector's state (``size`` values) from torch's per-parameter ``state`` (keyed by the
+    parameter's number, as :func:`to_torch` numbers them): the :func:`per_value_keys` go over the vector,
+    anything else is a scalar."""
+    out = FlatState()
+    per_value = per_value_keys(state, ranges)
+    for i, entry in state.items():
+        a, b = ranges[i]
+        for key, value in entry.items():
+            if key in per_value:
                 out.put(key, a, value, size)
             else:
                 out.scalars[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value

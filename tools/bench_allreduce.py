@@ -190,7 +190,7 @@ def main() -> None:
         rows[f"DDP (gloo), {mb:g} MB buckets"] = (n, [_run_inner("ddp", n, a.steps, o, _box(n, a), mb)
                                                      for o in seeded])
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
-    runs = ([(f"hpcps bsp S={s}", s, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
+    runs = ([(f"hpcps bsp S={s}", s, None, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
             [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else "") +
               (f", --shards-at-once {k}" if a.fanin else "") + (f", --pull {pull}" if a.pulls else ""),
               n, _box(n, a, ranks_per_node=2), mb, k, pull)

@@ -37,6 +37,7 @@ from hpcps.cluster.emulation import (BackwardCompute, Overruns, emulated_compute
                                      forward_compute)
 from hpcps.runtime import assembly
 from hpcps.cluster.effects import own_loop
+from hpcps.transport.compress import all_finite
 from hpcps.transport.failures import is_failure, left_out
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.policies import policy_class
@@ -107,6 +108,8 @@ class Session:
                 cfg.inner_optimizer, lr=cfg.inner_lr, momentum=cfg.inner_momentum,
                 weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.steps)
             self._resume_inner()
+        #: under local steps, the inner steps whose gradient was not finite, skipped (:meth:`_nonfinite_inner`)
+        self.inner_nonfinite = 0
         #: under local steps, the round's steps so far: each one's computation seconds and loss
         self._round_steps: list[float] = []
         self._round_losses: list[float] = []
@@ -204,6 +207,8 @@ class Session:
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         compute_s = time.perf_counter() - t0
         if self.local is not None:
+            if not skip and not all_finite(self.flat.grads_t[:self.flat.n_params]):
+                skip = self._nonfinite_inner()
             self.local.inner_step(skip)
             self._round_steps.append(compute_s)
             self._round_losses.append(value)
@@ -227,6 +232,25 @@ class Session:
         self.worker.close_step(value, compute_s, skip=skip)
         self._open()
         return self.open
+
+    def _nonfinite_inner(self) -> bool:
+        """Under local steps, an inner step's gradient holds NaN or Inf: the inner optimizer never applies it
+        (applied, it would leave the parameters and an AdamW's or momentum's state non-finite, and every later
+        round of this worker dropped), as ``--nonfinite skip`` never applies such a push; counted in
+        ``/workers/scalars`` (``inner_nonfinite``) and said once. Under ``--nonfinite abort``: ends the job."""
+        from hpcps.errors import RunAborted
+
+        if self.run.cfg.nonfinite == "abort":
+            raise RunAborted(f"worker rank {self.rank} computed a non-finite gradient at inner step {self.iteration} "
+                             "(--nonfinite abort)")
+        self.inner_nonfinite += 1
+        if self.inner_nonfinite == 1:
+            log.warning("worker rank %d: a non-finite gradient at inner step %d was skipped, not applied by the "
+                        "inner optimizer (counted in /workers/scalars as inner_nonfinite; said once)", self.rank,
+                        self.iteration)
+        self.run.recorder.add("workers/scalars", (self.rank, self.iteration, self.run.clock(), b"inner_nonfinite",
+                                                  float(self.inner_nonfinite)))
+        return True
 
     def settle(self) -> None:
         """Wait until the whole pull the current step computes on has landed in the model. Only needed with

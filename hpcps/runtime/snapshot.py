@@ -280,8 +280,10 @@ class Snapshots:
     def _receive(self) -> bool:
         tag = TAG_TO_COORDINATOR if self.shard == 0 else TAG_TO_SHARD
         got = False
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag):
-            message = self.comm.recv(source=MPI.ANY_SOURCE, tag=tag)
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+            # from the rank probed, never a wildcard receive (MPICH over UCX's TCP: hpcps.transport.push)
+            message = self.comm.recv(source=status.Get_source(), tag=tag)
             got = True
             kind = message[0]
             if kind == "pause":

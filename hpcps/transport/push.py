@@ -214,11 +214,16 @@ class PushInbox:
     taken up, so a worker's later messages (including ``DONE``) are never
     acted on before its previous gradient is dealt with.
 
-    Headers arrive through one persistent wildcard receive (any source,
-    the header tag): a header whose worker still has a message in hand
-    waits in that worker's backlog (MPI keeps one sender's messages in
-    order), so a poll costs one test plus one per payload in flight,
-    whatever the worker count.
+    Headers are taken by a matched probe from any source (``MPI_Improbe``,
+    then ``MPI_Mrecv`` of the message it matched), never by a posted
+    wildcard receive: under MPICH over UCX's TCP transport a posted
+    ``MPI_ANY_SOURCE`` receive can miss a message that a probe sees (when
+    the sender has a receive of its own posted from this rank, as every
+    worker has for its notices), and every run hung at its first rounds.
+    A header whose worker still has a message in hand waits in that
+    worker's backlog (MPI keeps one sender's messages in order), so a poll
+    costs one probe plus one test per payload in flight, whatever the
+    worker count.
 
     Gradient buffers: a pool of ``pool`` buffers shared by all workers (one
     per worker with ``pool=None``, or where the pool is at least the worker
@@ -258,8 +263,6 @@ class PushInbox:
         self.grads = np.zeros((n if pool is None else min(pool, n), shard_len), dtype)
         self.pieces = list(pieces) if pieces is not None else [(0, shard_len)]
         self.incoming = np.zeros(wire.HEADER_LEN, np.int64)
-        self.header_req: MPI.Prequest | None = comm.Recv_init(self.incoming, source=MPI.ANY_SOURCE,
-                                                              tag=wire.TAG_PUSH_HEADER)
         self.status = MPI.Status()
         self.backlog: dict[int, deque[np.ndarray]] = {}  # headers that came while their worker had one in hand
         self.early: list[LeaveEvent | LostEvent] = []  # leaves taken up from a backlog by release(), for the next poll
@@ -267,7 +270,6 @@ class PushInbox:
         self.buffer_of: dict[int, int] = {}  # worker -> the buffer its gradient is in (or comes to)
         self.awaiting_buffer: dict[int, None] = {}  # workers whose header came, in arrival order
         self.receiving: dict[int, list[MPI.Request]] = {}  # worker -> its payload's receives, while in flight
-        self.header_req.Start()
         self.listening = set(range(n))  # workers whose next header is taken up as it comes
         self.cut: list[int] | None = None  # a checkpoint's cut: the last clock taken up per worker (hold_after)
         self.regulars = [0] * n  # pushes not flagged EXTRA taken up per worker in this run (a round's, hsp)
@@ -291,7 +293,6 @@ class PushInbox:
         while self._header_came(events):
             source = self.status.Get_source()
             header = self.incoming.copy()
-            self.header_req.Start()
             i = self.index_of.get(source)
             if i is None and source in self.spares:  # a spare whose join has not reached this shard yet
                 self.unplaced.setdefault(source, deque()).append(header)
@@ -340,12 +341,18 @@ class PushInbox:
             self.on_transfer(i)
 
     def _header_came(self, events: list) -> bool:
-        """Whether a header is in ``self.incoming``; a death MPI reports instead goes into ``events``."""
+        """Whether a header came (now in ``self.incoming``, its sender in ``self.status``); a death MPI
+        reports instead goes into ``events``."""
         try:
-            return self.header_req.Test(self.status)
-        except MPI.Exception as exc:  # a wildcard receive: PROC_FAILED_PENDING, still posted
+            message = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=wire.TAG_PUSH_HEADER, status=self.status)
+        except MPI.Exception as exc:  # a wildcard probe while a death is not acknowledged
             self._lose(found_dead(self.dead, exc), events)
-            return self.header_req.Test(self.status)  # acknowledged: it matches the living again
+            message = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=wire.TAG_PUSH_HEADER,
+                                        status=self.status)  # acknowledged: it matches the living again
+        if message is None:
+            return False
+        message.Recv(self.incoming)  # the matched message, already here: no other receive can take it
+        return True
 
     def _payloads_done(self) -> list[int]:
         """Workers whose payload came whole; one whose receive failed because it died leaves (next poll)."""
@@ -475,13 +482,7 @@ class PushInbox:
             self._take_up_queued(worker)
 
     def free(self) -> None:
-        """Release the receives. The header receive, still posted, is cancelled first: freed while
-        posted, it would stay posted and swallow a later message."""
-        if self.header_req is not None:
-            self.header_req.Cancel()
-            self.header_req.Wait()
-            self.header_req.Free()
-            self.header_req = None
+        """Release the receives (headers are probed for: none is posted)."""
         self.listening.clear()
         for reqs in self.receiving.values():  # none once every worker has left
             for req in reqs:

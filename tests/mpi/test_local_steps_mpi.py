@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -120,6 +121,48 @@ def test_one_worker_diloco_is_its_plain_loop_with_the_inner_optimizer(world, mpi
     assert facts["moved"] > 1e-2
     assert facts["err"] < 1e-5, facts["err"]
     assert facts["pushed"] == -(-steps // every)
+
+
+def test_a_nonfinite_inner_gradient_is_skipped_and_the_worker_trains_on(world, mpi_tmp_path):
+    """Regression: under local steps one NaN in an inner step's gradient was applied by the inner AdamW, whose
+    state stayed NaN: every later round of that worker was dropped and the run stopped as diverged. Now the
+    inner step is skipped (as --nonfinite skip skips a push) and counted: one worker, H=4, NaN at inner step 5,
+    the run is its torch loop with AdamW that skips that step, and every round is applied."""
+    steps, every, lr, bad = 16, 4, 1e-2, 5
+    comm = sub(world, 2)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        out = mpi_tmp_path / "nan-inner.h5"
+        ps = hpcps.init(TinyLM, device="cpu", paradigm="diloco", local_steps=every, inner_optimizer="adamw",
+                        inner_lr=lr, lr=1.0, momentum=0.0, steps=steps, out=str(out), progress=False,
+                        exit_on_error=False, comm=comm)
+        with ps:
+            while ps.running:
+                ps.model(*lm_batch(ps.iteration)).backward()
+                if ps.iteration == bad:
+                    next(ps.model.parameters()).grad.view(-1)[0] = float("nan")
+                ps.step()
+        if comm.rank == 0:
+            torch.manual_seed(0)
+            model = TinyLM()
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            for it in range(steps):
+                model(*lm_batch(it)).backward()
+                if it != bad:
+                    opt.step()
+                opt.zero_grad()
+            ref = flat_of(model)
+            got = torch.from_numpy(ps.result.params[:len(ref)])
+            with h5py.File(out, "r") as f:
+                scalars = f["workers/scalars"][()]
+            counted = scalars[scalars["name"] == b"inner_nonfinite"]
+            facts = {"err": float((got - ref).abs().max()), "applied": int(ps.result.summary["gradients_applied"]),
+                     "counted": [(int(r["step"]), float(r["value"])) for r in counted]}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["err"] < 1e-5, facts["err"]
+    assert facts["applied"] == steps // every
+    assert facts["counted"] == [(bad, 1.0)]
 
 
 def flat_of(model: torch.nn.Module) -> torch.Tensor:

@@ -51,8 +51,11 @@ FEATURES: tuple[Reader, ...] = (
     Reader("the step schedule (--lr-schedule step)", frozenset({"lr_step_every", "lr_gamma"}),
            lambda cfg: cfg.lr_schedule == "step"),
     Reader("adam and adamw (--optimizer)", frozenset({"betas", "eps"}), lambda cfg: cfg.optimizer != "sgd"),
-    Reader("sgd with --momentum (not with --momentum-period)", frozenset({"stale_momentum"}),
-           lambda cfg: cfg.optimizer == "sgd" and cfg.momentum > 0 and cfg.momentum_period == 1),
+    # the rule acts on every param group with a momentum at an update: --momentum's, a param group's own
+    # (param_groups), one the loop sets through ps.optimizer, or an optimizer factory's: only adam and adamw
+    # (no momentum key) and Delayed Nesterov's period are known not to have one
+    Reader("sgd with a momentum (--momentum, a param group's, ps.optimizer's; not with --momentum-period)",
+           frozenset({"stale_momentum"}), lambda cfg: cfg.optimizer == "sgd" and cfg.momentum_period == 1),
     Reader("local steps (--local-steps; --paradigm localsgd, diloco)",
            frozenset({"inner_optimizer", "inner_lr", "inner_momentum", "inner_weight_decay", "local_steps_by_speed",
                       "overlap_steps"}),
@@ -126,8 +129,11 @@ HALF_PULLS = ("bf16", "fp16")  # --compress values whose pulls read the window's
 def releases_rounds(cls: type) -> bool:
     """Whether paradigm ``cls`` releases every worker of a round at its close, each then pulling once from
     the central shards: bsp and its presets (hsp, a subclass, also pulls between a round's extra gradients
-    and transfers serially; a subclass with group servers pulls from those)."""
-    return issubclass(cls, BSP) and not (cls.extra_gradients or cls.serial_transfers or cls.uses_groups)
+    and transfers serially; a subclass with group servers pulls from those). Its workers must wait for their
+    grant and pull after it (``worker_blocks``, no ``eager_pull``): only such a worker posts the receives of
+    a sent round, and a shard's sends to one that never does would wait for ever."""
+    return issubclass(cls, BSP) and cls.worker_blocks and not (
+        cls.eager_pull or cls.extra_gradients or cls.serial_transfers or cls.uses_groups)
 
 
 #: the combinations refused at start-up, in the order they are checked (the first that applies is the line)

@@ -89,7 +89,8 @@ class ForwardingRecorder(_Recorder):
         """Send what is left and a close marker; wait (politely) until sent."""
         self.flush()
         self._sends.append(self.comm.isend(None, dest=0, tag=TAG_CLOSE))
-        wait_until(lambda: MPI.Request.Testall(self._sends), backoff)
+        # (rank 0 may be evaluating the final model meanwhile, for as long as that takes: no stall of ours)
+        wait_until(lambda: MPI.Request.Testall(self._sends), backoff, watched=False)
         self._sends = []
 
 
@@ -153,4 +154,5 @@ class FileRecorder(_Recorder):
             self.drain(limit=None)
             return not self.open_ranks
 
-        wait_until(all_closed, backoff)
+        # (a rank closes once its part is over: a slow worker's may last the run; a hung one is its waits' to end)
+        wait_until(all_closed, backoff, watched=False)

@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 from mpi4py import MPI
 
 from hpcps.errors import RunAborted, UserError, print_error
+from hpcps.transport.poll import SIGNAL_GRACE as POLL_SIGNAL_GRACE
 
 T = TypeVar("T")
 log = logging.getLogger("hpcps")
@@ -26,9 +27,9 @@ log = logging.getLogger("hpcps")
 START_WARN = 60.0
 #: and its end, as --stall-abort's default (the options may not be read yet)
 START_ABORT = 600.0
-#: after SIGTERM or SIGINT, how long a start-up wait goes on before this rank gives up (a batch system
-#: kills 30 s after its SIGTERM; a node that died, or a box taken down, never comes)
-SIGNAL_GRACE = 30.0
+#: after SIGTERM or SIGINT, how long a start-up wait goes on before this rank gives up (a run's waits: the
+#: same grace, hpcps.transport.poll)
+SIGNAL_GRACE = POLL_SIGNAL_GRACE
 
 
 def meet(comm: MPI.Comm, what: str, *, warn: float = START_WARN, abort: float | None = START_ABORT) -> None:

@@ -10,12 +10,16 @@ Files of the checkpoint of version v (format 2)::
     step-000020.optim-1.pt  shard 1's, ... one per shard, each written by its shard
     step-000020.user.pt     worker 0's loop (:class:`LoopState`): the step API's ``ps.state``,
                             ``ps.optimizer``'s hyperparameters as the loop left them, the
-                            model's integer buffers; written by worker 0 where it has any
+                            model's integer buffers; written by worker 0 at its next training
+                            pass after a periodic bsp checkpoint (whatever it holds: that
+                            checkpoint, attribute ``loop_part``, is complete only with it),
+                            and at a stop where it has any
     inner/worker-3.round-20.pt  under --local-steps: worker 3's inner optimizer state after its round 20,
                             one file per worker and round (hpcps.training.local.InnerFiles)
 
 Each file is written atomically: to ``<name>.tmp``, then renamed; a
-checkpoint is complete when all ``1 + n_servers`` files exist. BSP
+checkpoint is complete when all ``1 + n_servers`` files exist (and the loop's part where
+the checkpoint's ``loop_part`` says one is due). BSP
 checkpoints periodically (``--checkpoint-every``) at a round's close, where
 every shard and every worker are at one version; the other paradigms take
 a consistent cut while the run goes on (:mod:`hpcps.runtime.snapshot`),
@@ -130,8 +134,10 @@ def checkpoint_path(directory: str, version: int) -> str:
 
 
 def write_checkpoint(path: str, params: np.ndarray, *, version: int, worker_clocks, config: dict,
-                     n_servers: int, shard_versions=None) -> str:
-    """Write atomically (temporary file, then rename); return ``path``."""
+                     n_servers: int, shard_versions=None, loop_part: bool = False) -> str:
+    """Write atomically (temporary file, then rename); return ``path``. ``loop_part``: worker 0's loop
+    writes its part (``user.pt``) later, at its next training pass (bsp's periodic checkpoints): the
+    checkpoint is complete only with it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with h5py.File(tmp, "w") as f:
@@ -142,6 +148,8 @@ def write_checkpoint(path: str, params: np.ndarray, *, version: int, worker_cloc
                         "config": json.dumps(config, sort_keys=True)})
         if shard_versions is not None:
             f.attrs["shard_versions"] = np.asarray(shard_versions, np.int64)
+        if loop_part:
+            f.attrs["loop_part"] = 1
     os.replace(tmp, path)
     return path
 
@@ -249,17 +257,27 @@ def checkpoint_files(directory: str) -> tuple[str, ...]:
     return tuple(sorted(glob.glob(os.path.join(directory, "step-*"))))
 
 
+def missing_parts(path: str, n_servers: int, fmt: int, loop_part: bool) -> list[str]:
+    """The files the checkpoint ``path`` still lacks: a shard's part, and worker 0's loop part where it is due."""
+    if fmt < 2:
+        return []
+    missing = [optimizer_state_path(path, s) for s in range(n_servers) if not os.path.exists(optimizer_state_path(path, s))]
+    if loop_part and not os.path.exists(user_state_path(path)):
+        missing.append(user_state_path(path))
+    return missing
+
+
 def newest_complete(directory: str) -> tuple[str, np.ndarray] | None:
-    """The newest complete checkpoint in ``directory`` (every shard's part written) and its worker clocks,
-    read from its attributes only; None where it holds none."""
+    """The newest complete checkpoint in ``directory`` (every shard's part written, and worker 0's loop part
+    where one is due) and its worker clocks, read from its attributes only; None where it holds none."""
     for path in sorted(glob.glob(os.path.join(directory, "step-*.h5")), reverse=True):
         try:
             with h5py.File(path, "r", locking=False) as f:
                 clocks, n_servers = np.asarray(f.attrs["worker_clocks"]), int(f.attrs["n_servers"])
-                fmt = int(f.attrs["format"])
+                fmt, loop_part = int(f.attrs["format"]), bool(f.attrs.get("loop_part", 0))
         except (OSError, KeyError):
             continue
-        if fmt < 2 or all(os.path.exists(optimizer_state_path(path, s)) for s in range(n_servers)):
+        if not missing_parts(path, n_servers, fmt, loop_part):
             return path, clocks
     return None
 
@@ -277,13 +295,13 @@ def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:
             ckpt = Checkpoint(f["params"][()], int(f.attrs["version"]), np.asarray(f.attrs["worker_clocks"]),
                               json.loads(f.attrs["config"]), int(f.attrs["n_servers"]), int(f.attrs["format"]),
                               np.asarray(f.attrs["shard_versions"]) if "shard_versions" in f.attrs else None)
+            loop_part = bool(f.attrs.get("loop_part", 0))
     except FileNotFoundError:
         raise UserError(f"--resume {path}: no such file") from None
     except (OSError, KeyError) as exc:
         raise UserError(f"--resume {path}: not an hpcps checkpoint ({exc})") from None
-    if complete and ckpt.format >= 2:
-        missing = [optimizer_state_path(path, s) for s in range(ckpt.n_servers)
-                   if not os.path.exists(optimizer_state_path(path, s))]
+    if complete:
+        missing = missing_parts(path, ckpt.n_servers, ckpt.format, loop_part)
         if missing:
             raise UserError(f"--resume {path}: incomplete checkpoint, missing {', '.join(missing)}")
     return ckpt

@@ -260,7 +260,8 @@ def checkpointer(run, window: ParamWindow, optimizer: ShardOptimizer, clocks: Ca
             return
         pull_at(window, buf, [version] * run.layout.n_servers)
         write_checkpoint(path, buf, version=version, worker_clocks=list(clocks()),
-                         config=run.ran_config(), n_servers=run.layout.n_servers)
+                         config=run.ran_config(), n_servers=run.layout.n_servers,
+                         loop_part=True)  # worker 0's loop writes its part at its next training pass
         log.info("checkpoint of version %d written to %s", version, path)
 
     return on_published

@@ -66,7 +66,7 @@ from hpcps.transport.compress import make_codec
 from hpcps.transport.failures import DeadRanks, left_out, ulfm_enabled
 from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
-from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
+from hpcps.transport.poll import Backoff, StallWatch, clear_signal, polite_barrier, watch_every_wait
 from hpcps.transport.window import ParamWindow
 from hpcps.runtime.warmup import gather_pass_times, measure_pass_time
 from hpcps.training.workload import Workload, data_shape, workload_from_config
@@ -399,6 +399,19 @@ class _Run:
             agree_module.last_words.clear()  # nothing to say: the run ended on every rank
         self.stack.close()
 
+    def _watch_every_wait(self) -> None:
+        """While the run lasts, a wait with no watch of its own gets one (:func:`hpcps.transport.poll.watch_every_wait`)
+        at twice the stall limits, so that the waits that name what they wait for speak first; and a stop signal
+        that came during the run is forgotten when it ends."""
+        cfg, rank = self.cfg, self.topo.comm.rank
+        warn, abort = 2 * cfg.stall_warn, 2 * cfg.stall_limit if cfg.stall_limit else None
+
+        def make(text: str) -> StallWatch:
+            return StallWatch(warn=warn, abort=abort, log=log, error=RunAborted,
+                              describe=lambda: f"rank {rank} waiting {text}")
+        self.stack.callback(watch_every_wait(make))
+        self.stack.callback(clear_signal)
+
     def start(self) -> None:
         """Collective: the metrics file, the windows, the shards' optimizers; everyone meets, the clocks agree.
 
@@ -406,6 +419,7 @@ class _Run:
         (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and :meth:`end`, collective again.
         """
         comm, topo = self.topo.comm, self.topo
+        self._watch_every_wait()
         ulfm = ulfm_enabled()
         if ulfm and self.layout.n_groups == 0 and policy_class(self.cfg.paradigm).runs_through:
             self.dead = DeadRanks([topo.ps, topo.metrics])
@@ -523,7 +537,9 @@ class _Run:
         recorder.close(self.backoff)
         if self.dead is not None:
             comm = self._survivors()
-        polite_barrier(comm, self.backoff)
+        # a fast worker waits here for the slowest and for rank 0's final evaluation, as long as they take; a
+        # hung rank is its own waits' to end (every one of them is watched)
+        polite_barrier(comm, self.backoff, watched=False)
         # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
         stopped_by = next((s for s in comm.allgather(self.signals.acted) if s), None)
         saved_ckpt = checkpointing.checkpoint_at_stop(self, comm, loop) if stopped_by else None

@@ -295,7 +295,7 @@ class ShardServer:
         self._carry_out(decision, notices)
         self.dead_workers.add(worker)
         if self.spares is not None:
-            self.spares.died(worker, self.clocks[worker], rank)
+            self.spares.died(worker, self.clocks[worker], rank, stopping=self.window.stop_raised())
 
     def _join(self, event: JoinEvent, now: float, notices: dict[int, list]) -> None:
         """A spare takes the place of a dead worker (:mod:`hpcps.runtime.spares`): its messages are that

@@ -512,9 +512,8 @@ class Session:
         run resumed from that checkpoint starts)."""
         if self._due is None:
             return
-        loop = self.loop_state()
-        if loop:
-            write_user_state(checkpoint_path(self.run.ckpt_dir, self._due), loop)
+        # written whatever it holds: the checkpoint counts as complete only with it (its loop_part)
+        write_user_state(checkpoint_path(self.run.ckpt_dir, self._due), self.loop_state())
         self._saved_at, self._due = self._due, None
 
     def loop_state(self) -> LoopState:

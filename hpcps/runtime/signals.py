@@ -26,6 +26,8 @@ import signal
 import sys
 import threading
 
+from hpcps.transport.poll import note_signal
+
 #: the signals that stop a run cleanly, and how ``/summary`` names each
 STOP_SIGNALS = {signal.SIGUSR1: "SIGUSR1", signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 
@@ -66,6 +68,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         name = STOP_SIGNALS[signum]
+        if signum != signal.SIGUSR1:  # a watched wait now ends the job after the grace (hpcps.transport.poll)
+            note_signal(name)
         if self.received is None:
             self.received = name
             if self._on_first is not None:

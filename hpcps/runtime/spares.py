@@ -76,8 +76,11 @@ class SpareDesk:
         if self._req is not None:
             self._req.Start()
 
-    def died(self, worker: int, clock: int, rank: int) -> None:
-        """Worker ``worker`` (at ``rank``) was found dead here, after ``clock`` gradients received whole from it."""
+    def died(self, worker: int, clock: int, rank: int, *, stopping: bool = False) -> None:
+        """Worker ``worker`` (at ``rank``) was found dead here, after ``clock`` gradients received whole from it;
+        ``stopping``: the run's stop flag is up (a signal, a target, a divergence), and no spare is assigned:
+        the other workers are leaving, and a worker that died between its leaves to two shards would have a
+        spare sent to a shard that saw it leave, which would wait for that spare's join for ever."""
         if not self.coordinator:
             if not self.closed:
                 self.deaths.add(worker)
@@ -85,6 +88,9 @@ class SpareDesk:
         if self.dead is not None:
             self.idle = deque(r for r in self.idle if r not in self.dead.dead)
         if clock >= self.rounds:
+            return
+        if stopping:
+            log.warning("shard 0: worker rank %d died while the run stops: no spare takes its place", rank)
             return
         if not self.idle:
             log.warning("shard 0: no spare worker left to take the place of worker rank %d", rank)
@@ -156,6 +162,6 @@ def wait_for_place(comm: MPI.Comm, coordinator: int, backoff: Backoff | None = N
     place, None when the run ends without needing it."""
     buf = np.zeros(3, np.int64)
     req = comm.Irecv(buf, source=coordinator, tag=wire.TAG_SPARE)
-    wait_until(req.Test, backoff or Backoff(cap=0.01))
+    wait_until(req.Test, backoff or Backoff(cap=0.01), watched=False)  # idle for as long as the run needs no spare
     kind, worker, clock = (int(v) for v in buf)
     return (worker, clock) if kind == ASSIGN else None

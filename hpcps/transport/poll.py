@@ -5,12 +5,56 @@ and 5+ ranks) a spinning rank steals the CPU of the rank it waits for, and
 the measurements lie. Every wait in hpcps therefore polls a ``Test``-style
 call (which also drives MPI progress) and sleeps between tries, starting
 short and doubling up to a cap, and starting short again after progress.
+
+No wait blocks forever. A wait with a watch of its own (a :class:`StallWatch`
+naming what it waits for) keeps it; while a run lasts, every other wait gets
+the run's (:func:`watch_every_wait`: a warning, then the job's end, naming
+the function that waits and where). And once a SIGTERM or SIGINT has come
+(:func:`note_signal`, from the run's handlers), a watched wait that lasts
+:data:`SIGNAL_GRACE` seconds beyond it ends the job: the step the signal
+asked to finish will never end, and a batch system kills 30 s after its
+SIGTERM anyway.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Callable
+
+#: after SIGTERM or SIGINT, how long a wait goes on before the job ends (a batch system kills 30 s after its
+#: SIGTERM; a node that died, or a box taken down, never comes)
+SIGNAL_GRACE = 30.0
+
+#: the stop signal that came (its name, and when on the monotonic clock), set by the run's handlers
+_signalled: list[tuple[str, float]] = []
+#: while a run lasts: the watch of a wait that brings none, made from the waiting function's name and place
+_every: list[Callable[[str], "StallWatch"]] = []
+
+
+def note_signal(name: str) -> None:
+    """A SIGTERM or SIGINT came (``name``): from now on a watched wait ends the job :data:`SIGNAL_GRACE`
+    seconds after it. (Called in a signal handler: it only appends.)"""
+    if not _signalled:
+        _signalled.append((name, time.monotonic()))
+
+
+def clear_signal() -> None:
+    """The run that caught the signal is over (a later run in this process starts without it)."""
+    _signalled.clear()
+
+
+def watch_every_wait(make: Callable[[str], "StallWatch"]) -> Callable[[], None]:
+    """From now on, a :func:`wait_until` without a watch of its own (and not marked unwatched) gets
+    ``make(text)``, ``text`` saying what it waits for (``for ...``, or ``in`` the waiting function, at its place
+    in the source). Returns the undo."""
+    _every.append(make)
+
+    def undo() -> None:
+        if make in _every:
+            _every.remove(make)
+    return undo
 
 
 class Backoff:
@@ -36,14 +80,23 @@ class Backoff:
 
 
 def wait_until(test: Callable[[], bool], backoff: Backoff | None = None,
-               watchdog: Callable[[float], object] | None = None) -> float:
+               watchdog: Callable[[float], object] | None = None, *, watched: bool = True,
+               what: str | None = None) -> float:
     """Poll ``test()`` until it returns true; return the seconds spent waiting.
 
     ``watchdog(seconds_waited)``, if given, is called between polls: it may
-    log a stall or raise to end the wait.
+    log a stall or raise to end the wait. Without one, while a run lasts, the
+    run's watch (:func:`watch_every_wait`), saying it waits ``for what`` (by
+    default: in the calling function, at its place in the source); none where
+    ``watched`` is False (a wait whose end is another's to decide: a spare's,
+    idle until a worker dies; a fast worker's at the run's end, for the slowest).
     """
     if test():
         return 0.0
+    if watchdog is None and watched and _every:
+        frame = sys._getframe(1)
+        watchdog = _every[-1](f"for {what}" if what else
+                              f"in {frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
     backoff = backoff or Backoff()
     backoff.reset()
     start = time.perf_counter()
@@ -56,11 +109,13 @@ def wait_until(test: Callable[[], bool], backoff: Backoff | None = None,
 
 
 def polite_barrier(comm, backoff: Backoff | None = None,
-                   watchdog: Callable[[float], object] | None = None) -> float:
+                   watchdog: Callable[[float], object] | None = None, *, watched: bool = True,
+                   what: str | None = None) -> float:
     """A barrier on ``comm`` that polls ``Ibarrier`` instead of spinning; returns seconds waited.
     ``watchdog`` as for :func:`wait_until` (a :class:`StallWatch`, so a barrier that never completes
     ends the job instead of holding it forever)."""
-    return wait_until(comm.Ibarrier().Test, backoff, watchdog)
+    return wait_until(comm.Ibarrier().Test, backoff, watchdog, watched=watched,
+                      what=what or "every rank at a barrier")
 
 
 class StallWatch:
@@ -77,6 +132,12 @@ class StallWatch:
     def __call__(self, waited: float) -> None:
         if self.abort is not None and waited >= self.abort:
             raise self.error(f"stall: {self.describe()} for {waited:.0f} s (--stall-abort {self.abort:g})")
+        if _signalled:
+            name, at = _signalled[0]
+            since = time.monotonic() - at
+            if since >= SIGNAL_GRACE and waited >= SIGNAL_GRACE:
+                raise self.error(f"{name} received {since:.0f} s ago, and {self.describe()} for {waited:.0f} s: "
+                                 f"the step under way will not end; ending the job")
         if waited >= self.warn * (self.warned + 1):
             self.warned += 1
             self.log.warning("stall: %s for %.0f s", self.describe(), waited)

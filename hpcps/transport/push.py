@@ -278,6 +278,9 @@ class PushInbox:
         self.lost: set[int] = set()  # workers found dead (run-through)
         self.spares = set(spares)
         self.unplaced: dict[int, deque[np.ndarray]] = {}  # a spare's headers that came before its join here
+        #: ranks out of the run for good: dead workers whose places spares took. A message of theirs that MPI
+        #: delivers late (a header sent just before the death) is dropped: their index is the spare's now
+        self.retired: set[int] = set()
 
     @property
     def pooled(self) -> bool:
@@ -293,6 +296,8 @@ class PushInbox:
         while self._header_came(events):
             source = self.status.Get_source()
             header = self.incoming.copy()
+            if source in self.retired:  # sent before it died, come after a spare took its place: nobody's now
+                continue
             i = self.index_of.get(source)
             if i is None and source in self.spares:  # a spare whose join has not reached this shard yet
                 self.unplaced.setdefault(source, deque()).append(header)
@@ -394,6 +399,7 @@ class PushInbox:
         """Spare ``rank`` takes the place of ``worker``, found dead (:mod:`hpcps.runtime.spares`): its messages
         are that worker's from now on, the headers it sent before this first."""
         self.index_of.pop(self.worker_ranks[worker], None)
+        self.retired.add(self.worker_ranks[worker])
         self.worker_ranks[worker] = rank
         self.index_of[rank] = worker
         self.lost.discard(worker)

@@ -68,7 +68,8 @@ class ParamSender:
 
     def drain(self, backoff: Backoff | None = None) -> None:
         """Wait politely for every send in flight."""
-        wait_until(lambda: not self.pending or MPI.Request.Testall(self.pending), backoff)
+        wait_until(lambda: not self.pending or MPI.Request.Testall(self.pending), backoff,
+                   what="the workers to receive its last sent round (--pull send)")
         self.pending = []
 
 

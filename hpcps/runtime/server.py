@@ -488,7 +488,7 @@ class ShardServer:
             self.stall.reset()
 
     def _describe_stall(self) -> str:
-        names = ", ".join(f"{self.worker_ranks[w]} (silent {t:.0f} s, last gradient {self.clocks[w]})"
+        names = ", ".join(f"{self.worker_ranks[w]} (silent {t:.0f} s, last gradient {self.clocks[w]}{self._held(w)})"
                           for t, w in reversed(self.silent))
         blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
         held_up = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.held_up))
@@ -497,6 +497,12 @@ class ShardServer:
         streaming = f"; pushes streaming in: {streaming}" if streaming else ""
         return (f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: "
                 f"{blocked}{held_up}{streaming}")
+
+    def _held(self, worker: int) -> str:
+        """``; MPI holds <what> from it unmatched`` where a probe finds a message of the silent ``worker`` that no
+        receive took (bytes arrived, matching failed), else nothing (no bytes came)."""
+        unmatched = self.inbox.unmatched(worker)
+        return f"; MPI holds {unmatched} from it, unmatched" if unmatched else ""
 
     def _gradient(self, worker: int) -> torch.Tensor:
         """The held gradient of ``worker``: a view of the inbox's buffer (fp32, or 16-bit under

@@ -423,6 +423,18 @@ class PushInbox:
             self.buffer_of[i] = self.free_buffers.popleft()
             self._receive(i)
 
+    def unmatched(self, worker: int) -> str | None:
+        """What MPI holds from ``worker`` that no receive has taken (a probe, for a stall's report): the tag of
+        its oldest such message, or None. A silent worker with a message here is a matching fault above MPI
+        (hpcps's, or the MPI's own: see the class docstring); none means the bytes never arrived."""
+        status = MPI.Status()
+        try:
+            if self.comm.Iprobe(source=self.worker_ranks[worker], tag=MPI.ANY_TAG, status=status):
+                return wire.TAG_NAMES.get(status.Get_tag(), str(status.Get_tag()))
+        except MPI.Exception:  # a dead rank under run-through: nothing to say
+            pass
+        return None
+
     def payloads_coming(self) -> list[int]:
         """Workers whose payload is coming in now (its receive posted, not complete): over a slow link
         one gradient can take longer than the stall limits, and the worker is not silent meanwhile."""

@@ -82,6 +82,12 @@ TAG_SENT_HEAD = 19  # int64[2] (version, stop flag): a shard's sent round, shard
 TAG_SENT = 20  # its values, one message per range of the shard's slice, after the header
 TAG_SPARE = 18  # int64[3], spare workers' words: shard 0 -> a spare, shard 0 -> the shards (hpcps.runtime.spares)
 
+#: each tag's name, for reports (a stall's: what MPI holds unmatched from a silent worker)
+TAG_NAMES = {TAG_PUSH_HEADER: "a push header", TAG_PUSH_DATA: "a push payload", TAG_NOTICE: "a notice",
+             TAG_HYPER: "hyperparameters", TAG_VERDICT: "a verdict", TAG_STATE: "an optimizer state request",
+             TAG_STATE_REPLY: "an optimizer state reply", TAG_SENT_HEAD: "a sent round's header",
+             TAG_SENT: "a sent round's values", TAG_SPARE: "a spare's word"}
+
 HEADER_LEN = 6
 KIND_PUSH = 1
 KIND_DONE = 2

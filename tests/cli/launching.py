@@ -56,3 +56,20 @@ def run_bounded(argv: list[str], *, timeout: float, env: dict[str, str] | None =
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(argv[:6])} ... did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def box_missing() -> str | None:
+    """Why no cluster in a box can be built here, or None: build a one-node box and take it down."""
+    from hpcps.box import net
+    from hpcps.box.spec import make_cluster
+
+    try:
+        net.check_host()
+        if os.geteuid() != 0:
+            return "hpcps emulate needs root (network namespaces, tc)"
+        probe = make_cluster(1, ["1gbit"], buffer="64kb", prefix=f"hpcps{os.getpid()}-")
+        net.build(probe)
+        net.remove(probe.prefix)
+    except Exception as exc:  # BoxError says what is missing
+        return str(exc)
+    return None

@@ -26,27 +26,13 @@ from hpcps.box.reaper import tree
 from hpcps.box.spec import make_cluster, parse_rate
 from hpcps.cluster.launcher import clean_environ
 from hpcps.analysis.report import max_clock_gap
-from launching import FAMILY, needs_mpiexec, run_bounded
+from launching import FAMILY, box_missing, needs_mpiexec, run_bounded
 
 STEPS = 12
 SOAK = os.environ.get("HPCPS_SOAK_BOX", "") not in ("", "0")
 
 
-def _box_missing() -> str | None:
-    """Why no box can be built here, or None: build a one-node box and take it down."""
-    try:
-        net.check_host()
-        if os.geteuid() != 0:
-            return "hpcps emulate needs root (network namespaces, tc)"
-        probe = make_cluster(1, ["1gbit"], buffer="64kb", prefix=f"hpcps{os.getpid()}-")
-        net.build(probe)
-        net.remove(probe.prefix)
-    except Exception as exc:  # BoxError says what is missing
-        return str(exc)
-    return None
-
-
-MISSING = _box_missing()
+MISSING = box_missing()
 pytestmark = [needs_mpiexec, pytest.mark.skipif(MISSING is not None, reason=f"no box here: {MISSING}")]
 
 

@@ -4,6 +4,7 @@ time) x partitions x compression x periodic checkpoints x bsp's rounds sent or r
 run's file is checked for what holds across shards.
 
 * a gradient is applied by every shard or by none;
+* under local steps, a NaN the user's loop computes at one inner step is skipped once, and no round dropped;
 * every shard records every gradient once, and pushed = applied + dropped, the dropped being exactly
   the gradients no shard applied (the injected NaN among them);
 * ssp's and dssp's clock gap (from the shards' rows) and eager's lag stay within their bounds;
@@ -79,7 +80,10 @@ def combinations(draw) -> dict:
             if cfg.get("overlap_steps"):
                 cfg["overlap_steps"] = 0
     rounds = _rounds(cfg)
-    if draw(st.booleans()):  # one worker pushes a NaN gradient (pseudo-gradient) once
+    if cfg["loop"] == "own" and cfg.get("local_steps") and draw(st.booleans()):
+        # one worker's loop computes a NaN gradient at one inner step: skipped by its inner optimizer, never pushed
+        cfg["inner_nan"] = (draw(st.integers(servers + groups, WORLD - 1)), draw(st.integers(0, steps - 1)))
+    elif draw(st.booleans()):  # one worker pushes a NaN gradient (pseudo-gradient) once
         worker = draw(st.integers(servers + groups, WORLD - 1))
         at = draw(st.integers(1, steps - 2)) if rounds == steps else draw(st.integers(0, rounds - 1))
         cfg["fault"] = [f"nan@{worker}:{at}"]
@@ -92,7 +96,7 @@ def _rounds(cfg: dict) -> int:
     return cfg["steps"] if every is None else -(-cfg["steps"] // every)
 
 
-def _own_loop(out, options: dict, comm) -> int:
+def _own_loop(out, options: dict, comm, inner_nan: tuple[int, int] | None = None) -> int:
     """The user's own loop on the digits (hpcps.init), its batches where ``ps.device`` says (a GPU where
     one is visible): return how many steps read, after ``ps.step()``, parameters other than those the next
     forward pass used (on a worker; 0 elsewhere)."""
@@ -113,6 +117,8 @@ def _own_loop(out, options: dict, comm) -> int:
             loss = F.cross_entropy(ps.model(x[idx].to(ps.device)), y[idx].to(ps.device))
             torn += not torch.equal(read, torch.cat([p.detach().flatten() for p in ps.model.parameters()]))
             loss.backward()
+            if inner_nan is not None and (ps.rank, ps.iteration) == tuple(inner_nan):
+                next(ps.model.parameters()).grad.view(-1)[0] = float("nan")
             ps.step(loss)
     return torn
 
@@ -123,12 +129,12 @@ def _run(world, out, cfg: dict) -> tuple[dict | None, int]:
 
     from hpcps.metrics.schema import TABLES
 
-    options = {k: v for k, v in cfg.items() if k != "loop" and v is not None}
+    options = {k: v for k, v in cfg.items() if k not in ("loop", "inner_nan") and v is not None}
     options["checkpoint_dir"] = str(out) + "-checkpoints"
     if cfg["loop"] == "builtin":
         _, tables = train(out, world, **options)
         return tables, 0
-    torn = world.allreduce(_own_loop(out, options, world), op=MPI.SUM)
+    torn = world.allreduce(_own_loop(out, options, world, cfg.get("inner_nan")), op=MPI.SUM)
     tables = None
     if world.rank == 0:
         with h5py.File(out) as f:
@@ -164,6 +170,14 @@ def _problems(cfg: dict, t: dict) -> list[str]:
         problems.append(f"{nobody} gradients applied by no shard, the summary says {s['gradients_dropped']} dropped")
     if cfg.get("fault") and nobody < 1:
         problems.append("the injected NaN gradient was applied")
+    if cfg.get("inner_nan"):
+        rank, _ = cfg["inner_nan"]
+        sc = t["workers/scalars"]
+        skipped = sc[sc["name"] == b"inner_nonfinite"]
+        if [(int(r["rank"]), float(r["value"])) for r in skipped] != [(rank, 1.0)]:
+            problems.append(f"the inner NaN at {cfg['inner_nan']} was not skipped once: {skipped.tolist()}")
+        if s["gradients_dropped"]:
+            problems.append(f"an inner NaN skipped in the loop, yet {s['gradients_dropped']} rounds dropped")
     bound = {"bsp": 0, "ssp": cfg.get("staleness"), "dssp": cfg.get("staleness_max")}.get(cfg["paradigm"])
     if bound is not None and servers == 1 and not groups:
         gaps = [int(r["step"]) - min(clocks_at(up, int(r["version"]), workers).values()) for r in it]
@@ -180,7 +194,7 @@ def _problems(cfg: dict, t: dict) -> list[str]:
 @given(cfg=combinations())
 def test_combinations_hold_across_shards(world, mpi_tmp_path, cfg):
     try:  # a combination hpcps refuses is one error line, the same on every rank: not a run to check
-        plan(make_config({k: v for k, v in cfg.items() if k != "loop"} | (
+        plan(make_config({k: v for k, v in cfg.items() if k not in ("loop", "inner_nan")} | (
             {"dataset": "own-loop"} if cfg["loop"] == "own" else {})), world.size)
     except UserError as exc:
         assert "\n" not in str(exc)

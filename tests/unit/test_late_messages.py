@@ -30,6 +30,14 @@ class FakeComm:
                 return _Message(values)
         return None
 
+    def Iprobe(self, source, tag, status):
+        for src, t, _ in self.queue:
+            if source in (MPI.ANY_SOURCE, src) and tag in (MPI.ANY_TAG, t):
+                status.Set_source(src)
+                status.Set_tag(t)
+                return True
+        return False
+
     def Irecv(self, buf, source, tag):
         return MPI.COMM_SELF.Irecv(buf, source=0, tag=4242)  # a real request that nobody completes
 
@@ -101,3 +109,13 @@ def test_shard_0_assigns_no_spare_once_the_run_stops():
     assert comm.sent == [] and desk.poll(lambda w: True, [3, 0]) == [] and list(desk.idle) == [5]
     desk.died(0, 3, 2)  # not stopping: the spare is sent, shard 1 told
     assert [(dest, kind) for dest, _, (kind, *_) in comm.sent] == [(5, ASSIGN), (1, JOIN)]
+
+
+def test_a_stall_report_says_what_mpi_holds_unmatched_from_a_silent_worker():
+    """The shard's stall line tells a matching fault (bytes here, no receive took them: the wildcard receive
+    of MPICH over UCX's TCP) from bytes that never came."""
+    comm = FakeComm()
+    inbox = PushInbox(comm, worker_ranks=[1, 2], shard_len=4)
+    comm.queue.append((2, wire.TAG_PUSH_DATA, np.zeros(4, np.float32)))  # worker 1's (rank 2) payload, unmatched
+    assert inbox.unmatched(0) is None
+    assert inbox.unmatched(1) == "a push payload"

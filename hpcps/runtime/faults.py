@@ -7,6 +7,8 @@ At iteration STEP, worker RANK, after its forward/backward pass:
 * ``raise``: raises an exception (the job must end on every rank, naming the rank);
 * ``exit``: leaves the process at once with status 1, as a crashed rank would;
 * ``kill``: sends itself SIGKILL, as the kernel's out-of-memory killer or a dying node would;
+* ``killhead``: sends its push's headers, then SIGKILL before any payload: the shards hold a header of a
+  worker that is dead (run-through: a lost push; a late header after a spare took its place);
 * ``hang``: stops making progress forever (sleeping), as a stuck rank would; the
   stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job;
 * ``usr1``: sends itself SIGUSR1, as a batch system does before the time limit
@@ -22,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 
-KINDS = ("nan", "raise", "exit", "kill", "hang", "usr1")
+KINDS = ("nan", "raise", "exit", "kill", "killhead", "hang", "usr1")
 _SPEC = re.compile(r"^([a-z][a-z0-9]*)@(\d+):(\d+)$")
 
 

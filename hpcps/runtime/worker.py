@@ -450,6 +450,12 @@ class Worker:
                 time.sleep(3600)
         elif fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "killhead":  # its push's headers reach the shards, its payload never
+            slot = self.step % len(self.pusher.buffers)
+            self._wait(lambda: self.pusher.test(slot), "its push slot")
+            self.pusher.start_header(self.clock_count + 1, self.versions, self.lr, slot)
+            self._wait(lambda: self.pusher.headers_sent(slot), "its push's headers to leave")
+            os.kill(os.getpid(), signal.SIGKILL)
         else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.cli.DIVERGED_STATUS)
             self.recorder.flush()
             os._exit(1)

@@ -146,6 +146,10 @@ class Pusher:
                 self._advance(k)
         return all(all(map(all, self.started[k])) and MPI.Request.Testall(self.requests[k]) for k in slots)
 
+    def headers_sent(self, slot: int) -> bool:
+        """Whether the headers of ``slot``'s push have left (its payloads may not have)."""
+        return MPI.Request.Testall(self.header_reqs[slot])
+
     def start_done(self, clock: int) -> None:
         """Tell every shard this worker leaves after ``clock`` pushes (after any push in flight)."""
         for s, rank in enumerate(self.shard_ranks):

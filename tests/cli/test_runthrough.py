@@ -187,6 +187,30 @@ def test_a_second_death_with_the_spare_taken_runs_through_without_one(tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("paradigm,shards", [("asp", 1), ("ssp", 2)])
+def test_a_worker_killed_right_after_its_push_header_is_replaced_and_its_late_header_dropped(tmp_path, paradigm,
+                                                                                           shards):
+    """Worker rank 3 sends its step-15 push's headers to every shard, then SIGKILLs itself before any payload:
+    each shard holds a header of a dead worker (lost, a row of servers/lost), and shard 0 hands the spare the
+    clock it received whole. The run trains every index's gradients: shard 0 applied each clock of the dead
+    worker's index once, and pushed = applied + dropped + lost. (Here ULFM reports the death after the header
+    is in, so the header delivered after a join, which killed the shard, is test_late_messages.py's.)"""
+    spare = 4 + shards
+    out = tmp_path / f"{paradigm}.h5"
+    done = ulfm_train("--paradigm", paradigm, "--servers", str(shards), "--compute-time", "0.01",
+                      "--fault", "killhead@3:15", "--spare-workers", "1", out=out, n=4 + shards + 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"shard 0: spare rank {spare} takes the place of worker rank 3" in done.stderr
+    t = tables(out)
+    up, summary = t["up"], t["summary"]
+    rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, spare])]
+    assert sorted(rows["worker_clock"].tolist()) == list(range(1, STEPS + 1))
+    assert summary["workers_lost"] == 1 and summary["workers_joined"] == 1
+    assert summary["gradients_applied"] + summary["gradients_dropped"] + summary["gradients_lost"] == \
+        summary["gradients_pushed"]
+
+
+@pytest.mark.timeout(240)
 def test_a_spare_that_dies_in_its_place_is_replaced_by_the_next(tmp_path):
     """asp, two spares (ranks 5 and 6): worker rank 3 dies at step 15, spare rank 5 takes its place and dies
     at its step 40, spare rank 6 takes the place from there: shard 0 applied each of the index's 60 clocks

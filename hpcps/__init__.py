@@ -16,6 +16,12 @@ from hpcps.cluster.launcher import open_mpi_defaults as _open_mpi_defaults  # no
 
 _open_mpi_defaults()
 
+# an uncaught exception in a job of several ranks ends the job, as under python -m mpi4py (hpcps.runtime.guard;
+# sys and weakref only: nothing of MPI is imported here)
+from hpcps.runtime.guard import install as _install_guard  # noqa: E402
+
+_install_guard()
+
 __all__ = ["train", "init", "decay_groups", "Policy", "Decision", "__version__"]
 
 

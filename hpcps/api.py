@@ -149,11 +149,12 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     worker rank the model (``ps.model``) holds the parameters of the first step.
 
     ``model``, ``optimizer``, ``lr_schedule``, ``param_groups``, ``config``, ``comm``
-    and ``exit_on_error`` are as :func:`train` takes them. With ``exit_on_error``
-    (the default), an uncaught exception anywhere in the script after ``init``
-    (inside ``with ps:`` or not), or a worker's script that ends with its
-    session open, ends the job on every rank with one line naming the rank
-    (:mod:`hpcps.runtime.guard`), as ``python -m mpi4py`` does; ``options`` are
+    and ``exit_on_error`` are as :func:`train` takes them. An uncaught exception
+    anywhere in the script (inside ``with ps:`` or not) ends the job on every
+    rank with one line naming the rank, as under ``python -m mpi4py``; with
+    ``exit_on_error`` (the default) so does a worker's script that ends with
+    its session open mid-run, and one whose loop ran out closes it at exit
+    (:mod:`hpcps.runtime.guard`); ``options`` are
     :func:`train`'s, less the data's (the loop brings its own batches):
     ``steps`` is required (the most steps a worker takes: schedules and the
     progress line count on it; the loop may stop sooner), a number or a

@@ -1,23 +1,28 @@
-"""Outside ``with ps:``, a rank that dies ends the job too: the convention of ``python -m mpi4py``.
+"""A rank that dies ends the job, wherever in the script: the convention of ``python -m mpi4py``.
 
-A script's error between :func:`hpcps.init` and its ``with ps:`` (a missing
-data file, a typo in the loop's set-up), or after the block, is not seen by
-the session: Python prints the traceback and the rank exits, while the
-other ranks wait for it for ever (the servers serve, the workers wait for
-its share of a round). ``python -m mpi4py script.py`` answers this by
-calling ``MPI_Abort`` on an unhandled exception; :func:`guard` does the same
-for a run that :func:`hpcps.init` started, whatever the launcher:
+A script's error outside ``with ps:`` (a missing data file, a typo in the
+loop's set-up, between :func:`hpcps.init` and the ``with``, or before
+``init``) is not seen by any session: Python prints the traceback, the rank
+then waits in ``MPI_Finalize`` at exit, and the other ranks wait for it for
+ever (the servers serve, the workers wait for its share of a round).
+``python -m mpi4py script.py`` answers this by calling ``MPI_Abort`` on an
+unhandled exception; hpcps does the same for any script that imports it,
+whatever the launcher:
 
-- an uncaught exception (``sys.excepthook``) ends the job with one line naming
-  the rank and the error, the traceback in the log (:func:`hpcps.runtime.agree.end_job`);
-- a worker whose script ends with its session open: where the run is over
-  for it (``ps.running`` False: the loop ran out without ``ps.close()``) the
-  session closes at exit, as every other worker's does; mid-run (a
-  ``sys.exit`` in the loop) the job ends with one line that says so, where the
-  servers would otherwise wait for its leave for ever.
+- :func:`install` (at ``import hpcps``): an uncaught exception in a job of more
+  than one rank ends the job with one line naming the rank and the error, the
+  traceback in the log (:func:`hpcps.runtime.agree.end_job`); before MPI has
+  started, the failing rank starts it first (the others would wait for it in
+  ``MPI_Init``); nothing changes for a single process;
+- :func:`guard` (at :func:`hpcps.init`): a worker whose script ends with its
+  session open closes it where the run is over for it (``ps.running`` False:
+  the loop ran out without ``ps.close()``), as every other worker's does; mid-run
+  (a ``sys.exit`` in the loop) the job ends with one line that says so, where
+  the servers would otherwise wait for its leave for ever.
 
-An error before ``hpcps.init`` is the script's own: launch it with
-``python -m mpi4py`` for the same guarantee there.
+``hpcps.init(exit_on_error=False)`` (tests, interactive use) sets none of this up
+for its session, and an exception of a run's own is the session's to handle
+(``with ps:``).
 """
 
 from __future__ import annotations
@@ -29,33 +34,75 @@ from typing import Any
 
 #: the guarded sessions still alive (weakly: a session the script dropped is not kept for the exit check)
 _sessions: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_installed = False
+_hooked = False
+_at_exit_registered = False
 
 
-def guard(session: Any, comm: Any) -> None:
-    """Watch ``session`` (a :class:`~hpcps.runtime.session.Session` of this rank, over ``comm``) until the
-    process exits: an uncaught exception or an exit with the session open ends the job on every rank."""
-    global _installed
-    session._guard_comm = comm
-    _sessions.add(session)
-    if _installed:
+def install() -> None:
+    """From now on an uncaught exception in an MPI job of more than one rank ends the job (idempotent)."""
+    global _hooked
+    if _hooked:
         return
-    _installed = True
+    _hooked = True
     previous = sys.excepthook
 
     def excepthook(kind, exc, tb) -> None:
-        from mpi4py import MPI
-
-        sessions = list(_sessions)
-        if not sessions or MPI.Is_finalized():  # nothing of hpcps's is left to end: as Python would
+        comm = _job_comm()
+        if comm is None:  # one process, or MPI not (or no longer) up: as Python would
             previous(kind, exc, tb)
             return
         from hpcps.runtime.agree import end_job
 
-        end_job(sessions[0]._guard_comm, exc if exc is not None else kind())
+        end_job(comm, exc if exc is not None else kind())
+        import os
+
+        os._exit(1)  # MPI_Abort may return on a rank the launcher is tearing down: no exit handler runs after it
 
     sys.excepthook = excepthook
-    atexit.register(_at_exit)  # (registered after mpi4py's finalize: it runs before)
+
+
+#: what launchers tell each process of the job's size (MPICH's and Intel MPI's hydra, Open MPI, MVAPICH, srun)
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_size(environ=None) -> int:
+    """The job's process count as the launcher says it (1 where none does)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    for name in SIZE_VARS:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def _job_comm() -> Any:
+    """The communicator to end: a guarded session's, else ``COMM_WORLD`` of a job of several ranks; None
+    where there is nothing to end. A rank that fails before MPI started starts it first: under MPICH's
+    launcher the other ranks would wait for it in ``MPI_Init`` for ever (it meets them there, then aborts)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        if launched_size() < 2:
+            return None
+        from mpi4py import MPI as mpi
+    if not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    for session in list(_sessions):
+        return session._guard_comm
+    return mpi.COMM_WORLD if mpi.COMM_WORLD.Get_size() > 1 else None
+
+
+def guard(session: Any, comm: Any) -> None:
+    """Watch ``session`` (a :class:`~hpcps.runtime.session.Session` of this rank, over ``comm``) until the
+    process exits: an uncaught exception, or an exit with the session open mid-run, ends the job on every rank."""
+    global _at_exit_registered
+    install()
+    session._guard_comm = comm
+    _sessions.add(session)
+    if not _at_exit_registered:
+        _at_exit_registered = True
+        atexit.register(_at_exit)  # (registered after mpi4py's finalize: it runs before)
 
 
 def left_open() -> list[Any]:

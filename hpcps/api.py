@@ -107,6 +107,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     from hpcps.runtime.run import run_training
 
     comm = MPI.COMM_WORLD if comm is None else comm
+    _check_launch(comm, exit_on_error)
     flags = _flags(options, model=model, dataset=data, loss=loss, optimizer=optimizer, lr_schedule=lr_schedule)
 
     def workload(cfg) -> Workload:
@@ -177,6 +178,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     from hpcps.runtime.run import open_run
 
     comm = MPI.COMM_WORLD if comm is None else comm
+    _check_launch(comm, exit_on_error)
     flags = _flags(options, model=model, optimizer=optimizer, lr_schedule=lr_schedule)
     flags.setdefault("dataset", OWN_LOOP)
 
@@ -240,6 +242,28 @@ def _collectively(comm, step: Callable[[], Any], exit_on_error: bool) -> Any:
     if status:
         sys.exit(status)
     return result
+
+
+def _check_launch(comm, exit_on_error: bool) -> None:
+    """A launcher that started several processes of which MPI sees a world of one each (torchrun; srun
+    without the MPI's PMI plugin): one line saying how to launch instead, and exit status 2, on every process
+    (each is its own world: nobody waits for another). Only for ``COMM_WORLD``."""
+    from mpi4py import MPI
+
+    from hpcps.cluster.launcher import check_world, launcher_rank
+
+    if comm != MPI.COMM_WORLD:
+        return
+    try:
+        check_world(comm.size)
+    except UserError as exc:
+        if not exit_on_error:
+            raise
+        if launcher_rank() == 0:  # the same line on every process otherwise
+            from hpcps.errors import print_error
+
+            print_error(str(exc))
+        sys.exit(exc.exit_code)
 
 
 def _object(value: Any) -> Any:

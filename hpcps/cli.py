@@ -17,21 +17,12 @@ from typing import Literal, get_args, get_origin
 from typing import Sequence
 
 import hpcps
+from hpcps.cluster.launcher import RANK_VARS as _RANK_VARS, launcher_rank
 from hpcps.errors import UserError, print_error
 
 #: exit status of a run stopped because its training diverged (--divergence stop)
 DIVERGED_STATUS = 3
 
-#: environment variables in which launchers publish the rank before MPI starts
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher announced it (0 when not launched by one)."""
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 class _Parser(argparse.ArgumentParser):

@@ -40,11 +40,28 @@ _TASK_VARS = (
 )
 
 
+#: the variables launchers announce a process's rank in (MPI's launchers, srun)
+RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def launcher_rank(environ=os.environ) -> int:
+    """This process's rank as the launcher announced it (torchrun's ``RANK`` too; 0 when not launched by one)."""
+    for var in RANK_VARS:
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
+    if "TORCHELASTIC_RUN_ID" in environ and environ.get("RANK", "").isdigit():
+        return int(environ["RANK"])
+    return 0
+
+
 def launched_tasks(environ=os.environ) -> tuple[str, int] | None:
-    """``(launcher, number of tasks)`` as announced in the environment, or None."""
+    """``(launcher, number of tasks)`` as announced in the environment, or None. torchrun (torch's elastic
+    launcher, a DDP user's habit) announces its processes too, though it starts no MPI job."""
     for var, launcher in _TASK_VARS:
         if environ.get(var, "").isdigit():
             return launcher, int(environ[var])
+    if "TORCHELASTIC_RUN_ID" in environ and environ.get("WORLD_SIZE", "").isdigit():
+        return "torchrun", int(environ["WORLD_SIZE"])
     return None
 
 
@@ -54,6 +71,12 @@ def check_world(world_size: int, environ=os.environ) -> None:
     if world_size != 1 or launched is None or launched[1] <= 1:
         return
     launcher, n = launched
+    if launcher == "torchrun":
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "SCRIPT.py"
+        raise UserError(f"torchrun started {n} processes, each an MPI world of 1: hpcps runs over MPI, not torch's "
+                        f"launcher. Launch the same script with mpiexec -n {n + 1} python {script} (or srun -n "
+                        f"{n + 1} python {script}): {n} workers and a server shard (hpcps.init needs no "
+                        f"init_process_group)")
     if launcher == "srun":
         fix = ("srun needs the PMI plugin of the MPI library mpi4py uses: srun --mpi=pmi2 for MPICH "
                "(and the mpich wheel), --mpi=pmix for Open MPI; `srun --mpi=list` shows what this Slurm offers")

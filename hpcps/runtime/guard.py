@@ -61,20 +61,13 @@ def install() -> None:
     sys.excepthook = excepthook
 
 
-#: what launchers tell each process of the job's size (MPICH's and Intel MPI's hydra, Open MPI, MVAPICH, srun)
-SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+def launched_size() -> int:
+    """The job's process count as an MPI launcher says it (1 where none does, and under torchrun, which
+    starts no MPI job)."""
+    from hpcps.cluster.launcher import launched_tasks
 
-
-def launched_size(environ=None) -> int:
-    """The job's process count as the launcher says it (1 where none does)."""
-    import os
-
-    environ = os.environ if environ is None else environ
-    for name in SIZE_VARS:
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 1
+    launched = launched_tasks()
+    return launched[1] if launched is not None and launched[0] != "torchrun" else 1
 
 
 def _job_comm() -> Any:

@@ -175,3 +175,15 @@ def test_a_warning_that_could_come_before_the_tasks_start_is_refused_and_short_j
         render(JobSpec("slurm", time="00:02:00", stop_before=100))
     assert "#SBATCH --signal=USR1@60" in render(JobSpec("slurm", time="00:02:00"))
     assert "--signal" not in render(JobSpec("slurm", time="00:01:00"))  # no room for one: none asked
+
+
+def test_a_script_started_by_torchrun_is_told_the_mpi_command_to_use():
+    """torchrun starts N processes, each an MPI world of 1: one line naming mpiexec with N workers and a shard."""
+    env = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "RANK": "2"}
+    assert launched_tasks(env) == ("torchrun", 4)
+    with pytest.raises(UserError, match=r"torchrun started 4 processes, each an MPI world of 1: .*mpiexec -n 5 python "):
+        check_world(1, env)
+    assert launched_tasks({"WORLD_SIZE": "4"}) is None  # not torchrun's
+    from hpcps.cluster.launcher import launcher_rank
+
+    assert launcher_rank(env) == 2 and launcher_rank({"PMI_RANK": "1"}) == 1 and launcher_rank({}) == 0

@@ -20,8 +20,9 @@ whatever the launcher:
   (a ``sys.exit`` in the loop) the job ends with one line that says so, where
   the servers would otherwise wait for its leave for ever.
 
-``hpcps.init(exit_on_error=False)`` (tests, interactive use) sets none of this up
-for its session, and an exception of a run's own is the session's to handle
+``hpcps.init(exit_on_error=False)`` (tests, interactive use) sets up no exit check
+for its session (the hook of :func:`install`, from the import, still ends the job on
+an uncaught exception), and an exception of a run's own is the session's to handle
 (``with ps:``).
 """
 

@@ -612,7 +612,7 @@ def check_train_options(train_args: list[str], ranks: int) -> None:
     """UserError, naming the option, if ``hpcps train`` would refuse these options on ``ranks`` ranks."""
     from hpcps.config import make_config
     from hpcps.cluster.effects import no_effect
-    from hpcps.cluster.planning import plan
+    from hpcps.cluster.planning import resolve
 
     checker = _CheckParser(prog="hpcps train", argument_default=argparse.SUPPRESS)
     add_train_options(checker)
@@ -621,10 +621,10 @@ def check_train_options(train_args: list[str], ranks: int) -> None:
     config = flags.pop("config", None)
     cfg = make_config(flags, config_file=config)
     try:
-        plan(cfg, ranks)
+        paradigm, _ = resolve(cfg, ranks)
     except UserError as exc:
         raise UserError(f"{exc} [this job: --nodes x --ntasks-per-node = {ranks} ranks]") from None
-    for line in no_effect(cfg):
+    for line in no_effect(cfg, paradigm):
         print(f"hpcps: warning: {line}", file=sys.stderr)
 
 

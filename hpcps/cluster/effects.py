@@ -21,7 +21,6 @@ from typing import Callable
 
 from hpcps.config import TrainConfig
 from hpcps.errors import UserError
-from hpcps.policies.sync import BSP
 
 #: ``hpcps.init`` files the run's data as this (the loop brings its own batches)
 OWN_LOOP = "own-loop"
@@ -70,21 +69,22 @@ FEATURES: tuple[Reader, ...] = (
 )
 
 
-def paradigm_readers(cfg: TrainConfig) -> list[Reader]:
-    """The run's paradigm as a reader, and the built-in ones as the readers that would read what it does not."""
-    from hpcps.policies import paradigms, policy_class
+def paradigm_readers(cfg: TrainConfig, paradigm: type) -> list[Reader]:
+    """The run's paradigm (``paradigm``, the class ``cfg.paradigm`` names) as a reader, and the built-in ones
+    as the readers that would read what it does not."""
+    from hpcps.policies import paradigms
 
-    readers = [Reader(f"--paradigm {cfg.paradigm}", policy_class(cfg.paradigm).reads_options(), lambda _cfg: True)]
+    readers = [Reader(f"--paradigm {cfg.paradigm}", paradigm.reads_options(), lambda _cfg: True)]
     for name, cls in paradigms().items():
         if name != cfg.paradigm:
             readers.append(Reader(name, cls.reads_options(), lambda _cfg: False))
     return readers
 
 
-def no_effect(cfg: TrainConfig) -> list[str]:
+def no_effect(cfg: TrainConfig, paradigm: type) -> list[str]:
     """One line for each option the user set (on the command line, in the file, as a keyword) that no part
-    of this run reads, naming what would read it."""
-    readers = [*paradigm_readers(cfg), *FEATURES]
+    of this run (of paradigm class ``paradigm``) reads, naming what would read it."""
+    readers = [*paradigm_readers(cfg, paradigm), *FEATURES]
     lines = []
     for option in sorted(cfg.model_fields_set):
         readers_of = [r for r in readers if option in r.options]
@@ -126,16 +126,6 @@ def _periodic(cfg: TrainConfig) -> str | None:
 HALF_PULLS = ("bf16", "fp16")  # --compress values whose pulls read the window's 16-bit copies
 
 
-def releases_rounds(cls: type) -> bool:
-    """Whether paradigm ``cls`` releases every worker of a round at its close, each then pulling once from
-    the central shards: bsp and its presets (hsp, a subclass, also pulls between a round's extra gradients
-    and transfers serially; a subclass with group servers pulls from those). Its workers must wait for their
-    grant and pull after it (``worker_blocks``, no ``eager_pull``): only such a worker posts the receives of
-    a sent round, and a shard's sends to one that never does would wait for ever."""
-    return issubclass(cls, BSP) and cls.worker_blocks and not (
-        cls.eager_pull or cls.extra_gradients or cls.serial_transfers or cls.uses_groups)
-
-
 #: the combinations refused at start-up, in the order they are checked (the first that applies is the line)
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(lambda cfg, cls: bool(cfg.groups) and not cls.uses_groups,
@@ -160,7 +150,7 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: f"--overlap-steps {cfg.overlap_steps}: a worker takes the new parameters after that many "
                         f"steps of its next round, so it must be less than the round's {cfg.inner_steps} local "
                         f"steps (--local-steps)"),
-    Refusal(lambda cfg, cls: cfg.pull == "send" and not releases_rounds(cls),
+    Refusal(lambda cfg, cls: cfg.pull == "send" and not cls.releases_rounds(),
             lambda cfg: f"--pull send: --paradigm {cfg.paradigm} does not release every worker at a round's close; "
                         f"the shards send a round's parameters under bsp and its presets (localsgd, diloco)"),
     Refusal(lambda cfg, cls: cfg.pull == "send" and cfg.compress in HALF_PULLS,
@@ -188,11 +178,9 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def refuse(cfg: TrainConfig) -> None:
-    """Raise one UserError for the first combination of ``cfg`` that cannot work (see :data:`REFUSALS`)."""
-    from hpcps.policies import policy_class
-
-    cls = policy_class(cfg.paradigm)
+def refuse(cfg: TrainConfig, paradigm: type) -> None:
+    """Raise one UserError for the first combination of ``cfg`` (of paradigm class ``paradigm``) that cannot
+    work (see :data:`REFUSALS`)."""
     for refusal in REFUSALS:
-        if refusal.applies(cfg, cls):
+        if refusal.applies(cfg, paradigm):
             raise UserError(refusal.message(cfg))

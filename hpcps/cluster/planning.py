@@ -11,13 +11,20 @@ from hpcps.config import TrainConfig
 from hpcps.errors import UserError
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.effects import refuse
-from hpcps.policies import make_policy
+from hpcps.policies import Policy, make_policy, policy_class
 
 
 def plan(cfg: TrainConfig, world_size: int) -> Layout:
-    """Check the options (:func:`hpcps.cluster.effects.refuse`) and those that depend on the world size;
-    return the rank layout."""
-    refuse(cfg)  # the combinations that cannot work, whatever the world size
+    """Check the options (:func:`resolve`); return the rank layout."""
+    return resolve(cfg, world_size)[1]
+
+
+def resolve(cfg: TrainConfig, world_size: int) -> tuple[type[Policy], Layout]:
+    """The paradigm's class, resolved from its name once for the run (a run's
+    :class:`~hpcps.runtime.plan.RunPlan` keeps it), and the rank layout, once the options are checked
+    (:func:`hpcps.cluster.effects.refuse`) with those that depend on the world size."""
+    paradigm = policy_class(cfg.paradigm)
+    refuse(cfg, paradigm)  # the combinations that cannot work, whatever the world size
     layout = Layout(world_size, cfg.servers, cfg.groups, n_spares=cfg.spare_workers)
     layout.check_groups()
     # your own paradigm's options are checked by building it, before any rank waits on another
@@ -37,4 +44,4 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
         if layout.role(rank) not in trains:
             raise UserError(f"--slowdown {rank}=...: rank {rank} is a {layout.role(rank).value}, not a worker "
                             f"(workers are {workers})")
-    return layout
+    return paradigm, layout

@@ -172,6 +172,21 @@ class Policy(ABC):
         return "clocks" if cls.applies_on_arrival else None
 
     @classmethod
+    def worker_side(cls) -> str:
+        """Which worker drives this paradigm's workers (:data:`hpcps.runtime.assembly.WORKER_SIDES`):
+        ``"eager"``, a pull behind each computation (:attr:`eager_pull`); ``"extra"``, extra gradients
+        while it waits for its grant (:attr:`extra_gradients`); ``"steps"``, pull, compute, push (waiting
+        for a grant where :attr:`worker_blocks`)."""
+        return "eager" if cls.eager_pull else "extra" if cls.extra_gradients else "steps"
+
+    @classmethod
+    def releases_rounds(cls) -> bool:
+        """Whether every worker of a round is released at its close, each then pulling once from the
+        central shards (bsp and its presets, :class:`hpcps.policies.sync.BSP`): the paradigms under which
+        a shard may send each round's values (``--pull send``). None here."""
+        return False
+
+    @classmethod
     def checkpoints_at_publish(cls) -> bool:
         """Whether a periodic checkpoint is taken at a round's close, from the shard's publish hook (every
         worker waits for its grant there, so the shards and worker 0's loop are at one version: bsp and

@@ -43,6 +43,15 @@ class BSP(Policy):
     def updates_per_step(cls, n_clients: int) -> int:
         return 1  # one averaged update per round
 
+    @classmethod
+    def releases_rounds(cls) -> bool:
+        """bsp and its presets do (hsp, a subclass, also pulls between a round's extra gradients and
+        transfers serially; a subclass with group servers pulls from those: those do not). Its workers must
+        wait for their grant and pull after it (``worker_blocks``, no ``eager_pull``): only such a worker
+        posts the receives of a sent round, and a shard's sends to one that never does would wait for ever."""
+        return cls.worker_blocks and not (cls.eager_pull or cls.extra_gradients or cls.serial_transfers
+                                          or cls.uses_groups)
+
     def threshold(self, worker: int) -> int:
         return 0
 

@@ -32,6 +32,8 @@ from hpcps.training.paramgroups import shard_groups
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.window import ParamWindow
 
+from hpcps.runtime.plan import RunPlan, RunState, ran_config
+
 log = logging.getLogger("hpcps")
 
 
@@ -79,12 +81,12 @@ def resolve_resume(cfg: TrainConfig) -> TrainConfig:
 PROGRESS_NOTE = "progress.json"
 
 
-def progress_note(run, clocks: Callable[[], list[int]], every: float = 0.25) -> Callable[[], None]:
+def progress_note(plan: RunPlan, state: RunState, clocks: Callable[[], list[int]], every: float = 0.25) -> Callable[[], None]:
     """A side task of shard 0 under periodic checkpoints: every ``every`` seconds, the workers' clocks (the
     gradients it has received from each) and the wall time, into ``<checkpoint dir>/progress.json``
     (atomically), so that a launch that resumes after a failure can say what the failure cost
     (:func:`restart_cost`)."""
-    path = os.path.join(run.ckpt_dir, PROGRESS_NOTE)
+    path = os.path.join(state.ckpt_dir, PROGRESS_NOTE)
     last = [-math.inf]
 
     def tick() -> None:
@@ -92,7 +94,7 @@ def progress_note(run, clocks: Callable[[], list[int]], every: float = 0.25) -> 
         if now - last[0] < every:
             return
         last[0] = now
-        os.makedirs(run.ckpt_dir, exist_ok=True)
+        os.makedirs(state.ckpt_dir, exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump({"clocks": [int(c) for c in clocks()], "time": time.time()}, f)
         os.replace(path + ".tmp", path)
@@ -143,7 +145,7 @@ def pull_at(window: ParamWindow, buf: np.ndarray, versions: list[int]) -> None:
         got, _ = window.pull(buf, Backoff(), exact=True)
 
 
-def checkpoint_at_stop(run, comm: MPI.Comm, loop: LoopState | None) -> str:
+def checkpoint_at_stop(plan: RunPlan, state: RunState, comm: MPI.Comm, loop: LoopState | None) -> str:
     """Collective: the checkpoint of a run a signal stopped (every pushed gradient applied by now).
 
     Each shard writes its optimizer state and rank 0 the final parameters
@@ -151,92 +153,92 @@ def checkpoint_at_stop(run, comm: MPI.Comm, loop: LoopState | None) -> str:
     worker's clock: the gradients it pushed, where its resumed run starts.
     Returns the path (on every rank).
     """
-    shard_versions = [v for v in comm.allgather(run.final_version) if v is not None]
-    clocks = comm.gather((run.index, run.final_clock), root=0)  # by worker index (a spare's: its place's)
-    path = checkpoint_path(run.ckpt_dir, shard_versions[0])
-    if run.optimizer is not None:
-        write_optimizer_state(path, run.topo.rank, run.optimizer.state_dict(),
-                              run.policy.state_dict() if run.policy is not None else None)
+    shard_versions = [v for v in comm.allgather(state.final_version) if v is not None]
+    clocks = comm.gather((state.index, state.final_clock), root=0)  # by worker index (a spare's: its place's)
+    path = checkpoint_path(state.ckpt_dir, shard_versions[0])
+    if state.optimizer is not None:
+        write_optimizer_state(path, state.topo.rank, state.optimizer.state_dict(),
+                              state.policy.state_dict() if state.policy is not None else None)
     if loop:  # worker 0's loop: its fields, its optimizer's hyperparameters, its integer buffers
         write_user_state(path, loop)
     if comm.rank == 0:
-        worker_clocks = np.zeros(run.layout.n_workers, np.int64)
+        worker_clocks = np.zeros(plan.layout.n_workers, np.int64)
         for index, clock in clocks:
             if clock is not None and index is not None:
                 worker_clocks[index] = clock
-        write_checkpoint(path, run.flat.params, version=shard_versions[0], worker_clocks=worker_clocks,
-                         config=run.ran_config(), n_servers=run.layout.n_servers,
+        write_checkpoint(path, state.flat.params, version=shard_versions[0], worker_clocks=worker_clocks,
+                         config=ran_config(plan, state), n_servers=plan.layout.n_servers,
                          shard_versions=shard_versions)
-    polite_barrier(comm, run.backoff)  # every part is written before anyone says so
+    polite_barrier(comm, state.backoff)  # every part is written before anyone says so
     return path
 
 
-def resliced_optimizer_state(run, optimizer: ShardOptimizer, shard: int) -> dict:
+def resliced_optimizer_state(plan: RunPlan, state: RunState, optimizer: ShardOptimizer, shard: int) -> dict:
     """This shard's optimizer state, cut from a checkpoint written by shards sliced otherwise (another
     count, or another stripe): each written shard's state laid over the flat vector, then cut at this
     shard's chunks (:mod:`hpcps.training.optstate`)."""
-    cfg, ckpt, n_params, size = run.cfg, run.ckpt, run.flat.n_params, run.flat.size
+    cfg, ckpt, n_params, size = plan.cfg, plan.ckpt, plan.n_params, plan.size
     written = Slices.plan(size, n_params, ckpt.written_servers, ckpt.written_stripe)
     parts = []
     for s in range(written.n_shards):
         n = written.trainable(s, n_params)
         state = read_optimizer_state(cfg.resume, s) if n else {}
-        spans = ShardOptimizer(torch.zeros(n), run.workload.optimizer_factory(cfg), lambda v: 1.0,
-                               groups=shard_groups(run.groups, written.pieces[s])).spans if state else []
+        spans = ShardOptimizer(torch.zeros(n), plan.workload.optimizer_factory(cfg), lambda v: 1.0,
+                               groups=shard_groups(plan.groups, written.pieces[s])).spans if state else []
         parts.append(from_shard(state, spans, written.length(s)))
     flat = join(parts, written.put, size)
     if optimizer.optimizer is None or not flat:
         return {}
-    return to_shard(cut(flat, lambda v: run.slices.take(shard, v)), optimizer.spans, optimizer.state_dict())
+    return to_shard(cut(flat, lambda v: plan.slices.take(shard, v)), optimizer.spans, optimizer.state_dict())
 
 
-def snapshots(run, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
+def snapshots(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
                cut: ClockCut | RoundCut) -> Snapshots:
     """This shard's side of the periodic checkpoints taken as a consistent cut (:mod:`hpcps.runtime.snapshot`):
     its part is its optimizer and paradigm state; shard 0 also reads every shard's parameters at the
     cut's versions and writes the checkpoint."""
-    cfg, rank = run.cfg, run.topo.rank
+    cfg, rank = plan.cfg, state.topo.rank
 
     def write_part(path: str) -> None:
         write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
 
     def write_main(staging: str, cut_clocks: list[int], versions: list[int]) -> str:
-        clocks = worker_clocks_at(run, cut_clocks)
-        buf = np.empty(run.flat.size, np.float32)
+        clocks = worker_clocks_at(plan, cut_clocks)
+        buf = np.empty(plan.size, np.float32)
         pull_at(window, buf, versions)
-        path = checkpoint_path(run.ckpt_dir, versions[0])
-        for shard in range(run.layout.n_servers):  # the parts beside it; the main file last, so a
+        path = checkpoint_path(state.ckpt_dir, versions[0])
+        for shard in range(plan.layout.n_servers):  # the parts beside it; the main file last, so a
             os.replace(optimizer_state_path(staging, shard), optimizer_state_path(path, shard))  # whole one
-        write_checkpoint(path, buf, version=versions[0], worker_clocks=clocks, config=run.ran_config(),
-                         n_servers=run.layout.n_servers, shard_versions=versions)
+        write_checkpoint(path, buf, version=versions[0], worker_clocks=clocks, config=ran_config(plan, state),
+                         n_servers=plan.layout.n_servers, shard_versions=versions)
         return path
 
     def discard(staging: str) -> None:
-        for shard in range(run.layout.n_servers):
+        for shard in range(plan.layout.n_servers):
             with suppress(FileNotFoundError):
                 os.remove(optimizer_state_path(staging, shard))
 
-    return Snapshots(run.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
+    return Snapshots(state.topo.role_comm, every=cfg.checkpoint_every, interval=cfg.checkpoint_interval,
                      write_part=write_part, write_main=write_main, discard=discard, cut=cut,
-                     path_for=lambda epoch: os.path.join(run.ckpt_dir, f"cut-{epoch:06d}.h5"))
+                     path_for=lambda epoch: os.path.join(state.ckpt_dir, f"cut-{epoch:06d}.h5"))
 
 
-def worker_clocks_at(run, cut: list[int]) -> list[int]:
+def worker_clocks_at(plan: RunPlan, cut: list[int]) -> list[int]:
     """Each worker's clock at a cut of the central shards' clients' clocks: the workers' own, or
     (grouped) each group's rounds of this run after its members' clock at the start. A group's round in
     progress at the group server is not in the cut: its members push it again on resume."""
-    layout = run.layout
+    layout = plan.layout
     if not layout.n_groups:
         return list(cut)
     clocks = [0] * layout.n_workers
     for g, members in enumerate(layout.group_members()):
         for rank in members:
             w = layout.worker_index(rank)
-            clocks[w] = int(cut[g]) + (int(run.ckpt.worker_clocks[w]) if run.ckpt is not None else 0)
+            clocks[w] = int(cut[g]) + (int(plan.ckpt.worker_clocks[w]) if plan.ckpt is not None else 0)
     return clocks
 
 
-def checkpointer(run, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
+def checkpointer(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
     """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.
 
     Each shard writes its optimizer state; rank 0 also snapshots all
@@ -247,20 +249,20 @@ def checkpointer(run, window: ParamWindow, optimizer: ShardOptimizer, clocks: Ca
     every other shard is at v or about to be (its round-v pushes are in
     flight): rank 0 pulls until all are at v.
     """
-    cfg, rank = run.cfg, run.topo.rank
-    buf = np.empty(run.flat.size, np.float32) if rank == 0 else None
+    cfg, rank = plan.cfg, state.topo.rank
+    buf = np.empty(plan.size, np.float32) if rank == 0 else None
 
     def on_published(version: int) -> None:
         if version % cfg.checkpoint_every:
             return
-        path = checkpoint_path(run.ckpt_dir, version)  # (a plug-in built on bsp may keep state of its own)
+        path = checkpoint_path(state.ckpt_dir, version)  # (a plug-in built on bsp may keep state of its own)
         write_optimizer_state(path, rank, optimizer.state_dict(),
-                              run.policy.state_dict() if run.policy is not None else None)
+                              state.policy.state_dict() if state.policy is not None else None)
         if rank != 0:
             return
-        pull_at(window, buf, [version] * run.layout.n_servers)
+        pull_at(window, buf, [version] * plan.layout.n_servers)
         write_checkpoint(path, buf, version=version, worker_clocks=list(clocks()),
-                         config=run.ran_config(), n_servers=run.layout.n_servers,
+                         config=ran_config(plan, state), n_servers=plan.layout.n_servers,
                          loop_part=True)  # worker 0's loop writes its part at its next training pass
         log.info("checkpoint of version %d written to %s", version, path)
 

@@ -12,6 +12,8 @@ they arrive, so groups never wait for each other.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,32 +29,45 @@ from hpcps.transport.window import ParamWindow
 log = logging.getLogger("hpcps")
 
 
-class GroupServer(ShardServer):
-    """``central_*``: this group server's link to the central shards, as a worker of theirs.
+@dataclass(frozen=True)
+class CentralLink:
+    """A group server's link to the central shards, as a worker of theirs: it pushes each round through
+    ``pusher`` from ``agg``, hears their receipts in ``notices`` and pulls their parameters from ``window``.
 
-    ``agg`` is the buffer ``central_pusher`` sends from: the round's combined
-    gradient (and mean buffer change), which the central shards' optimizers
-    step with. It is pushed with the round's learning-rate factor times
-    ``weight``: the group's size over the mean group size, so every gradient
-    weighs the same at the central server however unevenly the groups are
-    formed (a straggler alone in its group does not get the weight of a
-    group of three). Equal groups (and G=1, G=N) have weight 1.
+    ``agg`` is the buffer ``pusher`` sends from: the round's combined gradient (and mean buffer change),
+    which the central shards' optimizers step with. It is pushed with the round's learning-rate factor times
+    ``weight``: the group's size over the mean group size, so every gradient weighs the same at the central
+    server however unevenly the groups are formed (a straggler alone in its group does not get the weight of
+    a group of three). Equal groups (and G=1, G=N) have weight 1. ``rate``, ``schedule``: the central
+    optimizer's own rate and its schedule by version, for the rate this group's workers are told their
+    gradients were applied at; ``encode(keep)``: put ``agg`` into ``pusher``'s buffer as the wire carries it
+    (``--compress``; by default ``agg`` is that buffer; ``keep``: the round is to be applied, so top-k keeps
+    its residual).
     """
 
-    def __init__(self, *, central_pusher: Pusher, central_notices: NoticeBox, central_window: ParamWindow,
-                 agg: np.ndarray, weight: float = 1.0, central_rate: float | None = None,
-                 central_schedule=None, encode=None, **kwargs) -> None:
-        """``central_rate``, ``central_schedule``: the central optimizer's own rate and its schedule by
-        version, for the rate this group's workers are told their gradients were applied at; ``encode(keep)``:
-        put ``agg`` into ``central_pusher``'s buffer as the wire carries it (``--compress``; by default
-        ``agg`` is that buffer; ``keep``: the round is to be applied, so top-k keeps its residual)."""
+    pusher: Pusher
+    notices: NoticeBox
+    window: ParamWindow
+    agg: np.ndarray
+    weight: float = 1.0
+    rate: float | None = None
+    schedule: Callable[[float], float] | None = None
+    encode: Callable[[bool], None] | None = None
+
+
+class GroupServer(ShardServer):
+    """A shard server for its own group that steps by pushing each round to the central shards
+    (``central``, a :class:`CentralLink`) and publishing what they return."""
+
+    def __init__(self, central: CentralLink, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.encode = encode
-        self.weight = weight
-        self.central_rate, self.central_schedule = central_rate, central_schedule
-        self.central_pusher, self.central_notices, self.central_window = central_pusher, central_notices, central_window
-        self.agg_t = torch.from_numpy(agg)
-        self.central_versions = np.zeros(len(central_window.shard_ranks), np.int64)
+        self.encode = central.encode
+        self.weight = central.weight
+        self.central_rate, self.central_schedule = central.rate, central.schedule
+        self.central_pusher, self.central_notices, self.central_window = central.pusher, central.notices, \
+            central.window
+        self.agg_t = torch.from_numpy(central.agg)
+        self.central_versions = np.zeros(len(central.window.shard_ranks), np.int64)
         self.rounds = 0
         self.stopped = False
 

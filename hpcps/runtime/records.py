@@ -18,6 +18,8 @@ from hpcps.metrics.runfile import RunFile
 from hpcps.runtime import assembly, checkpointing
 from hpcps.transport.mpilib import library_version
 
+from hpcps.runtime.plan import RunPlan, RunState
+
 log = logging.getLogger("hpcps")
 
 
@@ -27,29 +29,29 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def rank_row(run) -> tuple:
+def rank_row(plan: RunPlan, state: RunState) -> tuple:
     """This rank's ``/ranks`` row: role, host, peak resident memory, samples read from a streamed set,
     clock offset, device."""
-    read = getattr(run.source, "samples_read", -1) if run.source is not None else 0
-    return (run.topo.rank, run.topo.role.value.encode(), node_label(socket.gethostname()).encode()[:64],
-            peak_rss_bytes(), read, run.run_clock.offset, run.run_clock.uncertainty,
-            str(run.flat.device).encode()[:16])
+    read = getattr(state.source, "samples_read", -1) if state.source is not None else 0
+    return (state.topo.rank, state.topo.role.value.encode(), node_label(socket.gethostname()).encode()[:64],
+            peak_rss_bytes(), read, state.run_clock.offset, state.run_clock.uncertainty,
+            str(state.flat.device).encode()[:16])
 
 
-def save_path(run, path: str) -> str:
+def save_path(plan: RunPlan, path: str) -> str:
     """``--save``, or the metrics file's name with ``.pt``."""
-    return run.cfg.save or os.path.splitext(path)[0] + ".pt"
+    return plan.cfg.save or os.path.splitext(path)[0] + ".pt"
 
 
-def note_restart(run, runfile: RunFile) -> None:
+def note_restart(plan: RunPlan, runfile: RunFile) -> None:
     """Rank 0, at the run's start (every rank set up, the clocks agreed): what the launch that failed after the
     checkpoint this run resumes lost, from its progress note (:func:`hpcps.runtime.checkpointing.restart_cost`),
     into the run file's ``restart`` attribute and the log. Taken here rather than when the file opens, so that
     its ``restart_s`` holds the whole start-up (windows, optimizers, the start barrier), not only the relaunch."""
-    if run.ckpt is None:
+    if plan.ckpt is None:
         return
-    written = run.ckpt.written_clocks if run.ckpt.redealt else run.ckpt.worker_clocks
-    restart = checkpointing.restart_cost(run.cfg.resume, written, time.time())
+    written = plan.ckpt.written_clocks if plan.ckpt.redealt else plan.ckpt.worker_clocks
+    restart = checkpointing.restart_cost(plan.cfg.resume, written, time.time())
     if restart:
         log.info("the launch before this one lost %d gradient(s) past the checkpoint and %.1f s after it, and "
                  "%.1f s went to the relaunch and this start-up", restart["gradients_repeated"],
@@ -57,8 +59,8 @@ def note_restart(run, runfile: RunFile) -> None:
         runfile.set_attrs(restart=json.dumps(restart))
 
 
-def open_runfile(run, path: str) -> RunFile:
-    save = save_path(run, path)
+def open_runfile(plan: RunPlan, state: RunState, path: str) -> RunFile:
+    save = save_path(plan, path)
     save_dir = os.path.dirname(os.path.abspath(save))
     try:  # refuse at the start, not after hours of training
         os.makedirs(save_dir, exist_ok=True)
@@ -70,25 +72,25 @@ def open_runfile(run, path: str) -> RunFile:
         return RunFile(path, {
             "hpcps_version": hpcps.__version__,
             "restart": "{}",  # note_restart(), once every rank is set up
-            "config": json.dumps(run.cfg.as_json_dict(), sort_keys=True),
-            "paradigm": run.cfg.paradigm,
-            "world_size": run.layout.world_size,
-            "n_workers": run.layout.n_workers,
-            "n_servers": run.layout.n_servers,
-            "n_groups": run.layout.n_groups,
-            "steps_per_worker": run.steps,
-            "groups": json.dumps({run.layout.group_server_rank(g): members
-                                  for g, members in enumerate(run.layout.group_members())}),
-            "resumed_from": run.cfg.resume or "",
-            "start_version": run.ckpt.version if run.ckpt else 0,
-            "resumed_shape": run.ckpt.describe_shape() if run.ckpt else "",
+            "config": json.dumps(plan.cfg.as_json_dict(), sort_keys=True),
+            "paradigm": plan.cfg.paradigm,
+            "world_size": plan.layout.world_size,
+            "n_workers": plan.layout.n_workers,
+            "n_servers": plan.layout.n_servers,
+            "n_groups": plan.layout.n_groups,
+            "steps_per_worker": plan.steps,
+            "groups": json.dumps({plan.layout.group_server_rank(g): members
+                                  for g, members in enumerate(plan.layout.group_members())}),
+            "resumed_from": plan.cfg.resume or "",
+            "start_version": plan.ckpt.version if plan.ckpt else 0,
+            "resumed_shape": plan.ckpt.describe_shape() if plan.ckpt else "",
             "mpi_library": library_version(),
-            "devices": json.dumps(run.devices),
-            "placement": json.dumps({"mode": run.cfg.placement, "world_rank_of": run.world_ranks}),
+            "devices": json.dumps(plan.devices),
+            "placement": json.dumps({"mode": plan.cfg.placement, "world_rank_of": plan.world_ranks}),
             "cluster": json.dumps(cluster_record() or {"emulated": False}),
-            "dataset_kind": run.facts["kind"],
-            "compress": json.dumps(assembly.wire_record(run)),
-            "pull": "send" if assembly.sends_pulls(run) else "get",
+            "dataset_kind": plan.facts["kind"],
+            "compress": json.dumps(assembly.wire_record(plan)),
+            "pull": "send" if assembly.sends_pulls(plan, state) else "get",
             "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         })
     except OSError as exc:

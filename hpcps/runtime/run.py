@@ -39,7 +39,7 @@ from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.runtime.checkpoint import (Checkpoint, LoopState, check_compatible, check_same_optimizer, read_checkpoint,
                                       reshaped, restore_int_buffers)
-from hpcps.config import TrainConfig, outer_rounds, steps_for
+from hpcps.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.cluster.emulation import emulated_compute_time
@@ -50,14 +50,14 @@ from hpcps.cluster.grouping import speed_groups
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
 from hpcps.cluster.placement import place
-from hpcps.cluster.planning import plan
+from hpcps.cluster.planning import resolve
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
-from hpcps.training.optim import ShardOptimizer, describe_optimizer, warm_optimizers
+from hpcps.training.optim import describe_optimizer, warm_optimizers
 from hpcps.training.paramgroups import resolve_groups
-from hpcps.policies import Policy, policy_class
+from hpcps.policies import Policy
 from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.runtime.spares import wait_for_place
@@ -65,9 +65,10 @@ from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
 from hpcps.transport.failures import DeadRanks, left_out, ulfm_enabled
 from hpcps.transport.mpilib import query_cuda_support
-from hpcps.transport.clocksync import RunClock, shares_clock_with_rank0, sync_clock
+from hpcps.transport.clocksync import shares_clock_with_rank0, sync_clock
 from hpcps.transport.poll import Backoff, StallWatch, clear_signal, polite_barrier, watch_every_wait
 from hpcps.transport.window import ParamWindow
+from hpcps.runtime.plan import RunPlan, RunState
 from hpcps.runtime.warmup import gather_pass_times, measure_pass_time
 from hpcps.training.workload import Workload, data_shape, workload_from_config
 
@@ -108,9 +109,9 @@ def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | N
     return n
 
 
-def _check_threads(cfg: TrainConfig) -> None:
+def _check_threads(cfg: TrainConfig, paradigm: type[Policy]) -> None:
     """Eager's helper thread pulls while the worker computes: MPI must allow calls from both threads."""
-    if policy_class(cfg.paradigm).eager_pull and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    if paradigm.eager_pull and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
         raise UserError(f"--paradigm {cfg.paradigm} needs MPI_THREAD_MULTIPLE (a helper thread pulls while the worker "
                         f"computes), but this MPI provides MPI_THREAD_{names.get(MPI.Query_thread(), '?')}: "
@@ -150,7 +151,7 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
             return run.end()  # the run needed no spare
         if run.index is not None:  # a worker, or a spare in a dead worker's place
             with Session(run) as session:
-                session.train_on(run.batches, run.workload.loss)
+                session.train_on(run.state.batches, run.plan.workload.loss)
                 return session.close()
         run.serve()
         return run.end()
@@ -181,14 +182,14 @@ def check_same_model(shapes: list[tuple]) -> None:
                     f"build the same model on every rank (a factory must not depend on the rank)")
 
 
-def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> "_Run":
+def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> "Run":
     """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
-    resume), as a :class:`_Run` to use in a ``with`` block (which frees what it holds).
+    resume), as a :class:`Run` to use in a ``with`` block (which frees what it holds).
 
     The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.cluster.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
     """
-    agree(comm, lambda: plan(cfg, comm.size))  # bad options fail before any placement
+    agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement
     stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement)
     stack.callback(run_comm.Free)
@@ -200,17 +201,17 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None)
 
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
-             stack: ExitStack) -> "_Run":
+             stack: ExitStack) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
-    layout = agree(comm, lambda: plan(cfg, comm.size))
+    paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
     if cfg.resume == "auto":  # rank 0 looks, every rank resumes what it found
         cfg = comm.bcast(agree(comm, lambda: checkpointing.resolve_resume(cfg) if comm.rank == 0 else None), root=0)
     if before != cfg.threads:  # the user's own setting (torch.set_num_threads, OMP_NUM_THREADS) is replaced
         log.info("torch threads per rank: %d, not %d (--threads / threads= sets it; one rank per core is the "
                  "usual layout)", cfg.threads, before)
-    agree(comm, lambda: _check_threads(cfg))
+    agree(comm, lambda: _check_threads(cfg, paradigm))
     if workload is None:
         workload = agree(comm, lambda: workload_from_config(cfg))
     if workload.prepare is not None:  # once, on rank 0, before anyone loads (agree: everyone waits)
@@ -227,7 +228,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     flat = FlatParameters(model, device.device, device.transfer)
     shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
     agree(comm, lambda: check_same_model(shapes))
-    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout)) if cfg.resume else None
+    stripe = stripe_elements(cfg.partition_mb)  # the one place --partition-mb becomes a stripe
+    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout, stripe)) if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params
         flat.upload()
@@ -247,8 +249,16 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     topo = stack.enter_context(Topology(comm, layout))
     signals = stack.enter_context(StopSignals(announce(comm.rank)))
-    return _Run(cfg, topo, workload, source, facts, batches, model, flat, steps, ckpt, devices, signals,
-                world_ranks, stack, index=index, deal=deal)
+    run_plan = RunPlan(
+        cfg=cfg, layout=layout, paradigm=paradigm, workload=workload, size=flat.size, n_params=flat.n_params,
+        stripe=stripe,
+        # which values each central shard holds: contiguous blocks, striped with --partition-mb
+        slices=Slices.plan(flat.size, flat.n_params, layout.n_servers, stripe),
+        codec=make_codec(cfg.compress), steps=steps, facts=facts, devices=tuple(devices),
+        world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt)
+    state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
+                     stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "")
+    return Run(run_plan, state)
 
 
 #: how far apart the seeds of a resumed run's workers are from the first run's, per step done
@@ -297,95 +307,57 @@ def _devices_summary(devices: list[str]) -> str:
     return "; ".join(f"{d} ({n} worker{'s' if n > 1 else ''})" for d, n in counts.items())
 
 
-def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout) -> Checkpoint:
+def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout, stripe: int | None) -> Checkpoint:
     ckpt = read_checkpoint(cfg.resume, complete=True)
     check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params)
     if layout.n_workers != len(ckpt.worker_clocks) and layout.n_groups:
         raise UserError(f"--resume {cfg.resume}: grouped runs resume on their checkpoint's worker count "
                         f"({len(ckpt.worker_clocks)}), not {layout.n_workers}")
-    return reshaped(ckpt, n_servers=layout.n_servers, n_workers=layout.n_workers,
-                    stripe=stripe_elements(cfg.partition_mb))
+    return reshaped(ckpt, n_servers=layout.n_servers, n_workers=layout.n_workers, stripe=stripe)
 
 
-class _Run:
-    """One run on one rank, from its context to its end: built by :func:`open_run` once the start-up
-    checks passed, it holds what every role reads (options, layout, slices, codec, model, windows, the
-    run file's recorder) and keeps the lifecycle: :meth:`start`, :meth:`serve` or a worker's steps
-    (:mod:`hpcps.runtime.session`), :meth:`end`. What each role is made of is assembled in
-    :mod:`hpcps.runtime.assembly`; checkpoints are :mod:`hpcps.runtime.checkpointing`'s, the run file's
-    records :mod:`hpcps.runtime.records`'s, the learning rates :mod:`hpcps.training.rates`'s."""
+class Run:
+    """One run on one rank, from its plan to its end: built by :func:`open_run` once the start-up checks
+    passed, it keeps the lifecycle: :meth:`start`, :meth:`serve` or a worker's steps
+    (:mod:`hpcps.runtime.session`), :meth:`end`. What the run is lives in its :attr:`plan` (frozen, the
+    same on every rank) and this rank's :attr:`state` (:mod:`hpcps.runtime.plan`). What each role is made
+    of is assembled in :mod:`hpcps.runtime.assembly`; checkpoints are :mod:`hpcps.runtime.checkpointing`'s,
+    the run file's records :mod:`hpcps.runtime.records`'s, the learning rates :mod:`hpcps.training.rates`'s."""
 
-    def __init__(self, cfg: TrainConfig, topo: Topology, workload: Workload, source: DataSource | None,
-                 facts: dict[str, Any], batches, model: torch.nn.Module, flat: FlatParameters, steps: int,
-                 ckpt: Checkpoint | None, devices: list[str], signals: StopSignals, world_ranks: list[int],
-                 stack: ExitStack, *, index: int | None = None, deal=None) -> None:
-        """``index``: this rank's worker index (None on a server, and on a spare until it takes a place);
-        ``deal(worker)``: worker ``worker``'s batches."""
-        self.stack = stack  # the run's communicators and signal handlers, released by __exit__
-        self.ran: dict = {}  # rank 0: what ran (the optimizer and schedule), for the run file and checkpoints
-        self.window: ParamWindow | None = None  # start() makes them; __exit__ frees what it made
-        self.group_window: ParamWindow | None = None
-        self.cfg, self.topo, self.model, self.flat, self.steps = cfg, topo, model, flat, steps
-        self.workload, self.source, self.facts, self.batches = workload, source, facts, batches
-        self.index, self.deal = index, deal
-        self.placed_at: int | None = None  # a spare: the dead worker's clock it took over
-        self.final_metrics: dict[str, float] = {}  # rank 0: the final evaluation
-        self.ckpt = ckpt
-        self.signals = signals
-        self.world_ranks = world_ranks  # the launcher's rank of each of the run's ranks (--placement)
-        self.ckpt_dir = cfg.checkpoint_dir or ""  # set in start(), once the metrics file is named
-        self.final_version: int | None = None  # a shard: its version at the end
-        self.final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
-        self.diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
-        self.optimizer: ShardOptimizer | None = None
-        self.policy: Policy | None = None  # a central shard: its paradigm (state saved with a checkpoint)
-        self.devices = devices  # per rank, as DevicePlan.describe() says
-        self.layout = topo.layout
-        # which values each central shard holds: contiguous blocks, striped with --partition-mb
-        self.slices = Slices.plan(flat.size, flat.n_params, self.layout.n_servers, stripe_elements(cfg.partition_mb))
-        self.codec = make_codec(cfg.compress)  # what moves on the wire (a worker's: with its top-k residual)
-        self.groups = resolve_groups(model, workload.param_groups)  # checked at start-up (_prepare)
-        self.shards = list(range(self.layout.n_servers))
-        self.backoff = Backoff()
-        self.run_clock = RunClock(time.perf_counter(), 0.0, 0.0)  # until the start: see run()
-        #: under run-through (Open MPI's ULFM, a paradigm that allows it): the run's ranks found dead
-        self.dead: DeadRanks | None = None
+    def __init__(self, plan: RunPlan, state: RunState) -> None:
+        self.plan, self.state = plan, state
 
     @property
-    def rounds(self) -> int:
-        """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
-        every = self.cfg.inner_steps
-        return self.steps if every is None else outer_rounds(self.steps, every)
+    def topo(self) -> Topology:
+        """This rank's place in the run: its role and communicators."""
+        return self.state.topo
+
+    @property
+    def index(self) -> int | None:
+        """This rank's worker index (None on a server, and on a spare until it takes a place)."""
+        return self.state.index
 
     def clock(self) -> float:
         """Seconds since the run's start, on rank 0's clock (hpcps.transport.clocksync)."""
-        return self.run_clock()
-
-    @property
-    def start_clock(self) -> int:
-        """The gradients this worker's index had pushed when its loop starts: its checkpoint's clock on
-        resume, a spare's the dead worker's, else 0."""
-        if self.placed_at is not None:
-            return self.placed_at
-        return int(self.ckpt.worker_clocks[self.index]) if self.ckpt is not None and self.index is not None else 0
+        return self.state.clock()
 
     def wait_for_place(self) -> bool:
         """A spare (:mod:`hpcps.runtime.spares`): wait, idle, until shard 0 gives this rank a dead worker's
         place (then take it: the worker's index, batches and random stream from its clock; True) or the run
         ends without needing it (False)."""
-        placed = wait_for_place(self.topo.ps, self.shards[0])
+        placed = wait_for_place(self.state.topo.ps, self.plan.shards[0])
         if placed is None:
             return False
         worker, clock = placed
-        log.info("spare rank %d: taking the place of worker %d (rank %d) from its gradient %d on", self.topo.rank,
-                 worker, self.layout.worker_rank(worker), clock + 1)
-        self.index, self.placed_at = worker, clock
-        self.window.first = worker % len(self.shards)  # the dead worker's place in the pulls' rotation
-        torch.manual_seed(worker_seed(self.cfg.seed, worker, clock))
-        self.batches = self.deal(worker)
+        log.info("spare rank %d: taking the place of worker %d (rank %d) from its gradient %d on", self.state.topo.rank,
+                 worker, self.plan.layout.worker_rank(worker), clock + 1)
+        self.state.index, self.state.placed_at = worker, clock
+        self.state.window.first = worker % len(self.plan.shards)  # the dead worker's place in the pulls' rotation
+        torch.manual_seed(worker_seed(self.plan.cfg.seed, worker, clock))
+        self.state.batches = self.state.deal(worker)
         return True
 
-    def __enter__(self) -> "_Run":
+    def __enter__(self) -> "Run":
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
@@ -393,24 +365,24 @@ class _Run:
         here: without an error, or with bad input (a UserError is raised on every rank alike, see
         hpcps.runtime.agree); after a failure on one rank the others are not coming, and MPI_Abort follows."""
         if kind is None or issubclass(kind, UserError):
-            for window in (self.window, self.group_window):
+            for window in (self.state.window, self.state.group_window):
                 if window is not None:
                     window.free()  # idempotent: end() has freed them, unless start() was refused
             agree_module.last_words.clear()  # nothing to say: the run ended on every rank
-        self.stack.close()
+        self.state.stack.close()
 
     def _watch_every_wait(self) -> None:
         """While the run lasts, a wait with no watch of its own gets one (:func:`hpcps.transport.poll.watch_every_wait`)
         at twice the stall limits, so that the waits that name what they wait for speak first; and a stop signal
         that came during the run is forgotten when it ends."""
-        cfg, rank = self.cfg, self.topo.comm.rank
+        cfg, rank = self.plan.cfg, self.state.topo.comm.rank
         warn, abort = 2 * cfg.stall_warn, 2 * cfg.stall_limit if cfg.stall_limit else None
 
         def make(text: str) -> StallWatch:
             return StallWatch(warn=warn, abort=abort, log=log, error=RunAborted,
                               describe=lambda: f"rank {rank} waiting {text}")
-        self.stack.callback(watch_every_wait(make))
-        self.stack.callback(clear_signal)
+        self.state.stack.callback(watch_every_wait(make))
+        self.state.stack.callback(clear_signal)
 
     def start(self) -> None:
         """Collective: the metrics file, the windows, the shards' optimizers; everyone meets, the clocks agree.
@@ -418,46 +390,46 @@ class _Run:
         Then each rank plays its role: :meth:`serve` (servers, group servers), or a worker's steps
         (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and :meth:`end`, collective again.
         """
-        comm, topo = self.topo.comm, self.topo
+        comm, topo = self.state.topo.comm, self.state.topo
         self._watch_every_wait()
         ulfm = ulfm_enabled()
-        if ulfm and self.layout.n_groups == 0 and policy_class(self.cfg.paradigm).runs_through:
-            self.dead = DeadRanks([topo.ps, topo.metrics])
+        if ulfm and self.plan.layout.n_groups == 0 and self.plan.paradigm.runs_through:
+            self.state.dead = DeadRanks([topo.ps, topo.metrics])
         elif ulfm and comm.rank == 0:
             log.warning("Open MPI's fault tolerance (ULFM) is on, but %s does not run through a dead worker: a "
                         "rank's death ends the job (resume it with --resume auto, or run under hpcps supervise)",
-                        self.cfg.paradigm)
-        if self.dead is not None and self.cfg.pull == "send" and comm.rank == 0:
+                        self.plan.cfg.paradigm)
+        if self.state.dead is not None and self.plan.cfg.pull == "send" and comm.rank == 0:
             log.warning("--pull send: Open MPI's fault tolerance (ULFM) is on, and a shard's send to a worker that "
                         "died would fail it; the workers read each round's parameters out of the window instead")
-        if self.layout.n_spares and self.dead is None and comm.rank == 0:
+        if self.plan.layout.n_spares and self.state.dead is None and comm.rank == 0:
             log.warning("--spare-workers %d: the spares stay idle, since a death ends the job under this MPI; "
                         "they take a dead worker's place under Open MPI's fault tolerance (mpirun --with-ft ulfm)",
-                        self.layout.n_spares)
-        path = comm.bcast(self.cfg.out or default_out(self.cfg.paradigm) if comm.rank == 0 else None, root=0)
-        self.ckpt_dir = checkpointing.checkpoint_dir(self.cfg, path)
-        runfile = agree(comm, lambda: records.open_runfile(self, path) if comm.rank == 0 else None)
-        recorder = (FileRecorder(topo.metrics, runfile, dead=self.dead) if comm.rank == 0
+                        self.plan.layout.n_spares)
+        path = comm.bcast(self.plan.cfg.out or default_out(self.plan.cfg.paradigm) if comm.rank == 0 else None, root=0)
+        self.state.ckpt_dir = checkpointing.checkpoint_dir(self.plan.cfg, path)
+        runfile = agree(comm, lambda: records.open_runfile(self.plan, self.state, path) if comm.rank == 0 else None)
+        recorder = (FileRecorder(topo.metrics, runfile, dead=self.state.dead) if comm.rank == 0
                     else ForwardingRecorder(topo.metrics))
         # an earlier run in this process that failed without ending it (exit_on_error=False) left its own
         agree_module.last_words.clear()
         if comm.rank != 0:  # a rank that fails sends rank 0 the rows it still holds before the job ends
             agree_module.last_words.append(recorder.flush)
         shard = comm.rank if topo.role is Role.SERVER else None
-        window = ParamWindow(topo.ps, shard_ranks=self.shards, slices=self.slices,
-                             local_len=self.slices.length(shard) if shard is not None else 0, codec=self.codec,
-                             fanin=self.cfg.shards_at_once, first=self.layout.rotation_start(topo.rank, self.index))
-        self.window = window  # freed by __exit__ if start() goes no further
-        if self.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
+        window = ParamWindow(topo.ps, shard_ranks=self.plan.shards, slices=self.plan.slices,
+                             local_len=self.plan.slices.length(shard) if shard is not None else 0, codec=self.plan.codec,
+                             fanin=self.plan.cfg.shards_at_once, first=self.plan.layout.rotation_start(topo.rank, self.state.index))
+        self.state.window = window  # freed by __exit__ if start() goes no further
+        if self.plan.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
             log.warning("--shards-at-once %d: ignored by the locked window protocol, whose pulls read every shard "
-                        "at once under locks", self.cfg.shards_at_once)
+                        "at once under locks", self.plan.cfg.shards_at_once)
         group_window = None
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
-            n = self.flat.size
+            n = self.state.flat.size
             group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
-                                       local_len=n if topo.role is Role.GROUP else 0, codec=self.codec)
-            self.group_window = group_window
-        master = self.slices.take(shard, self.flat.params) if shard is not None else np.zeros(0, np.float32)
+                                       local_len=n if topo.role is Role.GROUP else 0, codec=self.plan.codec)
+            self.state.group_window = group_window
+        master = self.plan.slices.take(shard, self.state.flat.params) if shard is not None else np.zeros(0, np.float32)
         if window.master is not None:  # a 16-bit window keeps the fp32 master weights (exact pulls read them)
             window.master[:] = master
             master = window.master
@@ -465,153 +437,149 @@ class _Run:
         if topo.role is Role.SERVER:
             # a resumed shard is at its checkpoint's version from its first publish: a worker's first pull
             # tags its gradient with it (with 0, the first gradients looked hundreds of versions stale)
-            window.publish(master, self.ckpt.shard_version(comm.rank) if self.ckpt else 0)
+            window.publish(master, self.plan.ckpt.shard_version(comm.rank) if self.plan.ckpt else 0)
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
-            optimizer = self.optimizer = assembly.shard_optimizer(self, master[:assembly.n_params(self, shard)], shard)
-        elif topo.role in (Role.WORKER, Role.SPARE) and self.cfg.inner_steps is not None:
+            optimizer = self.state.optimizer = assembly.shard_optimizer(self.plan, self.state, master[:self.plan.trainable(shard)], shard)
+        elif topo.role in (Role.WORKER, Role.SPARE) and self.plan.cfg.inner_steps is not None:
             # likewise a worker's inner optimizer under --local-steps, built with its session after the start:
             # the import counted in the run's clock (2.5 s of a 2.7 s run of 10 rounds here)
             warm_optimizers()
         # the rate the servers' optimizer has of its own (a factory's, or --lr): rows record rates applied
-        self.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
+        self.state.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
         if comm.rank == 0:
-            self.ran = {"optimizer_ran": describe_optimizer(optimizer, self.groups),
-                        "lr_schedule_values": rates.samples(optimizer.schedule, assembly.horizon(self))}
-            runfile.set_attrs(optimizer=json.dumps(self.ran["optimizer_ran"]),
-                              lr_schedule_values=json.dumps(self.ran["lr_schedule_values"]))
-        if self.ckpt is not None:
-            agree(comm, lambda: check_same_optimizer(self.ckpt, self.cfg.resume, self.ran["optimizer_ran"],
+            self.state.ran = {"optimizer_ran": describe_optimizer(optimizer, self.plan.groups),
+                        "lr_schedule_values": rates.samples(optimizer.schedule, assembly.horizon(self.plan))}
+            runfile.set_attrs(optimizer=json.dumps(self.state.ran["optimizer_ran"]),
+                              lr_schedule_values=json.dumps(self.state.ran["lr_schedule_values"]))
+        if self.plan.ckpt is not None:
+            agree(comm, lambda: check_same_optimizer(self.plan.ckpt, self.plan.cfg.resume, self.state.ran["optimizer_ran"],
                                                      optimizer.schedule) if comm.rank == 0 else None)
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
             # at the version the group server will be at: the lowest central shard's (a resumed run's too)
-            start = min(self.ckpt.shard_version(s) for s in self.shards) if self.ckpt else 0
-            group_window.publish(self.flat.params, start)
+            start = min(self.plan.ckpt.shard_version(s) for s in self.plan.shards) if self.plan.ckpt else 0
+            group_window.publish(self.state.flat.params, start)
         if comm.rank == 0:
-            f = self.facts
+            f = self.plan.facts
             sizes = [f"{f[k]} {what}" for k, what in (("n_train", "train"), ("n_test", "test")) if f[k] is not None]
             data = f"data {f['name']}" + (f" ({' / '.join(sizes)})" if sizes else "")
-            every = self.cfg.inner_steps
-            local = "" if every is None else (f" in {self.rounds} rounds of {every} local steps "
-                                              f"({self.cfg.inner_optimizer} at {self.cfg.inner_lr:g} inside)")
+            every = self.plan.cfg.inner_steps
+            local = "" if every is None else (f" in {self.plan.rounds} rounds of {every} local steps "
+                                              f"({self.plan.cfg.inner_optimizer} at {self.plan.cfg.inner_lr:g} inside)")
             log.info("%s on %s; model %s (%d parameters, %d buffer values), %s, %d steps per worker%s",
-                     self.cfg.paradigm, self.layout.describe(), self.workload.model_name, self.flat.n_params,
-                     self.flat.size - self.flat.n_params, data, self.steps, local)
-            log.info("workers on %s", _devices_summary([self.devices[r] for r in self.layout.worker_ranks()]))
-            for line in no_effect(self.cfg):  # once per run, on rank 0: the options nothing in this run reads
+                     self.plan.cfg.paradigm, self.plan.layout.describe(), self.plan.workload.model_name, self.state.flat.n_params,
+                     self.state.flat.size - self.state.flat.n_params, data, self.plan.steps, local)
+            log.info("workers on %s", _devices_summary([self.plan.devices[r] for r in self.plan.layout.worker_ranks()]))
+            for line in no_effect(self.plan.cfg, self.plan.paradigm):  # once per run, on rank 0: the options nothing in this run reads
                 log.warning(line)
-            if self.ckpt is not None and self.ckpt.describe_shape():
-                log.info("resuming %s on another shape: %s", self.cfg.resume, self.ckpt.describe_shape())
+            if self.plan.ckpt is not None and self.plan.ckpt.describe_shape():
+                log.info("resuming %s on another shape: %s", self.plan.cfg.resume, self.plan.ckpt.describe_shape())
         # everyone is set up: nobody waits long in the sync; a start that never completes ends the job
         polite_barrier(comm, Backoff(cap=1e-4), StallWatch(
-            warn=self.cfg.stall_warn, abort=self.cfg.stall_limit, log=log, error=RunAborted,
+            warn=self.plan.cfg.stall_warn, abort=self.plan.cfg.stall_limit, log=log, error=RunAborted,
             describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
-        self.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
+        self.state.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         if comm.rank == 0:
-            records.note_restart(self, runfile)
+            records.note_restart(self.plan, runfile)
             mark_launch("started")
-        self.path, self.runfile, self.recorder = path, runfile, recorder
-        self.master = master
+        self.state.path, self.state.runfile, self.state.recorder = path, runfile, recorder
+        self.state.master = master
 
     def serve(self) -> None:
         """A server's or group server's part, until every worker has left."""
-        topo, recorder = self.topo, self.recorder
+        topo, recorder = self.state.topo, self.state.recorder
         try:
             if topo.role is Role.SERVER:
-                assembly.serve_shard(self, self.window, self.master, self.optimizer, recorder)
+                assembly.serve_shard(self.plan, self.state, self.state.window, self.state.master, self.state.optimizer, recorder)
             else:
-                assembly.serve_group(self, self.window, self.group_window, recorder)
+                assembly.serve_group(self.plan, self.state, self.state.window, self.state.group_window, recorder)
         except BaseException:
-            if self.runfile is not None:  # keep what rank 0 has recorded before the job is aborted
+            if self.state.runfile is not None:  # keep what rank 0 has recorded before the job is aborted
                 recorder.drain()
                 recorder.flush()
-                self.runfile.close()
+                self.state.runfile.close()
             raise
 
     def end(self, loop: LoopState | None = None) -> RunResult | None:
         """Collective, once every rank's part is over: recorders closed, a checkpoint if a signal
         stopped the run (with ``loop``, worker 0's loop state), the summary; the result on rank 0."""
-        comm, recorder, runfile, window, group_window = (self.topo.comm, self.recorder, self.runfile, self.window,
-                                                         self.group_window)
-        wall_s = self.clock()
-        recorder.close(self.backoff)
-        if self.dead is not None:
+        comm, recorder, runfile, window, group_window = (self.state.topo.comm, self.state.recorder, self.state.runfile, self.state.window,
+                                                         self.state.group_window)
+        wall_s = self.state.clock()
+        recorder.close(self.state.backoff)
+        if self.state.dead is not None:
             comm = self._survivors()
         # a fast worker waits here for the slowest and for rank 0's final evaluation, as long as they take; a
         # hung rank is its own waits' to end (every one of them is watched)
-        polite_barrier(comm, self.backoff, watched=False)
+        polite_barrier(comm, self.state.backoff, watched=False)
         # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
-        stopped_by = next((s for s in comm.allgather(self.signals.acted) if s), None)
-        saved_ckpt = checkpointing.checkpoint_at_stop(self, comm, loop) if stopped_by else None
-        if stopped_by is None and comm.bcast(self.diverged is not None if comm.rank == 0 else None, root=0):
+        stopped_by = next((s for s in comm.allgather(self.state.signals.acted) if s), None)
+        saved_ckpt = checkpointing.checkpoint_at_stop(self.plan, self.state, comm, loop) if stopped_by else None
+        if stopped_by is None and comm.bcast(self.state.diverged is not None if comm.rank == 0 else None, root=0):
             stopped_by = "diverged"  # no checkpoint: nothing worth resuming
-        ranks = comm.gather(records.rank_row(self), root=0)  # after the barrier: nobody waits long
+        ranks = comm.gather(records.rank_row(self.plan, self.state), root=0)  # after the barrier: nobody waits long
         # worker 0's integer buffers (BatchNorm's num_batches_tracked, counted on each rank) into the model saved
         ints = [i for i in comm.gather(loop.int_buffers if loop is not None else None, root=0) or [] if i]
         if ints:
-            restore_int_buffers(self.model, ints[0])
-        if comm is self.topo.comm:
+            restore_int_buffers(self.state.model, ints[0])
+        if comm is self.state.topo.comm:
             window.free()
             if group_window is not None:
                 group_window.free()
         else:  # a window's free is a collective over every rank it was made on, the dead too: left to MPI
-            self.window = self.group_window = None
+            self.state.window = self.state.group_window = None
         if comm.rank != 0:
             return None
-        result = self._finish(runfile, wall_s, self.path, ranks, stopped_by, saved_ckpt)
+        result = self._finish(runfile, wall_s, self.state.path, ranks, stopped_by, saved_ckpt)
         mark_launch("finished")
         return result
 
     def _survivors(self) -> MPI.Comm:
         """Collective over the living (run-through): the run's communicator, or where ranks died, a shrunk
         copy of it for the end's collectives (the living keep their order: rank 0, a shard, is alive)."""
-        comm = self.topo.comm
+        comm = self.state.topo.comm
         shrunk = comm.Shrink()
         if shrunk.size == comm.size:
             shrunk.Free()
             return comm
-        self.stack.callback(shrunk.Free)
+        self.state.stack.callback(shrunk.Free)
         gone = left_out(comm, shrunk)
-        self.dead.add(gone)
+        self.state.dead.add(gone)
         if comm.rank == 0:
             log.warning("the run ended without rank(s) %s, which died: their rows not yet sent are lost",
                         ", ".join(map(str, sorted(gone))))
         return shrunk
-
-    def ran_config(self) -> dict:
-        """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
-        return {**self.cfg.as_json_dict(), **self.ran}
 
     def _finish(self, runfile: RunFile, wall_s: float, path: str, ranks: list[tuple], stopped_by: str | None,
                 saved_ckpt: str | None) -> RunResult:
         runfile.append("ranks", np.array(ranks, dtype=RANK))
         iterations = runfile.read("workers/iterations")
         summary = summarize(iterations, runfile.read("servers/updates"),
-                            runfile.read("eval"), wall_s=wall_s, target=self.cfg.stop_target,
+                            runfile.read("eval"), wall_s=wall_s, target=self.plan.cfg.stop_target,
                             eval_metrics=runfile.read("eval_metrics"), lost=runfile.read("servers/lost"),
                             joins=runfile.read("servers/joins"))
         summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
         runfile.write_summary(summary)
-        self.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
-        state = plain_state_dict(self.model)
-        saved = save_model(state, records.save_path(self, path))
+        self.state.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
+        state = plain_state_dict(self.state.model)
+        saved = save_model(state, records.save_path(self.plan, path))
         runfile.set_attrs(saved_model=saved or "")
         runfile.close()
-        final = ", ".join(f"{k} {v:.4f}" for k, v in self.final_metrics.items() if not math.isnan(v))
+        final = ", ".join(f"{k} {v:.4f}" for k, v in self.state.final_metrics.items() if not math.isnan(v))
         reached = (int(iterations["step"].max()) + 1 if len(iterations) else
-                   int(max(self.ckpt.worker_clocks)) if self.ckpt is not None else 0)
-        what = "steps" if self.cfg.inner_steps is None else f"rounds of {self.cfg.inner_steps} local steps"
+                   int(max(self.plan.ckpt.worker_clocks)) if self.plan.ckpt is not None else 0)
+        what = "steps" if self.plan.cfg.inner_steps is None else f"rounds of {self.plan.cfg.inner_steps} local steps"
         log.info("done in %.1f s after %d of %d %s: %s%d of %d gradients applied; metrics in %s%s",
-                 summary["wall_s"], reached, self.rounds, what, f"final evaluation {final}; " if final else "",
+                 summary["wall_s"], reached, self.plan.rounds, what, f"final evaluation {final}; " if final else "",
                  summary["gradients_applied"], summary["gradients_pushed"], runfile.path,
                  f", model in {saved}" if saved else "")
         if stopped_by == "diverged":
-            log.warning("stopped because the training diverged: %s", self.diverged)
+            log.warning("stopped because the training diverged: %s", self.state.diverged)
         elif stopped_by:
             log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
                         stopped_by, saved_ckpt)
-        return RunResult(runfile.path, summary, self.steps, self.flat.params.copy(), self.model.cpu(), state,
-                         self.final_metrics, saved)
+        return RunResult(runfile.path, summary, self.plan.steps, self.state.flat.params.copy(), self.state.model.cpu(), state,
+                         self.state.final_metrics, saved)
 
 
 

@@ -47,17 +47,14 @@ import torch
 from hpcps.errors import RunAborted
 from hpcps.metrics.timeline import NullTimeline
 from hpcps.training.hyper import NOT_HYPER, SCHEDULER_KEYS
-from hpcps.training.optim import APPLY_CHUNK, ShardOptimizer, update_terms
+from hpcps.training.optim import APPLY_CHUNK, update_terms
 from hpcps.policies import Decision, Policy
-from hpcps.runtime.rounds import RoundSum
+from hpcps.runtime.parts import Records, ServerHooks, ServerPorts, ShardUpdate, Watch
 from hpcps.transport import wire
-from hpcps.transport.notices import Notifier
 from hpcps.transport.poll import Backoff, StallWatch
 from hpcps.transport.compress import Codec, all_finite
-from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent, PushInbox
-from hpcps.transport.sent import ParamSender
-from hpcps.runtime.spares import JoinEvent, SpareDesk
-from hpcps.transport.window import ParamWindow
+from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent
+from hpcps.runtime.spares import JoinEvent
 
 log = logging.getLogger("hpcps")
 
@@ -106,24 +103,21 @@ class ShardServer:
     factor 1 (``--lr``): a push's factor is its learning rate over it.
     """
 
-    def __init__(self, *, shard: int, rank: int, policy: Policy, inbox: PushInbox, notifier: Notifier,
-                 window: ParamWindow, master: np.ndarray, worker_ranks: Sequence[int], recorder,
-                 clock: Callable[[], float], progress: Callable[[], object], unit_lr: float,
-                 optimizer: ShardOptimizer | None = None, n_params: int | None = None,
-                 side_tasks: Sequence[tuple[str, Callable[[], object]]] = (), on_applied: Callable[[int], object] | None = None,
-                 abort_on_nonfinite: bool = False, version: int = 0,
-                 on_published: Callable[[int], object] | None = None, stall_warn: float = 60.0,
-                 stall_abort: float | None = None, table: str = "servers/updates",
-                 backoff: Backoff | None = None, round_sum: RoundSum | None = None, timeline=None,
-                 codec: Codec | None = None, spares: SpareDesk | None = None,
-                 sender: ParamSender | None = None) -> None:
-        """``spares``: where spare workers take dead workers' places (:mod:`hpcps.runtime.spares`);
-        ``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`) instead of holding it;
-        ``side_tasks``: ``(phase, task)`` pairs called every loop, the time of one that returns true
-        going to its phase of the timeline; ``timeline``: where the loop's phases go
-        (:mod:`hpcps.metrics.timeline`; none by default); ``codec``: what a push's payload holds
-        (:mod:`hpcps.transport.compress`; fp32 by default); ``sender``: ``--pull send``, a granted worker's
-        round parameters sent to it after its grant (:mod:`hpcps.transport.sent`)."""
+    def __init__(self, *, shard: int, rank: int, policy: Policy, worker_ranks: Sequence[int], ports: ServerPorts,
+                 update: ShardUpdate, records: Records, watch: Watch = Watch(), hooks: ServerHooks = ServerHooks(),
+                 table: str = "servers/updates") -> None:
+        """Shard ``shard`` on rank ``rank`` serves ``worker_ranks`` under ``policy``: it receives, answers and
+        publishes through ``ports``, steps what ``update`` says (:mod:`hpcps.runtime.parts`), calls ``hooks``
+        besides its loop, puts its rows in table ``table`` of ``records``, and its waits are watched as
+        ``watch`` says."""
+        inbox, notifier, window, progress, sender, spares = ports.inbox, ports.notifier, ports.window, \
+            ports.progress, ports.sender, ports.spares
+        master, unit_lr, optimizer, n_params, version, round_sum, codec, abort_on_nonfinite = update.master, \
+            update.unit_lr, update.optimizer, update.n_params, update.version, update.round_sum, update.codec, \
+            update.abort_on_nonfinite
+        recorder, clock, timeline = records.recorder, records.clock, records.timeline
+        side_tasks, on_applied, on_published = hooks.side_tasks, hooks.on_applied, hooks.on_published
+        stall_warn, stall_abort, backoff = watch.stall_warn, watch.stall_abort, watch.backoff
         self.shard = shard
         self.sender = sender
         self.rank = rank

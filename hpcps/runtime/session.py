@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -36,16 +36,19 @@ from hpcps.runtime.checkpoint import (LoopState, checkpoint_files, checkpoint_pa
 from hpcps.cluster.emulation import (BackwardCompute, Overruns, emulated_compute_time, emulated_sleep, end_pass,
                                      forward_compute)
 from hpcps.runtime import assembly
+from hpcps.runtime.plan import start_clock
 from hpcps.cluster.effects import own_loop
 from hpcps.transport.compress import all_finite
 from hpcps.transport.failures import is_failure, left_out
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
-from hpcps.policies import policy_class
 from hpcps.training.hyper import EditTracker, servers_template, template
 from hpcps.training.local import InnerFiles, LocalSteps, seconds_per_step, steps_by_speed
 from hpcps.training.optim import builtin_optimizer
 from hpcps.training.optstate import cut, from_torch, join, to_torch
 from hpcps.runtime.optstate import ask, hand
+
+if TYPE_CHECKING:
+    from hpcps.runtime.run import Run
 
 log = logging.getLogger("hpcps")
 
@@ -60,7 +63,7 @@ class Session:
     others waiting.
     """
 
-    def __init__(self, run, *, abort_on_error: bool = True, overlap_pull: bool = False) -> None:
+    def __init__(self, run: "Run", *, abort_on_error: bool = True, overlap_pull: bool = False) -> None:
         self.run = run
         self.abort_on_error = abort_on_error
         #: with ``--partition-mb``: let the next step's pull land while the loop runs on, each layer's part
@@ -71,42 +74,42 @@ class Session:
         self.result = None  # rank 0: the RunResult once closed
         self.closed = False
         self.state: dict[str, Any] = {}  # the user's own checkpoint fields (worker 0's are saved)
-        layout, rank = run.layout, run.topo.rank
-        self.is_worker = run.index is not None  # a worker, or a spare in a dead worker's place
+        layout, rank = run.plan.layout, run.state.topo.rank
+        self.is_worker = run.state.index is not None  # a worker, or a spare in a dead worker's place
         self.rank = rank
         self.n_workers = layout.n_workers
-        self.worker_index = run.index
-        self.model = run.model
+        self.worker_index = run.state.index
+        self.model = run.state.model
         self._optimizer = None
         self._resumed_groups: list | None = None  # ps.optimizer's hyperparameters as a checkpointed loop left them
         #: where the model lives (``cuda:<i>`` on a GPU worker): the loop puts its batches there
-        self.device = run.flat.device if self.is_worker else torch.device("cpu")
+        self.device = run.state.flat.device if self.is_worker else torch.device("cpu")
         if not self.is_worker:
             return
-        cfg = run.cfg
-        self.flat = run.flat
+        cfg = run.plan.cfg
+        self.flat = run.state.flat
         self.clip_norm = cfg.clip_norm
         self.compute_time = emulated_compute_time(cfg, rank, layout, self.worker_index)
         self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
         # bsp checkpoints at a round's close, where worker 0's loop belongs to the checkpoint; the other
         # paradigms' periodic checkpoints are cuts taken while the workers go on (hpcps.runtime.snapshot)
-        at_publish = policy_class(cfg.paradigm).checkpoints_at_publish()
+        at_publish = run.plan.paradigm.checkpoints_at_publish()
         self.checkpoint_every = cfg.checkpoint_every if at_publish and self.worker_index == 0 else None
         #: a checkpointed version whose loop state is written at the loop's next training pass (:meth:`_save_due`)
         self._due: int | None = None
-        self._saved_at: int | None = int(run.ckpt.version) if run.ckpt is not None else None
-        loop = read_loop_state(cfg.resume) if run.ckpt is not None else LoopState()
+        self._saved_at: int | None = int(run.plan.ckpt.version) if run.plan.ckpt is not None else None
+        loop = read_loop_state(cfg.resume) if run.plan.ckpt is not None else LoopState()
         self.state = loop.fields
         self._resumed_groups = loop.param_groups
         restore_int_buffers(self.model, loop.int_buffers)
         self._opens_with = "compute"  # the phase a step's time begins in: the user's code until ps.step
-        self.worker = assembly.make_worker(run)
+        self.worker, self._transfers = assembly.make_worker(run.plan, run.state)
         #: under --local-steps: the worker's inner optimizer and its rounds (hpcps.training.local)
         self.local: LocalSteps | None = None
         if cfg.inner_steps is not None:
             self.local = LocalSteps(self.model, self.flat, builtin_optimizer(
                 cfg.inner_optimizer, lr=cfg.inner_lr, momentum=cfg.inner_momentum,
-                weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.steps)
+                weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.plan.steps)
             self._resume_inner()
         #: under local steps, the inner steps whose gradient was not finite, skipped (:meth:`_nonfinite_inner`)
         self.inner_nonfinite = 0
@@ -119,7 +122,7 @@ class Session:
         #: loop's traffic never meets hpcps's). A spare in a dead worker's place has none to share: its
         #: role's communicator holds the other spares, idle, and a duplicate of it would wait for them (the
         #: loops that use these collectives, your own and --local-steps-by-speed, take no spares)
-        self.workers = (MPI.COMM_SELF if run.placed_at is not None else run.topo.role_comm).Dup()
+        self.workers = (MPI.COMM_SELF if run.state.placed_at is not None else run.state.topo.role_comm).Dup()
         self._hooks = []
         self._target_reached = self._evaluated = False
         if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
@@ -214,14 +217,14 @@ class Session:
             self._round_losses.append(value)
             over = self.local.round_over(self.worker.step)
             if self.worker.pending:  # --overlap-steps: the outer step the round's first steps hide
-                if over or self.local.taken >= self.run.cfg.overlap_steps:
+                if over or self.local.taken >= self.run.plan.cfg.overlap_steps:
                     self._take_round()
                 else:
                     self.worker.poke()  # (its pull begins as soon as it may)
             if not over:
                 self._begin_pass()  # the round's next inner step: nothing goes to the servers
                 return True
-            if self.run.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
+            if self.run.plan.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
                 self._share_by_speed()
             self.local.pseudo_gradient()
             if self.worker.defer_pull:
@@ -240,7 +243,7 @@ class Session:
         ``/workers/scalars`` (``inner_nonfinite``) and said once. Under ``--nonfinite abort``: ends the job."""
         from hpcps.errors import RunAborted
 
-        if self.run.cfg.nonfinite == "abort":
+        if self.run.plan.cfg.nonfinite == "abort":
             raise RunAborted(f"worker rank {self.rank} computed a non-finite gradient at inner step {self.iteration} "
                              "(--nonfinite abort)")
         self.inner_nonfinite += 1
@@ -248,7 +251,7 @@ class Session:
             log.warning("worker rank %d: a non-finite gradient at inner step %d was skipped, not applied by the "
                         "inner optimizer (counted in /workers/scalars as inner_nonfinite; said once)", self.rank,
                         self.iteration)
-        self.run.recorder.add("workers/scalars", (self.rank, self.iteration, self.run.clock(), b"inner_nonfinite",
+        self.run.state.recorder.add("workers/scalars", (self.rank, self.iteration, self.run.clock(), b"inner_nonfinite",
                                                   float(self.inner_nonfinite)))
         return True
 
@@ -266,7 +269,7 @@ class Session:
         is recorded as stopped by the loop (``stopped_by`` ``loop``, or ``loop: <reason>``) and writes a
         checkpoint to resume from, as a signal's stop does."""
         if self.is_worker:
-            signals = self.run.signals
+            signals = self.run.state.signals
             signals.acted = signals.acted or ("loop: " + reason if reason else "loop")
             self.worker.window.request_stop()
 
@@ -277,7 +280,7 @@ class Session:
             return
         t, step = self.run.clock(), self.iteration
         for name, value in scalars.items():
-            self.run.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
+            self.run.state.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
 
     def evaluated(self, **metrics: float) -> None:
         """The loop's own validation, recorded as the run's evaluation (``ps.evaluated(loss=2.1,
@@ -293,11 +296,11 @@ class Session:
         self._evaluated = True
         t, version = self.run.clock(), self.version
         values = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in metrics.items()}
-        self.run.recorder.add("eval", (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan)))
+        self.run.state.recorder.add("eval", (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan)))
         for name, value in values.items():
             if name not in ("loss", "accuracy"):
-                self.run.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
-        target = self.run.cfg.stop_target
+                self.run.state.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
+        target = self.run.plan.cfg.stop_target
         if target is not None and not self._target_reached and target.reached(values.get(target.name, math.nan)):
             self._target_reached = True
             log.info("target %s reached at t=%.2fs (%s %.4f): stopping", target, t, target.name, values[target.name])
@@ -343,11 +346,11 @@ class Session:
                 self._wait(start(self.workers).Test, what)
                 done = True
             except MPI.Exception as exc:
-                if self.run.dead is None or not is_failure(exc):
+                if self.run.state.dead is None or not is_failure(exc):
                     raise
                 self.workers.Revoke()
                 done = False
-            if self.run.dead is None:
+            if self.run.state.dead is None:
                 return
             if self._agree(done, what):
                 return
@@ -362,7 +365,7 @@ class Session:
     def _note_dead(self, shrunk: MPI.Comm) -> None:
         """The workers that the shrink to ``shrunk`` left out are dead: the run's record of the dead, so
         that ``deaths_seen()`` tells this worker's loop, though no transfer of its own met the death."""
-        self.run.dead.add(left_out(self.workers, shrunk, into=self.run.topo.comm))
+        self.run.state.dead.add(left_out(self.workers, shrunk, into=self.run.state.topo.comm))
 
     def _agree(self, done: bool, what: str) -> bool:
         """Run-through: whether every living worker completed the collective (``done`` here), waited for as
@@ -382,7 +385,7 @@ class Session:
         """Poll ``test`` for a collective of the workers or a shard's answer, this worker's transfers moving
         between polls, under the run's stall watch (a warning every ``stall_warn`` seconds, a TimeoutError
         past ``stall_abort``, none if it is 0) naming ``what`` it waits for."""
-        cfg = self.run.cfg
+        cfg = self.run.plan.cfg
         watch = StallWatch(warn=cfg.stall_warn, abort=cfg.stall_limit, log=log, error=TimeoutError,
                            describe=lambda: f"worker rank {self.rank} waiting for {what}")
         wait_until(lambda: self.worker.poke() or test(), Backoff(), watch)
@@ -452,22 +455,22 @@ class Session:
         """A resumed run under local steps: the inner optimizer's state as this worker left it after the round
         the checkpoint resumes at; where the checkpoint cannot give it, the state starts afresh (said once)."""
         run, w = self.run, self.worker_index
-        if run.placed_at is not None:
+        if run.state.placed_at is not None:
             log.warning("local steps: spare rank %d starts its inner optimizer afresh (worker %d's died with it)",
                         self.rank, w)
             return
-        if run.ckpt is None:
+        if run.plan.ckpt is None:
             return
-        clock = run.start_clock
-        if run.ckpt.redealt:
+        clock = start_clock(run.plan, run.state)
+        if run.plan.ckpt.redealt:
             if w == 0:
                 log.warning("local steps: the run resumes with another worker count, so each worker's inner "
                             "optimizer state starts afresh (the parameters and the outer state come back)")
             return
-        state = InnerFiles(os.path.dirname(os.path.abspath(run.cfg.resume)), w).read(clock)
+        state = InnerFiles(os.path.dirname(os.path.abspath(run.plan.cfg.resume)), w).read(clock)
         if state is None:
             log.warning("local steps: worker %d finds no inner optimizer state of round %d beside %s; it starts "
-                        "afresh", w, clock, run.cfg.resume)
+                        "afresh", w, clock, run.plan.cfg.resume)
             return
         kind = type(self.local.optimizer).__name__
         if state.get("class", kind) != kind:  # another --inner-optimizer: that state means nothing to this one
@@ -480,15 +483,15 @@ class Session:
     def _write_inner(self, clock: int) -> None:
         """Under periodic checkpoints: the inner optimizer's state after round ``clock``, written before the
         round is pushed; files of rounds before this worker's clock in the newest complete checkpoint go."""
-        cfg = self.run.cfg
+        cfg = self.run.plan.cfg
         if not (cfg.checkpoint_every or cfg.checkpoint_interval):
             return
         self._save_inner(clock)
-        files = checkpoint_files(self.run.ckpt_dir)
+        files = checkpoint_files(self.run.state.ckpt_dir)
         if files == self._ckpt_files:  # no checkpoint written or completed since the last round: nothing to read
             return
         self._ckpt_files = files
-        clocks = newest_clocks(self.run.ckpt_dir)
+        clocks = newest_clocks(self.run.state.ckpt_dir)
         if clocks is not None and len(clocks) > self.worker_index:
             self._inner_files().prune(int(clocks[self.worker_index]))
 
@@ -497,7 +500,7 @@ class Session:
                                           "class": type(self.local.optimizer).__name__})
 
     def _inner_files(self) -> InnerFiles:
-        return InnerFiles(self.run.ckpt_dir, self.worker_index)
+        return InnerFiles(self.run.state.ckpt_dir, self.worker_index)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
         """Worker 0's first training pass (gradients on, train mode) on a checkpointed version: its loop's
@@ -513,7 +516,7 @@ class Session:
         if self._due is None:
             return
         # written whatever it holds: the checkpoint counts as complete only with it (its loop_part)
-        write_user_state(checkpoint_path(self.run.ckpt_dir, self._due), self.loop_state())
+        write_user_state(checkpoint_path(self.run.state.ckpt_dir, self._due), self.loop_state())
         self._saved_at, self._due = self._due, None
 
     def loop_state(self) -> LoopState:
@@ -572,10 +575,10 @@ class Session:
             if self.local is not None and self.worker.stop:  # a stop's checkpoint resumes at this round
                 self._save_inner(self.worker.clock_count)
             # (hpcps's own loop evaluates on the servers: the warning is for a loop of the user's)
-            if (self.worker_index == 0 and self.run.cfg.stop_target is not None and not self._evaluated
-                    and own_loop(self.run.cfg)):
+            if (self.worker_index == 0 and self.run.plan.cfg.stop_target is not None and not self._evaluated
+                    and own_loop(self.run.plan.cfg)):
                 log.warning("target %s had no effect: in your own loop, the run's evaluation is what it gives "
-                            "ps.evaluated(...), and it never called it", self.run.cfg.stop_target)
+                            "ps.evaluated(...), and it never called it", self.run.plan.cfg.stop_target)
             overran = self.overruns.warning(self.rank)
             if overran:
                 log.warning(overran)
@@ -583,7 +586,7 @@ class Session:
                 self.worker.finish()
             finally:
                 self._remove_hooks()
-                assembly.free_worker(self.run, self.worker)
+                self.run.state.final_clock = assembly.free_worker(self.worker, self._transfers)
                 self.workers.Free()
             self.result = self.run.end(loop=self.loop_state() if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
@@ -610,7 +613,7 @@ class Session:
         if self.abort_on_error and not isinstance(exc, (KeyboardInterrupt,)):
             from hpcps.runtime.agree import end_job
 
-            end_job(self.run.topo.comm, exc)
+            end_job(self.run.state.topo.comm, exc)
 
 
 class StepOptimizer(torch.optim.Optimizer):
@@ -625,14 +628,14 @@ class StepOptimizer(torch.optim.Optimizer):
 
     def __init__(self, session: Session) -> None:
         run = session.run
-        hyper, name = servers_template(run.workload.optimizer_factory(run.cfg), run.groups, run.flat.n_params)
-        named = dict(run.model.named_parameters())
+        hyper, name = servers_template(run.plan.workload.optimizer_factory(run.plan.cfg), run.plan.groups, run.state.flat.n_params)
+        named = dict(run.state.model.named_parameters())
         super().__init__([{"params": [named[n] for n, _, _ in group.ranges], **values}
-                          for group, values in zip(run.groups, hyper)], dict(hyper[0]))
+                          for group, values in zip(run.plan.groups, hyper)], dict(hyper[0]))
         self.session = session
         # grouped: a worker's push goes to its group server, which sums its group's round for the central
         # shards; an edit cannot travel with one worker's gradient there
-        self.grouped = run.topo.group != MPI.COMM_NULL
+        self.grouped = run.state.topo.group != MPI.COMM_NULL
         self.tracker = EditTracker(hyper, lambda message: log.warning("%s", message), name)
         for group, values in zip(self.param_groups, session._resumed_groups or []):
             group.update(values)  # a resumed loop's rates: sent with the first push, as an edit
@@ -672,7 +675,7 @@ class StepOptimizer(torch.optim.Optimizer):
 
     def _layout(self) -> tuple[list[tuple[int, int]], list[torch.Size]]:
         """Each parameter's place in the flat vector and its shape, numbered as torch numbers them in a state dict."""
-        ranges = [(a, b) for group in self.session.run.groups for _, a, b in group.ranges]
+        ranges = [(a, b) for group in self.session.run.plan.groups for _, a, b in group.ranges]
         shapes = [p.shape for group in self.param_groups for p in group["params"]]
         return ranges, shapes
 
@@ -690,10 +693,10 @@ class StepOptimizer(torch.optim.Optimizer):
         a run on any shard count, or into a plain torch optimizer over the same model."""
         self._must_be_worker("state_dict()")
         run = self.session.run
-        parts = ask(run.topo.ps, run.shards, self.session._wait)
+        parts = ask(run.state.topo.ps, run.plan.shards, self.session._wait)
         ranges, shapes = self._layout()
         groups = torch.optim.Optimizer.state_dict(self)["param_groups"]  # torch's numbering and the hyperparameters
-        return to_torch(join(parts, run.slices.put, run.flat.size), ranges, shapes, groups)
+        return to_torch(join(parts, run.plan.slices.put, run.state.flat.size), ranges, shapes, groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Collective over the workers (call it on every worker, between steps): the param groups'
@@ -706,9 +709,9 @@ class StepOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # torch checks the groups and casts the state onto the parameters
         params = [p for group in self.param_groups for p in group["params"]]
         ranges, _ = self._layout()
-        flat = from_torch({i: self.state[p] for i, p in enumerate(params) if p in self.state}, ranges, run.flat.size)
+        flat = from_torch({i: self.state[p] for i, p in enumerate(params) if p in self.state}, ranges, run.state.flat.size)
         self.state.clear()  # the servers hold it; this optimizer keeps none
         if session.worker_index == 0:
-            hand(run.topo.ps, run.shards, [cut(flat, lambda v, s=s: run.slices.take(s, v)) for s in run.shards],
+            hand(run.state.topo.ps, run.plan.shards, [cut(flat, lambda v, s=s: run.plan.slices.take(s, v)) for s in run.plan.shards],
                  session._wait)
         session.workers_barrier()

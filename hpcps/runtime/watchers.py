@@ -7,28 +7,28 @@ import logging
 
 import numpy as np
 
-from hpcps.policies import policy_class
 from hpcps.training import rates
 from hpcps.training.divergence import DivergenceWatch, NonFiniteStart
 from hpcps.transport.window import ParamWindow
+from hpcps.runtime.plan import RunPlan, RunState
 
 log = logging.getLogger("hpcps")
 
 
-def divergence_watch(run, window: ParamWindow):
+def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
     """Rank 0: the workers' rows as they arrive, checked for divergence (hpcps.training.divergence); once
     diverged, one line saying what to try, and every shard's stop flag up."""
-    watch, cfg = DivergenceWatch(), run.cfg
-    n_clients = run.layout.n_groups or run.layout.n_workers  # who pushes to a central shard
-    per_step = policy_class(cfg.paradigm).updates_per_step(n_clients)
-    rate = cfg.lr * rates.lr_scale(cfg, n_clients)
+    watch, cfg = DivergenceWatch(), plan.cfg
+    n_clients = plan.layout.n_groups or plan.layout.n_workers  # who pushes to a central shard
+    per_step = plan.paradigm.updates_per_step(n_clients)
+    rate = cfg.lr * rates.lr_scale(cfg, plan.paradigm, n_clients)
 
     def on_rows(rows: np.ndarray) -> None:
         reason = watch.observe(rows)
-        if reason is None or run.diverged is not None:
+        if reason is None or state.diverged is not None:
             return
-        run.diverged = reason
-        opt = run.optimizer  # shard 0's: the rate a loop set through ps.optimizer, if it set one
+        state.diverged = reason
+        opt = state.optimizer  # shard 0's: the rate a loop set through ps.optimizer, if it set one
         loop_lr = opt.recorded_lr if opt is not None and opt.recorded_lr != opt.default_lr else None
         if loop_lr is not None:
             how = (f"the loop set the rate to {loop_lr:g} in ps.optimizer's param groups (--lr {cfg.lr:g} is "
@@ -48,23 +48,23 @@ def divergence_watch(run, window: ParamWindow):
     return on_rows
 
 
-def nonfinite_start_watch(run, window: ParamWindow):
+def nonfinite_start_watch(plan: RunPlan, state: RunState, window: ParamWindow):
     """Rank 0: the shards' rows as they arrive; if the run's first gradients were all non-finite, one line
     saying so, and every shard's stop flag up (stopped by divergence: nothing worth resuming)."""
     watch = NonFiniteStart()
 
     def on_rows(rows: np.ndarray) -> None:
         reason = watch.observe(rows)
-        if reason is None or run.diverged is not None:
+        if reason is None or state.diverged is not None:
             return
-        run.diverged = reason
+        state.diverged = reason
         log.error("training cannot start under %s: %s; stopping (--divergence ignore trains on)",
-                  run.cfg.paradigm, reason)
+                  plan.cfg.paradigm, reason)
         window.set_stop()
     return on_rows
 
 
-def spread_signal(run, window: ParamWindow, own: ParamWindow | None = None):
+def spread_signal(plan: RunPlan, state: RunState, window: ParamWindow, own: ParamWindow | None = None):
     """A server's side task: a stop signal this rank received, or (a group server, ``own``) a stop one
     of its workers asked for, raises the stop flag of every shard of ``window``, once."""
     spread = False
@@ -73,7 +73,7 @@ def spread_signal(run, window: ParamWindow, own: ParamWindow | None = None):
         nonlocal spread
         if spread:
             return
-        if run.signals.take() or (own is not None and own.stop_raised()):
+        if state.signals.take() or (own is not None and own.stop_raised()):
             window.request_stop()
             spread = True
     return task

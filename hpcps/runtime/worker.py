@@ -57,9 +57,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpcps.runtime.backward import BackwardPushes
 from hpcps.runtime.faults import Fault, InjectedFault
-from hpcps.runtime.partitions import PartitionedPulls
+from hpcps.runtime.parts import PullPlan, PushPlan, Records, StepPlan, Watch, WorkerPorts
 from hpcps.training.flat import FlatParameters
 from hpcps.training.lr import scaled_lr
 from hpcps.metrics.schema import ITERATION
@@ -67,12 +66,9 @@ from hpcps.metrics.timeline import NullTimeline
 from hpcps.transport import wire
 from hpcps.transport.compress import all_finite
 from hpcps.transport.eager import EagerPuller
-from hpcps.transport.notices import NoticeBox
 from hpcps.errors import RunAborted
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
-from hpcps.transport.push import Pusher
-from hpcps.transport.sent import SentPull
-from hpcps.transport.window import ParamWindow, Pull
+from hpcps.transport.window import Pull
 
 log = logging.getLogger("hpcps")
 
@@ -84,29 +80,22 @@ class Worker:
     #: a worker that pulled after its grant would otherwise know of no newer version than its own
     peek_before_push = True
 
-    def __init__(self, *, rank: int, model: torch.nn.Module, flat: FlatParameters,
-                 window: ParamWindow, pusher: Pusher, notices: NoticeBox, blocks: bool, recorder,
-                 clock: Callable[[], float], steps: int, lr: float, lr_staleness: str = "none",
-                 faults: list[Fault] = (), start_step: int = 0, stall_warn: float = 60.0,
-                 stall_abort: float | None = None, backoff: Backoff | None = None,
-                 take_signal: Callable[[], str | None] | None = None, timeline=None,
-                 stage: Callable[[np.ndarray, bool], None] | None = None,
-                 partitions: PartitionedPulls | None = None, send_buffers: list[np.ndarray] | None = None,
-                 backward_pushes: BackwardPushes | None = None, overflow: float = math.inf,
-                 defer_pull: bool = False, sent_pull: Callable[..., SentPull] | None = None) -> None:
-        """``stage(out, keep)``: put the gradient into push buffer ``out`` (``keep``: it is to be applied),
-        where compression encodes it (hpcps.transport.compress); by default the flat buffer's own;
-        ``partitions``: pull in partitions, the pass starting before the last has come
-        (:mod:`hpcps.runtime.partitions`); ``send_buffers``: push from a copy of the gradient in one of
-        these two (the pusher's slots), so that the push may leave while the next pass computes;
-        ``backward_pushes``: in hpcps's own loop, push each piece of the gradient as backward produces it
-        (:mod:`hpcps.runtime.backward`, :meth:`before_backward`); ``overflow``: where a finite value
-        becomes infinite on the wire (:attr:`hpcps.transport.compress.Codec.overflow`), for the verdict on
-        each gradient that its push carries (:meth:`_verdict`); ``defer_pull`` (``--overlap-steps``, needs
-        ``send_buffers``): a push is not followed by the grant's wait and the pull, which come when the loop
-        asks for them (:meth:`take_round`), computation going on meanwhile; ``sent_pull(out, parts, watch)``
-        (``--pull send``, bsp): after each push, the round's values as the shards send them after the grant
-        (:class:`~hpcps.transport.sent.SentPull`), in the place of a window pull."""
+    def __init__(self, *, rank: int, model: torch.nn.Module, flat: FlatParameters, ports: WorkerPorts,
+                 plan: StepPlan, records: Records, push: PushPlan = PushPlan(), pull: PullPlan = PullPlan(),
+                 watch: Watch = Watch()) -> None:
+        """Worker rank ``rank`` trains ``model`` through its flat vector ``flat``: it pulls, pushes and hears
+        through ``ports``, takes the steps ``plan`` says, its gradients leaving as ``push`` says and its
+        parameters coming as ``pull`` says (:mod:`hpcps.runtime.parts`); its rows go to ``records``, and its
+        waits are watched as ``watch`` says."""
+        stage, send_buffers, backward_pushes, overflow = push.stage, push.send_buffers, push.backward_pushes, \
+            push.overflow
+        partitions, defer_pull, sent_pull = pull.partitions, pull.defer_pull, pull.sent_pull
+        window, pusher, notices = ports.window, ports.pusher, ports.notices
+        recorder, clock, timeline = records.recorder, records.clock, records.timeline
+        steps, lr, blocks, lr_staleness, faults, start_step = plan.steps, plan.lr, plan.blocks, plan.lr_staleness, \
+            plan.faults, plan.start_step
+        stall_warn, stall_abort, backoff, take_signal = watch.stall_warn, watch.stall_abort, watch.backoff, \
+            watch.take_signal
         if defer_pull and send_buffers is None:
             raise ValueError("a worker that defers its pull pushes from a copy (send_buffers)")
         self.defer_pull = defer_pull
@@ -516,8 +505,10 @@ class _SlottedWorker(Worker):
     """A worker that always pushes from a copy of its gradient in one of two ``send_buffers`` (the pusher's
     slots), so a push may still be in flight while the next gradient is computed."""
 
-    def __init__(self, *, send_buffers: list[np.ndarray], **kwargs) -> None:
-        super().__init__(send_buffers=send_buffers, **kwargs)
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self.send_buffers is None:
+            raise ValueError(f"{type(self).__name__} pushes from a copy: give it send_buffers (PushPlan)")
 
 
 class EagerWorker(_SlottedWorker):

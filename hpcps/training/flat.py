@@ -117,6 +117,12 @@ class FlatParameters:
             self.grads = None if self.transfer == "direct" else self._host_buffer()
 
     @property
+    def spans(self) -> list[tuple[torch.nn.Parameter | None, torch.nn.Module | None, str, int, int]]:
+        """Each tensor's ``(parameter, module, name, offset, length)`` in the flat vector, in its order
+        (a buffer's parameter is None): what partitions and backward pushes cut by."""
+        return self._spans
+
+    @property
     def push_grads(self) -> np.ndarray | torch.Tensor:
         """The buffer a one-slot push sends: host memory, or (``direct``) the model's gradient tensor."""
         return self.grads_t if self.transfer == "direct" else self.grads

@@ -10,22 +10,22 @@ applies in the whole run, its horizon.
 from __future__ import annotations
 
 from hpcps.config import TrainConfig
-from hpcps.policies import policy_class
+from hpcps.policies import Policy
 from hpcps.training.optim import Schedule, make_schedule
 
 
-def lr_scale(cfg: TrainConfig, n_clients: int, *, extra: bool = False) -> float:
+def lr_scale(cfg: TrainConfig, paradigm: type[Policy], n_clients: int, *, extra: bool = False) -> float:
     """What a gradient's learning rate is multiplied by under ``--lr-scaling``, ``n_clients`` pushing to a
     central shard (the paradigm's :meth:`~hpcps.policies.base.Policy.lr_scale`; 1 under ``none``);
     ``extra``: an extra gradient's."""
     if cfg.lr_scaling == "none":
         return 1.0
-    return policy_class(cfg.paradigm).lr_scale(n_clients, extra=extra)
+    return paradigm.lr_scale(n_clients, extra=extra)
 
 
-def horizon(cfg: TrainConfig, steps: int, n_clients: int) -> int:
+def horizon(paradigm: type[Policy], steps: int, n_clients: int) -> int:
     """The updates a central shard applies over the run (its last version): the schedules' horizon."""
-    return steps * policy_class(cfg.paradigm).updates_per_step(n_clients)
+    return steps * paradigm.updates_per_step(n_clients)
 
 
 def schedule(cfg: TrainConfig, own: Schedule | None, updates: int, base_lr: float) -> Schedule:

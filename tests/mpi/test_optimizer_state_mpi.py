@@ -112,7 +112,7 @@ def test_the_gathered_momentum_is_what_the_two_shards_hold(world, mpi_tmp_path):
     gathered = world.gather(got, root=0)
     facts = None
     if world.rank == 0:
-        path = checkpoint_path(ps.run.ckpt_dir, steps)
+        path = checkpoint_path(ps.run.state.ckpt_dir, steps)
         held = torch.cat([torch.cat([read_optimizer_state(path, s)["state"][k]["momentum_buffer"]
                                      for k in sorted(read_optimizer_state(path, s)["state"])]) for s in range(2)])
         workers = [g for g in gathered if g is not None]

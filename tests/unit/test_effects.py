@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from hpcps.cluster.effects import FEATURES, no_effect, refuse
+from hpcps.cluster import effects
+from hpcps.cluster.effects import FEATURES
 from hpcps.cluster.planning import plan
 from hpcps.config import TrainConfig, make_config
 from hpcps.errors import UserError
-from hpcps.policies import Policy, paradigms, register_class
+from hpcps.policies import Policy, paradigms, policy_class, register_class
 from hpcps.policies.sync import ASP
+
+
+def no_effect(cfg: TrainConfig) -> list[str]:
+    """The lines :func:`hpcps.cluster.effects.no_effect` says of ``cfg``, its paradigm resolved as a run does."""
+    return effects.no_effect(cfg, policy_class(cfg.paradigm))
+
+
+def refuse(cfg: TrainConfig) -> None:
+    effects.refuse(cfg, policy_class(cfg.paradigm))
 
 
 def lines(**flags) -> list[str]:
@@ -149,8 +159,7 @@ def test_stale_momentum_is_read_wherever_a_param_group_may_have_a_momentum():
     """Regression: ``--stale-momentum none`` was called 'no effect' unless ``--optimizer sgd --momentum > 0``,
     though the rule acts on any group with momentum: a param group's own, or one the loop sets through
     ps.optimizer.param_groups. Only adam/adamw (no momentum) and --momentum-period are known not to read it."""
-    from hpcps.cluster.effects import OWN_LOOP, no_effect
-    from hpcps.config import make_config
+    from hpcps.cluster.effects import OWN_LOOP
 
     def lines(**flags):
         return [line for line in no_effect(make_config({"stale_momentum": "none", **flags}))
@@ -165,7 +174,6 @@ def test_stale_momentum_is_read_wherever_a_param_group_may_have_a_momentum():
 def test_pull_send_is_refused_for_a_bsp_subclass_whose_workers_do_not_wait_for_their_grant():
     """Regression: a plug-in BSP subclass with an eager (or non-blocking) worker side passed the refusal, and its
     workers never posted the receives of a sent round: the shard's sends waited for ever in ParamSender.drain."""
-    from hpcps.cluster.effects import releases_rounds
     from hpcps.policies.sync import BSP
 
     class EagerRounds(BSP):
@@ -174,5 +182,6 @@ def test_pull_send_is_refused_for_a_bsp_subclass_whose_workers_do_not_wait_for_t
     class LooseRounds(BSP):
         worker_blocks = False
 
-    assert releases_rounds(BSP)
-    assert not releases_rounds(EagerRounds) and not releases_rounds(LooseRounds)
+    assert BSP.releases_rounds()
+    assert not EagerRounds.releases_rounds() and not LooseRounds.releases_rounds()
+    assert not ASP.releases_rounds()

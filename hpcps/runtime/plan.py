@@ -1,0 +1,161 @@
+"""What a run is, on one rank: its plan (what was asked and resolved, fixed before it starts) and its state
+(what this rank holds and what changes as it runs).
+
+:class:`RunPlan` is built once by :func:`hpcps.runtime.run.open_run`, after the start-up checks, and is
+the same on every rank: the options, the layout, the paradigm's class (resolved from its name once, here),
+the slices and the stripe, the codec, the shards, the steps and rounds, the data's facts, the checkpoint
+resumed. Nothing writes into it.
+
+:class:`RunState` is this rank's: its communicators, model and flat vector, data, windows, recorder, the
+ranks found dead, and the final values each role leaves for the end. The roles
+(:mod:`hpcps.runtime.assembly`), checkpoints (:mod:`hpcps.runtime.checkpointing`) and records
+(:mod:`hpcps.runtime.records`) take both, typed; the lifecycle (start, serve, end) is
+:class:`hpcps.runtime.run.Run`'s.
+
+The split follows torch.distributed.elastic's ``WorkerSpec`` (what was asked) and ``WorkerGroup``
+(what changes).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import torch
+
+from hpcps.config import TrainConfig
+from hpcps.cluster.layout import Layout
+from hpcps.cluster.slices import Slices
+from hpcps.policies.base import Policy
+from hpcps.transport.clocksync import RunClock
+from hpcps.transport.compress import Codec
+from hpcps.transport.poll import Backoff
+
+if TYPE_CHECKING:  # (annotations only: these import MPI or the runtime's roles)
+    from hpcps.cluster.topology import Topology
+    from hpcps.data.batches import DataSource
+    from hpcps.metrics.runfile import RunFile
+    from hpcps.runtime.checkpoint import Checkpoint
+    from hpcps.runtime.signals import StopSignals
+    from hpcps.training.flat import FlatParameters
+    from hpcps.training.optim import ShardOptimizer
+    from hpcps.training.workload import Workload
+    from hpcps.transport.failures import DeadRanks
+    from hpcps.transport.window import ParamWindow
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run as resolved before it starts, the same on every rank.
+
+    ``paradigm``: the policy class ``cfg.paradigm`` names (:mod:`hpcps.policies`), which says what its
+    worker side is and what it reads; ``size``/``n_params``: values of the flat vector, and the trainable
+    ones at its start (the rest are float buffers); ``stripe``: ``--partition-mb`` in values (None: whole
+    slices); ``codec``: what moves on the wire (a worker's keeps its top-k residual); ``facts``: what every
+    rank knows of the data (only workers and rank 0 load it); ``devices``: each rank's device, as
+    :meth:`~hpcps.cluster.device.DevicePlan.describe` says; ``world_ranks``: the launcher's rank of each
+    of the run's ranks (``--placement``); ``groups``: the model's param groups
+    (:func:`~hpcps.training.paramgroups.resolve_groups`); ``ckpt``: the checkpoint resumed, or None.
+    """
+
+    cfg: TrainConfig
+    layout: Layout
+    paradigm: type[Policy]
+    workload: "Workload"
+    size: int
+    n_params: int
+    stripe: int | None
+    slices: Slices
+    codec: Codec
+    steps: int
+    facts: Mapping[str, Any]
+    devices: tuple[str, ...]
+    world_ranks: tuple[int, ...]
+    groups: tuple
+    ckpt: "Checkpoint | None" = None
+
+    @property
+    def shards(self) -> list[int]:
+        """The central shards' ranks: ``0 .. n_servers - 1``."""
+        return list(range(self.layout.n_servers))
+
+    @property
+    def rounds(self) -> int:
+        """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
+        from hpcps.config import outer_rounds
+        every = self.cfg.inner_steps
+        return self.steps if every is None else outer_rounds(self.steps, every)
+
+    @property
+    def clients(self) -> list[int]:
+        """The ranks that push to a central shard: the workers, or (grouped) the group servers."""
+        layout = self.layout
+        if layout.n_groups > 0:
+            return [layout.group_server_rank(g) for g in range(layout.n_groups)]
+        return list(layout.worker_ranks())
+
+    def trainable(self, shard: int) -> int:
+        """Trainable values at the start of central shard ``shard``'s slice; the rest of it is buffers
+        (BatchNorm statistics)."""
+        return self.slices.trainable(shard, self.n_params)
+
+
+@dataclass
+class RunState:
+    """This rank's part of a run: what it holds (communicators, model, data), what :meth:`Run.start
+    <hpcps.runtime.run.Run.start>` makes (windows, recorder, the shard's optimizer), and what changes as it
+    runs (a spare's place, the ranks found dead, the final values its role leaves for the end).
+
+    ``index``: this rank's worker index (None on a server, and on a spare until it takes a place);
+    ``deal(worker)``: worker ``worker``'s batches; ``stack``: the communicators and signal handlers,
+    released when the run is left.
+    """
+
+    topo: "Topology"
+    model: torch.nn.Module
+    flat: "FlatParameters"
+    source: "DataSource | None"
+    batches: Any
+    signals: "StopSignals"
+    stack: ExitStack
+    index: int | None = None
+    deal: Callable[[int], Any] | None = None
+    backoff: Backoff = field(default_factory=Backoff)
+    run_clock: RunClock = field(default_factory=lambda: RunClock(time.perf_counter(), 0.0, 0.0))
+    placed_at: int | None = None  # a spare: the dead worker's clock it took over
+    #: under run-through (Open MPI's ULFM, a paradigm that allows it): the run's ranks found dead
+    dead: "DeadRanks | None" = None
+    window: "ParamWindow | None" = None  # start() makes them; leaving the run frees what it made
+    group_window: "ParamWindow | None" = None
+    path: str = ""  # the metrics file
+    ckpt_dir: str = ""  # where checkpoints go, once the metrics file is named
+    runfile: "RunFile | None" = None  # rank 0's
+    recorder: Any = None
+    master: Any = None  # a central shard's fp32 slice
+    optimizer: "ShardOptimizer | None" = None  # a central shard's
+    policy: Policy | None = None  # a central shard's paradigm, once it serves (its state goes in checkpoints)
+    rate: float | None = None  # the rate the servers' optimizer has of its own (a factory's, or --lr)
+    ran: dict = field(default_factory=dict)  # rank 0: what ran (optimizer, schedule), for files and checkpoints
+    final_version: int | None = None  # a shard: its version at the end
+    final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
+    final_metrics: dict[str, float] = field(default_factory=dict)  # rank 0: the final evaluation
+    diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
+
+    def clock(self) -> float:
+        """Seconds since the run's start, on rank 0's clock (:mod:`hpcps.transport.clocksync`)."""
+        return self.run_clock()
+
+
+def start_clock(plan: RunPlan, state: RunState) -> int:
+    """The gradients this worker's index had pushed when its loop starts: its checkpoint's clock on resume,
+    a spare's the dead worker's, else 0."""
+    if state.placed_at is not None:
+        return state.placed_at
+    return int(plan.ckpt.worker_clocks[state.index]) if plan.ckpt is not None and state.index is not None else 0
+
+
+def ran_config(plan: RunPlan, state: RunState) -> dict:
+    """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
+    return {**plan.cfg.as_json_dict(), **state.ran}

@@ -1,0 +1,224 @@
+"""Fake transports for the roles, without MPI: one shard and its workers joined in one process.
+
+A :class:`Fabric` stands in for MPI between one central shard and ``n`` workers: pushes go into the
+shard's inbox, notices into each worker's box, and the window is a copy of what the shard published,
+all under one lock, so a :class:`~hpcps.runtime.server.ShardServer` in one thread and
+:class:`~hpcps.runtime.worker.Worker`\\ s in others talk as over MPI. Each fake implements the port of
+:mod:`hpcps.runtime.parts` that it stands for, and no more: a role that calls something else fails loudly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from hpcps.runtime.parts import Records, ServerPorts, WorkerPorts
+from hpcps.transport import wire
+from hpcps.transport.notices import Notice
+from hpcps.transport.push import LeaveEvent, PushEvent
+
+
+class Fabric:
+    """The wire between one shard (rank 0) and ``n_workers`` workers (ranks 1..n), in one process."""
+
+    def __init__(self, n_workers: int, size: int) -> None:
+        self.lock = threading.Lock()
+        self.n_workers, self.size = n_workers, size
+        self.published = np.zeros(size, np.float32)
+        self.version = -1  # nothing published yet
+        self.stop = False
+        self.pushes: deque = deque()  # (event, payload) in arrival order
+        self.notices = [deque() for _ in range(n_workers)]
+        self.pulls = [0] * n_workers  # pulls each worker made
+        self.sent: list[tuple[int, int, int]] = []  # (worker, clock, version) of every push
+
+    def worker_ports(self, worker: int, buffer: np.ndarray) -> WorkerPorts:
+        return WorkerPorts(FakeWindow(self, worker), FakePusher(self, worker, buffer), FakeNoticeBox(self, worker))
+
+    def server_ports(self) -> ServerPorts:
+        return ServerPorts(FakeInbox(self), FakeNotifier(self), FakeWindow(self, None))
+
+
+class FakePull:
+    """A pull begun: the window's values at :meth:`wait` (a pull's data may be read up to its completion)."""
+
+    def __init__(self, window: "FakeWindow", out: np.ndarray) -> None:
+        self.window, self.out = window, out
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> tuple[np.ndarray, bool]:
+        return self.window.pull(self.out)
+
+
+class FakeWindow:
+    """:class:`~hpcps.runtime.parts.PullSource` for a worker, :class:`~hpcps.runtime.parts.PublishTarget`
+    for the shard (``worker`` None)."""
+
+    shard_ranks = [0]
+
+    def __init__(self, fabric: Fabric, worker: int | None) -> None:
+        self.fabric, self.worker = fabric, worker
+
+    def publish(self, params: np.ndarray, version: int) -> bool:
+        with self.fabric.lock:
+            self.fabric.published[:] = params
+            self.fabric.version = version
+        return True
+
+    def publish_held(self) -> bool:
+        return True
+
+    def set_stop(self) -> None:
+        self.fabric.stop = True
+
+    request_stop = set_stop
+
+    def stop_raised(self) -> bool:
+        return self.fabric.stop
+
+    def pull(self, out: np.ndarray, backoff=None, *, exact: bool = False) -> tuple[np.ndarray, bool]:
+        with self.fabric.lock:
+            out[:] = self.fabric.published
+            self.fabric.pulls[self.worker] += 1
+            return np.array([self.fabric.version], np.int64), self.fabric.stop
+
+    def begin_pull(self, out: np.ndarray, backoff=None, **kw) -> FakePull:
+        return FakePull(self, out)
+
+    def peek(self, backoff=None) -> np.ndarray:
+        with self.fabric.lock:
+            return np.array([self.fabric.version], np.int64)
+
+
+class FakePusher:
+    """:class:`~hpcps.runtime.parts.PushSink`: a push arrives whole at once (its payload copied)."""
+
+    shard_ranks = [0]
+    fanout = None
+
+    def __init__(self, fabric: Fabric, worker: int, buffer: np.ndarray) -> None:
+        self.fabric, self.worker, self.buffers = fabric, worker, [buffer]
+
+    def start(self, clock: int, versions: np.ndarray, lr: float, slot: int = 0, flags: int = 0) -> None:
+        event = PushEvent(self.worker, clock, int(versions[0]), lr, flags)
+        with self.fabric.lock:
+            self.fabric.pushes.append((event, self.buffers[slot].copy()))
+            self.fabric.sent.append((self.worker, clock, int(versions[0])))
+
+    def test(self, slot: int | None = None) -> bool:
+        return True
+
+    def start_done(self, clock: int) -> None:
+        with self.fabric.lock:
+            self.fabric.pushes.append((LeaveEvent(self.worker, clock), None))
+
+    def test_done(self) -> bool:
+        return True
+
+
+class FakeNoticeBox:
+    """:class:`~hpcps.runtime.parts.NoticeSource`: open until the shard's ``BYE``."""
+
+    def __init__(self, fabric: Fabric, worker: int) -> None:
+        self.fabric, self.worker, self.open = fabric, worker, 1
+
+    def poll(self) -> list[Notice]:
+        with self.fabric.lock:
+            box = self.fabric.notices[self.worker]
+            out = [box.popleft() for _ in range(len(box))]
+        self.open -= sum(1 for n in out if n.flags & wire.BYE)
+        return out
+
+
+class FakeInbox:
+    """:class:`~hpcps.runtime.parts.Inbox`: every push held whole until released."""
+
+    dead = None
+    comm = None  # (verdicts and hyperparameters come over MPI: a push that needs them fails here)
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.worker_ranks = list(range(1, fabric.n_workers + 1))
+        self.open = fabric.n_workers
+        self.held: dict[int, np.ndarray] = {}
+        self.transfers: list = []
+        self.lost: set[int] = set()
+
+    def poll(self) -> list:
+        with self.fabric.lock:
+            arrived = [self.fabric.pushes.popleft() for _ in range(len(self.fabric.pushes))]
+        events = []
+        for event, payload in arrived:
+            if isinstance(event, PushEvent):
+                assert event.worker not in self.held, "a worker's push came before its last one was released"
+                self.held[event.worker] = payload
+            else:
+                self.open -= 1
+            events.append(event)
+        return events
+
+    def gradient(self, worker: int) -> np.ndarray:
+        return self.held[worker]
+
+    def release(self, worker: int) -> None:
+        self.held.pop(worker, None)
+
+    free_buffer = release
+
+    def offer(self) -> None:
+        pass
+
+    def payloads_coming(self) -> list[int]:
+        return []
+
+    def waiting_for_shard(self) -> list[int]:
+        return []
+
+    def unmatched(self, worker: int) -> str | None:
+        return None
+
+
+class FakeNotifier:
+    """:class:`~hpcps.runtime.parts.NoticeSink`: a notice is in the worker's box at once."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.worker_ranks = list(range(1, fabric.n_workers + 1))
+
+    def send(self, worker: int, flags: int, clock: int = -1, version: int = -1, staleness: int = -1,
+             lr: float = float("nan")) -> None:
+        with self.fabric.lock:
+            self.fabric.notices[worker].append(Notice(0, flags, clock, version, staleness, lr))
+
+    def progress(self) -> None:
+        pass
+
+    def drain(self, backoff=None) -> None:
+        pass
+
+
+class Rows:
+    """A recorder that keeps every row, by table."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tables: dict[str, list[tuple]] = {}
+        self.t0 = time.perf_counter()
+
+    def add(self, table: str, row: tuple) -> None:
+        with self.lock:
+            self.tables.setdefault(table, []).append(row)
+
+    def tick(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def records(self) -> Records:
+        return Records(self, clock=lambda: time.perf_counter() - self.t0)  # the run's clock starts at 0

@@ -236,3 +236,72 @@ def end_pass(flat: "FlatParameters", started: float, compute_time: ComputeTime, 
         overruns.add(real, target)
     emulated_sleep(compute_time.sleep_after(real, rng, now, target=target), poke)
     return time.perf_counter() - started
+
+
+class EmulatedCompute:
+    """One worker's emulated compute over its model (the step API's; :mod:`hpcps.runtime.session`): the hooks
+    that spend ``--compute-forward``'s share in the forward pass and ``--compute-backward``'s in backward, and
+    the end of each pass padded to the step's compute time (:func:`end_pass`), its jitter drawn from a stream
+    of its own (seeded by the run's seed and the rank).
+
+    ``clock()``: the run's clock (stragglers come and go on it); ``poke()``: what a sleep keeps moving (the
+    worker's transfers); ``timeline``: where the sleeps' phases go; ``pushes_in_backward``: the worker's push
+    may begin before backward (then the emulated time not spent in the passes comes before the first gradient,
+    not after the pass, where the push would overlap it); ``spent()``: seconds the pass under way has taken,
+    its pull's waits left out; ``armed()``: whether this step's push has begun before backward."""
+
+    def __init__(self, model, cfg: "TrainConfig", compute_time: ComputeTime, rank: int, *, clock: Callable[[], float],
+                 poke: Callable[[], object], timeline, pushes_in_backward: bool,
+                 spent: Callable[[], float], armed: Callable[[], bool]) -> None:
+        self.time, self.clock, self.poke, self.tl = compute_time, clock, poke, timeline
+        self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
+        self.spent, self.armed = spent, armed
+        self.target: float | None = None  # the step's emulated compute time, when drawn before the pass ends
+        self.overruns = Overruns()  # steps whose real pass outran --compute-time (a warning at the end)
+        self.hooks = []
+        if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
+            self.hooks = forward_compute(model, lambda: compute_time.forward_seconds(cfg.compute_forward, clock()),
+                                         lambda seconds: emulated_sleep(seconds, poke), timeline)
+        self.backward = None
+        # before the backward pushes' hooks (put on at the first push): compute, then send. With pushes during
+        # backward, the emulated compute not spent in the forward and backward passes comes before the first
+        # gradient, not after the pass, where the push would overlap it
+        if cfg.compute_backward or (cfg.compute_time is not None and pushes_in_backward):
+            self.backward = BackwardCompute(
+                model, lambda: compute_time.forward_seconds(cfg.compute_backward, clock()),
+                lambda seconds: emulated_sleep(seconds, poke), timeline, lead=self._lead)
+
+    def begin_pass(self) -> None:
+        """A pass begins: nothing drawn yet."""
+        if self.backward is not None:
+            self.backward.begin()
+        self.target = None
+
+    def end_pass(self, flat: "FlatParameters", started: float, clip_norm: float | None) -> float:
+        """After backward: :func:`end_pass` with this worker's compute time (the one drawn at the first gradient,
+        if it was)."""
+        return end_pass(flat, started, self.time, self.rng, clip_norm=clip_norm, now=self.clock(), poke=self.poke,
+                        timeline=self.tl, target=self.target, overruns=self.overruns)
+
+    def push_may_begin(self) -> bool:
+        """Whether this step's push may leave during backward: not where the emulation would add time after the
+        real pass that a push begun in backward would overlap (``--slowdown`` on real compute; emulated compute
+        spends it before the first gradient instead, :meth:`_lead`)."""
+        return self.time.mean is not None or self.time.factor_at(self.clock()) == 1.0
+
+    def _lead(self, backward_s: float) -> float:
+        """At the first gradient of a pass whose push has begun: draw the step's emulated compute time, and
+        return what is left of it beyond the time spent so far and the backward pass's ``backward_s``.
+        (A BackwardCompute exists only with ``--compute-time``.)"""
+        if not self.armed():
+            return 0.0
+        self.target = self.time.target(self.rng, self.clock())
+        return max(0.0, self.target - self.spent() - backward_s)
+
+    def remove(self) -> None:
+        """The model leaves the run as it came: without the emulation's hooks."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        if self.backward is not None:
+            self.backward.remove()

@@ -20,7 +20,7 @@ from hpcps.policies import make_policy
 from hpcps.runtime import checkpointing, faults, watchers
 from hpcps.runtime.backward import BackwardPushes
 from hpcps.runtime.checkpoint import read_optimizer_state, read_policy_state
-from hpcps.runtime.evaluator import Evaluator
+from hpcps.runtime.evaluator import EvalPlan, Evaluator
 from hpcps.runtime.groupserver import CentralLink, GroupServer
 from hpcps.runtime.optstate import StateDesk
 from hpcps.runtime.parts import (PullPlan, PushPlan, Records, ServerHooks, ServerPorts, ShardUpdate, StepPlan,
@@ -42,7 +42,7 @@ from hpcps.transport.compress import make_codec
 from hpcps.transport.notices import NoticeBox, Notifier
 from hpcps.transport.failures import retried
 from hpcps.transport.poll import Backoff, polite_barrier
-from hpcps.transport.push import Pusher, PushInbox
+from hpcps.transport.push import Pusher, PushInbox, RunThrough
 from hpcps.transport.sent import ParamSender, SentPull
 from hpcps.transport.window import ParamWindow
 
@@ -87,11 +87,12 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     spares = SpareDesk(topo.ps, shard=topo.rank, shards=plan.shards, spares=layout.spare_ranks(),
                        rounds=plan.rounds, dead=state.dead) if layout.n_spares else None  # (idle ones told to end)
     inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=plan.codec.push_len(len(master)),
-                      dtype=plan.codec.push_dtype, clock=state.clock, spares=layout.spare_ranks(),
+                      dtype=plan.codec.push_dtype, clock=state.clock,
                       on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                       pool=RECEIVE_POOL if pooled else None,
                       reserve=rounds.expected if rounds and rounds.ordered else None,
-                      pieces=send_pieces(plan, plan.codec)[topo.rank], dead=state.dead)
+                      pieces=send_pieces(plan, plan.codec)[topo.rank],
+                      runthrough=RunThrough(state.dead, layout.spare_ranks()) if state.dead is not None else None)
     side_tasks, bar, evaluator = [("other", watchers.spread_signal(plan, state, window))], None, None
     side_tasks.append(("other", StateDesk(topo.ps, optimizer, len(master), dead=state.dead)))  # ps.optimizer's state
     if topo.rank == 0:
@@ -102,10 +103,10 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         evaluator = Evaluator(model=state.model, flat=state.flat,
                               batches=state.source.test_batches(cfg.eval_batch_size) if state.source else None,
                               evaluate=plan.workload.evaluation(),
-                              pull=lambda out: window.pull(out, Backoff()), recorder=recorder,
-                              clock=state.clock, interval=cfg.eval_interval, target=cfg.stop_target,
-                              on_target=window.set_stop, background=background, log_every=cfg.log_every,
-                              every=cfg.eval_every, version=lambda: server.version)
+                              pull=lambda out: window.pull(out, Backoff()), records=Records(recorder, state.clock),
+                              plan=EvalPlan(cfg.eval_interval, every=cfg.eval_every, target=cfg.stop_target,
+                                            on_target=window.set_stop, log_every=cfg.log_every),
+                              background=background, version=lambda: server.version)
         bar = Progress(len(workers) * plan.rounds, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                        accuracy=lambda: evaluator.accuracy)
         side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]

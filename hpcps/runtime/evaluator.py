@@ -32,11 +32,13 @@ import math
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
+from hpcps.runtime.parts import Records
 from hpcps.training.flat import FlatParameters
 from hpcps.training.target import Target
 
@@ -46,18 +48,31 @@ log = logging.getLogger("hpcps")
 NICE = 19
 
 
+@dataclass(frozen=True)
+class EvalPlan:
+    """When rank 0 evaluates, and what follows: every ``interval`` seconds, or (``every``) once shard 0 has
+    applied that many updates since the last; ``target``: the metric that stops the run when met, calling
+    ``on_target``; console lines every ``log_every`` seconds."""
+
+    interval: float
+    every: int | None = None
+    target: Target | None = None
+    on_target: Callable[[], object] | None = None
+    log_every: float = 5.0
+
+
 class Evaluator:
     def __init__(self, *, model: torch.nn.Module, flat: FlatParameters, batches: Iterable[Any] | None,
                  evaluate: Callable[[torch.nn.Module, Iterable[Any]], Mapping[str, float]],
-                 pull: Callable[[np.ndarray], tuple[np.ndarray, bool]], recorder,
-                 clock: Callable[[], float], interval: float, target: Target | None = None,
-                 on_target: Callable[[], object] | None = None, log_every: float = 5.0,
-                 background: bool = False, every: int | None = None,
-                 version: Callable[[], int] = lambda: 0) -> None:
+                 pull: Callable[[np.ndarray], tuple[np.ndarray, bool]], records: Records, plan: EvalPlan,
+                 background: bool = False, version: Callable[[], int] = lambda: 0) -> None:
+        """Evaluate ``model`` (its flat vector ``flat``) on ``batches`` with ``evaluate``, the parameters
+        ``pull`` brings (shard 0's ``version()`` when it starts), as and when ``plan`` says; rows to
+        ``records``."""
         self.model, self.flat, self.batches, self.evaluate_fn = model, flat, batches, evaluate
-        self.pull, self.recorder, self.clock = pull, recorder, clock
-        self.interval, self.target, self.on_target = interval, target, on_target
-        self.log_every = log_every
+        self.pull, self.recorder, self.clock = pull, records.recorder, records.clock
+        self.interval, self.target, self.on_target = plan.interval, plan.target, plan.on_target
+        self.log_every, every = plan.log_every, plan.every
         self.last = self.last_log = 0.0
         self.every, self.version = every, version
         self.last_version = 0  # the version of the last evaluation started, then the version it read

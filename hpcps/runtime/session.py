@@ -22,27 +22,24 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
-from hpcps.runtime.checkpoint import (LoopState, checkpoint_files, checkpoint_path, newest_clocks, read_loop_state,
-                                      restore_int_buffers, write_user_state)
-from hpcps.cluster.emulation import (BackwardCompute, Overruns, emulated_compute_time, emulated_sleep, end_pass,
-                                     forward_compute)
+from hpcps.runtime.checkpoint import LoopState, read_loop_state, restore_int_buffers
+from hpcps.cluster.emulation import EmulatedCompute, emulated_compute_time
 from hpcps.runtime import assembly
-from hpcps.runtime.plan import start_clock
+from hpcps.runtime.collectives import WorkerCollectives
+from hpcps.runtime.loopstate import LoopCheckpoints
+from hpcps.runtime.inner import InnerRounds
 from hpcps.cluster.effects import own_loop
 from hpcps.transport.compress import all_finite
-from hpcps.transport.failures import is_failure, left_out
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.training.hyper import EditTracker, servers_template, template
-from hpcps.training.local import InnerFiles, LocalSteps, seconds_per_step, steps_by_speed
+from hpcps.training.local import LocalSteps
 from hpcps.training.optim import builtin_optimizer
 from hpcps.training.optstate import cut, from_torch, join, to_torch
 from hpcps.runtime.optstate import ask, hand
@@ -89,15 +86,6 @@ class Session:
         cfg = run.plan.cfg
         self.flat = run.state.flat
         self.clip_norm = cfg.clip_norm
-        self.compute_time = emulated_compute_time(cfg, rank, layout, self.worker_index)
-        self.rng = np.random.default_rng([cfg.seed, rank, 7])  # the emulated compute time's jitter
-        # bsp checkpoints at a round's close, where worker 0's loop belongs to the checkpoint; the other
-        # paradigms' periodic checkpoints are cuts taken while the workers go on (hpcps.runtime.snapshot)
-        at_publish = run.plan.paradigm.checkpoints_at_publish()
-        self.checkpoint_every = cfg.checkpoint_every if at_publish and self.worker_index == 0 else None
-        #: a checkpointed version whose loop state is written at the loop's next training pass (:meth:`_save_due`)
-        self._due: int | None = None
-        self._saved_at: int | None = int(run.plan.ckpt.version) if run.plan.ckpt is not None else None
         loop = read_loop_state(cfg.resume) if run.plan.ckpt is not None else LoopState()
         self.state = loop.fields
         self._resumed_groups = loop.param_groups
@@ -110,37 +98,30 @@ class Session:
             self.local = LocalSteps(self.model, self.flat, builtin_optimizer(
                 cfg.inner_optimizer, lr=cfg.inner_lr, momentum=cfg.inner_momentum,
                 weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.plan.steps)
-            self._resume_inner()
-        #: under local steps, the inner steps whose gradient was not finite, skipped (:meth:`_nonfinite_inner`)
-        self.inner_nonfinite = 0
-        #: under local steps, the round's steps so far: each one's computation seconds and loss
-        self._round_steps: list[float] = []
-        self._round_losses: list[float] = []
+            self.inner = InnerRounds(self.local, run, self.worker_index, rank)
+            self.inner.resume()
         self._waited0 = 0.0
-        self._ckpt_files: tuple[str, ...] = ()  # the checkpoint files the inner files were last pruned by
         #: the workers alone, for :meth:`mean` and the collectives of ``ps.optimizer`` (a duplicate: the
         #: loop's traffic never meets hpcps's). A spare in a dead worker's place has none to share: its
         #: role's communicator holds the other spares, idle, and a duplicate of it would wait for them (the
         #: loops that use these collectives, your own and --local-steps-by-speed, take no spares)
-        self.workers = (MPI.COMM_SELF if run.state.placed_at is not None else run.state.topo.role_comm).Dup()
-        self._hooks = []
+        self.collectives = WorkerCollectives(
+            (MPI.COMM_SELF if run.state.placed_at is not None else run.state.topo.role_comm).Dup(), self._wait,
+            dead=run.state.dead, run_comm=run.state.topo.comm, rank=rank)
         self._target_reached = self._evaluated = False
-        if cfg.compute_forward:  # after the worker's own hooks: a layer's parameters come before its compute
-            self._hooks = forward_compute(
-                self.model, lambda: self.compute_time.forward_seconds(cfg.compute_forward, self.run.clock()),
-                lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl)
-        self._backward = None
-        self._target: float | None = None  # the step's emulated compute time, when drawn before the pass ends
-        self.overruns = Overruns()  # steps whose real pass outran --compute-time (a warning at the end)
-        # before the backward pushes' hooks (put on at the first push): compute, then send. With pushes during
-        # backward, the emulated compute not spent in the forward and backward passes comes before the first
-        # gradient, not after the pass, where the push would overlap it
-        if cfg.compute_backward or (cfg.compute_time is not None and self.worker.backward_pushes is not None):
-            self._backward = BackwardCompute(
-                self.model, lambda: self.compute_time.forward_seconds(cfg.compute_backward, self.run.clock()),
-                lambda seconds: emulated_sleep(seconds, self.worker.poke), self.worker.tl, lead=self._lead)
-        if self.checkpoint_every:
-            self._hooks.append(self.model.register_forward_pre_hook(self._before_forward))
+        pushes = self.worker.backward_pushes
+        #: the emulated compute (hpcps.cluster.emulation), after the worker's own hooks and before the backward
+        #: pushes' (put on at the first push): a layer's parameters come before its compute, compute before send
+        self.compute = EmulatedCompute(
+            self.model, cfg, emulated_compute_time(cfg, rank, layout, self.worker_index), rank, clock=run.clock,
+            poke=self.worker.poke, timeline=self.worker.tl, pushes_in_backward=pushes is not None,
+            spent=lambda: time.perf_counter() - self.t0 - self.worker.pass_waited,
+            armed=lambda: pushes is not None and pushes.armed)
+        # worker 0's loop belongs to bsp's checkpoints, at a round's close (hpcps.runtime.loopstate)
+        at_publish = run.plan.paradigm.checkpoints_at_publish()
+        self.loop_checkpoints = LoopCheckpoints(
+            self.model, run.state.ckpt_dir, cfg.checkpoint_every if at_publish and self.worker_index == 0 else None,
+            self.loop_state, saved_at=int(run.plan.ckpt.version) if run.plan.ckpt is not None else None)
         self.worker.begin()
         self.open = False
         self._open()
@@ -199,22 +180,20 @@ class Session:
         paradigm says (:mod:`hpcps.training.local`); the round's row records the mean of the losses."""
         if not self.running:
             return False
-        self._save_due()
+        self.loop_checkpoints.save_due()
         if self._optimizer is not None:  # this is ps.optimizer's step: torch's schedulers check that it ran
             self._optimizer._opt_called = True
         self.flat.adopt_grads()
         # a partitioned pull's waits in the pass are not compute
         t0 = self.t0 + self.worker.pass_waited - self._waited0
-        end_pass(self.flat, t0, self.compute_time, self.rng, clip_norm=self.clip_norm, now=self.run.clock(),
-                 poke=self.worker.poke, timeline=self.worker.tl, target=self._target, overruns=self.overruns)
+        self.compute.end_pass(self.flat, t0, self.clip_norm)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         compute_s = time.perf_counter() - t0
         if self.local is not None:
             if not skip and not all_finite(self.flat.grads_t[:self.flat.n_params]):
-                skip = self._nonfinite_inner()
+                skip = self.inner.nonfinite_step(self.iteration)
             self.local.inner_step(skip)
-            self._round_steps.append(compute_s)
-            self._round_losses.append(value)
+            self.inner.record(compute_s, value)
             over = self.local.round_over(self.worker.step)
             if self.worker.pending:  # --overlap-steps: the outer step the round's first steps hide
                 if over or self.local.taken >= self.run.plan.cfg.overlap_steps:
@@ -225,35 +204,15 @@ class Session:
                 self._begin_pass()  # the round's next inner step: nothing goes to the servers
                 return True
             if self.run.plan.cfg.local_steps_by_speed and self.worker.step == self.worker.start_step:
-                self._share_by_speed()
+                self.inner.share_by_speed(self.collectives)
             self.local.pseudo_gradient()
             if self.worker.defer_pull:
                 self.local.mark_pushed()
-            self._write_inner(self.worker.clock_count + 1)  # on disk before a checkpoint can count this round
-            value, compute_s, skip = float(np.mean(self._round_losses)), sum(self._round_steps), False
-            self._round_steps, self._round_losses = [], []
+            self.inner.write(self.worker.clock_count + 1)  # on disk before a checkpoint can count this round
+            (value, compute_s), skip = self.inner.close_round(), False
         self.worker.close_step(value, compute_s, skip=skip)
         self._open()
         return self.open
-
-    def _nonfinite_inner(self) -> bool:
-        """Under local steps, an inner step's gradient holds NaN or Inf: the inner optimizer never applies it
-        (applied, it would leave the parameters and an AdamW's or momentum's state non-finite, and every later
-        round of this worker dropped), as ``--nonfinite skip`` never applies such a push; counted in
-        ``/workers/scalars`` (``inner_nonfinite``) and said once. Under ``--nonfinite abort``: ends the job."""
-        from hpcps.errors import RunAborted
-
-        if self.run.plan.cfg.nonfinite == "abort":
-            raise RunAborted(f"worker rank {self.rank} computed a non-finite gradient at inner step {self.iteration} "
-                             "(--nonfinite abort)")
-        self.inner_nonfinite += 1
-        if self.inner_nonfinite == 1:
-            log.warning("worker rank %d: a non-finite gradient at inner step %d was skipped, not applied by the "
-                        "inner optimizer (counted in /workers/scalars as inner_nonfinite; said once)", self.rank,
-                        self.iteration)
-        self.run.state.recorder.add("workers/scalars", (self.rank, self.iteration, self.run.clock(), b"inner_nonfinite",
-                                                  float(self.inner_nonfinite)))
-        return True
 
     def settle(self) -> None:
         """Wait until the whole pull the current step computes on has landed in the model. Only needed with
@@ -314,72 +273,14 @@ class Session:
         the living."""
         if not self.is_worker:
             raise RuntimeError("ps.mean: call it on the worker ranks (every worker, at the same point)")
-        is_tensor = torch.is_tensor(value)
-        data = np.array(value.detach().cpu().double().numpy() if is_tensor else value, dtype=np.float64, order="C")
-        total = np.empty_like(data)
-        self._collective(lambda comm: comm.Iallreduce(data, total, op=MPI.SUM),
-                         "every worker's ps.mean (each calls it at the same point of its loop, while ps.running)")
-        total /= self.workers.size
-        if is_tensor:
-            return torch.from_numpy(total).to(dtype=value.dtype, device=value.device)
-        if isinstance(value, np.ndarray):
-            return total.astype(value.dtype, copy=False)
-        return float(total)
+        return self.collectives.mean(value, "every worker's ps.mean (each calls it at the same point of its loop, "
+                                            "while ps.running)")
 
     def workers_barrier(self) -> None:
         """Collective over the workers (the living, after a death under run-through): return once every
         worker has called it."""
-        self._collective(lambda comm: comm.Ibarrier(),
+        self.collectives.run(lambda comm: comm.Ibarrier(),
                          "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
-
-    def _collective(self, start: Callable[[MPI.Comm], MPI.Request], what: str) -> None:
-        """``start(workers)`` a nonblocking collective over the workers and wait for it (:meth:`_wait`).
-
-        Under run-through (ULFM), a worker's death fails it on the living: each revokes the workers'
-        communicator, so that a living worker not yet in the collective, or in another, fails too when it
-        gets there rather than wait for the dead. Then the living agree (``MPIX_Comm_agree``, which runs
-        through failures) whether it completed on every one of them: a collective can complete on some and
-        fail on others, and those must not go on to their next one while these start this one again. Where
-        it did not, they shrink the communicator to the living and start it again over them."""
-        while True:
-            try:
-                self._wait(start(self.workers).Test, what)
-                done = True
-            except MPI.Exception as exc:
-                if self.run.state.dead is None or not is_failure(exc):
-                    raise
-                self.workers.Revoke()
-                done = False
-            if self.run.state.dead is None:
-                return
-            if self._agree(done, what):
-                return
-            shrunk = self.workers.Shrink()
-            self._note_dead(shrunk)
-            if shrunk.rank == 0:
-                log.warning("worker rank %d: a worker died; the workers' collectives go on over the %d "
-                            "living", self.rank, shrunk.size)
-            # (the revoked communicator is not freed: its free would wait for the dead)
-            self.workers = shrunk
-
-    def _note_dead(self, shrunk: MPI.Comm) -> None:
-        """The workers that the shrink to ``shrunk`` left out are dead: the run's record of the dead, so
-        that ``deaths_seen()`` tells this worker's loop, though no transfer of its own met the death."""
-        self.run.state.dead.add(left_out(self.workers, shrunk, into=self.run.state.topo.comm))
-
-    def _agree(self, done: bool, what: str) -> bool:
-        """Run-through: whether every living worker completed the collective (``done`` here), waited for as
-        :meth:`_wait` does. The agreement fails alike on every living worker where a worker died
-        unacknowledged: then it did not complete, everywhere."""
-        flag = np.array([int(done)], dtype=np.intc)  # in: this worker's; out: the bitwise AND of the living's
-        try:
-            self._wait(self.workers.Iagree(flag).Test, f"the living workers' agreement on {what}")
-            return bool(flag[0])
-        except MPI.Exception as exc:
-            if not is_failure(exc):
-                raise
-            self.workers.Ack_failed()  # (what the agreement found: the shrink below leaves them out)
-            return False
 
     def _wait(self, test: Callable[[], bool], what: str) -> None:
         """Poll ``test`` for a collective of the workers or a shard's answer, this worker's transfers moving
@@ -407,10 +308,8 @@ class Session:
         self._begin_pass()
 
     def _note_version(self) -> None:
-        """The version the loop computes on now came in: where it is a checkpoint's, the loop's part is due."""
-        version = self.version  # (bsp pulls at the end of every step: the final version too)
-        if self.checkpoint_every and version and version % self.checkpoint_every == 0 and version != self._saved_at:
-            self._due = version  # this version's checkpoint is the servers'; the loop's part waits for the loop
+        """The version the loop computes on now came in (bsp pulls at the end of every step: the final one too)."""
+        self.loop_checkpoints.note_version(self.version)
 
     def _take_round(self) -> None:
         """``--overlap-steps``: the outer step of the round last pushed, which this round's first steps hid:
@@ -422,102 +321,12 @@ class Session:
     def _begin_pass(self) -> None:
         """Before a step's computation: zero the gradients, note the buffers, start its clock."""
         self.flat.begin_pass()  # zero the gradients, note the buffers (after open_step's pull)
-        if self._backward is not None:
-            self._backward.begin()
-        self._target = None
+        self.compute.begin_pass()
         self.t0 = time.perf_counter()
         self._waited0 = self.worker.pass_waited if self.local is not None else 0.0
         self.worker.tl.enter(self._opens_with)
         if not self.overlap_pull:
             self.settle()  # (its wait is the step's pull time, not the loop's compute: step() takes it off)
-
-    def _share_by_speed(self) -> None:
-        """``--local-steps-by-speed``, at the end of this run's first round (every worker gets there: a stop is
-        seen only between rounds): the workers' seconds per step, gathered, make each one's steps per round.
-        Under run-through after a death: the living's (a worker's place is its rank among them)."""
-        mine = np.array([seconds_per_step(self._round_steps)])
-        gathered: list[np.ndarray] = []
-
-        def start(comm: MPI.Comm) -> MPI.Request:
-            gathered[:] = [np.empty(comm.size)]  # sized anew where a death shrank the workers
-            return comm.Iallgather(mine, gathered[0])
-
-        self._collective(start, "every worker's first round (--local-steps-by-speed times them)")
-        every = gathered[0]
-        shares = steps_by_speed(self.local.every, every.tolist())
-        self.local.own = shares[self.workers.rank]
-        if self.workers.rank == 0:
-            log.info("local steps by speed: %s per round (seconds per step %s)", shares,
-                     ", ".join(f"{s:.3g}" for s in every))
-
-    # -- the inner optimizer's checkpoints (local steps) -------------------------
-    def _resume_inner(self) -> None:
-        """A resumed run under local steps: the inner optimizer's state as this worker left it after the round
-        the checkpoint resumes at; where the checkpoint cannot give it, the state starts afresh (said once)."""
-        run, w = self.run, self.worker_index
-        if run.state.placed_at is not None:
-            log.warning("local steps: spare rank %d starts its inner optimizer afresh (worker %d's died with it)",
-                        self.rank, w)
-            return
-        if run.plan.ckpt is None:
-            return
-        clock = start_clock(run.plan, run.state)
-        if run.plan.ckpt.redealt:
-            if w == 0:
-                log.warning("local steps: the run resumes with another worker count, so each worker's inner "
-                            "optimizer state starts afresh (the parameters and the outer state come back)")
-            return
-        state = InnerFiles(os.path.dirname(os.path.abspath(run.plan.cfg.resume)), w).read(clock)
-        if state is None:
-            log.warning("local steps: worker %d finds no inner optimizer state of round %d beside %s; it starts "
-                        "afresh", w, clock, run.plan.cfg.resume)
-            return
-        kind = type(self.local.optimizer).__name__
-        if state.get("class", kind) != kind:  # another --inner-optimizer: that state means nothing to this one
-            if w == 0:
-                log.warning("local steps: the checkpoint's inner optimizer was %s, this run's is %s: each "
-                            "worker's inner state starts afresh", state["class"], kind)
-            return
-        self.local.optimizer.load_state_dict(state["optimizer"])
-
-    def _write_inner(self, clock: int) -> None:
-        """Under periodic checkpoints: the inner optimizer's state after round ``clock``, written before the
-        round is pushed; files of rounds before this worker's clock in the newest complete checkpoint go."""
-        cfg = self.run.plan.cfg
-        if not (cfg.checkpoint_every or cfg.checkpoint_interval):
-            return
-        self._save_inner(clock)
-        files = checkpoint_files(self.run.state.ckpt_dir)
-        if files == self._ckpt_files:  # no checkpoint written or completed since the last round: nothing to read
-            return
-        self._ckpt_files = files
-        clocks = newest_clocks(self.run.state.ckpt_dir)
-        if clocks is not None and len(clocks) > self.worker_index:
-            self._inner_files().prune(int(clocks[self.worker_index]))
-
-    def _save_inner(self, clock: int) -> None:
-        self._inner_files().write(clock, {"optimizer": self.local.optimizer.state_dict(), "round": clock,
-                                          "class": type(self.local.optimizer).__name__})
-
-    def _inner_files(self) -> InnerFiles:
-        return InnerFiles(self.run.state.ckpt_dir, self.worker_index)
-
-    def _before_forward(self, module: torch.nn.Module, args) -> None:
-        """Worker 0's first training pass (gradients on, train mode) on a checkpointed version: its loop's
-        decisions since the step that brought the version in (an epoch's end: a new rate, a counter, the
-        best loss so far) are made; they go into the checkpoint now."""
-        if self._due is not None and torch.is_grad_enabled() and module.training:
-            self._save_due()
-
-    def _save_due(self) -> None:
-        """Write the loop's state beside the checkpoint of the version it now computes on: as it is when the
-        loop begins its first training pass on that version, or calls ``step()`` or ``close()`` first (where a
-        run resumed from that checkpoint starts)."""
-        if self._due is None:
-            return
-        # written whatever it holds: the checkpoint counts as complete only with it (its loop_part)
-        write_user_state(checkpoint_path(self.run.state.ckpt_dir, self._due), self.loop_state())
-        self._saved_at, self._due = self._due, None
 
     def loop_state(self) -> LoopState:
         """What a checkpoint keeps of this worker's loop: ``ps.state``, ``ps.optimizer``'s hyperparameters,
@@ -525,23 +334,6 @@ class Session:
         groups = template(self._optimizer.param_groups) if self._optimizer is not None else None
         ints = {name: b.detach().cpu().clone() for name, b in self.model.named_buffers() if not b.is_floating_point()}
         return LoopState(self.state, groups, ints)
-
-    def _push_may_begin(self) -> bool:
-        """Whether this step's push may leave during backward: not where the compute emulation would add
-        time after the real pass that a push begun in backward would overlap (``--slowdown`` on real
-        compute; emulated compute spends it before the first gradient instead, :meth:`_lead`)."""
-        return self.compute_time.mean is not None or self.compute_time.factor_at(self.run.clock()) == 1.0
-
-    def _lead(self, backward_s: float) -> float:
-        """At the first gradient of a pass whose push has begun: draw the step's emulated compute time, and
-        return what is left of it beyond the time spent so far and the backward pass's ``backward_s``.
-        (A BackwardCompute exists only with ``--compute-time``.)"""
-        pushes = self.worker.backward_pushes
-        if pushes is None or not pushes.armed:
-            return 0.0
-        self._target = self.compute_time.target(self.rng, self.run.clock())
-        spent = time.perf_counter() - self.t0 - self.worker.pass_waited
-        return max(0.0, self._target - spent - backward_s)
 
     # -- the built-in loop ------------------------------------------------------
     def train_on(self, batches: BatchSource, loss: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
@@ -558,7 +350,7 @@ class Session:
             batch = to_device(batches.batch(self.iteration), self.flat.device)
             tl.enter("compute")
             value = loss(self.model, batch)
-            if self._push_may_begin():  # one backward per step here: its push may begin now
+            if self.compute.push_may_begin():  # one backward per step here: its push may begin now
                 self.worker.before_backward()
             value.backward()
             self.step(value)
@@ -571,15 +363,15 @@ class Session:
             return self.result
         self.closed = True
         if self.is_worker:
-            self._save_due()
+            self.loop_checkpoints.save_due()
             if self.local is not None and self.worker.stop:  # a stop's checkpoint resumes at this round
-                self._save_inner(self.worker.clock_count)
+                self.inner.save(self.worker.clock_count)
             # (hpcps's own loop evaluates on the servers: the warning is for a loop of the user's)
             if (self.worker_index == 0 and self.run.plan.cfg.stop_target is not None and not self._evaluated
                     and own_loop(self.run.plan.cfg)):
                 log.warning("target %s had no effect: in your own loop, the run's evaluation is what it gives "
                             "ps.evaluated(...), and it never called it", self.run.plan.cfg.stop_target)
-            overran = self.overruns.warning(self.rank)
+            overran = self.compute.overruns.warning(self.rank)
             if overran:
                 log.warning(overran)
             try:
@@ -587,18 +379,15 @@ class Session:
             finally:
                 self._remove_hooks()
                 self.run.state.final_clock = assembly.free_worker(self.worker, self._transfers)
-                self.workers.Free()
+                self.collectives.free()
             self.result = self.run.end(loop=self.loop_state() if self.worker_index == 0 else None)
             self.run.__exit__(None, None, None)
         return self.result
 
     def _remove_hooks(self) -> None:
         """The model leaves the run as it came: without the emulation's hooks."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._backward is not None:
-            self._backward.remove()
+        self.loop_checkpoints.remove()
+        self.compute.remove()
 
     def __enter__(self) -> "Session":
         return self

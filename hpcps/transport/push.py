@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -167,6 +167,17 @@ class Pusher:
         self.requests, self.header_reqs, self.data_reqs = [], [], []
 
 
+@dataclass(frozen=True)
+class RunThrough:
+    """A shard's inbox under run-through (Open MPI's ULFM): ``dead``, a
+    :class:`~hpcps.transport.failures.DeadRanks` over its communicator (a worker that dies comes out of
+    :meth:`PushInbox.poll` as a :class:`LostEvent` instead of an MPI error); ``spares``, the ranks that may
+    take a dead worker's place (:meth:`PushInbox.rejoin`; their headers before it wait)."""
+
+    dead: Any
+    spares: Sequence[int] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class PushEvent:
     """A complete push (gradient held in the inbox until released)."""
@@ -247,15 +258,14 @@ class PushInbox:
                  on_transfer: Callable[[int], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pool: int | None = None,
                  reserve: Callable[[], int | None] | None = None, dtype: np.dtype = np.dtype(np.float32),
-                 pieces: Sequence[tuple[int, int]] | None = None, dead=None, spares: Sequence[int] = ()) -> None:
+                 pieces: Sequence[tuple[int, int]] | None = None, runthrough: RunThrough | None = None) -> None:
         """``on_transfer(i)``, if given, makes transfers serial: it must tell worker ``i`` to send its payload;
         ``shard_len`` and ``dtype``: a payload's elements and their type (compressed pushes:
         :mod:`hpcps.transport.compress`); ``pieces``: the ``(lo, hi)`` ranges of a payload, one message
         each, in the order the workers send them (:class:`Pusher`'s; by default the whole payload);
-        ``dead``: a :class:`~hpcps.transport.failures.DeadRanks` over ``comm`` (run-through): a worker that
-        dies comes out of :meth:`poll` as a :class:`LostEvent` instead of an MPI error; ``spares``: the ranks
-        that may take a dead worker's place (:meth:`rejoin`; their headers before it wait)."""
+        ``runthrough``: the ranks found dead and the spares, under run-through (:class:`RunThrough`)."""
         n = len(worker_ranks)
+        dead, spares = (runthrough.dead, runthrough.spares) if runthrough is not None else (None, ())
         self.dead = dead
         self.comm, self.worker_ranks = comm, list(worker_ranks)
         self.index_of = {r: i for i, r in enumerate(self.worker_ranks)}

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from hpcps.runtime.spares import ASSIGN, JOIN, SpareDesk
 from hpcps.transport import wire
-from hpcps.transport.push import LostEvent, PushInbox
+from hpcps.transport.push import LostEvent, PushInbox, RunThrough
 
 
 class FakeComm:
@@ -88,7 +88,7 @@ def test_a_dead_workers_late_header_after_a_spare_took_its_place_is_dropped():
     """Regression: ``rejoin`` dropped the dead rank from the inbox's ranks, so its header that ULFM delivered
     after the join raised 'push header from rank 1, which is not a worker of this server' and killed the shard."""
     comm, dead = FakeComm(), Dead()
-    inbox = PushInbox(comm, worker_ranks=[1, 2], shard_len=4, dead=dead, spares=[3])
+    inbox = PushInbox(comm, worker_ranks=[1, 2], shard_len=4, runthrough=RunThrough(dead, spares=[3]))
     dead.dead.add(1)  # worker 0 (rank 1) found dead, its place given to spare rank 3
     assert [e for e in inbox.poll() if isinstance(e, LostEvent)] == [LostEvent(0, ())]
     inbox.rejoin(0, 3)

@@ -13,7 +13,8 @@ from hpcps.data.batches import ArrayData, held_out_batches
 from hpcps.data.sharding import batch_indices
 from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError
-from hpcps.runtime.evaluator import Evaluator
+from hpcps.runtime.evaluator import EvalPlan, Evaluator
+from hpcps.runtime.parts import Records
 from hpcps.training.flat import FlatParameters
 from hpcps.training.workload import cross_entropy, data_shape, data_source, default_evaluate, mse, split
 
@@ -106,8 +107,8 @@ def test_a_dropout_models_evaluation_is_deterministic_and_leaves_no_grad():
         return np.array([3]), False
 
     ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
-                   evaluate=default_evaluate(cross_entropy), pull=pull, recorder=rows, clock=lambda: 1.0,
-                   interval=0.1)
+                   evaluate=default_evaluate(cross_entropy), pull=pull,
+                   records=Records(rows, lambda: 1.0), plan=EvalPlan(0.1))
     model.train()
     first, second = ev.evaluate(), ev.evaluate()
     assert first == second and rows.rows[0][1] == rows.rows[1][1]
@@ -172,9 +173,9 @@ def test_a_background_evaluation_leaves_the_loop_free_and_reports_back_on_the_lo
 
     rows = _Rows()
     ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
-                   evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, recorder=rows,
-                   clock=lambda: now[0], interval=0.1, target=Target("accuracy", ">=", 0.4),
-                   on_target=lambda: targets.append(threading.current_thread().name), background=True)
+                   evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, background=True,
+                   records=Records(rows, lambda: now[0]), plan=EvalPlan(0.1, target=Target("accuracy", ">=", 0.4),
+                                 on_target=lambda: targets.append(threading.current_thread().name)))
     assert ev.tick()  # started
     assert pulling.wait(10)
     for _ in range(100):  # the loop keeps going while the evaluation is held up
@@ -197,8 +198,8 @@ def test_a_failed_background_evaluation_is_raised_in_the_loop():
         raise OSError("window gone")
 
     ev = Evaluator(model=model, flat=flat, batches=[(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))],
-                   evaluate=lambda m, b: {}, pull=pull, recorder=_Rows(), clock=lambda: 1.0, interval=0.1,
-                   background=True)
+                   evaluate=lambda m, b: {}, pull=pull, background=True,
+                   records=Records(_Rows(), lambda: 1.0), plan=EvalPlan(0.1))
     assert ev.tick()
     ev._thread.join(10)
     with pytest.raises(RuntimeError, match="evaluation failed: OSError: window gone"):
@@ -268,8 +269,8 @@ def test_every_n_versions_counts_from_the_version_a_background_evaluation_read()
         return np.array([server[0]]), False
 
     ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
-                   evaluate=lambda m, b: {"loss": 1.0}, pull=pull, recorder=_Rows(), clock=lambda: 1.0,
-                   interval=1e9, every=5, version=lambda: server[0], background=True)
+                   evaluate=lambda m, b: {"loss": 1.0}, pull=pull, version=lambda: server[0], background=True,
+                   records=Records(_Rows(), lambda: 1.0), plan=EvalPlan(1e9, every=5))
     server[0] = 5
     assert ev.tick()  # due: 5 versions since 0
     ev._thread.join(10)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import time
 from dataclasses import dataclass
 
 KINDS = ("nan", "raise", "exit", "kill", "killhead", "hang", "usr1")
@@ -76,3 +78,29 @@ def armed(faults: list[Fault], environ) -> list[Fault]:
     except ValueError:
         attempt = 1
     return list(faults) if attempt <= 1 else []
+
+
+def inject(fault: Fault, worker) -> None:
+    """Act out ``fault`` on ``worker`` (a :class:`~hpcps.runtime.worker.Worker`, at the step the fault names,
+    after its pass): poison its gradient (``nan``), raise (``raise``), signal itself (``usr1``), hang, die
+    (``kill``), die between its push's headers and payload (``killhead``), or exit with status 1."""
+    if fault.kind == "nan":
+        worker.flat.grads_t[:: max(1, worker.flat.size // 7)] = float("nan")
+    elif fault.kind == "raise":
+        raise InjectedFault(f"injected fault at step {fault.step}")
+    elif fault.kind == "usr1":
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled at the next poll, as a batch system's would be
+    elif fault.kind == "hang":
+        while True:  # stuck for good: only the stall detector ends this job
+            time.sleep(3600)
+    elif fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "killhead":  # its push's headers reach the shards, its payload never
+        slot = worker.step % len(worker.pusher.buffers)
+        worker._wait(lambda: worker.pusher.test(slot), "its push slot")
+        worker.pusher.start_header(worker.clock_count + 1, worker.versions, worker.lr, slot)
+        worker._wait(lambda: worker.pusher.headers_sent(slot), "its push's headers to leave")
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.cli.DIVERGED_STATUS)
+        worker.recorder.flush()
+        os._exit(1)

@@ -46,34 +46,18 @@ import torch
 
 from hpcps.errors import RunAborted
 from hpcps.metrics.timeline import NullTimeline
-from hpcps.training.hyper import NOT_HYPER, SCHEDULER_KEYS
+from hpcps.training.hyper import ShardHypers
 from hpcps.training.optim import APPLY_CHUNK, update_terms
 from hpcps.policies import Decision, Policy
 from hpcps.runtime.parts import Records, ServerHooks, ServerPorts, ShardUpdate, Watch
 from hpcps.transport import wire
-from hpcps.transport.poll import Backoff, StallWatch
+from hpcps.transport.poll import Backoff
 from hpcps.transport.compress import Codec, all_finite
 from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent
 from hpcps.runtime.spares import JoinEvent
+from hpcps.runtime.stalls import ShardStalls
 
 log = logging.getLogger("hpcps")
-
-
-#: a worker's first step (torch.compile, cuDNN autotuning, a cold file system) may take this many times
-#: ``--stall-warn`` before its silence counts
-FIRST_STEP_GRACE = 10
-
-
-def silences(now: float, heard: Sequence[float], owing: Sequence[int], pushed: set[int],
-             warn: float) -> list[tuple[float, int]]:
-    """``(silence, worker)`` of the ``owing`` workers silent for ``warn`` seconds or more, shortest first.
-
-    A worker's first step may compile (torch.compile) or warm up for minutes: before its first push
-    (``pushed``) only what exceeds ``(FIRST_STEP_GRACE - 1) x warn`` counts as silence.
-    """
-    grace = (FIRST_STEP_GRACE - 1) * warn
-    counted = ((now - heard[w] - (0.0 if w in pushed else grace), w) for w in owing)
-    return sorted((t, w) for t, w in counted if t >= warn)
 
 
 def apply_update(master: torch.Tensor, grads: Sequence[torch.Tensor], coeffs: Sequence[float], *,
@@ -110,61 +94,31 @@ class ShardServer:
         publishes through ``ports``, steps what ``update`` says (:mod:`hpcps.runtime.parts`), calls ``hooks``
         besides its loop, puts its rows in table ``table`` of ``records``, and its waits are watched as
         ``watch`` says."""
-        inbox, notifier, window, progress, sender, spares = ports.inbox, ports.notifier, ports.window, \
-            ports.progress, ports.sender, ports.spares
-        master, unit_lr, optimizer, n_params, version, round_sum, codec, abort_on_nonfinite = update.master, \
-            update.unit_lr, update.optimizer, update.n_params, update.version, update.round_sum, update.codec, \
-            update.abort_on_nonfinite
-        recorder, clock, timeline = records.recorder, records.clock, records.timeline
-        side_tasks, on_applied, on_published = hooks.side_tasks, hooks.on_applied, hooks.on_published
-        stall_warn, stall_abort, backoff = watch.stall_warn, watch.stall_abort, watch.backoff
-        self.shard = shard
-        self.sender = sender
-        self.rank = rank
-        self.policy = policy
-        self.inbox = inbox
-        self.notifier = notifier
-        self.window = window
-        self.master = master
-        self.master_t = torch.from_numpy(master)
-        self.optimizer, self.unit_lr = optimizer, unit_lr
-        self.n_params = len(master) if n_params is None else n_params
+        self.shard, self.rank, self.policy, self.table = shard, rank, policy, table
+        self.inbox, self.notifier, self.window = ports.inbox, ports.notifier, ports.window
+        self.progress, self.sender, self.spares = ports.progress, ports.sender, ports.spares
+        self.master, self.optimizer, self.unit_lr = update.master, update.optimizer, update.unit_lr
+        self.master_t = torch.from_numpy(update.master)
+        self.n_params = len(update.master) if update.n_params is None else update.n_params
+        self.version, self.round_sum = update.version, update.round_sum
+        self.codec, self.abort_on_nonfinite = update.codec or Codec(), update.abort_on_nonfinite
+        self.recorder, self.clock, self.tl = records.recorder, records.clock, records.timeline or NullTimeline()
+        self.side_tasks, self.on_applied, self.on_published = list(hooks.side_tasks), hooks.on_applied, \
+            hooks.on_published
+        self.backoff = watch.backoff or Backoff()
         self.worker_ranks = list(worker_ranks)
         #: each worker's optimizer hyperparameters as its loop last set them (hpcps.training.hyper), by index
-        self.hypers: dict[int, list[dict]] = {}
-        self._mixed_hypers_told = False
-        self._in_force: dict[tuple[int, str], float] = {}  # (group, name): the value last recorded
-        self.recorder = recorder
-        self.clock = clock
-        self.progress = progress
-        self.side_tasks = list(side_tasks)
-        self.on_applied = on_applied
-        self.abort_on_nonfinite = abort_on_nonfinite
-        self.backoff = backoff or Backoff()
-        self.version = version
-        self.on_published = on_published
-        self.table = table
+        self.hypers = ShardHypers(shard, self.worker_ranks)  # (the same list: a spare's join renames its worker)
         self.pending: dict[int, PushEvent] = {}
         self.gradients_applied = 0  # by this shard (a resumed run: its workers' clocks, all together)
-        self.round_sum = round_sum
-        self.tl = timeline or NullTimeline()
-        self.codec = codec or Codec()
-        # stall detection: when each worker was last heard of, and who waits for a grant
-        self.stall_warn, self.stall_abort = stall_warn, stall_abort
-        self.heard = [0.0] * len(self.worker_ranks)
         self.clocks = [0] * len(self.worker_ranks)
         self.awaiting: set[int] = set()
         self.gone: set[int] = set()
         self.lost_clocks: dict[int, list[int]] = {}  # a dead worker's pushes cut off here (run-through)
-        self.spares = spares
         self.dead_workers: set[int] = set()  # workers whose death this loop has handled, no spare in their place
-        self.silent: list[tuple[float, int]] = []
-        self.pushed: set[int] = set()  # workers heard from in this run: the others may still be compiling
-        self.held_up: list[int] = []  # workers whose push waits for this shard's buffer or turn
-        self.streaming: list[int] = []  # workers whose push is coming in (a slow link: not silent)
-        self.next_check = 0.0
-        self.stall = StallWatch(warn=stall_warn, abort=stall_abort, describe=self._describe_stall, log=log,
-                                error=RunAborted)
+        # stall detection: when each worker was last heard of, and who waits for a grant
+        self.stalls = ShardStalls(shard, self.worker_ranks, self.inbox, lambda: self.clocks, lambda: self.awaiting,
+                                  warn=watch.stall_warn, abort=watch.stall_abort)
 
     def run(self) -> None:
         tl = self.tl
@@ -237,12 +191,12 @@ class ShardServer:
         if isinstance(event, JoinEvent):
             self._join(event, now, notices)
             return
-        self.heard[event.worker] = now
+        self.stalls.heard[event.worker] = now
         if isinstance(event, PushEvent):
             if event.hyper:  # sent before the header: here or on its way
-                self.hypers[event.worker] = self.inbox.comm.recv(source=self.inbox.worker_ranks[event.worker],
+                self.hypers.edits[event.worker] = self.inbox.comm.recv(source=self.inbox.worker_ranks[event.worker],
                                                                  tag=wire.TAG_HYPER)
-            self.pushed.add(event.worker)
+            self.stalls.pushed.add(event.worker)
             self.clocks[event.worker] = event.clock
             if self.policy.worker_blocks:
                 self.awaiting.add(event.worker)
@@ -299,8 +253,7 @@ class ShardServer:
         self.worker_ranks[worker] = self.notifier.worker_ranks[worker] = event.rank
         self.inbox.rejoin(worker, event.rank)
         self.gone.discard(worker)
-        self.pushed.discard(worker)  # its first step may warm up as any worker's first did
-        self.heard[worker] = now
+        self.stalls.joined(worker, now)
         self.recorder.add("servers/joins", (self.rank, self.shard, now, dead, event.rank, event.clock))
         log.warning("shard %d: spare rank %d takes the place of worker rank %d, from its gradient %d on",
                     self.shard, event.rank, dead, event.clock + 1)
@@ -375,38 +328,16 @@ class ShardServer:
 
 
     def _use_hypers(self, pushes: list[PushEvent]) -> None:
-        """Set the optimizer's hyperparameters to those the update's first worker's loop held when it pushed
-        (those it was built with, for a worker whose loop never set any, once another's did); say once if
-        the update's workers held different ones."""
-        if not self.hypers or self.optimizer is None:
-            return
-        values = self.hypers.get(pushes[0].worker)
-        if any(self.hypers.get(p.worker) != values for p in pushes[1:]) and not self._mixed_hypers_told:
-            self._mixed_hypers_told = True
-            log.warning("shard %d: one update sums gradients whose workers' loops set different optimizer "
-                        "hyperparameters; it is applied with worker rank %d's (said once)", self.shard,
-                        self.worker_ranks[pushes[0].worker])
-        if values is None:
-            self.optimizer.reset_hyper()
-        else:
-            self.optimizer.set_hyper(values)
-        self._record_hypers(pushes[0].worker)
+        """The optimizer's hyperparameters for an update of ``pushes`` (:class:`~hpcps.training.hyper.ShardHypers`)."""
+        if self.optimizer is not None:
+            self.hypers.use([p.worker for p in pushes], self.optimizer,
+                            lambda worker, rows: self._hyper_rows(worker, rows))
 
-    def _record_hypers(self, worker: int) -> None:
-        """Rows of ``servers/hypers`` for each hyperparameter in force that changed since the last update
-        (an edit of ``worker``'s loop, or back to the optimizer's own for a worker that made none)."""
+    def _hyper_rows(self, worker: int, rows: list[tuple[int, str, float]]) -> None:
         t, rank = self.clock(), self.worker_ranks[worker]
-        for local, group in enumerate(self.optimizer.optimizer.param_groups):
-            g = self.optimizer.indices[local]
-            for key, value in group.items():
-                if key in NOT_HYPER or key in SCHEDULER_KEYS:
-                    continue
-                value = self.optimizer.base_lrs[local] if key == "lr" else value
-                for name, number in _numbers(key, value):
-                    if self._in_force.get((g, name)) != number:
-                        self._in_force[(g, name)] = number
-                        self.recorder.add("servers/hypers", (self.rank, self.shard, t, rank, self.version, g,
-                                                             name.encode()[:32], number))
+        for g, name, number in rows:
+            self.recorder.add("servers/hypers", (self.rank, self.shard, t, rank, self.version, g, name.encode()[:32],
+                                                 number))
 
     def _row(self, push: PushEvent, version: int, t: float, *, applied: bool, reason: int, lr: float,
              momentum: float = math.nan) -> None:
@@ -455,48 +386,9 @@ class ShardServer:
         return self.version - 1
 
     def _check_stall(self) -> None:
-        """Name the workers that owe this shard a message and have been silent too long.
-
-        A worker waiting for its grant is silent by design, and so is one whose
-        push waits for this shard to take its payload (a receive buffer, or its
-        turn to stream), or whose payload is streaming in (over a slow link one
-        gradient may take longer than the limits); the suspects are the others. The longest silence goes
-        to the stall watch, which warns every ``stall_warn`` seconds and ends
-        the run past ``stall_abort`` (checked twice a second). Before its first
-        push a worker's silence counts only past :data:`FIRST_STEP_GRACE` times
-        ``stall_warn``: its first step may compile or warm up. Were the shard
-        itself stuck, its workers' own watches end the run (at twice the limit).
-        """
-        now = self.clock()
-        if now < self.next_check:
-            return
-        self.next_check = now + 0.5
-        self.held_up = self.inbox.waiting_for_shard()
-        self.streaming = self.inbox.payloads_coming()
-        excused = self.gone | self.awaiting | set(self.held_up) | set(self.streaming)
-        owing = [w for w in range(len(self.worker_ranks)) if w not in excused]
-        self.silent = silences(now, self.heard, owing, self.pushed, self.stall_warn)
-        if self.silent:
-            self.stall(self.silent[-1][0])
-        else:
-            self.stall.reset()
-
-    def _describe_stall(self) -> str:
-        names = ", ".join(f"{self.worker_ranks[w]} (silent {t:.0f} s, last gradient {self.clocks[w]}{self._held(w)})"
-                          for t, w in reversed(self.silent))
-        blocked = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.awaiting)) or "none"
-        held_up = ", ".join(str(self.worker_ranks[w]) for w in sorted(self.held_up))
-        held_up = f"; pushes waiting for this shard to receive them: {held_up}" if held_up else ""
-        streaming = ", ".join(str(self.worker_ranks[w]) for w in self.streaming)
-        streaming = f"; pushes streaming in: {streaming}" if streaming else ""
-        return (f"shard {self.shard}: no message from worker rank(s) {names}; workers waiting for their grant: "
-                f"{blocked}{held_up}{streaming}")
-
-    def _held(self, worker: int) -> str:
-        """``; MPI holds <what> from it unmatched`` where a probe finds a message of the silent ``worker`` that no
-        receive took (bytes arrived, matching failed), else nothing (no bytes came)."""
-        unmatched = self.inbox.unmatched(worker)
-        return f"; MPI holds {unmatched} from it, unmatched" if unmatched else ""
+        """Name the workers that owe this shard a message and have been silent too long
+        (:class:`~hpcps.runtime.stalls.ShardStalls`)."""
+        self.stalls.check(self.clock(), self.gone | self.awaiting)
 
     def _gradient(self, worker: int) -> torch.Tensor:
         """The held gradient of ``worker``: a view of the inbox's buffer (fp32, or 16-bit under
@@ -525,16 +417,6 @@ class ShardServer:
             raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "
                              f"(its gradient {push.clock}) and --nonfinite is abort")
         return False
-
-
-def _numbers(key: str, value) -> list[tuple[str, float]]:
-    """A hyperparameter as the run file records it: a number (or bool) as itself, a tuple's numbers as
-    ``key[i]``; anything else (``foreach``'s None) not at all."""
-    if isinstance(value, (bool, int, float)):
-        return [(key, float(value))]
-    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
-        return [(f"{key}[{i}]", float(v)) for i, v in enumerate(value)]
-    return []
 
 
 def _note(notices: dict[int, list], worker: int, flag: int, *fields) -> None:

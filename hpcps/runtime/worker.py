@@ -48,16 +48,14 @@ said ``BYE``, so no message is left unreceived.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import signal
 import time
 from typing import Callable
 
 import numpy as np
 import torch
 
-from hpcps.runtime.faults import Fault, InjectedFault
+from hpcps.runtime.faults import Fault, inject
+from hpcps.runtime.receipts import Receipts
 from hpcps.runtime.parts import PullPlan, PushPlan, Records, StepPlan, Watch, WorkerPorts
 from hpcps.training.flat import FlatParameters
 from hpcps.training.lr import scaled_lr
@@ -87,60 +85,42 @@ class Worker:
         through ``ports``, takes the steps ``plan`` says, its gradients leaving as ``push`` says and its
         parameters coming as ``pull`` says (:mod:`hpcps.runtime.parts`); its rows go to ``records``, and its
         waits are watched as ``watch`` says."""
-        stage, send_buffers, backward_pushes, overflow = push.stage, push.send_buffers, push.backward_pushes, \
-            push.overflow
-        partitions, defer_pull, sent_pull = pull.partitions, pull.defer_pull, pull.sent_pull
-        window, pusher, notices = ports.window, ports.pusher, ports.notices
-        recorder, clock, timeline = records.recorder, records.clock, records.timeline
-        steps, lr, blocks, lr_staleness, faults, start_step = plan.steps, plan.lr, plan.blocks, plan.lr_staleness, \
-            plan.faults, plan.start_step
-        stall_warn, stall_abort, backoff, take_signal = watch.stall_warn, watch.stall_abort, watch.backoff, \
-            watch.take_signal
-        if defer_pull and send_buffers is None:
+        if pull.defer_pull and push.send_buffers is None:
             raise ValueError("a worker that defers its pull pushes from a copy (send_buffers)")
-        self.defer_pull = defer_pull
-        if sent_pull is not None and defer_pull:
+        if pull.sent_pull is not None and pull.defer_pull:
             raise ValueError("a sent pull is taken after each push's grant, not deferred")
-        self.sent_pull = sent_pull
+        self.rank, self.model, self.flat = rank, model, flat
+        self.window, self.pusher, self.notices = ports.window, ports.pusher, ports.notices
+        self.defer_pull, self.sent_pull, self.parts = pull.defer_pull, pull.sent_pull, pull.partitions
         self.pending = False  # a push whose grant and pull are still to be taken (defer_pull)
         self.deferred: Pull | None = None  # that pull, once begun (into ``side``, not the model's memory)
-        self.side = np.empty(flat.size, np.float32) if defer_pull else None
-        self.overflow = overflow
-        self._verdict_sends: list = []  # (request, buffer) of verdicts sent after a push begun in backward
-        self.send_buffers = send_buffers
-        self.backward_pushes = backward_pushes
-        self.early_push_s = 0.0  # the push's time spent before backward (its slot, its headers)
-        self.parts = partitions
+        self.side = np.empty(flat.size, np.float32) if pull.defer_pull else None
         self.pass_pull = 0.0  # partitioned pulls: seconds the last pass waited for its pull, and its settling
-        self.rank = rank
-        self.stage = stage or (lambda out, keep: self.flat.stage_grads(out))
-        self.tl = timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
-        self.model, self.flat = model, flat
-        self.window, self.pusher, self.notices = window, pusher, notices
-        self.blocks = blocks
-        self.recorder = recorder
-        self.clock = clock
-        self.steps, self.lr = steps, lr  # the row's lr becomes the rate applied, from shard 0's receipt
-        self.lr_staleness = lr_staleness
+        self.stage = push.stage or (lambda out, keep: self.flat.stage_grads(out))
+        self.send_buffers, self.backward_pushes, self.overflow = push.send_buffers, push.backward_pushes, \
+            push.overflow
+        self._verdict_sends: list = []  # (request, buffer) of verdicts sent after a push begun in backward
+        self.early_push_s = 0.0  # the push's time spent before backward (its slot, its headers)
+        self.recorder, self.clock = records.recorder, records.clock
+        self.tl = records.timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
+        self.blocks, self.steps, self.lr = plan.blocks, plan.steps, plan.lr  # (a row's lr: the rate applied)
+        self.lr_staleness = plan.lr_staleness
         self.extra_scale = 1.0  # an extra gradient's rate over a round's (HSPWorker)
         #: the loop's optimizer edits since the last push, or None (the step API's ps.optimizer:
         #: hpcps.training.hyper); they go to every shard ahead of the next push
         self.hyper_edits: Callable[[], list[dict] | None] | None = None
         self._hyper_sends: list = []  # their sends not yet known complete (all are by the time it leaves)
-        self.faults = {f.step: f for f in faults}
+        self.faults = {f.step: f for f in plan.faults}
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
         # (and gives up) only at twice the limits, when the server itself may be what is stuck
-        self.stall_warn, self.stall_abort = 2 * stall_warn, (2 * stall_abort if stall_abort is not None else None)
-        self.backoff = backoff or Backoff()
-        n_shards = len(window.shard_ranks)
-        self.grants = np.zeros(n_shards, np.int64)
-        self.known = np.zeros(n_shards, np.int64)  # newest version seen, per shard
-        self.receipts: dict[int, list[tuple[int, bool, int]]] = {}
-        self.rows: dict[int, dict] = {}
-        self.start_step = start_step  # > 0 when resuming: gradients pushed (and granted) before
-        self.clock_count = start_step
-        self.grants[:] = start_step
-        self.take_signal = take_signal  # a stop signal this rank received (hpcps.runtime.signals), once
+        self.stall_warn = 2 * watch.stall_warn
+        self.stall_abort = 2 * watch.stall_abort if watch.stall_abort is not None else None
+        self.backoff = watch.backoff or Backoff()
+        self.book = Receipts(len(ports.window.shard_ranks), plan.start_step)
+        self.grants, self.known = self.book.grants, self.book.known  # (the book's arrays, updated in place)
+        self.start_step = plan.start_step  # > 0 when resuming: gradients pushed (and granted) before
+        self.clock_count = plan.start_step
+        self.take_signal = watch.take_signal  # a stop signal this rank received (hpcps.runtime.signals), once
 
     # -- the steps ---------------------------------------------------------
     # A loop drives a worker as ``begin(); while open_step(): <compute>; close_step(...)``, then
@@ -252,7 +232,7 @@ class Worker:
 
     def _granted(self) -> bool:
         """Whether every shard has granted the worker's last push (its clock)."""
-        return self.grants.min() >= self.clock_count
+        return self.book.granted(self.clock_count)
 
     def _advance_deferred(self) -> bool:
         """``defer_pull``: begin the pull of the round last pushed once it may (at once where the paradigm
@@ -330,7 +310,7 @@ class Worker:
 
     def _seen(self, versions: np.ndarray) -> None:
         """Shard versions observed somewhere: raise what the worker knows the servers are at."""
-        np.maximum(self.known, versions, out=self.known)
+        self.book.seen(versions)
 
     def _push(self, versions: np.ndarray, row: dict, slot: int = 0, flags: int = 0, *,
               headers_only: bool = False) -> None:
@@ -413,7 +393,7 @@ class Worker:
         self.pass_pull = 0.0
         row["t_end"] = self.clock()
         row["staleness"] = -1
-        self.rows[self.clock_count] = row
+        self.book.rows[self.clock_count] = row
         self._read_notices()
 
     def poke(self) -> None:
@@ -427,27 +407,8 @@ class Worker:
             self._advance_deferred()
 
     def _inject(self, fault: Fault) -> None:
-        """``--fault``: poison the gradient, raise, or die (see hpcps.runtime.faults)."""
-        if fault.kind == "nan":
-            self.flat.grads_t[:: max(1, self.flat.size // 7)] = float("nan")
-        elif fault.kind == "raise":
-            raise InjectedFault(f"injected fault at step {fault.step}")
-        elif fault.kind == "usr1":
-            os.kill(os.getpid(), signal.SIGUSR1)  # handled at the next poll, as a batch system's would be
-        elif fault.kind == "hang":
-            while True:  # stuck for good: only the stall detector ends this job
-                time.sleep(3600)
-        elif fault.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif fault.kind == "killhead":  # its push's headers reach the shards, its payload never
-            slot = self.step % len(self.pusher.buffers)
-            self._wait(lambda: self.pusher.test(slot), "its push slot")
-            self.pusher.start_header(self.clock_count + 1, self.versions, self.lr, slot)
-            self._wait(lambda: self.pusher.headers_sent(slot), "its push's headers to leave")
-            os.kill(os.getpid(), signal.SIGKILL)
-        else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.cli.DIVERGED_STATUS)
-            self.recorder.flush()
-            os._exit(1)
+        """``--fault``: poison the gradient, raise, or die (:func:`hpcps.runtime.faults.inject`)."""
+        inject(fault, self)
 
     def _leave(self) -> None:
         self.pusher.start_done(self.clock_count)
@@ -458,8 +419,8 @@ class Worker:
         for request, _ in self._verdict_sends:  # and its verdicts, before applying them
             request.Wait()
         self._verdict_sends = []
-        if self.rows:
-            raise RuntimeError(f"worker rank {self.rank}: no receipt for pushes {sorted(self.rows)}")
+        if self.book.rows:
+            raise RuntimeError(f"worker rank {self.rank}: no receipt for pushes {sorted(self.book.rows)}")
 
     # -- notices ----------------------------------------------------------
     def _wait(self, condition: Callable[[], bool], what: str = "the servers") -> float:
@@ -480,24 +441,7 @@ class Worker:
         self.recorder.tick()
         if self.pusher.fanout:  # a push's next shards get their turn as the last ones' pieces leave
             self.pusher.test()
-        n_shards = len(self.grants)
-        for note in self.notices.poll():
-            if note.flags & wire.TRANSFER:
-                self.pusher.transfer(note.shard)
-            if note.flags & wire.GRANT:
-                self.grants[note.shard] += 1
-            if note.flags & wire.RECEIPT:
-                self.receipts.setdefault(note.clock, []).append((note.staleness, bool(note.flags & wire.DROPPED),
-                                                                  note.shard, note.lr))
-                if not note.flags & wire.DROPPED:
-                    self.known[note.shard] = max(self.known[note.shard], note.version + 1)
-        for clock in [c for c, got in self.receipts.items() if len(got) == n_shards and c in self.rows]:
-            got = self.receipts.pop(clock)
-            row = self.rows.pop(clock)
-            dropped = any(d for _, d, _, _ in got)
-            row["staleness"] = -1 if dropped else max(s for s, _, _, _ in got)
-            # the rate shard 0 applied it at, as its receipt says (NaN for a gradient never applied)
-            row["lr"] = math.nan if dropped else min(got, key=lambda r: r[2])[3]
+        for row in self.book.take(self.notices.poll(), self.pusher.transfer):
             self.recorder.add("workers/iterations", tuple(row[name] for name in ITERATION.names))
 
 

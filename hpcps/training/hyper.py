@@ -18,10 +18,13 @@ The learning rate is the group's base rate: ``--lr-schedule`` and the staleness 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from typing import Any, Callable, Sequence
 
 import torch
+
+log = logging.getLogger("hpcps")
 
 #: what a torch optimizer's param group holds that is not a hyperparameter of its update
 NOT_HYPER = frozenset({"params", "names", "ranges"})
@@ -97,3 +100,60 @@ class EditTracker:
             return None
         self.sent = current
         return current
+
+
+class ShardHypers:
+    """A shard's record of each worker's optimizer hyperparameters as its loop last set them (``edits``, by
+    worker index), and of those in force in the run file. An update takes those its first worker's loop held
+    when it pushed (those the optimizer was built with, for a worker whose loop never set any, once another's
+    did); a mix is said once. ``worker_ranks``: each worker's rank, for that line."""
+
+    def __init__(self, shard: int, worker_ranks: Sequence[int]) -> None:
+        self.shard, self.worker_ranks = shard, worker_ranks
+        self.edits: dict[int, list[dict]] = {}
+        self._mixed_told = False
+        self._in_force: dict[tuple[int, str], float] = {}  # (group, name): the value last recorded
+
+    def use(self, workers: Sequence[int], optimizer, record: Callable[[int, list[tuple[int, str, float]]], None]) -> None:
+        """Set ``optimizer`` (a :class:`~hpcps.training.optim.ShardOptimizer`) to the hyperparameters of an
+        update of ``workers``' gradients; ``record(worker, rows)``: the ``(group, name, value)`` in force that
+        changed since the last update (rows of ``servers/hypers``)."""
+        if not self.edits:
+            return
+        values = self.edits.get(workers[0])
+        if any(self.edits.get(w) != values for w in workers[1:]) and not self._mixed_told:
+            self._mixed_told = True
+            log.warning("shard %d: one update sums gradients whose workers' loops set different optimizer "
+                        "hyperparameters; it is applied with worker rank %d's (said once)", self.shard,
+                        self.worker_ranks[workers[0]])
+        if values is None:
+            optimizer.reset_hyper()
+        else:
+            optimizer.set_hyper(values)
+        record(workers[0], self._changed(optimizer))
+
+    def _changed(self, optimizer) -> list[tuple[int, str, float]]:
+        """Each hyperparameter in force that changed since the last update (an edit of a worker's loop, or back
+        to the optimizer's own for a worker that made none), as ``(group, name, value)``."""
+        rows = []
+        for local, group in enumerate(optimizer.optimizer.param_groups):
+            g = optimizer.indices[local]
+            for key, value in group.items():
+                if key in NOT_HYPER or key in SCHEDULER_KEYS:
+                    continue
+                value = optimizer.base_lrs[local] if key == "lr" else value
+                for name, number in _numbers(key, value):
+                    if self._in_force.get((g, name)) != number:
+                        self._in_force[(g, name)] = number
+                        rows.append((g, name, number))
+        return rows
+
+
+def _numbers(key: str, value) -> list[tuple[str, float]]:
+    """A hyperparameter as the run file records it: a number (or bool) as itself, a tuple's numbers as
+    ``key[i]``; anything else (``foreach``'s None) not at all."""
+    if isinstance(value, (bool, int, float)):
+        return [(key, float(value))]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
+        return [(f"{key}[{i}]", float(v)) for i, v in enumerate(value)]
+    return []

@@ -113,6 +113,9 @@ class FakePusher:
     def test(self, slot: int | None = None) -> bool:
         return True
 
+    def transfer(self, shard: int) -> None:
+        pass  # (every push here arrives whole: no turn to stream)
+
     def start_done(self, clock: int) -> None:
         with self.fabric.lock:
             self.fabric.pushes.append((LeaveEvent(self.worker, clock), None))

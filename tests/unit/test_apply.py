@@ -23,7 +23,7 @@ def test_apply_updates_in_place():
 
 def test_a_worker_still_on_its_first_step_counts_as_silent_only_past_the_grace():
     """torch.compile on the first step: the server must not call that worker stuck at --stall-warn."""
-    from hpcps.runtime.server import FIRST_STEP_GRACE, silences
+    from hpcps.runtime.stalls import FIRST_STEP_GRACE, silences
 
     heard = [0.0, 0.0, 50.0]
     # worker 0 has pushed before, worker 1 has not yet (compiling), worker 2 was heard 10 s ago

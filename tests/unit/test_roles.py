@@ -86,15 +86,16 @@ class Job:
                 worker.finish()
             self._guard(loop)
 
-        threads = [threading.Thread(target=serve)] + [threading.Thread(target=train, args=(w,))
-                                                       for w in range(len(self.workers))]
+        threads = [threading.Thread(target=serve, daemon=True)] + [
+            threading.Thread(target=train, args=(w,), daemon=True) for w in range(len(self.workers))]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a role is still waiting after 30 s"
-        if self.errors:
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in threads) and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.errors:  # (the others may wait for the failed role: left to die with the process)
             raise self.errors[0]
+        assert not any(t.is_alive() for t in threads), "a role is still waiting after 30 s"
 
     def _guard(self, fn) -> None:
         try:

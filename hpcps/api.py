@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hpcps.cluster.effects import OWN_LOOP
+from hpcps.options.effects import OWN_LOOP
 from hpcps.data.batches import is_dataset
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.errors import UserError
 from hpcps.training.optim import OptimizerFactory, Schedule
 from hpcps.training.paramgroups import GroupsSpec, decay_groups
@@ -197,7 +197,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
 
     def start() -> Session:
         if steps_of is not None:  # the steps of the worker count, which the layout knows before anything starts
-            from hpcps.cluster.planning import plan
+            from hpcps.options.planning import plan
 
             def count() -> int:
                 layout = plan(make_config({**flags, "steps": 1}, config_file=config, python=True), comm.size)

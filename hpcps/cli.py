@@ -57,7 +57,7 @@ def _paradigm_help() -> str:
 
 def _config_default(name: str) -> str:
     """The config's default of option ``name`` as its help shows it (``on``/``off``, ``0.9,0.999``, ``1e-08``)."""
-    from hpcps.config import TrainConfig
+    from hpcps.options.config import TrainConfig
 
     value = TrainConfig.model_fields[name].get_default(call_default_factory=True)
     if isinstance(value, bool):
@@ -71,7 +71,7 @@ def _from_config(parser: argparse.ArgumentParser) -> None:
     """What the help says of each option the config declares, from the config (written once): ``{default}``
     in a help text becomes the config's default, and an option the config types as a choice among names
     shows them as its metavar (``{sgd,adam,adamw}``)."""
-    from hpcps.config import TrainConfig
+    from hpcps.options.config import TrainConfig
 
     fields = TrainConfig.model_fields
     for action in parser._actions:
@@ -498,10 +498,10 @@ def _train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from hpcps.runtime.agree import agree, run_or_end
-    from hpcps.config import make_config
+    from hpcps.options.config import make_config
     from hpcps.runtime.faults import InjectedFault
     from hpcps.cluster.launcher import check_world
-    from hpcps.cluster.planning import plan
+    from hpcps.options.planning import plan
     from hpcps.log import setup_logging
 
     comm = MPI.COMM_WORLD
@@ -552,7 +552,7 @@ def _check(args: argparse.Namespace) -> int:
 
     from hpcps.cluster.launcher import check_world
     from hpcps.runtime.agree import run_or_end
-    from hpcps.runtime.check import run_check
+    from hpcps.check.run import run_check
 
     comm = MPI.COMM_WORLD
     try:
@@ -573,7 +573,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from hpcps.analysis.simulate import Machine, sweep, write_outputs
-    from hpcps.config import parse_paradigm_option
+    from hpcps.options.config import parse_paradigm_option
 
     try:
         options = dict(parse_paradigm_option(spec) for spec in args.paradigm_option)
@@ -610,9 +610,9 @@ class _CheckParser(_Parser):
 
 def check_train_options(train_args: list[str], ranks: int) -> None:
     """UserError, naming the option, if ``hpcps train`` would refuse these options on ``ranks`` ranks."""
-    from hpcps.config import make_config
-    from hpcps.cluster.effects import no_effect
-    from hpcps.cluster.planning import resolve
+    from hpcps.options.config import make_config
+    from hpcps.options.effects import no_effect
+    from hpcps.options.planning import resolve
 
     checker = _CheckParser(prog="hpcps train", argument_default=argparse.SUPPRESS)
     add_train_options(checker)

@@ -44,7 +44,7 @@ def _inner(kind: str, a: argparse.Namespace) -> None:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from hpcps.config import make_config
+    from hpcps.options.config import make_config
     from hpcps.data.batches import to_device
 
     comm = MPI.COMM_WORLD

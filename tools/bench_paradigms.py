@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from benchlib import fmt, parser, train, train_options
-from hpcps.config import AUTO_GROUPS
+from hpcps.options.config import AUTO_GROUPS
 from hpcps.policies import policy_class
-from hpcps.training.plugins import is_plugin
+from hpcps.plugins import is_plugin
 from hpcps.analysis.report import time_to, worker_rates
 
 #: paradigms whose workers can know a gradient's staleness (bsp's, hsp's rounds and grouped's groups never are)

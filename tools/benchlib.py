@@ -49,7 +49,7 @@ def flags_of(options: list[str]) -> dict[str, str]:
 def config_of(options: list[str], drop: tuple[str, ...] = ()):
     """The hpcps train config of ``options`` (:func:`flags_of`), less the fields in ``drop``: what a
     benchmark's own ranks build the same workload from."""
-    from hpcps.config import make_config
+    from hpcps.options.config import make_config
 
     flags = flags_of(options)
     for name in drop:

@@ -43,7 +43,7 @@ import h5py
 import numpy as np
 
 from hpcps.box.spec import describe_record
-from hpcps.config import DEFAULT_STALENESS
+from hpcps.options.config import DEFAULT_STALENESS
 from hpcps.errors import UserError
 from hpcps.analysis.timeline import PHASE_ORDER, chrome_trace, explained, phase_totals, window
 from hpcps.metrics.schema import JOIN, RANK, SCALAR, TIMELINE, TRANSFER
@@ -158,7 +158,7 @@ def load_run(path: str | os.PathLike) -> Run:
 
 def local_steps(config: dict) -> int | None:
     """A run's local steps per outer round (``--local-steps``, or the presets' default), None: none."""
-    from hpcps.config import DEFAULT_LOCAL_STEPS, FAMILY_OUTER
+    from hpcps.options.config import DEFAULT_LOCAL_STEPS, FAMILY_OUTER
 
     if config.get("local_steps") is not None:
         return int(config["local_steps"])

@@ -153,7 +153,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
     if any(not f >= 1 for f in (slowdown or {}).values()):
         raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
-    from hpcps.config import local_steps_of, outer_rounds
+    from hpcps.options.config import local_steps_of, outer_rounds
 
     every = local_steps_of(paradigm, local_steps)
     every = 1 if every is None else every

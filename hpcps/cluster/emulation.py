@@ -41,7 +41,7 @@ from hpcps.metrics.timeline import NullTimeline
 
 if TYPE_CHECKING:
     from hpcps.cluster.layout import Layout
-    from hpcps.config import TrainConfig
+    from hpcps.options.config import TrainConfig
     from hpcps.training.flat import FlatParameters
 
 JITTERS = ("none", "uniform", "exponential", "lognormal")

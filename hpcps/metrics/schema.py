@@ -140,10 +140,10 @@ def summarize(iterations: np.ndarray, updates: np.ndarray, evals: np.ndarray, *,
     Every gradient is recorded once per shard; counts use shard 0's rows. A worker that died (``lost``,
     run-through) recorded its pushes in rows that partly died with it: its pushes are counted from the
     shards' side, what shard 0 applied, dropped and lost of them. ``target`` is a
-    :class:`hpcps.training.target.Target` (or a number: an accuracy to reach), read from ``/eval``
+    :class:`hpcps.options.targets.Target` (or a number: an accuracy to reach), read from ``/eval``
     for loss and accuracy and from ``eval_metrics`` for the evaluation's other names.
     """
-    from hpcps.training.target import Target
+    from hpcps.options.targets import Target
 
     first_shard = updates[updates["shard"] == 0]
     applied = int(first_shard["applied"].sum())

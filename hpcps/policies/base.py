@@ -111,7 +111,7 @@ class Policy(ABC):
     default_lr_staleness: ClassVar[str] = "none"
     #: the run's options (config fields: ``staleness``, ``staleness_max``, ...) this paradigm reads beyond
     #: what its flags imply (:meth:`reads_options`); an option set that no part of a run reads is named in a
-    #: warning at start-up (:mod:`hpcps.cluster.effects`)
+    #: warning at start-up (:mod:`hpcps.options.effects`)
     reads: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, n_workers: int, *, staleness: int = 0, staleness_max: int | None = None) -> None:
@@ -163,7 +163,7 @@ class Policy(ABC):
     @classmethod
     def periodic_cut(cls) -> str | None:
         """Where a periodic checkpoint (``--checkpoint-every``, ``--checkpoint-interval``) can cut a run of
-        this paradigm (hpcps.runtime.snapshot): ``"rounds"``, between two rounds (a paradigm that holds
+        this paradigm (hpcps.runtime.checkpoints.cut): ``"rounds"``, between two rounds (a paradigm that holds
         rounds, each over one gradient of every active worker, with extras between them if it has any);
         ``"clocks"``, anywhere, at a clock per worker (every gradient applied on arrival); None: nowhere
         yet (a paradigm that holds gradients its own way), and a run asking for one is refused."""

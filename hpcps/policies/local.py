@@ -14,7 +14,7 @@ paradigms: ``bsp`` (lock-step rounds), ``ssp`` and ``dssp`` (rounds bounded
 by ``--staleness``, fixed or dynamic) and ``asp`` (each pseudo-gradient
 applied on arrival, as in asynchronous local SGD). The two names here are
 bsp's rule with the outer optimizer of their papers where the user sets
-none (:data:`hpcps.config.FAMILY_OUTER`) and ``--local-steps`` 8 by
+none (:data:`hpcps.options.config.FAMILY_OUTER`) and ``--local-steps`` 8 by
 default:
 
 * ``localsgd``: the outer step averages (sgd at rate 1, no momentum): the

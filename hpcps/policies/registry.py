@@ -1,7 +1,7 @@
 """Name -> policy class registry behind ``--paradigm`` (no if-chains on names).
 
 ``--paradigm`` takes a built-in name or a plug-in: ``path/to/file.py:Name``
-or ``pkg.module:Name`` (:mod:`hpcps.training.plugins`), a subclass of
+or ``pkg.module:Name`` (:mod:`hpcps.plugins`), a subclass of
 :class:`hpcps.policies.base.Policy`. ``hpcps.train(paradigm=Class)`` takes
 the class itself: :func:`register_class` files it under ``module:qualname``,
 which is what the run's config records. Every failure is one
@@ -43,7 +43,7 @@ def register_class(cls: Any) -> str:
 
 def policy_class(name: str) -> type[Policy]:
     """The class ``--paradigm name`` names: a built-in, or a plug-in (loaded on first use)."""
-    from hpcps.training.plugins import is_plugin, load_plugin
+    from hpcps.plugins import is_plugin, load_plugin
 
     if name in _REGISTRY:
         return _REGISTRY[name]

@@ -17,9 +17,10 @@ from mpi4py import MPI
 
 from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.policies import make_policy
-from hpcps.runtime import checkpointing, faults, watchers
+from hpcps.runtime import faults, watchers
+from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.runtime.backward import BackwardPushes
-from hpcps.runtime.checkpoint import read_optimizer_state, read_policy_state
+from hpcps.runtime.checkpoints.files import read_optimizer_state, read_policy_state
 from hpcps.runtime.evaluator import EvalPlan, Evaluator
 from hpcps.runtime.groupserver import CentralLink, GroupServer
 from hpcps.runtime.optstate import StateDesk
@@ -30,7 +31,7 @@ from hpcps.runtime.partitions import PartitionedPulls
 from hpcps.runtime.progress import Progress
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
-from hpcps.runtime.snapshot import ClockCut, RoundCut
+from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut
 from hpcps.runtime.spares import SpareDesk
 from hpcps.runtime.worker import EagerWorker, HSPWorker, Worker
 from hpcps.training import rates
@@ -56,7 +57,7 @@ RECEIVE_POOL = 2
 
 def sends_pulls(plan: RunPlan, state: RunState) -> bool:
     """Whether a round's parameters are sent by the shards (``--pull send``; the paradigm and the options
-    were checked at start-up, :mod:`hpcps.cluster.effects`). Not under run-through (ULFM): a send to a
+    were checked at start-up, :mod:`hpcps.options.effects`). Not under run-through (ULFM): a send to a
     worker that died would fail the shard, so the workers read the window as by default (rank 0 says so
     at the start, :meth:`hpcps.runtime.run.Run.start`, and the run file's ``pull`` says what ran)."""
     return plan.cfg.pull == "send" and state.dead is None
@@ -117,7 +118,7 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     if periodic and topo.rank == 0:
         side_tasks.append(("checkpoint", checkpointing.progress_note(plan, state, lambda: server.clocks)))
     # every bsp worker waits at a round's close: bsp checkpoints there, from the publish hook; the others
-    # take a consistent cut while the run goes on (hpcps.runtime.snapshot)
+    # take a consistent cut while the run goes on (hpcps.runtime.checkpoints.cut)
     at_publish = periodic is not None and policy.checkpoints_at_publish()
     snapshots = None
     if periodic and not at_publish:

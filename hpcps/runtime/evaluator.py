@@ -8,7 +8,7 @@ them with the workload's evaluation function in ``model.eval()`` under
 ``torch.no_grad()``, batch by batch, and records a ``/eval`` row (``loss``
 and ``accuracy``; NaN where the evaluation gives none, and any other named
 metric in ``/eval_metrics``). The first time the ``target``
-(:class:`hpcps.training.target.Target`: any metric the evaluation returns) is met it
+(:class:`hpcps.options.targets.Target`: any metric the evaluation returns) is met it
 calls ``on_target`` (the run's stop), and no periodic evaluation follows:
 versions go on while the stop reaches the workers, and evaluating them would
 only keep shard 0 from serving the last pushes; the final evaluation remains. Console lines, every
@@ -40,7 +40,7 @@ import torch
 
 from hpcps.runtime.parts import Records
 from hpcps.training.flat import FlatParameters
-from hpcps.training.target import Target
+from hpcps.options.targets import Target
 
 log = logging.getLogger("hpcps")
 

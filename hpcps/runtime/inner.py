@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.runtime.checkpoint import checkpoint_files, newest_clocks
+from hpcps.runtime.checkpoints.files import checkpoint_files, newest_clocks
 from hpcps.runtime.collectives import WorkerCollectives
 from hpcps.runtime.plan import start_clock
 from hpcps.training.local import InnerFiles, LocalSteps, seconds_per_step, steps_by_speed

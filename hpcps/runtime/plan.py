@@ -8,7 +8,7 @@ resumed. Nothing writes into it.
 
 :class:`RunState` is this rank's: its communicators, model and flat vector, data, windows, recorder, the
 ranks found dead, and the final values each role leaves for the end. The roles
-(:mod:`hpcps.runtime.assembly`), checkpoints (:mod:`hpcps.runtime.checkpointing`) and records
+(:mod:`hpcps.runtime.assembly`), checkpoints (:mod:`hpcps.runtime.checkpoints.schedule`) and records
 (:mod:`hpcps.runtime.records`) take both, typed; the lifecycle (start, serve, end) is
 :class:`hpcps.runtime.run.Run`'s.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 from hpcps.cluster.layout import Layout
 from hpcps.cluster.slices import Slices
 from hpcps.policies.base import Policy
@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # (annotations only: these import MPI or the runtime's roles)
     from hpcps.cluster.topology import Topology
     from hpcps.data.batches import DataSource
     from hpcps.metrics.runfile import RunFile
-    from hpcps.runtime.checkpoint import Checkpoint
+    from hpcps.runtime.checkpoints.files import Checkpoint
     from hpcps.runtime.signals import StopSignals
     from hpcps.training.flat import FlatParameters
     from hpcps.training.optim import ShardOptimizer
@@ -84,7 +84,7 @@ class RunPlan:
     @property
     def rounds(self) -> int:
         """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
-        from hpcps.config import outer_rounds
+        from hpcps.options.config import outer_rounds
         every = self.cfg.inner_steps
         return self.steps if every is None else outer_rounds(self.steps, every)
 

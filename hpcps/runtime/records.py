@@ -15,7 +15,8 @@ import hpcps
 from hpcps.box import cluster_record, node_label
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
-from hpcps.runtime import assembly, checkpointing
+from hpcps.runtime import assembly
+from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.transport.mpilib import library_version
 
 from hpcps.runtime.plan import RunPlan, RunState
@@ -45,7 +46,7 @@ def save_path(plan: RunPlan, path: str) -> str:
 
 def note_restart(plan: RunPlan, runfile: RunFile) -> None:
     """Rank 0, at the run's start (every rank set up, the clocks agreed): what the launch that failed after the
-    checkpoint this run resumes lost, from its progress note (:func:`hpcps.runtime.checkpointing.restart_cost`),
+    checkpoint this run resumes lost, from its progress note (:func:`hpcps.runtime.checkpoints.schedule.restart_cost`),
     into the run file's ``restart`` attribute and the log. Taken here rather than when the file opens, so that
     its ``restart_s`` holds the whole start-up (windows, optimizers, the start barrier), not only the relaunch."""
     if plan.ckpt is None:

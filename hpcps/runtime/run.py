@@ -33,24 +33,25 @@ import torch
 from mpi4py import MPI
 
 from hpcps.runtime import agree as agree_module
-from hpcps.runtime import assembly, checkpointing, records
+from hpcps.runtime import assembly, records
+from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.training import rates
 from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
-from hpcps.runtime.checkpoint import (Checkpoint, LoopState, check_compatible, check_same_optimizer, read_checkpoint,
+from hpcps.runtime.checkpoints.files import (Checkpoint, LoopState, check_compatible, check_same_optimizer, read_checkpoint,
                                       reshaped, restore_int_buffers)
-from hpcps.config import TrainConfig, steps_for
+from hpcps.options.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
 from hpcps.cluster.emulation import emulated_compute_time
-from hpcps.cluster.effects import no_effect
+from hpcps.options.effects import no_effect
 from hpcps.errors import RunAborted, UserError
 from hpcps.training.flat import FlatParameters
 from hpcps.cluster.grouping import speed_groups
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
 from hpcps.cluster.placement import place
-from hpcps.cluster.planning import resolve
+from hpcps.options.planning import resolve
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
@@ -321,7 +322,7 @@ class Run:
     passed, it keeps the lifecycle: :meth:`start`, :meth:`serve` or a worker's steps
     (:mod:`hpcps.runtime.session`), :meth:`end`. What the run is lives in its :attr:`plan` (frozen, the
     same on every rank) and this rank's :attr:`state` (:mod:`hpcps.runtime.plan`). What each role is made
-    of is assembled in :mod:`hpcps.runtime.assembly`; checkpoints are :mod:`hpcps.runtime.checkpointing`'s,
+    of is assembled in :mod:`hpcps.runtime.assembly`; checkpoints are :mod:`hpcps.runtime.checkpoints.schedule`'s,
     the run file's records :mod:`hpcps.runtime.records`'s, the learning rates :mod:`hpcps.training.rates`'s."""
 
     def __init__(self, plan: RunPlan, state: RunState) -> None:

@@ -79,7 +79,52 @@ def apply_update(master: torch.Tensor, grads: Sequence[torch.Tensor], coeffs: Se
     return chunks
 
 
-class ShardServer:
+class _Membership:
+    """A shard's changes of membership under run-through (a mixin of :class:`ShardServer`, whose attributes it
+    reads and changes): a worker's death (:meth:`_lost`) and a spare taking its place (:meth:`_join`)."""
+
+    def _lost(self, event: LostEvent, now: float, notices: dict[int, list]) -> None:
+        """A worker died (run-through): its pushes in flight here are lost, each with a row; it leaves the
+        paradigm's bounds as a worker that finished does, and its notifier sends it nothing more. A gradient of it
+        that came whole stays pending: the paradigm applies it like any other."""
+        worker, rank = event.worker, self.worker_ranks[event.worker]
+        if event.leaves:
+            self.recorder.add("servers/lost", (self.rank, self.shard, now, rank, self.clocks[worker], 0))
+        for clock in event.clocks:
+            self.recorder.add("servers/lost", (self.rank, self.shard, now, rank, clock, 1))
+        self.lost_clocks.setdefault(worker, []).extend(event.clocks)
+        if not event.leaves:
+            return
+        self.gone.add(worker)
+        self.awaiting.discard(worker)
+        lost = f"; its gradient(s) {', '.join(map(str, event.clocks))} lost in flight" if event.clocks else ""
+        log.warning("shard %d: worker rank %d died after its gradient %d%s; going on with %d workers", self.shard,
+                    rank, self.clocks[worker], lost, len(self.worker_ranks) - len(self.inbox.lost))
+        decision = self.policy.on_leave(worker, now)
+        if self.round_sum is not None:
+            self._sum_round()
+            self.inbox.offer()
+        self._carry_out(decision, notices)
+        self.dead_workers.add(worker)
+        if self.spares is not None:
+            self.spares.died(worker, self.clocks[worker], rank, stopping=self.window.stop_raised())
+
+    def _join(self, event: JoinEvent, now: float, notices: dict[int, list]) -> None:
+        """A spare takes the place of a dead worker (:mod:`hpcps.runtime.spares`): its messages are that
+        worker's from now on, and the paradigm counts it again, at the dead worker's clock."""
+        worker, dead = event.worker, self.worker_ranks[event.worker]
+        self.dead_workers.discard(worker)
+        self.worker_ranks[worker] = self.notifier.worker_ranks[worker] = event.rank
+        self.inbox.rejoin(worker, event.rank)
+        self.gone.discard(worker)
+        self.stalls.joined(worker, now)
+        self.recorder.add("servers/joins", (self.rank, self.shard, now, dead, event.rank, event.clock))
+        log.warning("shard %d: spare rank %d takes the place of worker rank %d, from its gradient %d on",
+                    self.shard, event.rank, dead, event.clock + 1)
+        self._carry_out(self.policy.on_join(worker, now), notices)
+
+
+class ShardServer(_Membership):
     """Serve shard ``shard`` (parameters ``master``) until every worker has left.
 
     ``master[:n_params]`` are trainable parameters, stepped by ``optimizer``;
@@ -218,46 +263,6 @@ class ShardServer:
                 self.inbox.offer()
             self._carry_out(decision, notices)
             _note(notices, event.worker, wire.BYE)
-
-    def _lost(self, event: LostEvent, now: float, notices: dict[int, list]) -> None:
-        """A worker died (run-through): its pushes in flight here are lost, each with a row; it leaves the
-        paradigm's bounds as a worker that finished does, and its notifier sends it nothing more. A gradient of it
-        that came whole stays pending: the paradigm applies it like any other."""
-        worker, rank = event.worker, self.worker_ranks[event.worker]
-        if event.leaves:
-            self.recorder.add("servers/lost", (self.rank, self.shard, now, rank, self.clocks[worker], 0))
-        for clock in event.clocks:
-            self.recorder.add("servers/lost", (self.rank, self.shard, now, rank, clock, 1))
-        self.lost_clocks.setdefault(worker, []).extend(event.clocks)
-        if not event.leaves:
-            return
-        self.gone.add(worker)
-        self.awaiting.discard(worker)
-        lost = f"; its gradient(s) {', '.join(map(str, event.clocks))} lost in flight" if event.clocks else ""
-        log.warning("shard %d: worker rank %d died after its gradient %d%s; going on with %d workers", self.shard,
-                    rank, self.clocks[worker], lost, len(self.worker_ranks) - len(self.inbox.lost))
-        decision = self.policy.on_leave(worker, now)
-        if self.round_sum is not None:
-            self._sum_round()
-            self.inbox.offer()
-        self._carry_out(decision, notices)
-        self.dead_workers.add(worker)
-        if self.spares is not None:
-            self.spares.died(worker, self.clocks[worker], rank, stopping=self.window.stop_raised())
-
-    def _join(self, event: JoinEvent, now: float, notices: dict[int, list]) -> None:
-        """A spare takes the place of a dead worker (:mod:`hpcps.runtime.spares`): its messages are that
-        worker's from now on, and the paradigm counts it again, at the dead worker's clock."""
-        worker, dead = event.worker, self.worker_ranks[event.worker]
-        self.dead_workers.discard(worker)
-        self.worker_ranks[worker] = self.notifier.worker_ranks[worker] = event.rank
-        self.inbox.rejoin(worker, event.rank)
-        self.gone.discard(worker)
-        self.stalls.joined(worker, now)
-        self.recorder.add("servers/joins", (self.rank, self.shard, now, dead, event.rank, event.clock))
-        log.warning("shard %d: spare rank %d takes the place of worker rank %d, from its gradient %d on",
-                    self.shard, event.rank, dead, event.clock + 1)
-        self._carry_out(self.policy.on_join(worker, now), notices)
 
     def _sum_round(self) -> None:
         """Add the round's gradients whose turn has come (worker order); free their buffers at once."""

@@ -29,13 +29,13 @@ import torch
 from mpi4py import MPI
 
 from hpcps.data.batches import BatchSource, to_device
-from hpcps.runtime.checkpoint import LoopState, read_loop_state, restore_int_buffers
+from hpcps.runtime.checkpoints.files import LoopState, read_loop_state, restore_int_buffers
 from hpcps.cluster.emulation import EmulatedCompute, emulated_compute_time
 from hpcps.runtime import assembly
 from hpcps.runtime.collectives import WorkerCollectives
-from hpcps.runtime.loopstate import LoopCheckpoints
+from hpcps.runtime.checkpoints.loop import LoopCheckpoints
 from hpcps.runtime.inner import InnerRounds
-from hpcps.cluster.effects import own_loop
+from hpcps.options.effects import own_loop
 from hpcps.transport.compress import all_finite
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.training.hyper import EditTracker, servers_template, template
@@ -50,7 +50,73 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpcps")
 
 
-class Session:
+class _LoopCalls:
+    """What a worker's loop tells the run besides its steps (a mixin of :class:`Session`, whose attributes it
+    reads): its own numbers (:meth:`log`), its evaluation (:meth:`evaluated`), an early stop (:meth:`stop`),
+    and the workers' collectives (:meth:`mean`, :meth:`workers_barrier`)."""
+
+    def stop(self, reason: str = "") -> None:
+        """End the run for every worker (early stopping): each shard's stop flag goes up, and every
+        worker's :attr:`running` turns False once its current step is done, as after a signal. The run
+        is recorded as stopped by the loop (``stopped_by`` ``loop``, or ``loop: <reason>``) and writes a
+        checkpoint to resume from, as a signal's stop does."""
+        if self.is_worker:
+            signals = self.run.state.signals
+            signals.acted = signals.acted or ("loop: " + reason if reason else "loop")
+            self.worker.window.request_stop()
+
+    def log(self, **scalars: float) -> None:
+        """The loop's own numbers for this step (``ps.log(val_loss=1.7)``): rows of ``/workers/scalars``
+        (this rank, the step, the run's clock, name, value) in the run's metrics file."""
+        if not self.is_worker:
+            return
+        t, step = self.run.clock(), self.iteration
+        for name, value in scalars.items():
+            self.run.state.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
+
+    def evaluated(self, **metrics: float) -> None:
+        """The loop's own validation, recorded as the run's evaluation (``ps.evaluated(loss=2.1,
+        accuracy=0.64, perplexity=8.2)``): worker 0's call is a row of ``/eval`` (``loss``, ``accuracy``)
+        and of ``/eval_metrics`` (any other name) at the run's clock and the version the model holds, as
+        ``hpcps.train``'s evaluation on the servers writes them, so the summary's final loss and accuracy,
+        ``time_to_target_s`` and ``hpcps report`` use them. Another worker's call records nothing (give
+        every worker the same values with :meth:`mean`, or evaluate on worker 0 alone). With
+        ``target="accuracy>=0.9"`` (or any metric given here), reaching it stops every worker after its
+        step under way, as hpcps.train's target does."""
+        if not self.is_worker or self.worker_index != 0:
+            return
+        self._evaluated = True
+        t, version = self.run.clock(), self.version
+        values = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in metrics.items()}
+        self.run.state.recorder.add("eval", (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan)))
+        for name, value in values.items():
+            if name not in ("loss", "accuracy"):
+                self.run.state.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
+        target = self.run.plan.cfg.stop_target
+        if target is not None and not self._target_reached and target.reached(values.get(target.name, math.nan)):
+            self._target_reached = True
+            log.info("target %s reached at t=%.2fs (%s %.4f): stopping", target, t, target.name, values[target.name])
+            self.worker.window.request_stop()
+
+    def mean(self, value):
+        """Collective over the workers: ``value`` (a number, a tensor or an array, the same shape on
+        every worker) averaged over them, of the same kind (a tensor on its device): ``hvd.allreduce``
+        of a validation metric. Every worker must call it at the same point of its loop; while it
+        waits, this worker's transfers keep moving. Under run-through (ULFM) after a worker died: over
+        the living."""
+        if not self.is_worker:
+            raise RuntimeError("ps.mean: call it on the worker ranks (every worker, at the same point)")
+        return self.collectives.mean(value, "every worker's ps.mean (each calls it at the same point of its loop, "
+                                            "while ps.running)")
+
+    def workers_barrier(self) -> None:
+        """Collective over the workers (the living, after a death under run-through): return once every
+        worker has called it."""
+        self.collectives.run(lambda comm: comm.Ibarrier(),
+                         "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
+
+
+class Session(_LoopCalls):
     """One rank's part of a run; see the module docstring.
 
     A Session is used once: on a worker, ``while ps.running: ...; ps.step()``
@@ -117,7 +183,7 @@ class Session:
             poke=self.worker.poke, timeline=self.worker.tl, pushes_in_backward=pushes is not None,
             spent=lambda: time.perf_counter() - self.t0 - self.worker.pass_waited,
             armed=lambda: pushes is not None and pushes.armed)
-        # worker 0's loop belongs to bsp's checkpoints, at a round's close (hpcps.runtime.loopstate)
+        # worker 0's loop belongs to bsp's checkpoints, at a round's close (hpcps.runtime.checkpoints.loop)
         at_publish = run.plan.paradigm.checkpoints_at_publish()
         self.loop_checkpoints = LoopCheckpoints(
             self.model, run.state.ckpt_dir, cfg.checkpoint_every if at_publish and self.worker_index == 0 else None,
@@ -221,66 +287,6 @@ class Session:
         :meth:`step` has done it. The wait counts as the step's pull time."""
         if self.is_worker:
             self.worker._settle_pull()
-
-    def stop(self, reason: str = "") -> None:
-        """End the run for every worker (early stopping): each shard's stop flag goes up, and every
-        worker's :attr:`running` turns False once its current step is done, as after a signal. The run
-        is recorded as stopped by the loop (``stopped_by`` ``loop``, or ``loop: <reason>``) and writes a
-        checkpoint to resume from, as a signal's stop does."""
-        if self.is_worker:
-            signals = self.run.state.signals
-            signals.acted = signals.acted or ("loop: " + reason if reason else "loop")
-            self.worker.window.request_stop()
-
-    def log(self, **scalars: float) -> None:
-        """The loop's own numbers for this step (``ps.log(val_loss=1.7)``): rows of ``/workers/scalars``
-        (this rank, the step, the run's clock, name, value) in the run's metrics file."""
-        if not self.is_worker:
-            return
-        t, step = self.run.clock(), self.iteration
-        for name, value in scalars.items():
-            self.run.state.recorder.add("workers/scalars", (self.rank, step, t, name.encode()[:32], float(value)))
-
-    def evaluated(self, **metrics: float) -> None:
-        """The loop's own validation, recorded as the run's evaluation (``ps.evaluated(loss=2.1,
-        accuracy=0.64, perplexity=8.2)``): worker 0's call is a row of ``/eval`` (``loss``, ``accuracy``)
-        and of ``/eval_metrics`` (any other name) at the run's clock and the version the model holds, as
-        ``hpcps.train``'s evaluation on the servers writes them, so the summary's final loss and accuracy,
-        ``time_to_target_s`` and ``hpcps report`` use them. Another worker's call records nothing (give
-        every worker the same values with :meth:`mean`, or evaluate on worker 0 alone). With
-        ``target="accuracy>=0.9"`` (or any metric given here), reaching it stops every worker after its
-        step under way, as hpcps.train's target does."""
-        if not self.is_worker or self.worker_index != 0:
-            return
-        self._evaluated = True
-        t, version = self.run.clock(), self.version
-        values = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in metrics.items()}
-        self.run.state.recorder.add("eval", (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan)))
-        for name, value in values.items():
-            if name not in ("loss", "accuracy"):
-                self.run.state.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
-        target = self.run.plan.cfg.stop_target
-        if target is not None and not self._target_reached and target.reached(values.get(target.name, math.nan)):
-            self._target_reached = True
-            log.info("target %s reached at t=%.2fs (%s %.4f): stopping", target, t, target.name, values[target.name])
-            self.worker.window.request_stop()
-
-    def mean(self, value):
-        """Collective over the workers: ``value`` (a number, a tensor or an array, the same shape on
-        every worker) averaged over them, of the same kind (a tensor on its device): ``hvd.allreduce``
-        of a validation metric. Every worker must call it at the same point of its loop; while it
-        waits, this worker's transfers keep moving. Under run-through (ULFM) after a worker died: over
-        the living."""
-        if not self.is_worker:
-            raise RuntimeError("ps.mean: call it on the worker ranks (every worker, at the same point)")
-        return self.collectives.mean(value, "every worker's ps.mean (each calls it at the same point of its loop, "
-                                            "while ps.running)")
-
-    def workers_barrier(self) -> None:
-        """Collective over the workers (the living, after a death under run-through): return once every
-        worker has called it."""
-        self.collectives.run(lambda comm: comm.Ibarrier(),
-                         "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
 
     def _wait(self, test: Callable[[], bool], what: str) -> None:
         """Poll ``test`` for a collective of the workers or a shard's answer, this worker's transfers moving

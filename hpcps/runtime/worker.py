@@ -54,7 +54,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpcps.runtime.faults import Fault, inject
+from hpcps.options.faults import Fault
+from hpcps.runtime.faults import inject
 from hpcps.runtime.receipts import Receipts
 from hpcps.runtime.parts import PullPlan, PushPlan, Records, StepPlan, Watch, WorkerPorts
 from hpcps.training.flat import FlatParameters
@@ -71,7 +72,89 @@ from hpcps.transport.window import Pull
 log = logging.getLogger("hpcps")
 
 
-class Worker:
+class _Pulls:
+    """A worker's pulls (a mixin of :class:`Worker`, whose attributes it reads): whole, in partitions that the
+    next pass waits for layer by layer (:mod:`hpcps.runtime.partitions`), or deferred behind the next round's
+    first steps (``--overlap-steps``: :meth:`take_round`); and what the versions pulled tell it."""
+
+    def _advance_deferred(self) -> bool:
+        """``defer_pull``: begin the pull of the round last pushed once it may (at once where the paradigm
+        does not block, else at its grant; into :attr:`side`); keep it moving. Whether it has begun."""
+        if self.deferred is None:
+            if not self.pending or not self._granted():
+                return False
+            self.deferred = self.window.begin_pull(self.side, self.backoff)
+        self.deferred.test()  # (drives MPI's progress)
+        return True
+
+    def take_round(self, row: dict | None) -> np.ndarray:
+        """``defer_pull``: the round last pushed, now: wait for its grant where the paradigm blocks and for
+        its pull, begun as soon as it could be (:meth:`poke`); return the parameters pulled (:attr:`side`: the
+        model's own are untouched, the loop rebases onto them, and may write there until the next push). The
+        waits count in ``row`` (the round under way's; None: nowhere), which computes on the versions pulled
+        from now on."""
+        self._settle_pull()
+        with self.tl.within("grant"):
+            waited = self._wait(self._advance_deferred, "its grant") if self.deferred is None else 0.0
+        with self.tl.within("pull"):
+            t = time.perf_counter()
+            self.versions, self.stop = self.deferred.wait()
+            pulled = time.perf_counter() - t
+        self.pending, self.deferred = False, None
+        self._seen(self.versions)
+        if row is not None:
+            row["wait_s"] += waited
+            row["pull_s"] = row.get("pull_s", 0.0) + pulled
+            row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + pulled
+            row["version"], row["lag"] = int(self.versions.min()), self._lag(self.versions)
+        return self.side
+
+    def _begin_pull(self) -> Pull:
+        """Start a pull into the model's parameters (in partitions, with ``partitions``)."""
+        if self.parts is not None:
+            return self.parts.begin(self.window, self.flat.params, self.backoff)
+        return self.window.begin_pull(self.flat.params, self.backoff)
+
+    def _pull(self, begun: Pull | None = None) -> tuple[np.ndarray, bool]:
+        """Finish the pull ``begun`` (or pull now) into the model's parameters; with ``partitions``, only
+        its versions and what the pass needs before it starts: the pass waits for the rest layer by layer."""
+        pull = begun or self._begin_pull()
+        if self.parts is not None:  # (on a GPU each partition goes up as it comes)
+            versions, stop = self.parts.start(pull)
+        else:
+            versions, stop = pull.wait()
+            self.flat.upload()
+        self._seen(versions)
+        return versions, stop
+
+    def _seen(self, versions: np.ndarray) -> None:
+        """Shard versions observed somewhere: raise what the worker knows the servers are at."""
+        self.book.seen(versions)
+
+    def _lag(self, versions: np.ndarray) -> int:
+        """How far ``versions`` are behind the newest the worker knows of (largest over shards)."""
+        return int((self.known - versions).max())
+
+    @property
+    def pass_waited(self) -> float:
+        """Seconds the pass under way has waited for its pull's partitions, and settled the rest of the pull
+        (0 without partitions)."""
+        return self.pass_pull + (self.parts.waited if self.parts is not None else 0.0)
+
+    def _settle_pull(self) -> None:
+        """Partitioned pulls: the rest of the pull in flight, before the gradient goes (``pass_pull``: the
+        pass's waits for it and this one, which its row counts as pull time, not compute)."""
+        if self.parts is None:
+            return
+        t = time.perf_counter()
+        waited = self.parts.waited
+        with self.tl.within("pull"):  # (before backward, the pass goes on in its own phase after it)
+            self.parts.settle()
+        self.parts.waited = 0.0
+        self.pass_pull += waited + time.perf_counter() - t  # (settled before backward, then again before the push)
+
+
+class Worker(_Pulls):
     """Run ``steps`` iterations (or until a shard raises the stop flag)."""
 
     #: read the shards' versions just before pushing when the learning rate depends on staleness:
@@ -234,38 +317,6 @@ class Worker:
         """Whether every shard has granted the worker's last push (its clock)."""
         return self.book.granted(self.clock_count)
 
-    def _advance_deferred(self) -> bool:
-        """``defer_pull``: begin the pull of the round last pushed once it may (at once where the paradigm
-        does not block, else at its grant; into :attr:`side`); keep it moving. Whether it has begun."""
-        if self.deferred is None:
-            if not self.pending or not self._granted():
-                return False
-            self.deferred = self.window.begin_pull(self.side, self.backoff)
-        self.deferred.test()  # (drives MPI's progress)
-        return True
-
-    def take_round(self, row: dict | None) -> np.ndarray:
-        """``defer_pull``: the round last pushed, now: wait for its grant where the paradigm blocks and for
-        its pull, begun as soon as it could be (:meth:`poke`); return the parameters pulled (:attr:`side`: the
-        model's own are untouched, the loop rebases onto them, and may write there until the next push). The
-        waits count in ``row`` (the round under way's; None: nowhere), which computes on the versions pulled
-        from now on."""
-        self._settle_pull()
-        with self.tl.within("grant"):
-            waited = self._wait(self._advance_deferred, "its grant") if self.deferred is None else 0.0
-        with self.tl.within("pull"):
-            t = time.perf_counter()
-            self.versions, self.stop = self.deferred.wait()
-            pulled = time.perf_counter() - t
-        self.pending, self.deferred = False, None
-        self._seen(self.versions)
-        if row is not None:
-            row["wait_s"] += waited
-            row["pull_s"] = row.get("pull_s", 0.0) + pulled
-            row["pull_wait_s"] = row.get("pull_wait_s", 0.0) + pulled
-            row["version"], row["lag"] = int(self.versions.min()), self._lag(self.versions)
-        return self.side
-
     def finish(self) -> int:
         """Leave (``DONE``, then every shard's ``BYE``); return the number of gradients pushed."""
         self.tl.enter("other")
@@ -289,28 +340,6 @@ class Worker:
     def _timed(fn, *args):
         t = time.perf_counter()
         return fn(*args), time.perf_counter() - t
-
-    def _begin_pull(self) -> Pull:
-        """Start a pull into the model's parameters (in partitions, with ``partitions``)."""
-        if self.parts is not None:
-            return self.parts.begin(self.window, self.flat.params, self.backoff)
-        return self.window.begin_pull(self.flat.params, self.backoff)
-
-    def _pull(self, begun: Pull | None = None) -> tuple[np.ndarray, bool]:
-        """Finish the pull ``begun`` (or pull now) into the model's parameters; with ``partitions``, only
-        its versions and what the pass needs before it starts: the pass waits for the rest layer by layer."""
-        pull = begun or self._begin_pull()
-        if self.parts is not None:  # (on a GPU each partition goes up as it comes)
-            versions, stop = self.parts.start(pull)
-        else:
-            versions, stop = pull.wait()
-            self.flat.upload()
-        self._seen(versions)
-        return versions, stop
-
-    def _seen(self, versions: np.ndarray) -> None:
-        """Shard versions observed somewhere: raise what the worker knows the servers are at."""
-        self.book.seen(versions)
 
     def _push(self, versions: np.ndarray, row: dict, slot: int = 0, flags: int = 0, *,
               headers_only: bool = False) -> None:
@@ -354,16 +383,6 @@ class Worker:
         return {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
                 "lag": self._lag(versions), "wait_s": 0.0}
 
-    def _lag(self, versions: np.ndarray) -> int:
-        """How far ``versions`` are behind the newest the worker knows of (largest over shards)."""
-        return int((self.known - versions).max())
-
-    @property
-    def pass_waited(self) -> float:
-        """Seconds the pass under way has waited for its pull's partitions, and settled the rest of the pull
-        (0 without partitions)."""
-        return self.pass_pull + (self.parts.waited if self.parts is not None else 0.0)
-
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
         """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
         slot = step % 2
@@ -374,18 +393,6 @@ class Worker:
         self._push(versions, row, slot, flags)
         row["push_s"] = time.perf_counter() - t
         return slot
-
-    def _settle_pull(self) -> None:
-        """Partitioned pulls: the rest of the pull in flight, before the gradient goes (``pass_pull``: the
-        pass's waits for it and this one, which its row counts as pull time, not compute)."""
-        if self.parts is None:
-            return
-        t = time.perf_counter()
-        waited = self.parts.waited
-        with self.tl.within("pull"):  # (before backward, the pass goes on in its own phase after it)
-            self.parts.settle()
-        self.parts.waited = 0.0
-        self.pass_pull += waited + time.perf_counter() - t  # (settled before backward, then again before the push)
 
     def _finish_row(self, row: dict) -> None:
         row["pull_s"] = row.get("pull_s", 0.0) + self.pass_pull

@@ -9,7 +9,7 @@ applies in the whole run, its horizon.
 
 from __future__ import annotations
 
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 from hpcps.policies import Policy
 from hpcps.training.optim import Schedule, make_schedule
 

@@ -4,7 +4,7 @@ A :class:`Workload` is what the runtime (:mod:`hpcps.runtime.run`) trains. The
 Python API (:func:`hpcps.train`) builds one from the user's objects;
 ``hpcps train`` builds one from its options (:func:`workload_from_config`),
 where ``--model``, ``--dataset`` and ``--loss`` are built-in names or
-plug-ins (``pkg.mod:name``, ``path/file.py:name``, see :mod:`hpcps.training.plugins`).
+plug-ins (``pkg.mod:name``, ``path/file.py:name``, see :mod:`hpcps.plugins`).
 
 Which rank runs what: every rank calls the model factory (right after
 ``torch.manual_seed(seed)``, so initial models agree); the data are loaded
@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from hpcps.data.batches import DataSource, FactoryData, TorchData, is_dataset
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 from hpcps.data.sharding import split_indices
 from hpcps.data.datasets import builtin_dataset, is_builtin_name
 from hpcps.errors import RunAborted, UserError
 from hpcps.training.models import MODELS, torchvision_model
 from hpcps.training.optim import OptimizerFactory, Schedule, builtin_optimizer
-from hpcps.training.plugins import call_with_accepted, is_plugin, load_plugin
+from hpcps.plugins import call_with_accepted, is_plugin, load_plugin
 
 #: ``(model, batch) -> scalar tensor``
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]

@@ -21,6 +21,14 @@ With ``serial=True`` (hsp) a push sends its headers only, and the payload
 to shard s leaves when shard s says ``TRANSFER`` (:meth:`Pusher.transfer`);
 the inbox then lets one worker at a time stream into the shard and keeps a
 log of who transferred when (:attr:`PushInbox.transfers`).
+
+The inbox takes headers by a matched probe from any source (``MPI_Improbe``, then ``MPI_Mrecv`` of the
+message it matched), never by a posted wildcard receive: under MPICH over UCX's TCP transport a posted
+``MPI_ANY_SOURCE`` receive can miss a message that a probe sees (when the sender has a receive of its own
+posted from this rank, as every worker has for its notices), and every run hung at its first rounds. A
+header whose worker still has a message in hand waits in that worker's backlog (MPI keeps one sender's
+messages in order), so a poll costs one probe plus one test per payload in flight, whatever the worker
+count.
 """
 
 from __future__ import annotations
@@ -229,16 +237,7 @@ class PushInbox:
     taken up, so a worker's later messages (including ``DONE``) are never
     acted on before its previous gradient is dealt with.
 
-    Headers are taken by a matched probe from any source (``MPI_Improbe``,
-    then ``MPI_Mrecv`` of the message it matched), never by a posted
-    wildcard receive: under MPICH over UCX's TCP transport a posted
-    ``MPI_ANY_SOURCE`` receive can miss a message that a probe sees (when
-    the sender has a receive of its own posted from this rank, as every
-    worker has for its notices), and every run hung at its first rounds.
-    A header whose worker still has a message in hand waits in that
-    worker's backlog (MPI keeps one sender's messages in order), so a poll
-    costs one probe plus one test per payload in flight, whatever the
-    worker count.
+    Headers come by a matched probe (the module docstring says why).
 
     Gradient buffers: a pool of ``pool`` buffers shared by all workers (one
     per worker with ``pool=None``, or where the pool is at least the worker
@@ -440,7 +439,7 @@ class PushInbox:
     def unmatched(self, worker: int) -> str | None:
         """What MPI holds from ``worker`` that no receive has taken (a probe, for a stall's report): the tag of
         its oldest such message, or None. A silent worker with a message here is a matching fault above MPI
-        (hpcps's, or the MPI's own: see the class docstring); none means the bytes never arrived."""
+        (hpcps's, or the MPI's own: see the module docstring); none means the bytes never arrived."""
         status = MPI.Status()
         try:
             if self.comm.Iprobe(source=self.worker_ranks[worker], tag=MPI.ANY_TAG, status=status):
@@ -496,14 +495,14 @@ class PushInbox:
                 else int(clocks[i]) for i in range(len(self.worker_ranks))]
 
     def hold_after(self, cut: Sequence[int] | None) -> None:
-        """A consistent cut (hpcps.runtime.snapshot): take up worker ``i``'s messages only up to clock
+        """A consistent cut (hpcps.runtime.checkpoints.cut): take up worker ``i``'s messages only up to clock
         ``cut[i]``; later ones wait (their headers here, their payloads at the senders) until
         ``hold_after(None)``, which takes them up again."""
         self.cut = None if cut is None else [int(c) for c in cut]
         self._admit_held()
 
     def hold_after_regulars(self, n: int | None) -> None:
-        """A consistent cut between rounds (hsp; hpcps.runtime.snapshot): take up worker ``i``'s messages only
+        """A consistent cut between rounds (hsp; hpcps.runtime.checkpoints.cut): take up worker ``i``'s messages only
         up to its ``n``-th push not flagged ``EXTRA`` in this run, the gradient it pushed for round ``n-1``
         (the extras it computed before it come first); later ones wait until ``hold_after_regulars(None)``."""
         self.round_cut = n

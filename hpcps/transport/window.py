@@ -129,7 +129,101 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
 
 
-class ParamWindow:
+class _Reads:
+    """How a pull reads the shards' windows under each protocol (a mixin of :class:`ParamWindow`, whose window
+    and attributes it uses; the protocols are the module docstring's): the pinned protocol's slots, pinned and
+    read without a lock (:meth:`_begin_pinned`), and the locked protocol's reads under shared locks
+    (:meth:`_read_locked`)."""
+
+    def _get_words(self, out: np.ndarray, shards, first: int, count: int, backoff: Backoff | None) -> None:
+        """Atomic read (Get_accumulate NO_OP, INT64) of header words ``first..first+count`` of ``shards``."""
+        win = self._live()
+        requests = [win.Rget_accumulate([_NOTHING[:count], count, _I64], [out[s, first:first + count], count, _I64],
+                                        self.shard_ranks[s], (8 * first, count, _I64), MPI.NO_OP) for s in shards]
+        wait_until(lambda: MPI.Request.Testall(requests), backoff)
+
+    def _pin(self, shards, slots: np.ndarray, found: np.ndarray, delta: int, backoff: Backoff | None) -> None:
+        """Add ``delta`` to the reader count of slot ``slots[s]`` of each shard, atomically (``Rget_accumulate``
+        with ``SUM``); ``found[s]``: the count before. Returns once every addition is done at its shard."""
+        win = self._live()
+        add = np.full(1, delta, np.int64)  # our own: two threads may pull at once
+        requests = [win.Rget_accumulate([add, 1, _I64], [found[s:s + 1], 1, _I64], self.shard_ranks[s],
+                                        (8 * (wire.WIN_PINS + int(slots[s])), 1, _I64), MPI.SUM) for s in shards]
+        wait_until(lambda: MPI.Request.Testall(requests), backoff)
+
+    def _begin_pinned(self, out: np.ndarray, backoff: Backoff | None,
+                      parts: Sequence[Sequence[tuple[int, int]]] | None = None) -> "Pull":
+        """Pin each shard's newest slot (a slot claimed meanwhile means: read the newest again), then
+        start the copies of the pinned slots with their versions (the versions first, then the data:
+        each shard's whole slice, or ``parts`` in their order)."""
+        win = self._live()
+        n = len(self.shard_ranks)
+        heads = np.zeros((n, _HEADER_WORDS), np.int64)
+        slots = np.zeros(n, np.int64)
+        found = np.zeros(n, np.int64)
+        pending = list(range(n))
+        retry = Backoff(first=1e-5, cap=backoff.cap if backoff else 1e-3)
+        while pending:
+            self._get_words(heads, pending, 0, wire.WIN_NEWEST + 1, backoff)  # version, stop flag, newest slot
+            slots[pending] = heads[pending, wire.WIN_NEWEST]
+            self._pin(pending, slots, found, +1, backoff)
+            claimed = [s for s in pending if found[s] < 0]
+            if claimed:
+                self._pin(claimed, slots, found.copy(), -1, backoff)
+                self.retries += len(claimed)
+                retry.pause()
+            pending = claimed
+        versions = np.zeros(n, np.int64)
+        heard = [win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s:s + 1], 1, _I64], self.shard_ranks[s],
+                                     (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP)
+                 for s in range(n)]
+        if parts is not None:
+            # the versions before any copy starts: an atomic read may be answered only after the copies
+            # queued before it (MPICH over TCP serves it as a message behind them), and a partitioned
+            # pull's pass must know its versions before the last partition has come
+            wait_until(lambda: MPI.Request.Testall(heard), backoff)
+        land = self._landing(out)
+        if parts is None:
+            parts = [list(ranges) for ranges in self.slices.pieces]  # one partition per shard: its whole slice
+        pieces = [(k, piece) for k, ranges in enumerate(parts) for lo, hi in ranges
+                  for piece in self.slices.split(lo, hi)]  # piece: (shard, at, lo, hi)
+        if self.fanin:  # each shard's pieces in partition order, the shards in this rank's rotation
+            groups = [[(k, p) for k, p in pieces if p[0] == s] for s in ((self.first + j) % n for j in range(n))]
+            groups = [g for g in groups if g]
+        else:
+            groups = [pieces]
+        return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
+                    list(parts), land, groups=groups,
+                    issue=lambda piece: self._get_range(win, land, *piece, slots))
+
+    def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, at: int, lo: int, hi: int,
+                   slots: np.ndarray) -> MPI.Request:
+        """Start the copy of ``[lo, hi)`` of the flat vector, at ``at`` of shard ``s``'s slice, out of its
+        pinned slot."""
+        offset = wire.WINDOW_HEADER_BYTES + self.item * (self.lengths[s] * int(slots[s]) + at)
+        t = self.mpi_type
+        return win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t))
+
+    def _read_locked(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
+        win = self._live()
+        heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
+        requests = []
+        land, t = (self._landing(out), self.mpi_type) if out is not None else (None, None)
+        for s, rank in enumerate(self.shard_ranks):
+            win.Lock(rank, MPI.LOCK_SHARED)
+            requests.append(win.Rget([heads[s], _HEADER_WORDS, _I64], rank, (0, _HEADER_WORDS, _I64)))
+            for at, lo, hi in (self.slices.local_ranges(s) if out is not None else ()):
+                requests.append(win.Rget([land[lo:hi], hi - lo, t], rank,
+                                         (wire.WINDOW_HEADER_BYTES + self.item * at, hi - lo, t)))
+        wait_until(lambda: MPI.Request.Testall(requests), backoff)
+        for rank in self.shard_ranks:
+            win.Unlock(rank)
+        if out is not None and land is not out:
+            self.codec.decode_params(land, out)
+        return heads[:, wire.WIN_VERSION].copy(), bool(heads[:, wire.WIN_STOP].any())
+
+
+class ParamWindow(_Reads):
     """The run's parameter window (collective over ``comm`` to create and free).
 
     ``shard_ranks[s]`` is the rank (in ``comm``) of shard ``s``, whose
@@ -385,94 +479,6 @@ class ParamWindow:
         heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
         self._get_words(heads, range(len(self.shard_ranks)), 0, _HEADER_WORDS, backoff)
         return heads[:, wire.WIN_VERSION].copy()
-
-    def _get_words(self, out: np.ndarray, shards, first: int, count: int, backoff: Backoff | None) -> None:
-        """Atomic read (Get_accumulate NO_OP, INT64) of header words ``first..first+count`` of ``shards``."""
-        win = self._live()
-        requests = [win.Rget_accumulate([_NOTHING[:count], count, _I64], [out[s, first:first + count], count, _I64],
-                                        self.shard_ranks[s], (8 * first, count, _I64), MPI.NO_OP) for s in shards]
-        wait_until(lambda: MPI.Request.Testall(requests), backoff)
-
-    def _pin(self, shards, slots: np.ndarray, found: np.ndarray, delta: int, backoff: Backoff | None) -> None:
-        """Add ``delta`` to the reader count of slot ``slots[s]`` of each shard, atomically (``Rget_accumulate``
-        with ``SUM``); ``found[s]``: the count before. Returns once every addition is done at its shard."""
-        win = self._live()
-        add = np.full(1, delta, np.int64)  # our own: two threads may pull at once
-        requests = [win.Rget_accumulate([add, 1, _I64], [found[s:s + 1], 1, _I64], self.shard_ranks[s],
-                                        (8 * (wire.WIN_PINS + int(slots[s])), 1, _I64), MPI.SUM) for s in shards]
-        wait_until(lambda: MPI.Request.Testall(requests), backoff)
-
-    def _begin_pinned(self, out: np.ndarray, backoff: Backoff | None,
-                      parts: Sequence[Sequence[tuple[int, int]]] | None = None) -> "Pull":
-        """Pin each shard's newest slot (a slot claimed meanwhile means: read the newest again), then
-        start the copies of the pinned slots with their versions (the versions first, then the data:
-        each shard's whole slice, or ``parts`` in their order)."""
-        win = self._live()
-        n = len(self.shard_ranks)
-        heads = np.zeros((n, _HEADER_WORDS), np.int64)
-        slots = np.zeros(n, np.int64)
-        found = np.zeros(n, np.int64)
-        pending = list(range(n))
-        retry = Backoff(first=1e-5, cap=backoff.cap if backoff else 1e-3)
-        while pending:
-            self._get_words(heads, pending, 0, wire.WIN_NEWEST + 1, backoff)  # version, stop flag, newest slot
-            slots[pending] = heads[pending, wire.WIN_NEWEST]
-            self._pin(pending, slots, found, +1, backoff)
-            claimed = [s for s in pending if found[s] < 0]
-            if claimed:
-                self._pin(claimed, slots, found.copy(), -1, backoff)
-                self.retries += len(claimed)
-                retry.pause()
-            pending = claimed
-        versions = np.zeros(n, np.int64)
-        heard = [win.Rget_accumulate([_NOTHING[:1], 1, _I64], [versions[s:s + 1], 1, _I64], self.shard_ranks[s],
-                                     (8 * (wire.WIN_SLOT_VERSION + int(slots[s])), 1, _I64), MPI.NO_OP)
-                 for s in range(n)]
-        if parts is not None:
-            # the versions before any copy starts: an atomic read may be answered only after the copies
-            # queued before it (MPICH over TCP serves it as a message behind them), and a partitioned
-            # pull's pass must know its versions before the last partition has come
-            wait_until(lambda: MPI.Request.Testall(heard), backoff)
-        land = self._landing(out)
-        if parts is None:
-            parts = [list(ranges) for ranges in self.slices.pieces]  # one partition per shard: its whole slice
-        pieces = [(k, piece) for k, ranges in enumerate(parts) for lo, hi in ranges
-                  for piece in self.slices.split(lo, hi)]  # piece: (shard, at, lo, hi)
-        if self.fanin:  # each shard's pieces in partition order, the shards in this rank's rotation
-            groups = [[(k, p) for k, p in pieces if p[0] == s] for s in ((self.first + j) % n for j in range(n))]
-            groups = [g for g in groups if g]
-        else:
-            groups = [pieces]
-        return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
-                    list(parts), land, groups=groups,
-                    issue=lambda piece: self._get_range(win, land, *piece, slots))
-
-    def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, at: int, lo: int, hi: int,
-                   slots: np.ndarray) -> MPI.Request:
-        """Start the copy of ``[lo, hi)`` of the flat vector, at ``at`` of shard ``s``'s slice, out of its
-        pinned slot."""
-        offset = wire.WINDOW_HEADER_BYTES + self.item * (self.lengths[s] * int(slots[s]) + at)
-        t = self.mpi_type
-        return win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t))
-
-    def _read_locked(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
-        win = self._live()
-        heads = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
-        requests = []
-        land, t = (self._landing(out), self.mpi_type) if out is not None else (None, None)
-        for s, rank in enumerate(self.shard_ranks):
-            win.Lock(rank, MPI.LOCK_SHARED)
-            requests.append(win.Rget([heads[s], _HEADER_WORDS, _I64], rank, (0, _HEADER_WORDS, _I64)))
-            for at, lo, hi in (self.slices.local_ranges(s) if out is not None else ()):
-                requests.append(win.Rget([land[lo:hi], hi - lo, t], rank,
-                                         (wire.WINDOW_HEADER_BYTES + self.item * at, hi - lo, t)))
-        wait_until(lambda: MPI.Request.Testall(requests), backoff)
-        for rank in self.shard_ranks:
-            win.Unlock(rank)
-        if out is not None and land is not out:
-            self.codec.decode_params(land, out)
-        return heads[:, wire.WIN_VERSION].copy(), bool(heads[:, wire.WIN_STOP].any())
-
 
 class Pull:
     """A pull in flight (:meth:`ParamWindow.begin_pull`): it owns ``out``, and pins one slot of every

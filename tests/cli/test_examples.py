@@ -10,7 +10,7 @@ import h5py
 import pytest
 import torch
 
-from hpcps.runtime.checkpoint import read_user_state
+from hpcps.runtime.checkpoints.files import read_user_state
 from launching import launch, needs_mpiexec
 
 pytestmark = [needs_mpiexec, pytest.mark.slow]

@@ -148,7 +148,7 @@ INNER_IMPORTS = """
 import sys
 from mpi4py import MPI
 import hpcps.training.local as local
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.runtime.run import run_training
 
 imported = []

@@ -143,7 +143,7 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_periodic_checkpoint_wit
     Resumed from the newest checkpoint, the run completes: both shards are at one version in it (dssp's:
     the sum of the cut's clocks), and the cut's clocks plus the resumed run's pushes are every worker's
     steps, each pushed gradient applied or dropped."""
-    from hpcps.runtime.checkpoint import read_checkpoint
+    from hpcps.runtime.checkpoints.files import read_checkpoint
 
     out, ckdir = tmp_path / "killed.h5", tmp_path / "killed-checkpoints"
     options = ["--paradigm", paradigm, "--servers", "2", "--steps", "300", "--compute-time", "0.01",

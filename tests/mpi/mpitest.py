@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 import hpcps.runtime.run
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.cluster.device import DevicePlan
 from hpcps.cluster.layout import Role
 from hpcps.metrics.schema import TABLES

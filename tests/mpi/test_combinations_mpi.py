@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import hpcps
-from hpcps.cluster.planning import plan
-from hpcps.config import make_config
+from hpcps.options.planning import plan
+from hpcps.options.config import make_config
 from hpcps.data.sharding import batch_indices
 from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError

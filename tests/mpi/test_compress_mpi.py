@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mpitest import share, train
 from hpcps.data.sharding import batch_indices
 from hpcps.data.loaders import load_dataset
-from hpcps.runtime.checkpoint import read_checkpoint
+from hpcps.runtime.checkpoints.files import read_checkpoint
 from hpcps.training.flat import FlatParameters
 from hpcps.training.models import build_model
 from hpcps.transport.compress import TopK

@@ -22,7 +22,7 @@ from mpi4py import MPI
 import hpcps
 from hpcps.analysis.report import max_clock_gap
 from hpcps.data.loaders import load_dataset
-from hpcps.runtime.checkpoint import read_checkpoint
+from hpcps.runtime.checkpoints.files import read_checkpoint
 from hpcps.training.flat import FlatParameters
 from hpcps.training.models import build_model
 from hpcps.training.local import InnerFiles

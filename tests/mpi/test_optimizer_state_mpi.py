@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 
 import hpcps
-from hpcps.runtime.checkpoint import checkpoint_path, read_optimizer_state
+from hpcps.runtime.checkpoints.files import checkpoint_path, read_optimizer_state
 from mpitest import share
 from test_step_api import TinyLM, batch, sub
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from mpitest import clocks_at, force_transfer, share, train
-from hpcps.runtime.checkpoint import read_checkpoint
+from hpcps.runtime.checkpoints.files import read_checkpoint
 from hpcps.data.sharding import batch_indices
 from hpcps.data.loaders import load_dataset
 from hpcps.training.flat import FlatParameters

@@ -80,7 +80,7 @@ def test_a_bsp_plugins_own_state_is_in_its_periodic_checkpoint(world, mpi_tmp_pa
     """bsp's periodic checkpoints are taken at a round's close, from the publish hook: a plug-in built on bsp
     that keeps state of its own (the pushes it decided on: 4 workers x 4 rounds at version 4) finds it in
     each checkpoint's part (before, bsp's checkpointer wrote the optimizer's state alone)."""
-    from hpcps.runtime.checkpoint import read_policy_state
+    from hpcps.runtime.checkpoints.files import read_policy_state
 
     counting = f"{Path(__file__).resolve().parent / 'plugins' / 'counting_bsp.py'}:CountingBSP"
     ckdir = mpi_tmp_path / "counting-checkpoints"

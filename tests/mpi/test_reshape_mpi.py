@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from hpcps.data.sharding import Redeal, resumed_batch_indices
 from hpcps.data.loaders import load_dataset
-from hpcps.runtime.checkpoint import read_checkpoint, read_optimizer_state
+from hpcps.runtime.checkpoints.files import read_checkpoint, read_optimizer_state
 from hpcps.training.flat import FlatParameters
 from hpcps.training.models import build_model
 from mpitest import share, train

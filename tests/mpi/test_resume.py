@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitest import share, train
-from hpcps.runtime.checkpoint import read_checkpoint, read_policy_state
+from hpcps.runtime.checkpoints.files import read_checkpoint, read_policy_state
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -81,7 +81,7 @@ def test_a_periodic_checkpoint_is_a_consistent_cut_and_resumes_with_the_accounti
     resumed from the first pushes exactly the rest (the cut's clocks plus its pushes make every worker's
     steps), with nothing lost in it. Killing the first run after that checkpoint would change nothing: the
     resumed run reads only the checkpoint (the CLI test kills one with SIGKILL)."""
-    from hpcps.runtime.checkpoint import read_checkpoint
+    from hpcps.runtime.checkpoints.files import read_checkpoint
 
     steps, ckdir = 40, mpi_tmp_path / f"periodic-{paradigm}"
     common = dict(paradigm=paradigm, steps=steps, servers=2, seed=2, compute_time=0.002, slowdown=["3=2"],
@@ -121,7 +121,7 @@ def test_grouped_checkpoints_periodically_and_resumes_with_the_accounting_exact(
     """grouped (1 central shard, 2 group servers of one worker each): a cut every 10 central versions, taken
     on the central shard with the group servers as its clients; each worker's clock in it is its group's
     rounds, so the central version is their sum, and the run resumed from the first pushes exactly the rest."""
-    from hpcps.runtime.checkpoint import read_checkpoint
+    from hpcps.runtime.checkpoints.files import read_checkpoint
 
     steps, ckdir = 40, mpi_tmp_path / "periodic-grouped"
     common = dict(paradigm="grouped", groups=2, steps=steps, seed=2, compute_time=0.002, slowdown=["4=2"],
@@ -153,7 +153,7 @@ def test_hsp_checkpoints_periodically_between_rounds_and_resumes_with_the_accoun
     belongs to one update, the same on both shards; on each shard the gradients applied below its version
     are exactly the cut's (extras included, some of them alone); and the run resumed from the first
     pushes exactly the rest, each worker from its clock in the cut."""
-    from hpcps.runtime.checkpoint import read_checkpoint
+    from hpcps.runtime.checkpoints.files import read_checkpoint
 
     steps, ckdir = 30, mpi_tmp_path / "periodic-hsp"
     common = dict(paradigm="hsp", hsp_max_stale=2, steps=steps, servers=2, seed=2, compute_time=0.002,

@@ -33,7 +33,7 @@ def test_a_periodic_checkpoint_records_the_clock_of_a_worker_that_left_early(wor
     """bsp under the step API, the loop of worker rank 1 stopping after 3 steps and the others going to 8:
     the checkpoint at version 4 (and at 8) has rank 1's clock at 3, the others' at the version (every one of
     them used to be written as the version)."""
-    from hpcps.runtime.checkpoint import read_checkpoint
+    from hpcps.runtime.checkpoints.files import read_checkpoint
 
     ckdir = mpi_tmp_path / "ckpt"
     ps = hpcps.init(lambda: torch.nn.Linear(4, 2), device="cpu", paradigm="bsp", steps=8, checkpoint_every=4,

@@ -62,7 +62,7 @@ def _check_checkpoints(cfg: dict, ckdir, updates: np.ndarray) -> list[str]:
     gradients it applied below its version are each worker's first ``clock``, one update per version; no
     gradient is dropped in these runs), bsp's and hsp's between rounds (every worker's last gradient in
     the cut in one update); grouped's central version is the groups' rounds."""
-    from hpcps.runtime.checkpoint import read_checkpoint
+    from hpcps.runtime.checkpoints.files import read_checkpoint
 
     problems = []
     for path in sorted(ckdir.glob("step-*.h5")) if cfg.get("checkpoint_every") else ():

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from hpcps.runtime.checkpoint import check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
-from hpcps.config import make_config
+from hpcps.runtime.checkpoints.files import check_compatible, checkpoint_path, read_checkpoint, write_checkpoint
+from hpcps.options.config import make_config
 from hpcps.errors import UserError
 
 
@@ -49,7 +49,7 @@ def test_a_checkpoint_of_other_local_steps_is_refused_and_a_presets_default_spel
 
 
 def test_a_checkpoint_takes_the_shape_of_the_run_that_resumes_it(tmp_path):
-    from hpcps.runtime.checkpoint import reshaped
+    from hpcps.runtime.checkpoints.files import reshaped
 
     ck = read_checkpoint(_write(tmp_path, lr=0.1))  # 4 workers at 20, 1 shard
     assert reshaped(ck, n_servers=1, n_workers=4) is ck

@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 
 from hpcps.cli import add_train_options
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 
 
 @pytest.fixture(scope="module")

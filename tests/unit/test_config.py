@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from hpcps.config import DEFAULT_STEPS, TrainConfig, make_config, steps_for
+from hpcps.options.config import DEFAULT_STEPS, TrainConfig, make_config, steps_for
 from hpcps.errors import UserError
 
 

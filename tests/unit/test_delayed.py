@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.errors import UserError
 from hpcps.training.delayed import DelayedNesterov
 from hpcps.training.optim import builtin_optimizer

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hpcps.cli import build_parser
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -70,7 +70,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     """``--option`` -> the values it takes, for every ``hpcps train`` option with a fixed set."""
     import typing
 
-    from hpcps.config import TrainConfig
+    from hpcps.options.config import TrainConfig
 
     out = {}
     for name, field in TrainConfig.model_fields.items():

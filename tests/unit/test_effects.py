@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from hpcps.cluster import effects
-from hpcps.cluster.effects import FEATURES
-from hpcps.cluster.planning import plan
-from hpcps.config import TrainConfig, make_config
+from hpcps.options import effects
+from hpcps.options.effects import FEATURES
+from hpcps.options.planning import plan
+from hpcps.options.config import TrainConfig, make_config
 from hpcps.errors import UserError
 from hpcps.policies import Policy, paradigms, policy_class, register_class
 from hpcps.policies.sync import ASP
 
 
 def no_effect(cfg: TrainConfig) -> list[str]:
-    """The lines :func:`hpcps.cluster.effects.no_effect` says of ``cfg``, its paradigm resolved as a run does."""
+    """The lines :func:`hpcps.options.effects.no_effect` says of ``cfg``, its paradigm resolved as a run does."""
     return effects.no_effect(cfg, policy_class(cfg.paradigm))
 
 
@@ -159,7 +159,7 @@ def test_stale_momentum_is_read_wherever_a_param_group_may_have_a_momentum():
     """Regression: ``--stale-momentum none`` was called 'no effect' unless ``--optimizer sgd --momentum > 0``,
     though the rule acts on any group with momentum: a param group's own, or one the loop sets through
     ps.optimizer.param_groups. Only adam/adamw (no momentum) and --momentum-period are known not to read it."""
-    from hpcps.cluster.effects import OWN_LOOP
+    from hpcps.options.effects import OWN_LOOP
 
     def lines(**flags):
         return [line for line in no_effect(make_config({"stale_momentum": "none", **flags}))

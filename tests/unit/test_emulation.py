@@ -78,7 +78,7 @@ def test_straggler_episodes_rotate_one_slow_worker_round_robin_on_the_run_clock(
 
 
 def test_straggler_episodes_are_validated_and_need_compute_time():
-    from hpcps.config import make_config
+    from hpcps.options.config import make_config
     from hpcps.errors import UserError
 
     assert make_config({"straggler_episodes": "3:2", "compute_time": 0.01}).straggler_episodes == (3.0, 2.0)

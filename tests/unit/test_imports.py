@@ -63,3 +63,53 @@ def test_no_import_cycle_in_the_package():
 
 def test_the_check_finds_a_cycle_when_there_is_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+#: the low rooms, and all that each may import besides itself: nothing above it. A paradigm's rules import
+#: nothing but the plug-in loader; the options know the paradigms, the rank layout's arithmetic and the
+#: codec's choices, never what runs them
+MAY_IMPORT = {
+    "hpcps.plugins": {"hpcps.errors"},
+    "hpcps.policies": {"hpcps.errors", "hpcps.plugins"},
+    "hpcps.options": {"hpcps.errors", "hpcps.plugins", "hpcps.policies", "hpcps.cluster.layout",
+                      "hpcps.transport.compress"},
+}
+#: the rooms that run a job, which nothing below them imports (the package's own names come from them, lazily)
+RUNNING = ("hpcps.runtime", "hpcps.check", "hpcps.jobs", "hpcps.api", "hpcps.cli", "hpcps.__main__")
+#: the offline tools (report, analysis), which never import MPI: no transport, nothing that runs
+OFFLINE = ("hpcps.analysis",)
+
+
+def _room(module: str, rooms) -> str | None:
+    return next((r for r in rooms if module == r or module.startswith(r + ".")), None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` that reaches up: out of a low room's allowance, into a running room from below
+    it, or into MPI from an offline tool."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        low = _room(module, MAY_IMPORT)
+        for dep in sorted(deps):
+            if low is not None and _room(dep, [low]) is None and _room(dep, MAY_IMPORT[low]) is None:
+                found.append(f"{module} -> {dep}")
+            elif module != "hpcps" and _room(module, RUNNING) is None and _room(dep, RUNNING) is not None:
+                found.append(f"{module} -> {dep}")
+            elif _room(module, OFFLINE) and _room(dep, ("hpcps.transport",) + RUNNING):
+                found.append(f"{module} -> {dep}")
+    return found
+
+
+def test_no_room_imports_one_above_it():
+    """The options, the plug-in loader and the paradigms' rules sit at the bottom; what runs a job
+    (runtime, jobs, api, cli) at the top; the offline tools never import MPI."""
+    assert upward_imports(_graph()) == []
+
+
+def test_the_check_finds_an_upward_import():
+    graph = {"hpcps.options.config": {"hpcps.runtime.faults"}, "hpcps.training.flat": {"hpcps.runtime.run"},
+             "hpcps.analysis.report": {"hpcps.transport.window"}, "hpcps.policies.base": {"hpcps.plugins"},
+             "hpcps.runtime.run": {"hpcps.options.config"}}
+    assert upward_imports(graph) == ["hpcps.analysis.report -> hpcps.transport.window",
+                                     "hpcps.options.config -> hpcps.runtime.faults",
+                                     "hpcps.training.flat -> hpcps.runtime.run"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcps.config import outer_rounds
+from hpcps.options.config import outer_rounds
 from hpcps.training.flat import FlatParameters
 from hpcps.training.local import InnerFiles, LocalSteps, seconds_per_step, steps_by_speed
 from hpcps.training.optim import builtin_optimizer

@@ -61,7 +61,7 @@ def test_a_spares_pushes_are_its_own_rows_and_the_join_is_counted_once_over_shar
 def test_the_time_to_target_reads_any_metric_the_evaluation_returned():
     """A language model's goal is a low validation loss, not an accuracy it does not have."""
     from hpcps.metrics.schema import EVAL_METRIC
-    from hpcps.training.target import Target
+    from hpcps.options.targets import Target
 
     it, up = np.zeros(1, ITERATION), _updates([(0, 0, 0.1, 1, 1, 0, 0, -1, 1, 0)])
     ev = np.array([(0.5, 1, 2.0, np.nan), (1.0, 2, 1.4, np.nan), (1.5, 3, 1.2, np.nan)], dtype=EVAL)

@@ -7,7 +7,7 @@ import pytest
 import hpcps
 from hpcps.cli import main
 from hpcps.analysis.simulate import simulate
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.errors import UserError
 from hpcps.policies import make_policy, paradigms, policy_class, register_class
 
@@ -119,7 +119,7 @@ def test_a_plugin_built_on_bsp_is_planned_as_bsp_is_for_periodic_checkpoints(int
     """A plug-in subclassing BSP checkpoints where bsp does (at a round's close): --checkpoint-interval is
     refused in one line naming the plug-in, as under bsp, and --checkpoint-every is taken (a run of it
     crashed with a TypeError when planning checked the name 'bsp' and the runtime the class)."""
-    from hpcps.cluster.planning import plan
+    from hpcps.options.planning import plan
     from hpcps.policies.sync import BSP
 
     class Steady(BSP):

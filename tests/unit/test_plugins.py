@@ -2,9 +2,9 @@
 
 import pytest
 
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.errors import UserError
-from hpcps.training.plugins import call_with_accepted, is_plugin, load_plugin
+from hpcps.plugins import call_with_accepted, is_plugin, load_plugin
 from hpcps.training.workload import resolve_loss, resolve_model, workload_from_config
 
 
@@ -67,8 +67,8 @@ def test_the_factory_gets_only_the_arguments_it_takes(plugin_file):
 
 
 def test_a_factory_returning_no_module_is_named(plugin_file):
-    workload = workload_from_config(make_config({"model": "hpcps.training.plugins:is_plugin"}))
-    with pytest.raises(UserError, match="--model hpcps.training.plugins:is_plugin: calling it failed"):
+    workload = workload_from_config(make_config({"model": "hpcps.plugins:is_plugin"}))
+    with pytest.raises(UserError, match="--model hpcps.plugins:is_plugin: calling it failed"):
         workload.build_model(seed=0, in_shape=None, n_classes=None, hidden=8)
     workload = workload_from_config(make_config({"model": "builtins:dict"}))
     with pytest.raises(UserError, match="returned a dict, not a torch.nn.Module"):

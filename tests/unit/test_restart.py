@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcps.config import make_config
+from hpcps.options.config import make_config
 from hpcps.errors import UserError
 from hpcps.jobs.supervise import Supervisor, describe, verdict
-from hpcps.runtime.checkpoint import checkpoint_path, optimizer_state_path, write_checkpoint
-from hpcps.runtime.checkpointing import PROGRESS_NOTE, resolve_resume, restart_cost
-from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR, armed, parse_fault, mark_launch
+from hpcps.runtime.checkpoints.files import checkpoint_path, optimizer_state_path, write_checkpoint
+from hpcps.runtime.checkpoints.schedule import PROGRESS_NOTE, resolve_resume, restart_cost
+from hpcps.options.faults import parse_fault
+from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR, armed, mark_launch
 
 
 def _checkpoint(directory, version, clocks, parts=(0,)):
@@ -186,7 +187,7 @@ def test_a_bsp_checkpoint_whose_loop_part_is_not_written_yet_is_incomplete(tmp_p
     integer buffers) at its next training pass; a failure in that gap left a checkpoint that --resume auto took,
     and the run resumed without them, saying nothing. Now the checkpoint says a loop part is due (loop_part) and
     counts as complete only with it."""
-    from hpcps.runtime.checkpoint import LoopState, read_checkpoint, user_state_path, write_user_state
+    from hpcps.runtime.checkpoints.files import LoopState, read_checkpoint, user_state_path, write_user_state
 
     ck = tmp_path / "ck"
     cfg = make_config({"paradigm": "bsp"}).as_json_dict()

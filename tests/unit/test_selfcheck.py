@@ -4,7 +4,7 @@ the verdict's exit status."""
 import pytest
 
 from hpcps.box.spec import parse_rate
-from hpcps.cluster.selfcheck import (ALL_PAIRS_UP_TO, Link, Progress, RankFacts, Report, findings, link_units,
+from hpcps.check.findings import (ALL_PAIRS_UP_TO, Link, Progress, RankFacts, Report, findings, link_units,
                                      node_rates, pair_plan, table, verdict)
 
 

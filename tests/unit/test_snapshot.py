@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcps.policies import policy_class
-from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
+from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut, Snapshots
 
 
 @pytest.mark.parametrize("paradigm,cut", [("bsp", "rounds"), ("hsp", "rounds"), ("asp", "clocks"),

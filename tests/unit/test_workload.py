@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcps.training.target import Target
+from hpcps.options.targets import Target
 from torch import nn
 
 from hpcps.data.batches import ArrayData, held_out_batches

@@ -16,7 +16,7 @@ Where the cut may fall depends on the paradigm (:meth:`hpcps.policies.base.Polic
   same gradients, extras included (each worker's extras of a round are in
   its clock order before its next round's gradient). bsp cuts between rounds
   too, but from its publish hook: every worker waits there anyway
-  (:func:`hpcps.runtime.checkpointing.checkpointer`).
+  (:func:`hpcps.runtime.checkpoints.schedule.checkpointer`).
 
 The protocol (one :class:`Snapshots` per central shard, driven by the
 shard's loop as a side task; messages on the shards' own communicator,

@@ -7,10 +7,10 @@ start-up is refused before it waits in a queue.
 
 from __future__ import annotations
 
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 from hpcps.errors import UserError
 from hpcps.cluster.layout import Layout, Role
-from hpcps.cluster.effects import refuse
+from hpcps.options.effects import refuse
 from hpcps.policies import Policy, make_policy, policy_class
 
 
@@ -22,7 +22,7 @@ def plan(cfg: TrainConfig, world_size: int) -> Layout:
 def resolve(cfg: TrainConfig, world_size: int) -> tuple[type[Policy], Layout]:
     """The paradigm's class, resolved from its name once for the run (a run's
     :class:`~hpcps.runtime.plan.RunPlan` keeps it), and the rank layout, once the options are checked
-    (:func:`hpcps.cluster.effects.refuse`) with those that depend on the world size."""
+    (:func:`hpcps.options.effects.refuse`) with those that depend on the world size."""
     paradigm = policy_class(cfg.paradigm)
     refuse(cfg, paradigm)  # the combinations that cannot work, whatever the world size
     layout = Layout(world_size, cfg.servers, cfg.groups, n_spares=cfg.spare_workers)

@@ -1,4 +1,4 @@
-"""``hpcps check``'s measurements (the MPI mechanism; :mod:`hpcps.cluster.selfcheck` decides what they mean).
+"""``hpcps check``'s measurements (the MPI mechanism; :mod:`hpcps.check.findings` decides what they mean).
 
 Every function is collective over ``comm`` unless it says otherwise. Ranks that take no part in a
 measurement wait in a polite barrier, so that on an oversubscribed node they leave the cores to the
@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from hpcps.box import node_label
 from hpcps.cluster.device import detect_cuda_aware
-from hpcps.cluster.selfcheck import Link, Progress, RankFacts
+from hpcps.check.findings import Link, Progress, RankFacts
 from hpcps.transport.mpilib import implementation, library_version, query_cuda_support
 from hpcps.transport.poll import Backoff, polite_barrier, wait_until
 from hpcps.transport.window import ParamWindow

@@ -9,7 +9,7 @@ progress line), the built-in loop. :func:`refuse` raises one
 in this run reads. Those stay warnings: sweeping one set of flags over every
 paradigm is how paradigms are compared.
 
-:func:`hpcps.cluster.planning.plan` calls :func:`refuse` (so ``hpcps jobs
+:func:`hpcps.options.planning.plan` calls :func:`refuse` (so ``hpcps jobs
 render`` refuses what ``hpcps train`` would), and rank 0 logs
 :func:`no_effect`'s lines as the run starts.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 from hpcps.errors import UserError
 
 #: ``hpcps.init`` files the run's data as this (the loop brings its own batches)

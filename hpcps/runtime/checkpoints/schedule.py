@@ -1,5 +1,5 @@
 """A run's checkpoints: periodic ones (bsp's at a round's close, from the publish hook; the others as a
-consistent cut while the run goes on, :mod:`hpcps.runtime.snapshot`), the one a stop signal writes, and a
+consistent cut while the run goes on, :mod:`hpcps.runtime.checkpoints.cut`), the one a stop signal writes, and a
 shard's optimizer state cut from a checkpoint of another shape."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from mpi4py import MPI
 
 from hpcps.cluster.slices import Slices
-from hpcps.config import TrainConfig
+from hpcps.options.config import TrainConfig
 from hpcps.policies import Policy
 from hpcps.errors import UserError
 from hpcps.runtime.faults import ATTEMPT_VAR
-from hpcps.runtime.checkpoint import (LoopState, checkpoint_path, newest_complete, optimizer_state_path,
+from hpcps.runtime.checkpoints.files import (LoopState, checkpoint_path, newest_complete, optimizer_state_path,
                                       read_optimizer_state, write_checkpoint, write_optimizer_state,
                                       write_user_state)
-from hpcps.runtime.snapshot import ClockCut, RoundCut, Snapshots
+from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut, Snapshots
 from hpcps.training.optim import ShardOptimizer
 from hpcps.training.optstate import cut, from_shard, join, to_shard
 from hpcps.training.paramgroups import shard_groups
@@ -194,7 +194,7 @@ def resliced_optimizer_state(plan: RunPlan, state: RunState, optimizer: ShardOpt
 
 def snapshots(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
                cut: ClockCut | RoundCut) -> Snapshots:
-    """This shard's side of the periodic checkpoints taken as a consistent cut (:mod:`hpcps.runtime.snapshot`):
+    """This shard's side of the periodic checkpoints taken as a consistent cut (:mod:`hpcps.runtime.checkpoints.cut`):
     its part is its optimizer and paradigm state; shard 0 also reads every shard's parameters at the
     cut's versions and writes the checkpoint."""
     cfg, rank = plan.cfg, state.topo.rank

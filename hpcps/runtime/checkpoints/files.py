@@ -22,7 +22,7 @@ checkpoint is complete when all ``1 + n_servers`` files exist (and the loop's pa
 the checkpoint's ``loop_part`` says one is due). BSP
 checkpoints periodically (``--checkpoint-every``) at a round's close, where
 every shard and every worker are at one version; the other paradigms take
-a consistent cut while the run goes on (:mod:`hpcps.runtime.snapshot`),
+a consistent cut while the run goes on (:mod:`hpcps.runtime.checkpoints.cut`),
 with no moment at which worker 0's loop belongs to it (no ``user.pt``).
 Every paradigm writes one when a signal stops it (:mod:`hpcps.runtime.signals`):
 by then every pushed gradient has been applied, and the checkpoint holds
@@ -309,7 +309,7 @@ def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:
 
 def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int) -> None:
     """UserError naming every way ``ckpt`` does not fit this run."""
-    from hpcps.config import TrainConfig, local_steps_of
+    from hpcps.options.config import TrainConfig, local_steps_of
 
     defaults = TrainConfig().as_json_dict()  # options an older checkpoint predates had their defaults
     keys = [k for k in MUST_MATCH if "optimizer_ran" not in ckpt.config or k not in OPTIMIZER_KEYS]

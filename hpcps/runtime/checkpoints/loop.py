@@ -3,8 +3,8 @@ hyperparameters, the model's integer buffers) beside the servers' checkpoint of 
 
 bsp checkpoints at a round's close, where every worker waits for its grant, so the shards and worker 0's loop
 are at one version (:meth:`hpcps.policies.base.Policy.checkpoints_at_publish`); the other paradigms' periodic
-checkpoints are cuts taken while the workers go on (:mod:`hpcps.runtime.snapshot`), without a loop part. A
-checkpoint counts as complete only with its loop part (:func:`hpcps.runtime.checkpoint.missing_parts`).
+checkpoints are cuts taken while the workers go on (:mod:`hpcps.runtime.checkpoints.cut`), without a loop part. A
+checkpoint counts as complete only with its loop part (:func:`hpcps.runtime.checkpoints.files.missing_parts`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from hpcps.runtime.checkpoint import LoopState, checkpoint_path, write_user_state
+from hpcps.runtime.checkpoints.files import LoopState, checkpoint_path, write_user_state
 
 
 class LoopCheckpoints:

@@ -16,8 +16,8 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpcps.errors import UserError
-from hpcps.runtime.faults import Fault, parse_fault
-from hpcps.training.target import Target
+from hpcps.options.faults import Fault, parse_fault
+from hpcps.options.targets import Target
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -109,7 +109,7 @@ class TrainConfig(BaseModel):
     seed: int = 0
     out: str | None = None
     target_accuracy: float | None = Field(None, gt=0, le=1)
-    target: str | None = None  # METRIC<=VALUE or METRIC>=VALUE (hpcps.training.target)
+    target: str | None = None  # METRIC<=VALUE or METRIC>=VALUE (hpcps.options.targets)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_aware: Literal["auto", "yes", "no"] = "auto"
     eval_interval: float = Field(0.1, gt=0)
@@ -132,7 +132,7 @@ class TrainConfig(BaseModel):
     stall_abort: float = Field(DEFAULT_STALL_ABORT, ge=0)  # 0: never
     checkpoint_every: int | None = Field(None, ge=1)  # versions
     checkpoint_interval: float | None = Field(None, gt=0)  # seconds (paradigms that apply on arrival)
-    checkpoint_dir: str | None = None  # None: the run's own (hpcps.runtime.checkpointing.checkpoint_dir)
+    checkpoint_dir: str | None = None  # None: the run's own (hpcps.runtime.checkpoints.schedule.checkpoint_dir)
     resume: str | None = None
     fault: list[str] = Field(default_factory=list)
 

@@ -1,6 +1,6 @@
 """``hpcps check``'s policy: which node pairs to measure, what the facts mean, the table and the verdict.
 
-Pure (no MPI): :mod:`hpcps.transport.probe` measures, this module decides. A check reads, for each rank,
+Pure (no MPI): :mod:`hpcps.check.probe` measures, this module decides. A check reads, for each rank,
 :class:`RankFacts`; for the job, the passive-target :class:`Progress` probe and one :class:`Link` per
 measured path. :func:`findings` turns them into one line per problem, each with what to do about it; a
 finding of level ``fail`` means hpcps would not work there, and ``hpcps check`` then exits non-zero.

@@ -1,8 +1,10 @@
 """Assembling a run's roles from its context: the central shards (with their optimizer, evaluator,
 progress line and watchers), the group servers, and the workers with their transfers.
 
-Each function takes the run (:class:`hpcps.runtime.run._Run`: its options, layout, slices, codec, model,
-recorder, windows) and builds one role's objects; :mod:`hpcps.runtime.run` keeps the lifecycle.
+Each function takes the run's plan (:class:`~hpcps.runtime.plan.RunPlan`: its options, layout, paradigm, slices,
+codec) and, where it needs this rank's part, its state (:class:`~hpcps.runtime.plan.RunState`: communicators,
+model, windows, recorder), and builds one role's objects from the value objects and ports of
+:mod:`hpcps.runtime.parts`; :mod:`hpcps.runtime.run` keeps the lifecycle.
 """
 
 from __future__ import annotations

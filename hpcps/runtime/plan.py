@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from hpcps.options.config import TrainConfig
+from hpcps.options.config import TrainConfig, outer_rounds
 from hpcps.cluster.layout import Layout
 from hpcps.cluster.slices import Slices
 from hpcps.policies.base import Policy
@@ -84,7 +84,6 @@ class RunPlan:
     @property
     def rounds(self) -> int:
         """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
-        from hpcps.options.config import outer_rounds
         every = self.cfg.inner_steps
         return self.steps if every is None else outer_rounds(self.steps, every)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from mpi4py import MPI
 
 from hpcps.metrics.timeline import NullTimeline, Timeline
-from hpcps.policies import make_policy
+from hpcps.policies import Policy, make_policy
 from hpcps.runtime import faults, watchers
 from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.runtime.backward import BackwardPushes
@@ -65,7 +66,19 @@ def sends_pulls(plan: RunPlan, state: RunState) -> bool:
     return plan.cfg.pull == "send" and state.dead is None
 
 
-def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, optimizer: ShardOptimizer, recorder) -> None:
+@dataclass(frozen=True)
+class ShardEnd:
+    """What a central shard leaves for the run's end: its paradigm (whose state a stop's checkpoint keeps), its
+    final version, and (rank 0) the final evaluation."""
+
+    policy: Policy
+    version: int
+    metrics: dict[str, float]
+
+
+def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, optimizer: ShardOptimizer,
+                recorder) -> ShardEnd:
+    """A central shard's part, until every worker has left (then, on rank 0, the final evaluation)."""
     topo, layout, cfg = state.topo, plan.layout, plan.cfg
     grouped = layout.n_groups > 0  # then the central shards' clients are the group servers
     workers = plan.clients
@@ -79,7 +92,6 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     if plan.ckpt is not None and not (plan.ckpt.resharded or plan.ckpt.redealt):
         # what the paradigm kept of its own (clocks, a controller's intervals); another shape starts it afresh
         policy.load_state_dict(read_policy_state(cfg.resume, topo.rank))
-    state.policy = policy
     # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.runtime.rounds): bsp in worker
     # order (reproducible), hsp in the order its serial transfers come; those and the ones that apply
     # every gradient on arrival receive into a pool of RECEIVE_POOL buffers, whatever the worker count;
@@ -126,7 +138,7 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     if periodic and not at_publish:
         snapshots = checkpointing.snapshots(plan, state, window, optimizer, policy, RoundCut() if periodic == "rounds" else ClockCut())
         side_tasks.append(("checkpoint", snapshots.tick))
-    on_published = checkpointing.checkpointer(plan, state, window, optimizer, lambda: server.clocks) \
+    on_published = checkpointing.checkpointer(plan, state, window, optimizer, policy, lambda: server.clocks) \
         if at_publish else None
     ports = ServerPorts(
         inbox, notifier, window,
@@ -151,7 +163,6 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         spares.close(state.backoff)
     if snapshots is not None:
         snapshots.finish(state.backoff)  # a checkpoint under way completes; shard 0 says none follows
-    state.final_version = server.version
     inbox.free()
     polite_barrier(topo.role_comm, state.backoff)  # every shard has published its final version
     if state.dead is not None and layout.n_servers > 1:
@@ -159,8 +170,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     if evaluator is not None:
         evaluator.pull = lambda out: window.pull(out, Backoff(), exact=True)  # the shards' fp32 masters
         evaluator.evaluate()  # also leaves the final global parameters and buffers in state.model
-        state.final_metrics = evaluator.metrics
         bar.close()
+    return ShardEnd(policy, server.version, evaluator.metrics if evaluator is not None else {})
 
 
 def reconcile_lost(plan: RunPlan, state: RunState, server: ShardServer, recorder) -> None:

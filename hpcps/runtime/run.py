@@ -491,7 +491,10 @@ class Run:
         topo, recorder = self.state.topo, self.state.recorder
         try:
             if topo.role is Role.SERVER:
-                assembly.serve_shard(self.plan, self.state, self.state.window, self.state.master, self.state.optimizer, recorder)
+                end = assembly.serve_shard(self.plan, self.state, self.state.window, self.state.master,
+                                           self.state.optimizer, recorder)
+                self.state.policy, self.state.final_version, self.state.final_metrics = end.policy, end.version, \
+                    end.metrics
             else:
                 assembly.serve_group(self.plan, self.state, self.state.window, self.state.group_window, recorder)
         except BaseException:

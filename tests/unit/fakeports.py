@@ -18,7 +18,8 @@ import numpy as np
 from hpcps.runtime.parts import Records, ServerPorts, WorkerPorts
 from hpcps.transport import wire
 from hpcps.transport.notices import Notice
-from hpcps.transport.push import LeaveEvent, PushEvent
+from hpcps.runtime.spares import JoinEvent
+from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent
 
 
 class Fabric:
@@ -34,12 +35,20 @@ class Fabric:
         self.notices = [deque() for _ in range(n_workers)]
         self.pulls = [0] * n_workers  # pulls each worker made
         self.sent: list[tuple[int, int, int]] = []  # (worker, clock, version) of every push
+        self.dead: set[int] = set()  # ranks that died: notices to them are lost, as MPI's would be
+
+    def kill(self, worker: int) -> None:
+        """Worker ``worker`` (rank ``worker + 1``) dies after what it has pushed: the shard finds it dead
+        (run-through) after those pushes."""
+        with self.lock:
+            self.dead.add(worker + 1)
+            self.pushes.append((LostEvent(worker), None))
 
     def worker_ports(self, worker: int, buffer: np.ndarray) -> WorkerPorts:
         return WorkerPorts(FakeWindow(self, worker), FakePusher(self, worker, buffer), FakeNoticeBox(self, worker))
 
-    def server_ports(self) -> ServerPorts:
-        return ServerPorts(FakeInbox(self), FakeNotifier(self), FakeWindow(self, None))
+    def server_ports(self, spares: "FakeSpares | None" = None) -> ServerPorts:
+        return ServerPorts(FakeInbox(self), FakeNotifier(self), FakeWindow(self, None), spares=spares)
 
 
 class FakePull:
@@ -139,7 +148,7 @@ class FakeNoticeBox:
 
 
 class FakeInbox:
-    """:class:`~hpcps.runtime.parts.Inbox`: every push held whole until released."""
+    """:class:`~hpcps.runtime.parts.Inbox`: every push whole, held until released."""
 
     dead = None
     comm = None  # (verdicts and hyperparameters come over MPI: a push that needs them fails here)
@@ -149,20 +158,28 @@ class FakeInbox:
         self.worker_ranks = list(range(1, fabric.n_workers + 1))
         self.open = fabric.n_workers
         self.held: dict[int, np.ndarray] = {}
+        self.backlog: dict[int, deque] = {}  # each worker's events not yet taken up
         self.transfers: list = []
         self.lost: set[int] = set()
 
     def poll(self) -> list:
+        """The events come in order per worker, and a worker's next one only once its gradient in hand is
+        released (as :class:`~hpcps.transport.push.PushInbox` takes headers: MPI keeps a sender's order)."""
         with self.fabric.lock:
             arrived = [self.fabric.pushes.popleft() for _ in range(len(self.fabric.pushes))]
-        events = []
         for event, payload in arrived:
-            if isinstance(event, PushEvent):
-                assert event.worker not in self.held, "a worker's push came before its last one was released"
-                self.held[event.worker] = payload
-            else:
-                self.open -= 1
-            events.append(event)
+            self.backlog.setdefault(event.worker, deque()).append((event, payload))
+        events = []
+        for worker, queue in self.backlog.items():
+            while queue and worker not in self.held:
+                event, payload = queue.popleft()
+                if isinstance(event, PushEvent):
+                    self.held[event.worker] = payload
+                else:  # a leave, or (run-through) a death
+                    if isinstance(event, LostEvent):
+                        self.lost.add(event.worker)
+                    self.open -= 1
+                events.append(event)
         return events
 
     def gradient(self, worker: int) -> np.ndarray:
@@ -185,6 +202,37 @@ class FakeInbox:
     def unmatched(self, worker: int) -> str | None:
         return None
 
+    def rejoin(self, worker: int, rank: int) -> None:
+        """A spare (``rank``) takes dead ``worker``'s place: its pushes are that worker's, and it will leave."""
+        self.lost.discard(worker)
+        self.worker_ranks[worker] = rank
+        self.open += 1
+
+
+class FakeSpares:
+    """A shard's spare desk (:class:`~hpcps.runtime.spares.SpareDesk`) with one spare, rank ``rank``: told of a
+    death (``died``), it calls ``start(worker, clock)`` (the test starts the spare's worker there) and hands
+    the shard the join at its next poll."""
+
+    def __init__(self, rank: int, start) -> None:
+        self.rank, self.start = rank, start
+        self.joins: list[JoinEvent] = []
+        self.deaths: list[tuple[int, int, int]] = []  # (worker, clock, rank)
+
+    def died(self, worker: int, clock: int, rank: int, *, stopping: bool = False) -> None:
+        self.deaths.append((worker, clock, rank))
+        if not stopping and len(self.deaths) == 1:
+            self.start(worker, clock)
+            self.joins.append(JoinEvent(worker, self.rank, clock))
+
+    def poll(self, lost, clocks, check=None) -> list[JoinEvent]:
+        ready = [j for j in self.joins if lost(j.worker)]
+        self.joins = [j for j in self.joins if j not in ready]
+        return ready
+
+    def pending(self) -> bool:
+        return bool(self.joins)
+
 
 class FakeNotifier:
     """:class:`~hpcps.runtime.parts.NoticeSink`: a notice is in the worker's box at once."""
@@ -195,6 +243,8 @@ class FakeNotifier:
 
     def send(self, worker: int, flags: int, clock: int = -1, version: int = -1, staleness: int = -1,
              lr: float = float("nan")) -> None:
+        if self.worker_ranks[worker] in self.fabric.dead:
+            return
         with self.fabric.lock:
             self.fabric.notices[worker].append(Notice(0, flags, clock, version, staleness, lr))
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import pytest
 import torch
 
-from fakeports import Fabric, Rows
+from fakeports import Fabric, FakeSpares, Rows
 from hpcps.metrics.schema import ITERATION, UPDATE
 from hpcps.policies import make_policy
 from hpcps.runtime.parts import ServerHooks, ShardUpdate, StepPlan, Watch
@@ -44,7 +45,8 @@ class Job:
     """One shard and ``n`` workers of ``paradigm`` over a :class:`Fabric`, each role in its thread."""
 
     def __init__(self, paradigm: str, n: int, steps: int, *, staleness: int = 0, rounds: bool = False,
-                 hooks: ServerHooks = ServerHooks()) -> None:
+                 hooks: ServerHooks = ServerHooks(), spare: bool = False) -> None:
+        self.steps = steps
         self.flats = [FlatParameters(model()) for _ in range(n)]
         size = self.flats[0].size
         self.fabric, self.rows = Fabric(n, size), Rows()
@@ -54,7 +56,7 @@ class Job:
         round_sum = RoundSum(size, size, n, self.policy.active) if rounds else None
         self.server = ShardServer(
             shard=0, rank=0, policy=self.policy, worker_ranks=list(range(1, n + 1)),
-            ports=self.fabric.server_ports(),
+            ports=self.fabric.server_ports(FakeSpares(n + 1, self._place) if spare else None),
             update=ShardUpdate(self.master, LR, optimizer=optimizer, n_params=size, round_sum=round_sum),
             records=self.rows.records(), watch=WATCH, hooks=hooks)
         self.workers = [Worker(rank=w + 1, model=torch.nn.Linear(3, 2), flat=flat,
@@ -63,39 +65,55 @@ class Job:
                                records=self.rows.records(), watch=WATCH)
                         for w, flat in enumerate(self.flats)]
         self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+        self.spare: Worker | None = None
 
-    def run(self, *, compute=None, nan_at: tuple[int, int] | None = None) -> None:
+    def _place(self, worker: int, clock: int) -> None:
+        """The spare (rank n + 1) takes dead ``worker``'s place, from its gradient ``clock + 1`` on."""
+        flat = FlatParameters(model())
+        self.fabric.notices[worker] = deque()  # (what was sent to the dead rank died with it)
+        self.spare = Worker(rank=len(self.workers) + 1, model=torch.nn.Linear(3, 2), flat=flat,
+                            ports=self.fabric.worker_ports(worker, flat.push_grads),
+                            plan=StepPlan(steps=self.steps, lr=LR, blocks=self.policy.worker_blocks, start_step=clock),
+                            records=self.rows.records(), watch=WATCH)
+        self._start(self._train(self.spare, flat, worker, None))
+
+    def run(self, *, compute=None, nan_at: tuple[int, int] | None = None,
+            die: tuple[int, int] | None = None) -> None:
         """Serve, and train every worker: each step's gradient from :func:`gradient` on what it pulled;
         ``compute(worker, step)``: seconds the step takes; ``nan_at``: the (worker, step) whose gradient is
-        NaN."""
-        def serve():
-            self._guard(self.server.run)
-
-        def train(w: int):
-            def loop():
-                worker, flat = self.workers[w], self.flats[w]
-                worker.begin()
-                while worker.open_step():
-                    if compute is not None:
-                        time.sleep(compute(w, worker.step))
-                    g = gradient(flat.params, w, worker.step)
-                    if nan_at == (w, worker.step):
-                        g[0] = np.nan
-                    flat.grads_t[:] = torch.from_numpy(g)
-                    worker.close_step(1.0, 0.0)
-                worker.finish()
-            self._guard(loop)
-
-        threads = [threading.Thread(target=serve, daemon=True)] + [
-            threading.Thread(target=train, args=(w,), daemon=True) for w in range(len(self.workers))]
-        for t in threads:
-            t.start()
+        NaN; ``die``: the (worker, step) at which a worker dies, before computing it."""
+        self._start(lambda: self.server.run())
+        for w, worker in enumerate(self.workers):
+            self._start(self._train(worker, self.flats[w], w, compute, nan_at, die))
         deadline = time.monotonic() + 30
-        while any(t.is_alive() for t in threads) and not self.errors and time.monotonic() < deadline:
+        while any(t.is_alive() for t in self.threads) and not self.errors and time.monotonic() < deadline:
             time.sleep(0.01)
         if self.errors:  # (the others may wait for the failed role: left to die with the process)
             raise self.errors[0]
-        assert not any(t.is_alive() for t in threads), "a role is still waiting after 30 s"
+        assert not any(t.is_alive() for t in self.threads), "a role is still waiting after 30 s"
+
+    def _start(self, fn) -> None:
+        thread = threading.Thread(target=self._guard, args=(fn,), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _train(self, worker: Worker, flat: FlatParameters, w: int, compute, nan_at=None, die=None):
+        def loop():
+            worker.begin()
+            while worker.open_step():
+                if die == (w, worker.step):
+                    self.fabric.kill(w)
+                    return  # (no goodbye: it died)
+                if compute is not None:
+                    time.sleep(compute(w, worker.step))
+                g = gradient(flat.params, w, worker.step)
+                if nan_at == (w, worker.step):
+                    g[0] = np.nan
+                flat.grads_t[:] = torch.from_numpy(g)
+                worker.close_step(1.0, 0.0)
+            worker.finish()
+        return loop
 
     def _guard(self, fn) -> None:
         try:
@@ -142,7 +160,7 @@ def test_bsp_rounds_train_as_sgd_on_the_mean_gradient(summed):
 def test_ssp_lets_no_worker_run_more_than_its_bound_ahead_of_the_slowest():
     s, steps, n = 1, 8, 2
     job = Job("ssp", n, steps, staleness=s)
-    job.run(compute=lambda w, k: 0.02 if w == 1 else 0.0)  # worker 1 is slow
+    job.run(compute=lambda w, k: 0.05 if w == 1 else 0.0)  # worker 1 is slow
     pushed = {w: 0 for w in range(n)}
     ahead = 0
     for w, clock, _ in job.fabric.sent:  # in the order the shard received them
@@ -189,3 +207,20 @@ def test_a_stop_raised_at_a_publish_ends_every_worker_after_that_round_and_the_s
     assert job.server.version == at
     assert [w.clock_count for w in job.workers] == [at] * n
     assert job.server.gradients_applied == n * at and len(job.iterations()) == n * at
+
+
+def test_a_spare_takes_a_dead_workers_place_and_every_planned_gradient_is_applied():
+    """Run-through: worker 1 dies before its step 2; the shard records it lost at its clock, hands its place to
+    the spare (rank 4), which pushes its gradients 3..6 as worker 1; every planned gradient is applied once."""
+    steps, n = 6, 3
+    job = Job("asp", n, steps, spare=True)
+    job.run(compute=lambda w, k: 0.002, die=(1, 2))
+    assert job.spare is not None and job.spare.clock_count == steps
+    assert job.server.gradients_applied == n * steps  # the dead worker's 2, the spare's 4, the others' 12
+    assert sorted(c for w, c, _ in job.fabric.sent if w == 1) == list(range(1, steps + 1))
+    assert job.rows.tables["servers/lost"] == [(0, 0, pytest.approx(job.rows.tables["servers/lost"][0][2]), 2, 2, 0)]
+    (joined,) = job.rows.tables["servers/joins"]
+    assert (joined[3], joined[4], joined[5]) == (2, 4, 2)  # dead rank 2, spare rank 4, from its clock 2
+    spare_rows = [r for r in job.iterations() if r["rank"] == 4]
+    assert sorted(r["step"] for r in spare_rows) == list(range(2, steps))  # its steps, where worker 1 stopped
+

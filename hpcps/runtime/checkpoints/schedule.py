@@ -238,7 +238,8 @@ def worker_clocks_at(plan: RunPlan, cut: list[int]) -> list[int]:
     return clocks
 
 
-def checkpointer(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: ShardOptimizer, clocks: Callable[[], list[int]]):
+def checkpointer(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
+                 clocks: Callable[[], list[int]]):
     """Every shard's ``on_published``: every ``--checkpoint-every`` versions, checkpoint.
 
     Each shard writes its optimizer state; rank 0 also snapshots all
@@ -256,8 +257,7 @@ def checkpointer(plan: RunPlan, state: RunState, window: ParamWindow, optimizer:
         if version % cfg.checkpoint_every:
             return
         path = checkpoint_path(state.ckpt_dir, version)  # (a plug-in built on bsp may keep state of its own)
-        write_optimizer_state(path, rank, optimizer.state_dict(),
-                              state.policy.state_dict() if state.policy is not None else None)
+        write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
         if rank != 0:
             return
         pull_at(window, buf, [version] * plan.layout.n_servers)

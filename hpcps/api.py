@@ -132,7 +132,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
 def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFactory | str | None = None,
          lr_schedule: Schedule | str | None = None, param_groups: GroupsSpec | None = None,
          config: str | None = None, comm=None, exit_on_error: bool = True, overlap_pull: bool = False,
-         **options: Any) -> Session:
+         reseed: bool = True, **options: Any) -> Session:
     """Collective over ``comm``: start a run whose workers run the caller's own training loop (the
     step API); return this rank's :class:`~hpcps.runtime.session.Session`::
 
@@ -171,6 +171,13 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
         the parameters outside a forward pass (an EMA, a ``state_dict()``,
         a weight norm), or it may read a mix of two versions. By default
         ``ps.step()`` settles the whole pull before it returns.
+
+    ``reseed``
+        by default worker ``i`` reseeds torch with ``seed + 1 + i`` once the model is built, so no two
+        workers draw the same batches or dropout masks. ``reseed=False`` keeps the stream the script's own
+        seeding gives (the model still built after ``torch.manual_seed(seed)``): with one worker and the
+        original's seed, the run draws what the single-process script draws. Where every worker's stream
+        is then at the same state, rank 0 says so: they would draw the same random batches.
     """
     from mpi4py import MPI
 
@@ -208,7 +215,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
                 return int(steps)
             flags["steps"] = agree(comm, count)
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
-        run = open_run(cfg, comm, agree(comm, lambda: check(cfg)))
+        run = open_run(cfg, comm, agree(comm, lambda: check(cfg)), reseed=reseed)
         try:
             run.start()
             session = Session(run, abort_on_error=exit_on_error, overlap_pull=overlap_pull)

@@ -30,12 +30,15 @@ _SPEC = re.compile(r"^([a-z][a-z0-9]*)@(\d+):(\d+)$")
 
 @dataclass(frozen=True)
 class Fault:
+    """One ``--fault``: ``kind`` (one of :data:`KINDS`) acted out by worker rank ``rank`` at its step ``step``."""
+
     kind: str
     rank: int
     step: int
 
 
 def parse_fault(spec: str) -> Fault:
+    """``KIND@RANK:STEP`` as a :class:`Fault`; ValueError saying the form otherwise."""
     m = _SPEC.match(str(spec))
     if not m:
         raise ValueError(f"{spec!r}: expected KIND@RANK:STEP, e.g. nan@2:10")

@@ -57,7 +57,9 @@ class RunPlan:
     rank knows of the data (only workers and rank 0 load it); ``devices``: each rank's device, as
     :meth:`~hpcps.cluster.device.DevicePlan.describe` says; ``world_ranks``: the launcher's rank of each
     of the run's ranks (``--placement``); ``groups``: the model's param groups
-    (:func:`~hpcps.training.paramgroups.resolve_groups`); ``ckpt``: the checkpoint resumed, or None.
+    (:func:`~hpcps.training.paramgroups.resolve_groups`); ``ckpt``: the checkpoint resumed, or None;
+    ``reseed``: each worker draws its own torch random stream (``hpcps.init(reseed=False)`` keeps the
+    script's).
     """
 
     cfg: TrainConfig
@@ -75,6 +77,7 @@ class RunPlan:
     world_ranks: tuple[int, ...]
     groups: tuple
     ckpt: "Checkpoint | None" = None
+    reseed: bool = True
 
     @property
     def shards(self) -> list[int]:

@@ -18,6 +18,7 @@ rank fails together with one message. Teardown, in order:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -183,9 +184,11 @@ def check_same_model(shapes: list[tuple]) -> None:
                     f"build the same model on every rank (a factory must not depend on the rank)")
 
 
-def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> "Run":
+def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None, *, reseed: bool = True) -> "Run":
     """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
-    resume), as a :class:`Run` to use in a ``with`` block (which frees what it holds).
+    resume), as a :class:`Run` to use in a ``with`` block (which frees what it holds). ``reseed``: each
+    worker's torch random stream its own after the model is built (:func:`worker_seed`); False keeps the
+    stream the script's seeding gives (said where every worker would draw alike: :func:`_same_streams`).
 
     The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.cluster.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
@@ -195,14 +198,14 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None)
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement)
     stack.callback(run_comm.Free)
     try:
-        return _prepare(cfg, run_comm, workload, world_ranks, stack)
+        return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed)
     except BaseException:
         stack.close()
         raise
 
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
-             stack: ExitStack) -> "Run":
+             stack: ExitStack, reseed: bool = True) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
@@ -235,8 +238,10 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         flat.params[:] = ckpt.params
         flat.upload()
     index = layout.worker_index(comm.rank) if layout.role(comm.rank) is Role.WORKER else None
-    if index is not None:  # every worker its own random stream (dropout, the user's batches)
+    if index is not None and reseed:  # every worker its own random stream (dropout, the user's batches)
         torch.manual_seed(worker_seed(cfg.seed, index, int(ckpt.worker_clocks[index]) if ckpt is not None else 0))
+    elif not reseed:
+        _same_streams(comm, index, layout.n_workers)
     redeal = Redeal(tuple(int(c) for c in ckpt.written_clocks), int(ckpt.worker_clocks[0])) \
         if ckpt is not None and ckpt.redealt else None  # another worker count: the epochs' rest dealt again
 
@@ -256,7 +261,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         # which values each central shard holds: contiguous blocks, striped with --partition-mb
         slices=Slices.plan(flat.size, flat.n_params, layout.n_servers, stripe),
         codec=make_codec(cfg.compress), steps=steps, facts=facts, devices=tuple(devices),
-        world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt)
+        world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
+        reseed=reseed)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
                      stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "")
     return Run(run_plan, state)
@@ -273,6 +279,19 @@ def worker_seed(seed: int, worker_index: int, start_step: int = 0) -> int:
     a run resumed at step ``start_step`` adds ``RESUME_SEED_STRIDE x start_step``, so it does not draw
     again what the first run drew from its start."""
     return seed + 1 + worker_index + RESUME_SEED_STRIDE * start_step
+
+
+def _same_streams(comm: MPI.Comm, index: int | None, n_workers: int) -> None:
+    """Collective, under ``reseed=False``: where every worker's torch random stream is at the same state (the
+    script seeded every rank alike, and hpcps reseeds none), one warning from rank 0: the workers draw the same
+    random batches and dropout masks."""
+    state = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest() if index is not None else None
+    states = {s for s in comm.allgather(state) if s is not None}
+    if comm.rank == 0 and n_workers > 1 and len(states) == 1:
+        log.warning("reseed=False: every worker's torch random stream is at the same state, so the %d workers "
+                    "draw the same random batches (torch.randint, a shuffled sampler) and dropout masks; seed "
+                    "each worker's stream from ps.worker_index after init (as a DDP script does from its rank), "
+                    "or leave reseed on", n_workers)
 
 
 def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan:
@@ -354,7 +373,8 @@ class Run:
                  worker, self.plan.layout.worker_rank(worker), clock + 1)
         self.state.index, self.state.placed_at = worker, clock
         self.state.window.first = worker % len(self.plan.shards)  # the dead worker's place in the pulls' rotation
-        torch.manual_seed(worker_seed(self.plan.cfg.seed, worker, clock))
+        if self.plan.reseed:
+            torch.manual_seed(worker_seed(self.plan.cfg.seed, worker, clock))
         self.state.batches = self.state.deal(worker)
         return True
 

@@ -174,7 +174,7 @@ class Session(_LoopCalls):
         self.collectives = WorkerCollectives(
             (MPI.COMM_SELF if run.state.placed_at is not None else run.state.topo.role_comm).Dup(), self._wait,
             dead=run.state.dead, run_comm=run.state.topo.comm, rank=rank)
-        self._target_reached = self._evaluated = False
+        self._target_reached = self._evaluated = self._said_no_loss = False
         pushes = self.worker.backward_pushes
         #: the emulated compute (hpcps.cluster.emulation), after the worker's own hooks and before the backward
         #: pushes' (put on at the first push): a layer's parameters come before its compute, compute before send
@@ -254,6 +254,11 @@ class Session(_LoopCalls):
         t0 = self.t0 + self.worker.pass_waited - self._waited0
         self.compute.end_pass(self.flat, t0, self.clip_norm)
         value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if loss is None and not self._said_no_loss and self.worker_index == 0:
+            self._said_no_loss = True
+            log.warning("worker 0: ps.step() got no loss, so the run file's loss column is NaN and the divergence "
+                        "watch sees no loss: pass it (ps.step(loss), or scaler.step(ps.optimizer, loss=loss) "
+                        "under a GradScaler; said once)")
         compute_s = time.perf_counter() - t0
         if self.local is not None:
             if not skip and not all_finite(self.flat.grads_t[:self.flat.n_params]):
@@ -451,7 +456,11 @@ class StepOptimizer(torch.optim.Optimizer):
         return edits
 
     @torch.no_grad()
-    def step(self, closure=None, loss: torch.Tensor | float | None = None):  # noqa: D102
+    def step(self, closure=None, loss: torch.Tensor | float | None = None):
+        """The session's :meth:`Session.step`, as torch and ``GradScaler`` call an optimizer's: ``closure()``
+        (if given) computes the loss, which the step records; else ``loss`` (``scaler.step(ps.optimizer,
+        loss=loss)`` passes it through) goes to the iteration's row. A step the scaler found Inf or NaN in is
+        pushed as skipped; gradients it did not unscale are unscaled here. Returns the loss."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

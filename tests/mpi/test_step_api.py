@@ -166,20 +166,26 @@ def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(
                 scaler.scale(loss).backward()
                 if unscale_first:
                     scaler.unscale_(ps.optimizer)
-                scaler.step(ps.optimizer)
+                if unscale_first:  # (the loss through the scaler to the row; the other variant gives none)
+                    scaler.step(ps.optimizer, loss=loss)
+                else:
+                    scaler.step(ps.optimizer)
                 scaler.update()
         if comm.rank == 0:
             ref, skipped = run_torch()
             with h5py.File(ps.result.path) as f:
                 up = f["servers/updates"][()]
+                losses = f["workers/iterations"]["loss"]
             got = torch.from_numpy(ps.result.params[:len(ref)])
             facts = {"skipped": skipped, "reason2": int((up["reason"] == 2).sum()),
-                     "applied": int(up["applied"].sum()), "err": float((got - ref).abs().max())}
+                     "applied": int(up["applied"].sum()), "err": float((got - ref).abs().max()),
+                     "losses": (len(losses), int(np.isfinite(losses).sum()))}
         comm.Free()
     facts = share(world, facts)
     assert 0 < facts["skipped"] < steps  # the scaler skipped some steps and took others
     assert facts["reason2"] == facts["skipped"] and facts["applied"] == steps - facts["skipped"]
     assert facts["err"] < 1e-5, facts["err"]
+    assert facts["losses"] == (steps, steps if unscale_first else 0)  # every row's loss, where the step had it
 
 
 def test_every_worker_draws_its_own_random_stream(world, mpi_tmp_path):
@@ -398,3 +404,27 @@ def test_steps_may_follow_from_the_worker_count(world, mpi_tmp_path):
     with pytest.raises(UserError, match=r"steps: the function of the worker count returned 0.0 for 4 workers"):
         hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", steps=lambda n: 0.0, progress=False,
                    out=str(mpi_tmp_path / "bad.h5"), exit_on_error=False, comm=world)
+
+
+def test_reseed_false_keeps_the_scripts_stream_and_says_when_every_worker_draws_alike(world, mpi_tmp_path, capsys):
+    """With ``reseed=False`` a worker's torch stream after ``init`` continues from the model's build (the factory
+    after ``torch.manual_seed(seed)``), as the single-process script's does; every rank seeded alike, every
+    worker draws alike, and rank 0 says so once. A step without a loss is said once, by worker 0."""
+    ps = hpcps.init(TinyLM, device="cpu", paradigm="asp", steps=1, seed=7, progress=False, reseed=False,
+                    out=str(mpi_tmp_path / "rng.h5"), exit_on_error=False, comm=world)
+    draws = None
+    with ps:
+        if ps.is_worker:
+            draws = torch.rand(4).tolist()
+            ps.model(*batch(0, 0)).backward()
+            ps.step()
+    got = [d for d in world.allgather(draws) if d is not None]
+    torch.manual_seed(7)
+    TinyLM()
+    assert got == [torch.rand(4).tolist()] * 4  # the single process's next draw, on every worker
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if "WARNING: reseed=False" in line]
+    assert len(said) == (1 if world.rank == 0 else 0), said
+    # (and the loop's ps.step() without a loss: worker 0 says once that the loss column has none)
+    no_loss = [line for line in err if "ps.step() got no loss" in line]
+    assert len(no_loss) == (1 if ps.is_worker and ps.worker_index == 0 else 0), no_loss

@@ -28,7 +28,7 @@ from hpcps.runtime.evaluator import EvalPlan, Evaluator
 from hpcps.runtime.groupserver import CentralLink, GroupServer
 from hpcps.runtime.optstate import StateDesk
 from hpcps.runtime.parts import (PullPlan, PushPlan, Records, ServerHooks, ServerPorts, ShardUpdate, StepPlan,
-                                  Watch, WorkerPorts)
+                                 Watch, WorkerPorts)
 from hpcps.runtime.plan import RunPlan, RunState, start_clock
 from hpcps.runtime.partitions import PartitionedPulls
 from hpcps.runtime.progress import Progress
@@ -126,8 +126,9 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
                        accuracy=lambda: evaluator.accuracy)
         side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
         if cfg.divergence == "stop":
-            recorder.watchers.setdefault("workers/iterations", []).append(watchers.divergence_watch(plan, state, window))
-            recorder.watchers.setdefault("servers/updates", []).append(watchers.nonfinite_start_watch(plan, state, window))
+            add = recorder.watchers.setdefault
+            add("workers/iterations", []).append(watchers.divergence_watch(plan, state, window))
+            add("servers/updates", []).append(watchers.nonfinite_start_watch(plan, state, window))
     periodic = policy.periodic_cut() if cfg.checkpoint_every or cfg.checkpoint_interval else None
     if periodic and topo.rank == 0:
         side_tasks.append(("checkpoint", checkpointing.progress_note(plan, state, lambda: server.clocks)))
@@ -136,7 +137,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     at_publish = periodic is not None and policy.checkpoints_at_publish()
     snapshots = None
     if periodic and not at_publish:
-        snapshots = checkpointing.snapshots(plan, state, window, optimizer, policy, RoundCut() if periodic == "rounds" else ClockCut())
+        snapshots = checkpointing.snapshots(plan, state, window, optimizer, policy,
+                                            RoundCut() if periodic == "rounds" else ClockCut())
         side_tasks.append(("checkpoint", snapshots.tick))
     on_published = checkpointing.checkpointer(plan, state, window, optimizer, policy, lambda: server.clocks) \
         if at_publish else None
@@ -206,7 +208,8 @@ def shard_optimizer(plan: RunPlan, state: RunState, params: np.ndarray, shard: i
 
 
 def schedule(plan: RunPlan, base_lr: float) -> Schedule:
-    """The run's learning-rate schedule (:func:`hpcps.training.rates.schedule`) over its optimizer's rate ``base_lr``."""
+    """The run's learning-rate schedule (:func:`hpcps.training.rates.schedule`) over its optimizer's rate
+    ``base_lr``."""
     return rates.schedule(plan.cfg, plan.workload.lr_schedule, horizon(plan), base_lr)
 
 
@@ -363,7 +366,7 @@ def send_pieces(plan: RunPlan, codec, *, wire_order: bool = False) -> list[list[
 
 
 def stager(plan: RunPlan, codec, grads: torch.Tensor, bounds: list[tuple[int, int]], *,
-            striped: bool) -> Callable[[Any, bool], None]:
+           striped: bool) -> Callable[[Any, bool], None]:
     """``stage(out, keep)``: put the flat-order gradient ``grads`` into push buffer ``out`` (cut at
     ``bounds``) as the wire carries it: in the central shards' wire order where their slices are
     striped, encoded under ``--compress`` (``keep``: the gradient is to be applied, see

@@ -31,7 +31,8 @@ class PullSource(Protocol):
 
     shard_ranks: Sequence[int]
 
-    def pull(self, out: np.ndarray, backoff: Backoff | None = None, *, exact: bool = False) -> tuple[np.ndarray, bool]: ...
+    def pull(self, out: np.ndarray, backoff: Backoff | None = None, *,
+             exact: bool = False) -> tuple[np.ndarray, bool]: ...
 
     def begin_pull(self, out: np.ndarray, backoff: Backoff | None = None, **kw) -> Any: ...
 

@@ -32,6 +32,10 @@ class Receipts:
         """Shard versions observed somewhere (a pull, a peek): raise what the worker knows."""
         np.maximum(self.known, versions, out=self.known)
 
+    def lag(self, versions: np.ndarray) -> int:
+        """How far ``versions`` are behind the newest the worker knows of (largest over shards)."""
+        return int((self.known - versions).max())
+
     def granted(self, clock: int) -> bool:
         """Whether every shard has granted gradient ``clock``."""
         return self.grants.min() >= clock
@@ -46,7 +50,7 @@ class Receipts:
                 self.grants[note.shard] += 1
             if note.flags & wire.RECEIPT:
                 self.receipts.setdefault(note.clock, []).append((note.staleness, bool(note.flags & wire.DROPPED),
-                                                                  note.shard, note.lr))
+                                                                 note.shard, note.lr))
                 if not note.flags & wire.DROPPED:
                     self.known[note.shard] = max(self.known[note.shard], note.version + 1)
         done = []

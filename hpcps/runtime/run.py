@@ -39,8 +39,8 @@ from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.training import rates
 from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
-from hpcps.runtime.checkpoints.files import (Checkpoint, LoopState, check_compatible, check_same_optimizer, read_checkpoint,
-                                      reshaped, restore_int_buffers)
+from hpcps.runtime.checkpoints.files import (Checkpoint, LoopState, check_compatible, check_same_optimizer,
+                                             read_checkpoint, reshaped, restore_int_buffers)
 from hpcps.options.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
@@ -365,17 +365,18 @@ class Run:
         """A spare (:mod:`hpcps.runtime.spares`): wait, idle, until shard 0 gives this rank a dead worker's
         place (then take it: the worker's index, batches and random stream from its clock; True) or the run
         ends without needing it (False)."""
-        placed = wait_for_place(self.state.topo.ps, self.plan.shards[0])
+        plan, state = self.plan, self.state
+        placed = wait_for_place(state.topo.ps, plan.shards[0])
         if placed is None:
             return False
         worker, clock = placed
-        log.info("spare rank %d: taking the place of worker %d (rank %d) from its gradient %d on", self.state.topo.rank,
-                 worker, self.plan.layout.worker_rank(worker), clock + 1)
-        self.state.index, self.state.placed_at = worker, clock
-        self.state.window.first = worker % len(self.plan.shards)  # the dead worker's place in the pulls' rotation
-        if self.plan.reseed:
-            torch.manual_seed(worker_seed(self.plan.cfg.seed, worker, clock))
-        self.state.batches = self.state.deal(worker)
+        log.info("spare rank %d: taking the place of worker %d (rank %d) from its gradient %d on", state.topo.rank,
+                 worker, plan.layout.worker_rank(worker), clock + 1)
+        state.index, state.placed_at = worker, clock
+        state.window.first = worker % len(plan.shards)  # the dead worker's place in the pulls' rotation
+        if plan.reseed:
+            torch.manual_seed(worker_seed(plan.cfg.seed, worker, clock))
+        state.batches = state.deal(worker)
         return True
 
     def __enter__(self) -> "Run":
@@ -411,46 +412,47 @@ class Run:
         Then each rank plays its role: :meth:`serve` (servers, group servers), or a worker's steps
         (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and :meth:`end`, collective again.
         """
-        comm, topo = self.state.topo.comm, self.state.topo
+        plan, state = self.plan, self.state
+        comm, topo = state.topo.comm, state.topo
         self._watch_every_wait()
         ulfm = ulfm_enabled()
-        if ulfm and self.plan.layout.n_groups == 0 and self.plan.paradigm.runs_through:
-            self.state.dead = DeadRanks([topo.ps, topo.metrics])
+        if ulfm and plan.layout.n_groups == 0 and plan.paradigm.runs_through:
+            state.dead = DeadRanks([topo.ps, topo.metrics])
         elif ulfm and comm.rank == 0:
             log.warning("Open MPI's fault tolerance (ULFM) is on, but %s does not run through a dead worker: a "
                         "rank's death ends the job (resume it with --resume auto, or run under hpcps supervise)",
-                        self.plan.cfg.paradigm)
-        if self.state.dead is not None and self.plan.cfg.pull == "send" and comm.rank == 0:
+                        plan.cfg.paradigm)
+        if state.dead is not None and plan.cfg.pull == "send" and comm.rank == 0:
             log.warning("--pull send: Open MPI's fault tolerance (ULFM) is on, and a shard's send to a worker that "
                         "died would fail it; the workers read each round's parameters out of the window instead")
-        if self.plan.layout.n_spares and self.state.dead is None and comm.rank == 0:
+        if plan.layout.n_spares and state.dead is None and comm.rank == 0:
             log.warning("--spare-workers %d: the spares stay idle, since a death ends the job under this MPI; "
                         "they take a dead worker's place under Open MPI's fault tolerance (mpirun --with-ft ulfm)",
-                        self.plan.layout.n_spares)
-        path = comm.bcast(self.plan.cfg.out or default_out(self.plan.cfg.paradigm) if comm.rank == 0 else None, root=0)
-        self.state.ckpt_dir = checkpointing.checkpoint_dir(self.plan.cfg, path)
-        runfile = agree(comm, lambda: records.open_runfile(self.plan, self.state, path) if comm.rank == 0 else None)
-        recorder = (FileRecorder(topo.metrics, runfile, dead=self.state.dead) if comm.rank == 0
+                        plan.layout.n_spares)
+        path = comm.bcast(plan.cfg.out or default_out(plan.cfg.paradigm) if comm.rank == 0 else None, root=0)
+        state.ckpt_dir = checkpointing.checkpoint_dir(plan.cfg, path)
+        runfile = agree(comm, lambda: records.open_runfile(plan, state, path) if comm.rank == 0 else None)
+        recorder = (FileRecorder(topo.metrics, runfile, dead=state.dead) if comm.rank == 0
                     else ForwardingRecorder(topo.metrics))
         # an earlier run in this process that failed without ending it (exit_on_error=False) left its own
         agree_module.last_words.clear()
         if comm.rank != 0:  # a rank that fails sends rank 0 the rows it still holds before the job ends
             agree_module.last_words.append(recorder.flush)
         shard = comm.rank if topo.role is Role.SERVER else None
-        window = ParamWindow(topo.ps, shard_ranks=self.plan.shards, slices=self.plan.slices,
-                             local_len=self.plan.slices.length(shard) if shard is not None else 0, codec=self.plan.codec,
-                             fanin=self.plan.cfg.shards_at_once, first=self.plan.layout.rotation_start(topo.rank, self.state.index))
-        self.state.window = window  # freed by __exit__ if start() goes no further
-        if self.plan.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
+        window = ParamWindow(topo.ps, shard_ranks=plan.shards, slices=plan.slices,
+                             local_len=plan.slices.length(shard) if shard is not None else 0, codec=plan.codec,
+                             fanin=plan.cfg.shards_at_once, first=plan.layout.rotation_start(topo.rank, state.index))
+        state.window = window  # freed by __exit__ if start() goes no further
+        if plan.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
             log.warning("--shards-at-once %d: ignored by the locked window protocol, whose pulls read every shard "
-                        "at once under locks", self.plan.cfg.shards_at_once)
+                        "at once under locks", plan.cfg.shards_at_once)
         group_window = None
         if topo.group != MPI.COMM_NULL:  # the group server (rank 0 of the group) exposes all parameters
-            n = self.state.flat.size
+            n = state.flat.size
             group_window = ParamWindow(topo.group, shard_ranks=[0], bounds=[(0, n)],
-                                       local_len=n if topo.role is Role.GROUP else 0, codec=self.plan.codec)
-            self.state.group_window = group_window
-        master = self.plan.slices.take(shard, self.state.flat.params) if shard is not None else np.zeros(0, np.float32)
+                                       local_len=n if topo.role is Role.GROUP else 0, codec=plan.codec)
+            state.group_window = group_window
+        master = plan.slices.take(shard, state.flat.params) if shard is not None else np.zeros(0, np.float32)
         if window.master is not None:  # a 16-bit window keeps the fp32 master weights (exact pulls read them)
             window.master[:] = master
             master = window.master
@@ -458,117 +460,121 @@ class Run:
         if topo.role is Role.SERVER:
             # a resumed shard is at its checkpoint's version from its first publish: a worker's first pull
             # tags its gradient with it (with 0, the first gradients looked hundreds of versions stale)
-            window.publish(master, self.plan.ckpt.shard_version(comm.rank) if self.plan.ckpt else 0)
+            window.publish(master, plan.ckpt.shard_version(comm.rank) if plan.ckpt else 0)
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
-            optimizer = self.state.optimizer = assembly.shard_optimizer(self.plan, self.state, master[:self.plan.trainable(shard)], shard)
-        elif topo.role in (Role.WORKER, Role.SPARE) and self.plan.cfg.inner_steps is not None:
+            optimizer = state.optimizer = assembly.shard_optimizer(plan, state, master[:plan.trainable(shard)], shard)
+        elif topo.role in (Role.WORKER, Role.SPARE) and plan.cfg.inner_steps is not None:
             # likewise a worker's inner optimizer under --local-steps, built with its session after the start:
             # the import counted in the run's clock (2.5 s of a 2.7 s run of 10 rounds here)
             warm_optimizers()
         # the rate the servers' optimizer has of its own (a factory's, or --lr): rows record rates applied
-        self.state.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
+        state.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
         if comm.rank == 0:
-            self.state.ran = {"optimizer_ran": describe_optimizer(optimizer, self.plan.groups),
-                        "lr_schedule_values": rates.samples(optimizer.schedule, assembly.horizon(self.plan))}
-            runfile.set_attrs(optimizer=json.dumps(self.state.ran["optimizer_ran"]),
-                              lr_schedule_values=json.dumps(self.state.ran["lr_schedule_values"]))
-        if self.plan.ckpt is not None:
-            agree(comm, lambda: check_same_optimizer(self.plan.ckpt, self.plan.cfg.resume, self.state.ran["optimizer_ran"],
+            state.ran = {"optimizer_ran": describe_optimizer(optimizer, plan.groups),
+                         "lr_schedule_values": rates.samples(optimizer.schedule, assembly.horizon(plan))}
+            runfile.set_attrs(optimizer=json.dumps(state.ran["optimizer_ran"]),
+                              lr_schedule_values=json.dumps(state.ran["lr_schedule_values"]))
+        if plan.ckpt is not None:
+            agree(comm, lambda: check_same_optimizer(plan.ckpt, plan.cfg.resume, state.ran["optimizer_ran"],
                                                      optimizer.schedule) if comm.rank == 0 else None)
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
             # at the version the group server will be at: the lowest central shard's (a resumed run's too)
-            start = min(self.plan.ckpt.shard_version(s) for s in self.plan.shards) if self.plan.ckpt else 0
-            group_window.publish(self.state.flat.params, start)
+            start = min(plan.ckpt.shard_version(s) for s in plan.shards) if plan.ckpt else 0
+            group_window.publish(state.flat.params, start)
         if comm.rank == 0:
-            f = self.plan.facts
+            f = plan.facts
             sizes = [f"{f[k]} {what}" for k, what in (("n_train", "train"), ("n_test", "test")) if f[k] is not None]
             data = f"data {f['name']}" + (f" ({' / '.join(sizes)})" if sizes else "")
-            every = self.plan.cfg.inner_steps
-            local = "" if every is None else (f" in {self.plan.rounds} rounds of {every} local steps "
-                                              f"({self.plan.cfg.inner_optimizer} at {self.plan.cfg.inner_lr:g} inside)")
+            every = plan.cfg.inner_steps
+            local = "" if every is None else (f" in {plan.rounds} rounds of {every} local steps "
+                                              f"({plan.cfg.inner_optimizer} at {plan.cfg.inner_lr:g} inside)")
             log.info("%s on %s; model %s (%d parameters, %d buffer values), %s, %d steps per worker%s",
-                     self.plan.cfg.paradigm, self.plan.layout.describe(), self.plan.workload.model_name, self.state.flat.n_params,
-                     self.state.flat.size - self.state.flat.n_params, data, self.plan.steps, local)
-            log.info("workers on %s", _devices_summary([self.plan.devices[r] for r in self.plan.layout.worker_ranks()]))
-            for line in no_effect(self.plan.cfg, self.plan.paradigm):  # once per run, on rank 0: the options nothing in this run reads
+                     plan.cfg.paradigm, plan.layout.describe(), plan.workload.model_name, state.flat.n_params,
+                     state.flat.size - state.flat.n_params, data, plan.steps, local)
+            log.info("workers on %s", _devices_summary([plan.devices[r] for r in plan.layout.worker_ranks()]))
+            # once per run, on rank 0: the options nothing in this run reads
+            for line in no_effect(plan.cfg, plan.paradigm):
                 log.warning(line)
-            if self.plan.ckpt is not None and self.plan.ckpt.describe_shape():
-                log.info("resuming %s on another shape: %s", self.plan.cfg.resume, self.plan.ckpt.describe_shape())
+            if plan.ckpt is not None and plan.ckpt.describe_shape():
+                log.info("resuming %s on another shape: %s", plan.cfg.resume, plan.ckpt.describe_shape())
         # everyone is set up: nobody waits long in the sync; a start that never completes ends the job
         polite_barrier(comm, Backoff(cap=1e-4), StallWatch(
-            warn=self.plan.cfg.stall_warn, abort=self.plan.cfg.stall_limit, log=log, error=RunAborted,
+            warn=plan.cfg.stall_warn, abort=plan.cfg.stall_limit, log=log, error=RunAborted,
             describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
-        self.state.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
+        state.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         if comm.rank == 0:
-            records.note_restart(self.plan, runfile)
+            records.note_restart(plan, runfile)
             mark_launch("started")
-        self.state.path, self.state.runfile, self.state.recorder = path, runfile, recorder
-        self.state.master = master
+        state.path, state.runfile, state.recorder = path, runfile, recorder
+        state.master = master
 
     def serve(self) -> None:
         """A server's or group server's part, until every worker has left."""
-        topo, recorder = self.state.topo, self.state.recorder
+        plan, state = self.plan, self.state
+        topo, recorder = state.topo, state.recorder
         try:
             if topo.role is Role.SERVER:
-                end = assembly.serve_shard(self.plan, self.state, self.state.window, self.state.master,
-                                           self.state.optimizer, recorder)
-                self.state.policy, self.state.final_version, self.state.final_metrics = end.policy, end.version, \
+                end = assembly.serve_shard(plan, state, state.window, state.master,
+                                           state.optimizer, recorder)
+                state.policy, state.final_version, state.final_metrics = end.policy, end.version, \
                     end.metrics
             else:
-                assembly.serve_group(self.plan, self.state, self.state.window, self.state.group_window, recorder)
+                assembly.serve_group(plan, state, state.window, state.group_window, recorder)
         except BaseException:
-            if self.state.runfile is not None:  # keep what rank 0 has recorded before the job is aborted
+            if state.runfile is not None:  # keep what rank 0 has recorded before the job is aborted
                 recorder.drain()
                 recorder.flush()
-                self.state.runfile.close()
+                state.runfile.close()
             raise
 
     def end(self, loop: LoopState | None = None) -> RunResult | None:
         """Collective, once every rank's part is over: recorders closed, a checkpoint if a signal
         stopped the run (with ``loop``, worker 0's loop state), the summary; the result on rank 0."""
-        comm, recorder, runfile, window, group_window = (self.state.topo.comm, self.state.recorder, self.state.runfile, self.state.window,
-                                                         self.state.group_window)
-        wall_s = self.state.clock()
-        recorder.close(self.state.backoff)
-        if self.state.dead is not None:
+        plan, state = self.plan, self.state
+        comm, recorder, runfile, window, group_window = (state.topo.comm, state.recorder, state.runfile, state.window,
+                                                         state.group_window)
+        wall_s = state.clock()
+        recorder.close(state.backoff)
+        if state.dead is not None:
             comm = self._survivors()
         # a fast worker waits here for the slowest and for rank 0's final evaluation, as long as they take; a
         # hung rank is its own waits' to end (every one of them is watched)
-        polite_barrier(comm, self.state.backoff, watched=False)
+        polite_barrier(comm, state.backoff, watched=False)
         # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
-        stopped_by = next((s for s in comm.allgather(self.state.signals.acted) if s), None)
-        saved_ckpt = checkpointing.checkpoint_at_stop(self.plan, self.state, comm, loop) if stopped_by else None
-        if stopped_by is None and comm.bcast(self.state.diverged is not None if comm.rank == 0 else None, root=0):
+        stopped_by = next((s for s in comm.allgather(state.signals.acted) if s), None)
+        saved_ckpt = checkpointing.checkpoint_at_stop(plan, state, comm, loop) if stopped_by else None
+        if stopped_by is None and comm.bcast(state.diverged is not None if comm.rank == 0 else None, root=0):
             stopped_by = "diverged"  # no checkpoint: nothing worth resuming
-        ranks = comm.gather(records.rank_row(self.plan, self.state), root=0)  # after the barrier: nobody waits long
+        ranks = comm.gather(records.rank_row(plan, state), root=0)  # after the barrier: nobody waits long
         # worker 0's integer buffers (BatchNorm's num_batches_tracked, counted on each rank) into the model saved
         ints = [i for i in comm.gather(loop.int_buffers if loop is not None else None, root=0) or [] if i]
         if ints:
-            restore_int_buffers(self.state.model, ints[0])
-        if comm is self.state.topo.comm:
+            restore_int_buffers(state.model, ints[0])
+        if comm is state.topo.comm:
             window.free()
             if group_window is not None:
                 group_window.free()
         else:  # a window's free is a collective over every rank it was made on, the dead too: left to MPI
-            self.state.window = self.state.group_window = None
+            state.window = state.group_window = None
         if comm.rank != 0:
             return None
-        result = self._finish(runfile, wall_s, self.state.path, ranks, stopped_by, saved_ckpt)
+        result = self._finish(runfile, wall_s, state.path, ranks, stopped_by, saved_ckpt)
         mark_launch("finished")
         return result
 
     def _survivors(self) -> MPI.Comm:
         """Collective over the living (run-through): the run's communicator, or where ranks died, a shrunk
         copy of it for the end's collectives (the living keep their order: rank 0, a shard, is alive)."""
-        comm = self.state.topo.comm
+        state = self.state
+        comm = state.topo.comm
         shrunk = comm.Shrink()
         if shrunk.size == comm.size:
             shrunk.Free()
             return comm
-        self.state.stack.callback(shrunk.Free)
+        state.stack.callback(shrunk.Free)
         gone = left_out(comm, shrunk)
-        self.state.dead.add(gone)
+        state.dead.add(gone)
         if comm.rank == 0:
             log.warning("the run ended without rank(s) %s, which died: their rows not yet sent are lost",
                         ", ".join(map(str, sorted(gone))))
@@ -576,34 +582,35 @@ class Run:
 
     def _finish(self, runfile: RunFile, wall_s: float, path: str, ranks: list[tuple], stopped_by: str | None,
                 saved_ckpt: str | None) -> RunResult:
+        plan, state = self.plan, self.state
         runfile.append("ranks", np.array(ranks, dtype=RANK))
         iterations = runfile.read("workers/iterations")
         summary = summarize(iterations, runfile.read("servers/updates"),
-                            runfile.read("eval"), wall_s=wall_s, target=self.plan.cfg.stop_target,
+                            runfile.read("eval"), wall_s=wall_s, target=plan.cfg.stop_target,
                             eval_metrics=runfile.read("eval_metrics"), lost=runfile.read("servers/lost"),
                             joins=runfile.read("servers/joins"))
         summary.update(stopped_by=stopped_by or "", interrupted=stopped_by == "SIGINT", checkpoint=saved_ckpt or "")
         runfile.write_summary(summary)
-        self.state.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
-        state = plain_state_dict(self.state.model)
-        saved = save_model(state, records.save_path(self.plan, path))
+        state.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
+        state_dict = plain_state_dict(state.model)
+        saved = save_model(state_dict, records.save_path(plan, path))
         runfile.set_attrs(saved_model=saved or "")
         runfile.close()
-        final = ", ".join(f"{k} {v:.4f}" for k, v in self.state.final_metrics.items() if not math.isnan(v))
+        final = ", ".join(f"{k} {v:.4f}" for k, v in state.final_metrics.items() if not math.isnan(v))
         reached = (int(iterations["step"].max()) + 1 if len(iterations) else
-                   int(max(self.plan.ckpt.worker_clocks)) if self.plan.ckpt is not None else 0)
-        what = "steps" if self.plan.cfg.inner_steps is None else f"rounds of {self.plan.cfg.inner_steps} local steps"
+                   int(max(plan.ckpt.worker_clocks)) if plan.ckpt is not None else 0)
+        what = "steps" if plan.cfg.inner_steps is None else f"rounds of {plan.cfg.inner_steps} local steps"
         log.info("done in %.1f s after %d of %d %s: %s%d of %d gradients applied; metrics in %s%s",
-                 summary["wall_s"], reached, self.plan.rounds, what, f"final evaluation {final}; " if final else "",
+                 summary["wall_s"], reached, plan.rounds, what, f"final evaluation {final}; " if final else "",
                  summary["gradients_applied"], summary["gradients_pushed"], runfile.path,
                  f", model in {saved}" if saved else "")
         if stopped_by == "diverged":
-            log.warning("stopped because the training diverged: %s", self.state.diverged)
+            log.warning("stopped because the training diverged: %s", state.diverged)
         elif stopped_by:
             log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
                         stopped_by, saved_ckpt)
-        return RunResult(runfile.path, summary, self.plan.steps, self.state.flat.params.copy(), self.state.model.cpu(), state,
-                         self.state.final_metrics, saved)
+        return RunResult(runfile.path, summary, plan.steps, state.flat.params.copy(), state.model.cpu(), state_dict,
+                         state.final_metrics, saved)
 
 
 

@@ -239,8 +239,8 @@ class ShardServer(_Membership):
         self.stalls.heard[event.worker] = now
         if isinstance(event, PushEvent):
             if event.hyper:  # sent before the header: here or on its way
-                self.hypers.edits[event.worker] = self.inbox.comm.recv(source=self.inbox.worker_ranks[event.worker],
-                                                                 tag=wire.TAG_HYPER)
+                source = self.inbox.worker_ranks[event.worker]
+                self.hypers.edits[event.worker] = self.inbox.comm.recv(source=source, tag=wire.TAG_HYPER)
             self.stalls.pushed.add(event.worker)
             self.clocks[event.worker] = event.clock
             if self.policy.worker_blocks:

@@ -88,7 +88,8 @@ class _LoopCalls:
         self._evaluated = True
         t, version = self.run.clock(), self.version
         values = {name: float(value.detach() if torch.is_tensor(value) else value) for name, value in metrics.items()}
-        self.run.state.recorder.add("eval", (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan)))
+        row = (t, version, values.get("loss", math.nan), values.get("accuracy", math.nan))
+        self.run.state.recorder.add("eval", row)
         for name, value in values.items():
             if name not in ("loss", "accuracy"):
                 self.run.state.recorder.add("eval_metrics", (t, version, name.encode()[:32], value))
@@ -113,7 +114,7 @@ class _LoopCalls:
         """Collective over the workers (the living, after a death under run-through): return once every
         worker has called it."""
         self.collectives.run(lambda comm: comm.Ibarrier(),
-                         "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
+                             "every worker at ps.optimizer.load_state_dict (each calls it, between the same steps)")
 
 
 class Session(_LoopCalls):
@@ -428,7 +429,8 @@ class StepOptimizer(torch.optim.Optimizer):
 
     def __init__(self, session: Session) -> None:
         run = session.run
-        hyper, name = servers_template(run.plan.workload.optimizer_factory(run.plan.cfg), run.plan.groups, run.state.flat.n_params)
+        hyper, name = servers_template(run.plan.workload.optimizer_factory(run.plan.cfg), run.plan.groups,
+                                       run.state.flat.n_params)
         named = dict(run.state.model.named_parameters())
         super().__init__([{"params": [named[n] for n, _, _ in group.ranges], **values}
                           for group, values in zip(run.plan.groups, hyper)], dict(hyper[0]))
@@ -513,9 +515,10 @@ class StepOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # torch checks the groups and casts the state onto the parameters
         params = [p for group in self.param_groups for p in group["params"]]
         ranges, _ = self._layout()
-        flat = from_torch({i: self.state[p] for i, p in enumerate(params) if p in self.state}, ranges, run.state.flat.size)
+        flat = from_torch({i: self.state[p] for i, p in enumerate(params) if p in self.state}, ranges,
+                          run.state.flat.size)
         self.state.clear()  # the servers hold it; this optimizer keeps none
         if session.worker_index == 0:
-            hand(run.state.topo.ps, run.plan.shards, [cut(flat, lambda v, s=s: run.plan.slices.take(s, v)) for s in run.plan.shards],
-                 session._wait)
+            parts = [cut(flat, lambda v, s=s: run.plan.slices.take(s, v)) for s in run.plan.shards]
+            hand(run.state.topo.ps, run.plan.shards, parts, session._wait)
         session.workers_barrier()

@@ -19,7 +19,7 @@ def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
     """Rank 0: the workers' rows as they arrive, checked for divergence (hpcps.training.divergence); once
     diverged, one line saying what to try, and every shard's stop flag up."""
     watch, cfg = DivergenceWatch(), plan.cfg
-    n_clients = plan.layout.n_groups or plan.layout.n_workers  # who pushes to a central shard
+    n_clients = len(plan.clients)  # who pushes to a central shard
     per_step = plan.paradigm.updates_per_step(n_clients)
     rate = cfg.lr * rates.lr_scale(cfg, plan.paradigm, n_clients)
 

@@ -133,7 +133,7 @@ class _Pulls:
 
     def _lag(self, versions: np.ndarray) -> int:
         """How far ``versions`` are behind the newest the worker knows of (largest over shards)."""
-        return int((self.known - versions).max())
+        return self.book.lag(versions)
 
     @property
     def pass_waited(self) -> float:
@@ -200,7 +200,6 @@ class Worker(_Pulls):
         self.stall_abort = 2 * watch.stall_abort if watch.stall_abort is not None else None
         self.backoff = watch.backoff or Backoff()
         self.book = Receipts(len(ports.window.shard_ranks), plan.start_step)
-        self.grants, self.known = self.book.grants, self.book.known  # (the book's arrays, updated in place)
         self.start_step = plan.start_step  # > 0 when resuming: gradients pushed (and granted) before
         self.clock_count = plan.start_step
         self.take_signal = watch.take_signal  # a stop signal this rank received (hpcps.runtime.signals), once
@@ -348,7 +347,7 @@ class Worker(_Pulls):
         self._read_notices()
         if self.lr_staleness != "none" and self.peek_before_push:
             self._seen(self.window.peek(self.backoff))
-        row["lr_staleness"] = int((self.known - versions).max())
+        row["lr_staleness"] = self._lag(versions)
         lr = self.lr * self.extra_scale if flags & wire.EXTRA else self.lr
         row["lr"] = scaled_lr(self.lr_staleness, lr, row["lr_staleness"])
         self.clock_count += 1

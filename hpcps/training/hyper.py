@@ -114,7 +114,8 @@ class ShardHypers:
         self._mixed_told = False
         self._in_force: dict[tuple[int, str], float] = {}  # (group, name): the value last recorded
 
-    def use(self, workers: Sequence[int], optimizer, record: Callable[[int, list[tuple[int, str, float]]], None]) -> None:
+    def use(self, workers: Sequence[int], optimizer,
+            record: Callable[[int, list[tuple[int, str, float]]], None]) -> None:
         """Set ``optimizer`` (a :class:`~hpcps.training.optim.ShardOptimizer`) to the hyperparameters of an
         update of ``workers``' gradients; ``record(worker, rows)``: the ``(group, name, value)`` in force that
         changed since the last update (rows of ``servers/hypers``)."""

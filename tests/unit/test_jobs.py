@@ -181,7 +181,8 @@ def test_a_script_started_by_torchrun_is_told_the_mpi_command_to_use():
     """torchrun starts N processes, each an MPI world of 1: one line naming mpiexec with N workers and a shard."""
     env = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "RANK": "2"}
     assert launched_tasks(env) == ("torchrun", 4)
-    with pytest.raises(UserError, match=r"torchrun started 4 processes, each an MPI world of 1: .*mpiexec -n 5 python "):
+    said = r"torchrun started 4 processes, each an MPI world of 1: .*mpiexec -n 5 python "
+    with pytest.raises(UserError, match=said):
         check_world(1, env)
     assert launched_tasks({"WORLD_SIZE": "4"}) is None  # not torchrun's
     from hpcps.cluster.launcher import launcher_rank

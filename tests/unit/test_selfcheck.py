@@ -5,7 +5,7 @@ import pytest
 
 from hpcps.box.spec import parse_rate
 from hpcps.check.findings import (ALL_PAIRS_UP_TO, Link, Progress, RankFacts, Report, findings, link_units,
-                                     node_rates, pair_plan, table, verdict)
+                                  node_rates, pair_plan, table, verdict)
 
 
 def _ranks(n=4, nodes=2, **kw):

@@ -174,7 +174,8 @@ def test_a_background_evaluation_leaves_the_loop_free_and_reports_back_on_the_lo
     rows = _Rows()
     ev = Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(100),
                    evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, background=True,
-                   records=Records(rows, lambda: now[0]), plan=EvalPlan(0.1, target=Target("accuracy", ">=", 0.4),
+                   records=Records(rows, lambda: now[0]),
+                   plan=EvalPlan(0.1, target=Target("accuracy", ">=", 0.4),
                                  on_target=lambda: targets.append(threading.current_thread().name)))
     assert ev.tick()  # started
     assert pulling.wait(10)

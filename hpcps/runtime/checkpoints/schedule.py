@@ -23,8 +23,8 @@ from hpcps.policies import Policy
 from hpcps.errors import UserError
 from hpcps.runtime.faults import ATTEMPT_VAR
 from hpcps.runtime.checkpoints.files import (LoopState, checkpoint_path, newest_complete, optimizer_state_path,
-                                      read_optimizer_state, write_checkpoint, write_optimizer_state,
-                                      write_user_state)
+                                             read_optimizer_state, write_checkpoint, write_optimizer_state,
+                                             write_user_state)
 from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut, Snapshots
 from hpcps.training.optim import ShardOptimizer
 from hpcps.training.optstate import cut, from_shard, join, to_shard
@@ -81,7 +81,8 @@ def resolve_resume(cfg: TrainConfig) -> TrainConfig:
 PROGRESS_NOTE = "progress.json"
 
 
-def progress_note(plan: RunPlan, state: RunState, clocks: Callable[[], list[int]], every: float = 0.25) -> Callable[[], None]:
+def progress_note(plan: RunPlan, state: RunState, clocks: Callable[[], list[int]],
+                  every: float = 0.25) -> Callable[[], None]:
     """A side task of shard 0 under periodic checkpoints: every ``every`` seconds, the workers' clocks (the
     gradients it has received from each) and the wall time, into ``<checkpoint dir>/progress.json``
     (atomically), so that a launch that resumes after a failure can say what the failure cost
@@ -193,7 +194,7 @@ def resliced_optimizer_state(plan: RunPlan, state: RunState, optimizer: ShardOpt
 
 
 def snapshots(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: ShardOptimizer, policy: Policy,
-               cut: ClockCut | RoundCut) -> Snapshots:
+              cut: ClockCut | RoundCut) -> Snapshots:
     """This shard's side of the periodic checkpoints taken as a consistent cut (:mod:`hpcps.runtime.checkpoints.cut`):
     its part is its optimizer and paradigm state; shard 0 also reads every shard's parameters at the
     cut's versions and writes the checkpoint."""

@@ -117,8 +117,8 @@ def main() -> None:
             if ps.worker_index == 0:
                 print(f"epoch {epoch}: validation loss {val_loss:.4f}, lr {ps.optimizer.param_groups[0]['lr']:.5f}",
                       flush=True)
-    if ps.result is not None:
-        print(f"metrics in {ps.result.path}", flush=True)
+    if ps.worker_index == 0:  # only workers get here: a server rank's process ended in hpcps.init
+        print(f"metrics in {ps.path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -167,10 +167,10 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(ps.model.parameters(), args.grad_clip)
             ps.state["iter_num"] = ps.iteration + 1
             ps.step(loss)
+    # only workers get here: a server rank's process ended in hpcps.init, once it had served
     if ps.worker_index == 0:
-        print(f"best val loss {ps.state['best_val_loss']:.4f} after {ps.state['iter_num']} iterations", flush=True)
-    if ps.result is not None:  # rank 0
-        print(f"metrics in {ps.result.path}; model in {ps.result.saved}", flush=True)
+        print(f"best val loss {ps.state['best_val_loss']:.4f} after {ps.state['iter_num']} iterations; "
+              f"metrics in {ps.path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ from hpcps.runtime.guard import install as _install_guard  # noqa: E402
 
 _install_guard()
 
-__all__ = ["train", "init", "decay_groups", "Policy", "Decision", "__version__"]
+__all__ = ["train", "init", "world", "decay_groups", "Policy", "Decision", "__version__"]
 
 
 def __getattr__(name: str):
     """``hpcps.train`` and ``hpcps.init`` import the runtime (torch, mpi4py) on first use only, so
     offline tools (``hpcps report``, ``hpcps simulate``) never import MPI."""
-    if name in ("train", "init", "decay_groups", "Session", "RunResult"):
+    if name in ("train", "init", "world", "World", "decay_groups", "Session", "RunResult"):
         from hpcps import api
 
         return getattr(api, name)

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import numbers
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
+from hpcps.cluster.layout import Role
 from hpcps.options.effects import OWN_LOOP
 from hpcps.data.batches import is_dataset
 from hpcps.options.config import make_config
@@ -132,22 +134,26 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
 def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFactory | str | None = None,
          lr_schedule: Schedule | str | None = None, param_groups: GroupsSpec | None = None,
          config: str | None = None, comm=None, exit_on_error: bool = True, overlap_pull: bool = False,
-         reseed: bool = True, **options: Any) -> Session:
+         reseed: bool = True, start_iteration: int = 0, **options: Any) -> Session:
     """Collective over ``comm``: start a run whose workers run the caller's own training loop (the
     step API); return this rank's :class:`~hpcps.runtime.session.Session`::
 
         ps = hpcps.init(make_model, optimizer="adamw", lr=6e-4, paradigm="ssp", steps=max_iters)
         with ps:
-            while ps.running:                     # False on servers, and once the run is over
+            while ps.running:                     # False once the run is over
                 for _ in range(accumulation):
                     loss = ps.model(x, y) / accumulation
                     loss.backward()
                 ps.step(loss)                     # push, wait as the paradigm says, pull
-        result = ps.result                        # rank 0: the RunResult
+        # only workers get here: a server rank's process ended in init, once it had served
 
-    On a server rank ``init`` serves until every worker has closed its session, and
-    returns a closed one (``ps.is_worker`` False; ``ps.result`` on rank 0). On a
-    worker rank the model (``ps.model``) holds the parameters of the first step.
+    **On a server rank** ``init`` serves until every worker has closed its session, and then
+    ends the process (status 0, or 3 where the run diverged), as a launcher's server process
+    would: every line of the script after ``init`` runs on the workers alone, as under DDP
+    every line runs on a trainer. With ``exit_on_error=False`` (tests, interactive use: hpcps
+    ends no process) it returns a closed session instead (``ps.is_worker`` False; rank 0's
+    ``ps.result`` the run's :class:`~hpcps.runtime.run.RunResult`). On a worker rank the model
+    (``ps.model``) holds the parameters of the first step; ``ps.path`` is the run file.
 
     ``model``, ``optimizer``, ``lr_schedule``, ``param_groups``, ``config``, ``comm``
     and ``exit_on_error`` are as :func:`train` takes them. An uncaught exception
@@ -178,6 +184,15 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
         seeding gives (the model still built after ``torch.manual_seed(seed)``): with one worker and the
         original's seed, the run draws what the single-process script draws. Where every worker's stream
         is then at the same state, rank 0 says so: they would draw the same random batches.
+
+    ``start_iteration``
+        for a loop that resumes from a checkpoint of its own (nanoGPT's ``iter_num``, with the model's and
+        ``ps.optimizer``'s state loaded by the script): the iteration it resumes at. ``ps.iteration`` starts
+        there and ``steps`` stays the run's total; the shards start at the version an uninterrupted run
+        would be at (k under bsp, k x workers where each gradient is an update), so the schedule, the eval
+        rows and the run file's versions go on from there. The earlier run's file at ``out`` is kept under
+        another name, as for every run (a run file is never overwritten). Not with ``resume=`` (hpcps's own
+        checkpoints know where they were) nor under ``local_steps``.
     """
     from mpi4py import MPI
 
@@ -215,7 +230,7 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
                 return int(steps)
             flags["steps"] = agree(comm, count)
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
-        run = open_run(cfg, comm, agree(comm, lambda: check(cfg)), reseed=reseed)
+        run = open_run(cfg, comm, agree(comm, lambda: check(cfg)), reseed=reseed, start_iteration=start_iteration)
         try:
             run.start()
             session = Session(run, abort_on_error=exit_on_error, overlap_pull=overlap_pull)
@@ -230,11 +245,88 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
             raise
 
     session = _collectively(comm, start, exit_on_error)
+    if exit_on_error and not session.is_worker:
+        _server_leaves(session)
     if exit_on_error:  # outside `with ps:` too, a rank that dies ends the job (python -m mpi4py's convention)
         from hpcps.runtime.guard import guard
 
         guard(session, comm)
     return session
+
+
+def _server_leaves(session: Session) -> None:
+    """A server rank's process ends once it has served, as a launcher's server process would: the script's
+    lines after :func:`init` are the workers' alone. Status 0, or 3 where the run diverged (``hpcps
+    train``'s); ``sys.exit``, so the script's ``finally`` blocks and exit handlers run, and MPI finalises."""
+    from hpcps.errors import DIVERGED_STATUS
+    from hpcps.transport.failures import end_without_the_dead
+
+    status = DIVERGED_STATUS if session.run.state.stopped_by == "diverged" else 0
+    end_without_the_dead(status)
+    sys.exit(status)
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's place in the run :func:`init` will start with the same options (:func:`world`).
+
+    ``n_workers``: the workers (what ``dist.get_world_size()`` is to a DDP script); ``role``: ``"worker"``,
+    ``"server"``, ``"group"`` (a group server) or ``"spare"``; ``worker_index``: 0..n_workers-1 on a worker,
+    None elsewhere (what ``dist.get_rank()`` is); ``rank``/``size``: this process in the job, the job's size;
+    ``n_servers``: the central shards.
+    """
+
+    n_workers: int
+    role: str
+    worker_index: int | None
+    rank: int
+    size: int
+    n_servers: int
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == "worker"
+
+
+def world(*, config: str | None = None, comm=None, exit_on_error: bool = True, **options: Any) -> World:
+    """Collective over ``comm``, before :func:`init`: the worker count and this rank's role and worker index
+    in the layout ``init`` will use with the same options (``servers``, ``groups``, ``spare_workers``,
+    ``placement``, ``paradigm``; the others are taken and not needed). For a script that needs them to set
+    itself up, as nanoGPT divides its gradient accumulation by the world size and Horovod's examples scale
+    the rate by ``hvd.size()``::
+
+        w = hpcps.world(servers=2)
+        accumulation = 40 // w.n_workers
+        ps = hpcps.init(make_model, servers=2, lr=base_lr * w.n_workers, ...)
+
+    Bad options end every rank with one line, as ``init`` does (``exit_on_error``)."""
+    from mpi4py import MPI
+
+    from hpcps.cluster.placement import node_ids, placement_order
+    from hpcps.options.planning import plan
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    _check_launch(comm, exit_on_error)
+    flags = {key: value for key, value in options.items() if key not in ("model", "optimizer", "lr_schedule",
+                                                                         "param_groups", "steps")}
+    flags.update(steps=1, dataset=OWN_LOOP)
+    if not isinstance(flags.get("paradigm", ""), str):
+        from hpcps.policies import register_class
+
+        flags["paradigm"] = register_class(flags["paradigm"])
+
+    def where() -> World:
+        cfg = make_config(flags, config_file=config, python=True)
+        layout = plan(cfg, comm.size)
+        nodes = node_ids(comm)  # (collective: every rank is here)
+        order = placement_order(nodes, cfg.servers) if cfg.placement == "spread" else list(range(comm.size))
+        run_rank = order.index(comm.rank)  # the run renumbers the ranks so (hpcps.cluster.placement)
+        role = layout.role(run_rank)
+        return World(n_workers=layout.n_workers, role=role.value, rank=comm.rank, size=comm.size,
+                     worker_index=layout.worker_index(run_rank) if role is Role.WORKER else None,
+                     n_servers=layout.n_servers)
+
+    return _collectively(comm, where, exit_on_error)
 
 
 def _collectively(comm, step: Callable[[], Any], exit_on_error: bool) -> Any:
@@ -307,4 +399,4 @@ def is_batch_factory(data: Any) -> bool:
     return callable(data) and not isinstance(data, (str, tuple, list)) and not is_dataset(data)
 
 
-__all__ = ["train", "init", "decay_groups", "RunResult", "Session"]
+__all__ = ["train", "init", "world", "World", "decay_groups", "RunResult", "Session"]

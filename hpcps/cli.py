@@ -10,7 +10,6 @@ ends every rank with exit status 2 and one ``hpcps: error: ...`` line
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Literal, get_args, get_origin
@@ -18,11 +17,7 @@ from typing import Sequence
 
 import hpcps
 from hpcps.cluster.launcher import RANK_VARS as _RANK_VARS, launcher_rank
-from hpcps.errors import UserError, print_error
-
-#: exit status of a run stopped because its training diverged (--divergence stop)
-DIVERGED_STATUS = 3
-
+from hpcps.errors import DIVERGED_STATUS, UserError, print_error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -522,23 +517,13 @@ def _train(args: argparse.Namespace) -> int:
         return cfg, run_training(cfg, comm)
 
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))
+    from hpcps.transport.failures import end_without_the_dead
+
     result = value[1] if value is not None else None
     if result is not None and result.summary.get("stopped_by") == "diverged":
         status = DIVERGED_STATUS
-    _end_without_the_dead(status)
+    end_without_the_dead(status)
     return status  # rank 0 has logged the run's one summary line
-
-
-def _end_without_the_dead(status: int) -> None:
-    """After a run that went on without a dead rank (ULFM), end this process at once, its files written:
-    Open MPI's MPI_Finalize waits for the dead for good across nodes."""
-    from hpcps.transport.failures import deaths_seen
-
-    if deaths_seen():
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
 
 
 def _check(args: argparse.Namespace) -> int:

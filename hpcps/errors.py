@@ -8,6 +8,11 @@ def print_error(message: str) -> None:
     print(f"hpcps: error: {message}", file=sys.stderr, flush=True)
 
 
+#: exit status of a run stopped because its training diverged (``--divergence stop``): ``hpcps train``'s, and
+#: a server rank's under :func:`hpcps.init`
+DIVERGED_STATUS = 3
+
+
 class UserError(Exception):
     """Bad input from the user (options, config, data, rank count).
 

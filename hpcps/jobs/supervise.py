@@ -33,7 +33,7 @@ from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR
 
 log = logging.getLogger("hpcps")
 
-#: exit statuses that end supervision: what they mean (hpcps.errors.UserError, hpcps.cli.DIVERGED_STATUS)
+#: exit statuses that end supervision: what they mean (hpcps.errors.UserError, hpcps.errors.DIVERGED_STATUS)
 FINAL = {0: "finished", 2: "bad input: the same command would fail again",
          3: "training diverged: a restart would diverge again"}
 

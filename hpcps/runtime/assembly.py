@@ -87,7 +87,7 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     trainable = plan.trainable(topo.rank)
     policy = make_policy(cfg.paradigm, len(workers), cfg.paradigm_option, staleness=cfg.s_lo,
                          staleness_max=cfg.s_hi)
-    start_version = plan.ckpt.shard_version(topo.rank) if plan.ckpt else 0
+    start_version = plan.shard_start(topo.rank)
     policy.resume_at(start_version)
     if plan.ckpt is not None and not (plan.ckpt.resharded or plan.ckpt.redealt):
         # what the paradigm kept of its own (clocks, a controller's intervals); another shape starts it afresh
@@ -155,8 +155,9 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         watch=Watch(cfg.stall_warn, cfg.stall_limit, state.backoff),
         hooks=ServerHooks(side_tasks, on_applied=bar.update if bar is not None else None, on_published=on_published),
         table="groups/updates" if grouped else "servers/updates")
-    if plan.ckpt is not None and not grouped:  # the clocks the workers resume at (one that ended stays there)
-        server.clocks = [int(c) for c in plan.ckpt.worker_clocks]
+    if (plan.ckpt is not None or plan.start_iteration) and not grouped:
+        # the clocks the workers resume at (one that ended stays there)
+        server.clocks = [plan.worker_start(w) for w in range(len(workers))]
         server.gradients_applied = int(sum(server.clocks))  # where hsp's schedule resumes
     if snapshots is not None:
         snapshots.server, snapshots.last_version = server, start_version

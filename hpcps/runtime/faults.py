@@ -68,6 +68,6 @@ def inject(fault: Fault, worker) -> None:
         worker.pusher.start_header(worker.clock_count + 1, worker.versions, worker.lr, slot)
         worker._wait(lambda: worker.pusher.headers_sent(slot), "its push's headers to leave")
         os.kill(os.getpid(), signal.SIGKILL)
-    else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.cli.DIVERGED_STATUS)
+    else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.errors.DIVERGED_STATUS)
         worker.recorder.flush()
         os._exit(1)

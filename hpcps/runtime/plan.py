@@ -59,7 +59,8 @@ class RunPlan:
     of the run's ranks (``--placement``); ``groups``: the model's param groups
     (:func:`~hpcps.training.paramgroups.resolve_groups`); ``ckpt``: the checkpoint resumed, or None;
     ``reseed``: each worker draws its own torch random stream (``hpcps.init(reseed=False)`` keeps the
-    script's).
+    script's); ``start_iteration``: the iteration a loop that resumes itself (from its own checkpoint, not
+    hpcps's) starts at (``hpcps.init(start_iteration=k)``): its steps, versions and schedule go on from there.
     """
 
     cfg: TrainConfig
@@ -78,6 +79,20 @@ class RunPlan:
     groups: tuple
     ckpt: "Checkpoint | None" = None
     reseed: bool = True
+    start_iteration: int = 0
+
+    def worker_start(self, index: int) -> int:
+        """The gradients worker ``index`` had pushed when the run starts: its clock in the checkpoint resumed,
+        or the iteration a loop resumes itself at."""
+        return int(self.ckpt.worker_clocks[index]) if self.ckpt is not None else self.start_iteration
+
+    def shard_start(self, shard: int) -> int:
+        """The version central shard ``shard`` starts at: the checkpoint's, or for a loop that resumes itself
+        at iteration k, the version an uninterrupted run is at after k steps in the paradigm's rhythm (k
+        where it releases rounds, k x clients where each gradient is an update)."""
+        if self.ckpt is not None:
+            return int(self.ckpt.shard_version(shard))
+        return self.start_iteration * (1 if self.paradigm.releases_rounds() else len(self.clients))
 
     @property
     def shards(self) -> list[int]:
@@ -144,6 +159,7 @@ class RunState:
     final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
     final_metrics: dict[str, float] = field(default_factory=dict)  # rank 0: the final evaluation
     diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
+    stopped_by: str | None = None  # every rank, once the run has ended: a signal's name, "diverged", a loop's stop
 
     def clock(self) -> float:
         """Seconds since the run's start, on rank 0's clock (:mod:`hpcps.transport.clocksync`)."""
@@ -155,7 +171,7 @@ def start_clock(plan: RunPlan, state: RunState) -> int:
     a spare's the dead worker's, else 0."""
     if state.placed_at is not None:
         return state.placed_at
-    return int(plan.ckpt.worker_clocks[state.index]) if plan.ckpt is not None and state.index is not None else 0
+    return plan.worker_start(state.index) if state.index is not None else 0
 
 
 def ran_config(plan: RunPlan, state: RunState) -> dict:

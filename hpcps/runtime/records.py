@@ -60,6 +60,19 @@ def note_restart(plan: RunPlan, runfile: RunFile) -> None:
         runfile.set_attrs(restart=json.dumps(restart))
 
 
+def keep_earlier(path: str) -> str | None:
+    """Where a file already at ``path`` is kept (renamed to ``<stem>.<n><ext>``, the first ``n`` free), or
+    None where there was none: a run never writes over an earlier run's metrics, and says where they went."""
+    if not os.path.exists(path):
+        return None
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    os.replace(path, f"{stem}.{n}{ext}")
+    return f"{stem}.{n}{ext}"
+
+
 def open_runfile(plan: RunPlan, state: RunState, path: str) -> RunFile:
     save = save_path(plan, path)
     save_dir = os.path.dirname(os.path.abspath(save))
@@ -69,6 +82,9 @@ def open_runfile(plan: RunPlan, state: RunState, path: str) -> RunFile:
         raise UserError(f"--save {save}: cannot create its directory ({exc})") from None
     if not os.access(save_dir, os.W_OK):
         raise UserError(f"--save {save}: directory {save_dir} is not writable")
+    kept = keep_earlier(path)
+    if kept:
+        log.info("--out %s held an earlier run's metrics: kept as %s (a run file is never overwritten)", path, kept)
     try:
         return RunFile(path, {
             "hpcps_version": hpcps.__version__,
@@ -83,7 +99,8 @@ def open_runfile(plan: RunPlan, state: RunState, path: str) -> RunFile:
             "groups": json.dumps({plan.layout.group_server_rank(g): members
                                   for g, members in enumerate(plan.layout.group_members())}),
             "resumed_from": plan.cfg.resume or "",
-            "start_version": plan.ckpt.version if plan.ckpt else 0,
+            "start_version": plan.ckpt.version if plan.ckpt else plan.shard_start(0),
+            "start_iteration": plan.start_iteration,
             "resumed_shape": plan.ckpt.describe_shape() if plan.ckpt else "",
             "mpi_library": library_version(),
             "devices": json.dumps(plan.devices),

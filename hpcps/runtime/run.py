@@ -121,6 +121,22 @@ def _check_threads(cfg: TrainConfig, paradigm: type[Policy]) -> None:
                         f"default thread level (MPI4PY_RC_THREAD_LEVEL=multiple)")
 
 
+def _check_start(cfg: TrainConfig, steps: int, start_iteration: int) -> None:
+    """Where a loop that resumes itself may start: within its steps, not beside a checkpoint of hpcps's, and
+    not under --local-steps (whose rounds would have to resume mid-round)."""
+    if start_iteration == 0:
+        return
+    if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or not 0 < start_iteration < steps:
+        raise UserError(f"start_iteration: {start_iteration!r} is not an iteration before the last of the run's "
+                        f"{steps} steps")
+    if cfg.resume:
+        raise UserError("start_iteration: a run resumed from hpcps's checkpoint (resume=) starts where it was; "
+                        "start_iteration is for a loop that resumes from a checkpoint of its own")
+    if cfg.inner_steps is not None:
+        raise UserError("start_iteration: not under --local-steps yet (its rounds would resume mid-round); "
+                        "resume with hpcps's checkpoints (checkpoint_every=, resume=)")
+
+
 def _data_facts(source: DataSource | None) -> dict[str, Any]:
     """What every rank needs to know of the data, which only some ranks load (none: the user's own loop)."""
     if source is None:
@@ -184,11 +200,13 @@ def check_same_model(shapes: list[tuple]) -> None:
                     f"build the same model on every rank (a factory must not depend on the rank)")
 
 
-def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None, *, reseed: bool = True) -> "Run":
+def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None, *, reseed: bool = True,
+             start_iteration: int = 0) -> "Run":
     """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
     resume), as a :class:`Run` to use in a ``with`` block (which frees what it holds). ``reseed``: each
     worker's torch random stream its own after the model is built (:func:`worker_seed`); False keeps the
     stream the script's seeding gives (said where every worker would draw alike: :func:`_same_streams`).
+    ``start_iteration``: where a loop that resumes itself starts (:attr:`RunPlan.start_iteration`).
 
     The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.cluster.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
@@ -198,14 +216,14 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement)
     stack.callback(run_comm.Free)
     try:
-        return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed)
+        return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed=reseed, start_iteration=start_iteration)
     except BaseException:
         stack.close()
         raise
 
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
-             stack: ExitStack, reseed: bool = True) -> "Run":
+             stack: ExitStack, *, reseed: bool = True, start_iteration: int = 0) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
@@ -227,6 +245,7 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     model = agree(comm, lambda: workload.build_model(seed=cfg.seed, in_shape=facts["in_shape"],
                                                      n_classes=facts["n_classes"], hidden=cfg.hidden))
     steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, facts["n_train"], layout)))
+    agree(comm, lambda: _check_start(cfg, steps, start_iteration))
     device = _plan_device(cfg, comm, layout)
     devices = comm.allgather(device.describe())
     flat = FlatParameters(model, device.device, device.transfer)
@@ -239,7 +258,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         flat.upload()
     index = layout.worker_index(comm.rank) if layout.role(comm.rank) is Role.WORKER else None
     if index is not None and reseed:  # every worker its own random stream (dropout, the user's batches)
-        torch.manual_seed(worker_seed(cfg.seed, index, int(ckpt.worker_clocks[index]) if ckpt is not None else 0))
+        torch.manual_seed(worker_seed(cfg.seed, index, int(ckpt.worker_clocks[index]) if ckpt is not None
+                                      else start_iteration))
     elif not reseed:
         _same_streams(comm, index, layout.n_workers)
     redeal = Redeal(tuple(int(c) for c in ckpt.written_clocks), int(ckpt.worker_clocks[0])) \
@@ -262,7 +282,7 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         slices=Slices.plan(flat.size, flat.n_params, layout.n_servers, stripe),
         codec=make_codec(cfg.compress), steps=steps, facts=facts, devices=tuple(devices),
         world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
-        reseed=reseed)
+        reseed=reseed, start_iteration=start_iteration)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
                      stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "")
     return Run(run_plan, state)
@@ -460,7 +480,7 @@ class Run:
         if topo.role is Role.SERVER:
             # a resumed shard is at its checkpoint's version from its first publish: a worker's first pull
             # tags its gradient with it (with 0, the first gradients looked hundreds of versions stale)
-            window.publish(master, plan.ckpt.shard_version(comm.rank) if plan.ckpt else 0)
+            window.publish(master, plan.shard_start(comm.rank))
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
             optimizer = state.optimizer = assembly.shard_optimizer(plan, state, master[:plan.trainable(shard)], shard)
@@ -480,7 +500,7 @@ class Run:
                                                      optimizer.schedule) if comm.rank == 0 else None)
         if topo.role is Role.GROUP:  # before the start barrier, so no worker can pull an empty window
             # at the version the group server will be at: the lowest central shard's (a resumed run's too)
-            start = min(plan.ckpt.shard_version(s) for s in plan.shards) if plan.ckpt else 0
+            start = min(plan.shard_start(s) for s in plan.shards)
             group_window.publish(state.flat.params, start)
         if comm.rank == 0:
             f = plan.facts
@@ -546,6 +566,7 @@ class Run:
         saved_ckpt = checkpointing.checkpoint_at_stop(plan, state, comm, loop) if stopped_by else None
         if stopped_by is None and comm.bcast(state.diverged is not None if comm.rank == 0 else None, root=0):
             stopped_by = "diverged"  # no checkpoint: nothing worth resuming
+        state.stopped_by = stopped_by
         ranks = comm.gather(records.rank_row(plan, state), root=0)  # after the barrier: nobody waits long
         # worker 0's integer buffers (BatchNorm's num_batches_tracked, counted on each rank) into the model saved
         ints = [i for i in comm.gather(loop.int_buffers if loop is not None else None, root=0) or [] if i]
@@ -598,7 +619,7 @@ class Run:
         runfile.close()
         final = ", ".join(f"{k} {v:.4f}" for k, v in state.final_metrics.items() if not math.isnan(v))
         reached = (int(iterations["step"].max()) + 1 if len(iterations) else
-                   int(max(plan.ckpt.worker_clocks)) if plan.ckpt is not None else 0)
+                   max(plan.worker_start(w) for w in range(plan.layout.n_workers)))
         what = "steps" if plan.cfg.inner_steps is None else f"rounds of {plan.cfg.inner_steps} local steps"
         log.info("done in %.1f s after %d of %d %s: %s%d of %d gradients applied; metrics in %s%s",
                  summary["wall_s"], reached, plan.rounds, what, f"final evaluation {final}; " if final else "",

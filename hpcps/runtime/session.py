@@ -35,6 +35,7 @@ from hpcps.runtime import assembly
 from hpcps.runtime.collectives import WorkerCollectives
 from hpcps.runtime.checkpoints.loop import LoopCheckpoints
 from hpcps.runtime.inner import InnerRounds
+from hpcps.runtime.losses import LossCapture
 from hpcps.options.effects import own_loop
 from hpcps.transport.compress import all_finite
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
@@ -144,6 +145,7 @@ class Session(_LoopCalls):
         self.n_workers = layout.n_workers
         self.worker_index = run.state.index
         self.model = run.state.model
+        self.path = run.state.path  # the run file (HDF5), which rank 0 writes
         self._optimizer = None
         self._resumed_groups: list | None = None  # ps.optimizer's hyperparameters as a checkpointed loop left them
         #: where the model lives (``cuda:<i>`` on a GPU worker): the loop puts its batches there
@@ -175,7 +177,9 @@ class Session(_LoopCalls):
         self.collectives = WorkerCollectives(
             (MPI.COMM_SELF if run.state.placed_at is not None else run.state.topo.role_comm).Dup(), self._wait,
             dead=run.state.dead, run_comm=run.state.topo.comm, rank=rank)
-        self._target_reached = self._evaluated = self._said_no_loss = False
+        self._target_reached = self._evaluated = False
+        #: the loss of a step the loop steps without naming it (optimizer.step(), scaler.step(optimizer))
+        self.losses = LossCapture(warn=self.worker_index == 0).open()
         pushes = self.worker.backward_pushes
         #: the emulated compute (hpcps.cluster.emulation), after the worker's own hooks and before the backward
         #: pushes' (put on at the first push): a layer's parameters come before its compute, compute before send
@@ -240,7 +244,8 @@ class Session(_LoopCalls):
     def step(self, loss: torch.Tensor | float | None = None, *, skip: bool = False) -> bool:
         """Push the gradient of this step (what backward accumulated in ``.grad`` since the last
         step), wait as the paradigm says, and bring in the parameters of the next; return
-        :attr:`running`. ``loss`` (optional) goes to the iteration's row; ``skip`` pushes the
+        :attr:`running`. ``loss`` goes to the iteration's row; without it, the sum of the scalars
+        backward ran from since the last step (:mod:`hpcps.runtime.losses`); ``skip`` pushes the
         step as skipped: it counts in its round (nobody waits for it) and is never applied.
         Under ``--local-steps H`` it steps the worker's :attr:`inner_optimizer` instead (not for a
         ``skip``ped step), and every H-th call pushes the round's pseudo-gradient and waits as the
@@ -254,12 +259,7 @@ class Session(_LoopCalls):
         # a partitioned pull's waits in the pass are not compute
         t0 = self.t0 + self.worker.pass_waited - self._waited0
         self.compute.end_pass(self.flat, t0, self.clip_norm)
-        value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        if loss is None and not self._said_no_loss and self.worker_index == 0:
-            self._said_no_loss = True
-            log.warning("worker 0: ps.step() got no loss, so the run file's loss column is NaN and the divergence "
-                        "watch sees no loss: pass it (ps.step(loss), or scaler.step(ps.optimizer, loss=loss) "
-                        "under a GradScaler; said once)")
+        value = self.losses.value(loss)
         compute_s = time.perf_counter() - t0
         if self.local is not None:
             if not skip and not all_finite(self.flat.grads_t[:self.flat.n_params]):
@@ -400,6 +400,7 @@ class Session(_LoopCalls):
         """The model leaves the run as it came: without the emulation's hooks."""
         self.loop_checkpoints.remove()
         self.compute.remove()
+        self.losses.close()
 
     def __enter__(self) -> "Session":
         return self
@@ -459,10 +460,14 @@ class StepOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, loss: torch.Tensor | float | None = None):
-        """The session's :meth:`Session.step`, as torch and ``GradScaler`` call an optimizer's: ``closure()``
-        (if given) computes the loss, which the step records; else ``loss`` (``scaler.step(ps.optimizer,
-        loss=loss)`` passes it through) goes to the iteration's row. A step the scaler found Inf or NaN in is
-        pushed as skipped; gradients it did not unscale are unscaled here. Returns the loss."""
+        """The session's :meth:`Session.step`, as torch and ``GradScaler`` call an optimizer's.
+
+        ``closure()`` (if given) computes the loss, which the step records; else ``loss``
+        (``scaler.step(ps.optimizer, loss=loss)`` passes it through) goes to the iteration's row; else the
+        row takes the sum of the scalars ``backward()`` ran from since the last step, less a GradScaler's
+        scale (:mod:`hpcps.runtime.losses`): ``optimizer.step()`` and ``scaler.step(optimizer)`` as a DDP
+        script has them record their loss. A step the scaler found Inf or NaN in is pushed as skipped;
+        gradients it did not unscale are unscaled here. Returns the loss (as given or computed)."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

@@ -121,6 +121,8 @@ class ShardHypers:
         changed since the last update (rows of ``servers/hypers``)."""
         if not self.edits:
             return
+        if not self._in_force:  # the first edit: what the optimizer was built with is no change (its rows would
+            self._changed(optimizer)  # say amsgrad, fused, ... at the first version though no loop set them)
         values = self.edits.get(workers[0])
         if any(self.edits.get(w) != values for w in workers[1:]) and not self._mixed_told:
             self._mixed_told = True

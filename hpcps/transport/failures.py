@@ -20,7 +20,9 @@ that holds a dead rank (the run's end shrinks it first). Direct launch with
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from typing import Callable, Iterable, TypeVar
 
 from mpi4py import MPI
@@ -54,6 +56,16 @@ def deaths_seen() -> bool:
     the dead for good when the job spans several nodes (seen in the box): the caller should end the
     process without it (``os._exit``) once its work is written."""
     return bool(_seen)
+
+
+def end_without_the_dead(status: int) -> None:
+    """After a run that went on without a dead rank, end this process at once with ``status``, its files
+    written (:func:`deaths_seen`); else return (the caller exits as it would)."""
+    if deaths_seen():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 class DeadRanks:

@@ -158,19 +158,22 @@ def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(
     if comm != MPI.COMM_NULL:
         ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.5, paradigm="bsp", steps=steps, progress=False,
                         out=str(mpi_tmp_path / f"amp-{unscale_first}.h5"), exit_on_error=False, comm=comm)
+        seen = []
         with ps:
             scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=3)
             while ps.running:
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = ps.model(*batch(ps.iteration, 0))
+                seen.append(float(loss))
                 scaler.scale(loss).backward()
                 if unscale_first:
                     scaler.unscale_(ps.optimizer)
-                if unscale_first:  # (the loss through the scaler to the row; the other variant gives none)
+                if unscale_first:  # the loss named, through the scaler to the row
                     scaler.step(ps.optimizer, loss=loss)
-                else:
+                else:  # as a DDP script has it: the row's loss is what backward ran from, less the scale
                     scaler.step(ps.optimizer)
                 scaler.update()
+        seen = comm.bcast(seen, root=1)
         if comm.rank == 0:
             ref, skipped = run_torch()
             with h5py.File(ps.result.path) as f:
@@ -179,13 +182,15 @@ def test_a_grad_scaler_skips_on_the_servers_exactly_the_steps_it_skips_in_torch(
             got = torch.from_numpy(ps.result.params[:len(ref)])
             facts = {"skipped": skipped, "reason2": int((up["reason"] == 2).sum()),
                      "applied": int(up["applied"].sum()), "err": float((got - ref).abs().max()),
-                     "losses": (len(losses), int(np.isfinite(losses).sum()))}
+                     "losses": (len(losses), int(np.isfinite(losses).sum())),
+                     "loss_err": float(np.abs(np.asarray(losses, np.float64) - np.asarray(seen)).max())}
         comm.Free()
     facts = share(world, facts)
     assert 0 < facts["skipped"] < steps  # the scaler skipped some steps and took others
     assert facts["reason2"] == facts["skipped"] and facts["applied"] == steps - facts["skipped"]
     assert facts["err"] < 1e-5, facts["err"]
-    assert facts["losses"] == (steps, steps if unscale_first else 0)  # every row's loss, where the step had it
+    assert facts["losses"] == (steps, steps)  # every row's loss, named or not
+    assert facts["loss_err"] < 1e-6, facts["loss_err"]  # the loss itself, not the scaled one (2**30 times it)
 
 
 def test_every_worker_draws_its_own_random_stream(world, mpi_tmp_path):
@@ -409,14 +414,14 @@ def test_steps_may_follow_from_the_worker_count(world, mpi_tmp_path):
 def test_reseed_false_keeps_the_scripts_stream_and_says_when_every_worker_draws_alike(world, mpi_tmp_path, capsys):
     """With ``reseed=False`` a worker's torch stream after ``init`` continues from the model's build (the factory
     after ``torch.manual_seed(seed)``), as the single-process script's does; every rank seeded alike, every
-    worker draws alike, and rank 0 says so once. A step without a loss is said once, by worker 0."""
+    worker draws alike, and rank 0 says so once. A step whose loss is unknown is said once, by worker 0."""
     ps = hpcps.init(TinyLM, device="cpu", paradigm="asp", steps=1, seed=7, progress=False, reseed=False,
                     out=str(mpi_tmp_path / "rng.h5"), exit_on_error=False, comm=world)
     draws = None
     with ps:
         if ps.is_worker:
             draws = torch.rand(4).tolist()
-            ps.model(*batch(0, 0)).backward()
+            ps.model(*batch(0, 0)).expand(2).backward(torch.full((2,), 0.5))  # from a non-scalar: no loss known
             ps.step()
     got = [d for d in world.allgather(draws) if d is not None]
     torch.manual_seed(7)
@@ -425,6 +430,83 @@ def test_reseed_false_keeps_the_scripts_stream_and_says_when_every_worker_draws_
     err = capsys.readouterr().err.splitlines()
     said = [line for line in err if "WARNING: reseed=False" in line]
     assert len(said) == (1 if world.rank == 0 else 0), said
-    # (and the loop's ps.step() without a loss: worker 0 says once that the loss column has none)
-    no_loss = [line for line in err if "ps.step() got no loss" in line]
+    # (and a step whose loss is unknown, its backward from a non-scalar: worker 0 says once that its row has none)
+    no_loss = [line for line in err if "a step whose loss is unknown" in line]
     assert len(no_loss) == (1 if ps.is_worker and ps.worker_index == 0 else 0), no_loss
+
+
+@pytest.mark.parametrize("options", [{"servers": 2}, {"servers": 2, "placement": "rank"}, {"servers": 1, "groups": 1}])
+def test_world_before_init_says_what_init_makes_of_this_rank(world, mpi_tmp_path, options):
+    """hpcps.world() with init's options: the worker count, this rank's role and worker index, as the session
+    init then returns has them (the run's own placement of the ranks included)."""
+    paradigm = "grouped" if "groups" in options else "asp"
+    where = hpcps.world(exit_on_error=False, comm=world, paradigm=paradigm, **options)
+    ps = hpcps.init(TinyLM, device="cpu", paradigm=paradigm, steps=1, progress=False, exit_on_error=False,
+                    comm=world, out=str(mpi_tmp_path / "world.h5"), **options)
+    with ps:
+        if ps.is_worker:
+            ps.model(*batch(0, 0)).backward()
+            ps.step()
+    assert (where.n_workers, where.worker_index, where.is_worker) == (ps.n_workers, ps.worker_index, ps.is_worker)
+    roles = world.allgather(where.role)
+    n_servers, groups = options["servers"], options.get("groups", 0)
+    assert sorted(roles) == sorted(["server"] * n_servers + ["group"] * groups + ["worker"] * where.n_workers)
+    assert where.n_workers == world.size - n_servers - groups and where.size == world.size
+
+
+@pytest.mark.parametrize("paradigm", ["bsp", "asp"])
+def test_a_loop_that_resumes_itself_goes_on_at_its_iteration_and_keeps_the_earlier_run_file(world, mpi_tmp_path,
+                                                                                             paradigm):
+    """nanoGPT's own resume: the model from its checkpoint, ``ps.optimizer.load_state_dict`` of its saved state,
+    ``start_iteration=iter_num``. Before, the versions began at 0 again (eval rows of iterations 100/150/200 filed
+    at versions 0/50/100) and the same ``out`` was overwritten without a word. Now the shards start where the
+    first run ended (bsp: k; asp: k x workers), the iterations go on at k, a schedule of the version goes on; under
+    bsp the parameters end where the uninterrupted run's do (to 1e-6), and the first run's file is kept beside
+    (``.1.h5``)."""
+    total, k = 8, 4
+    common = dict(device="cpu", optimizer="sgd", lr=0.1, momentum=0.9, lr_schedule=lambda version: 1 - version / 64,
+                  paradigm=paradigm, progress=False, exit_on_error=False, comm=world)
+    out = str(mpi_tmp_path / f"own-{paradigm}.h5")
+
+    def loop(ps):
+        saved = None
+        with ps:
+            while ps.running:
+                ps.optimizer.zero_grad()
+                ps.model(*batch(ps.iteration, 0, ps.worker_index)).backward()
+                ps.step()
+            if ps.is_worker:
+                saved = ps.optimizer.state_dict()  # the loop's checkpoint, as nanoGPT saves it
+        return ps, saved
+
+    whole, _ = loop(hpcps.init(TinyLM, out=str(mpi_tmp_path / f"whole-{paradigm}.h5"), steps=total, **common))
+    first, saved = loop(hpcps.init(TinyLM, out=out, steps=k, **common))  # the job's time ran out at k
+    flat = world.bcast(first.result.params if world.rank == 0 else None, root=0)
+
+    def from_checkpoint() -> TinyLM:
+        model = TinyLM()
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(flat[:sum(p.numel() for p in model.parameters())]),
+                                            model.parameters())
+        return model
+
+    ps = hpcps.init(from_checkpoint, out=out, steps=total, start_iteration=k, **common)
+    starts = None
+    if ps.is_worker:
+        ps.optimizer.load_state_dict(saved)
+        starts = ps.iteration
+    resumed, _ = loop(ps)
+    assert [s for s in world.allgather(starts) if s is not None] == [k] * 4
+    if world.rank == 0:
+        n = 1 if paradigm == "bsp" else 4
+        with h5py.File(out) as f, h5py.File(whole.result.path) as w:
+            assert (f.attrs["start_iteration"], f.attrs["start_version"]) == (k, k * n)
+            assert sorted(set(f["workers/iterations"]["step"].tolist())) == list(range(k, total))
+            updates = f["servers/updates"][()]
+            assert int(updates["version"].min()) == k * n
+            if paradigm == "bsp":  # (asp's rate also has the gradient's staleness in it: lr_scaling)
+                rate = {int(u["version"]): float(u["lr"]) for u in w["servers/updates"][()]}
+                assert all(math.isclose(float(u["lr"]), rate[int(u["version"])]) for u in updates)
+        with h5py.File(str(mpi_tmp_path / f"own-{paradigm}.1.h5")) as f:  # the first run's, kept
+            assert sorted(set(f["workers/iterations"]["step"].tolist())) == list(range(k))
+        if paradigm == "bsp":
+            assert np.abs(resumed.result.params - whole.result.params).max() < 1e-6

@@ -235,7 +235,7 @@ def worker_clocks_at(plan: RunPlan, cut: list[int]) -> list[int]:
     for g, members in enumerate(layout.group_members()):
         for rank in members:
             w = layout.worker_index(rank)
-            clocks[w] = int(cut[g]) + (int(plan.ckpt.worker_clocks[w]) if plan.ckpt is not None else 0)
+            clocks[w] = int(cut[g]) + plan.worker_start(w)
     return clocks
 
 

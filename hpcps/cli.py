@@ -298,6 +298,10 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "--progress-every seconds (default {default})")
     g.add_argument("--progress-every", type=float, dest="progress_every", metavar="SECONDS",
                    help="seconds between status lines when stderr is not a terminal (default {default})")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="rank 0 also writes the run live as TensorBoard scalars (loss, lr, staleness, step time and "
+                        "its phases per worker, evaluations, ps.log values) in DIR/<run file's name>: watch with "
+                        "tensorboard --logdir DIR; needs the tensorboard package")
     g.add_argument("--timeline", action=argparse.BooleanOptionalAction,
                    help="record where every rank's time goes, phase by phase (receive, step, publish, push, "
                         "pull, ...), in the metrics file's /timeline; hpcps report draws it and writes it as a Chrome trace "
@@ -336,7 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "against wall time, iterations/s per worker, time breakdown per worker, "
                                    "staleness histogram, DSSP bounds over time) and a Markdown/CSV table.")
     r.add_argument("runs", nargs="+", metavar="RUN.h5", help="metrics files written by hpcps train")
-    r.add_argument("--out", required=True, metavar="DIR", help="directory for the plots and tables")
+    r.add_argument("--out", metavar="DIR", help="directory for the plots and tables")
+    r.add_argument("--tensorboard", metavar="DIR",
+                   help="write the runs as TensorBoard event files, each in a folder of DIR named after its run "
+                        "file (side by side: tensorboard --logdir DIR); needs the tensorboard package")
     r.add_argument("--target", type=float, default=0.9, metavar="ACC",
                    help="accuracy whose first evaluation counts as time-to-target (default 0.9)")
     r.set_defaults(func=_report)
@@ -549,10 +556,19 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from hpcps.analysis.report import make_report
+    if args.out is None and args.tensorboard is None:
+        raise UserError("hpcps report: say where: --out DIR (plots and tables), --tensorboard DIR (event files), "
+                        "or both")
+    if args.tensorboard is not None:
+        from hpcps.metrics.board import export
 
-    for path in make_report(args.runs, args.out, target=args.target):
-        print(path)
+        for folder in export(args.runs, args.tensorboard):
+            print(folder)
+    if args.out is not None:
+        from hpcps.analysis.report import make_report
+
+        for path in make_report(args.runs, args.out, target=args.target):
+            print(path)
     return 0
 
 

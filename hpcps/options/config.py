@@ -126,6 +126,7 @@ class TrainConfig(BaseModel):
     shards_at_once: int = Field(0, ge=0)  # 0: pushes and pulls reach every shard at once; K: K at a time (fan-in)
     pull: Literal["get", "send"] = "get"  # bsp: workers read a round's values (get) or the shards send them (send)
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
+    tensorboard: str | None = None  # rank 0 writes the rows as TensorBoard scalars there too (hpcps.metrics.board)
     nonfinite: Literal["skip", "abort"] = "skip"
     divergence: Literal["stop", "ignore"] = "stop"  # hpcps.training.divergence
     stall_warn: float = Field(60.0, gt=0)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcps.metrics.board import TABLES as BOARD_TABLES, Board, run_logdir
 from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.policies import Policy, make_policy
 from hpcps.runtime import faults, watchers
@@ -125,6 +128,13 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         bar = Progress(len(workers) * plan.rounds, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                        accuracy=lambda: evaluator.accuracy)
         side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]
+        if cfg.tensorboard:  # the rows as they come, to TensorBoard too (hpcps.metrics.board)
+            board = state.stack.enter_context(closing(Board(run_logdir(cfg.tensorboard, state.path),
+                                                            time.time() - state.clock())))
+            log.info("TensorBoard: the run's scalars live in %s (tensorboard --logdir %s)", board.logdir,
+                     cfg.tensorboard)
+            for table in BOARD_TABLES:
+                recorder.watchers.setdefault(table, []).append(board.watcher(table))
         if cfg.divergence == "stop":
             add = recorder.watchers.setdefault
             add("workers/iterations", []).append(watchers.divergence_watch(plan, state, window))

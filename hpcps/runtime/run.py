@@ -52,6 +52,7 @@ from hpcps.cluster.grouping import speed_groups
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
 from hpcps.cluster.placement import place
+from hpcps.metrics.board import check_installed
 from hpcps.options.planning import resolve
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
@@ -246,6 +247,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
                                                      n_classes=facts["n_classes"], hidden=cfg.hidden))
     steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, facts["n_train"], layout)))
     agree(comm, lambda: _check_start(cfg, steps, start_iteration))
+    if cfg.tensorboard:
+        agree(comm, lambda: check_installed() if comm.rank == 0 else None)
     device = _plan_device(cfg, comm, layout)
     devices = comm.allgather(device.describe())
     flat = FlatParameters(model, device.device, device.transfer)

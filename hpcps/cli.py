@@ -172,6 +172,10 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
     g = t.add_argument_group("server optimizer (run by every shard on its slice)")
     g.add_argument("--optimizer", help="torch.optim rule (default {default})")
     g.add_argument("--momentum", type=float, help="sgd momentum (default {default})")
+    g.add_argument("--fused", action=argparse.BooleanOptionalAction,
+                   help="the built-in optimizers' kernel on the shards: --fused, torch's fused one (an error where "
+                        "torch has none); --no-fused, torch's default, as a plain torch.optim.AdamW(params) has it "
+                        "(to the last bit); unset, fused where torch has it (faster: default)")
     g.add_argument("--stale-momentum", dest="stale_momentum",
                    help="auto: each shard lowers the sgd momentum by what its updates' running "
                         "mean staleness s adds (to 1-(1-m)(1+s), at least 0) and raises the rate to keep "

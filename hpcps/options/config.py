@@ -81,6 +81,9 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
+    #: the built-in optimizers' kernel: None, torch's fused one where it has it (hpcps.training.optim.FUSED);
+    #: False, torch's default (a plain torch.optim.AdamW(params)'s, to the last bit); True, fused or refused
+    fused: bool | None = None
     lr_schedule: Literal["constant", "step", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     lr_step_every: int | None = Field(None, ge=1)

@@ -466,6 +466,8 @@ class Run:
                              local_len=plan.slices.length(shard) if shard is not None else 0, codec=plan.codec,
                              fanin=plan.cfg.shards_at_once, first=plan.layout.rotation_start(topo.rank, state.index))
         state.window = window  # freed by __exit__ if start() goes no further
+        # a paradigm of rounds stops at a round's close: a stop asked for goes up with the shards' next publish
+        window.stop_at_publish = plan.paradigm.holds_rounds
         if plan.cfg.shards_at_once and window.protocol == "locked" and comm.rank == 0:
             log.warning("--shards-at-once %d: ignored by the locked window protocol, whose pulls read every shard "
                         "at once under locks", plan.cfg.shards_at_once)
@@ -498,6 +500,11 @@ class Run:
                          "lr_schedule_values": rates.samples(optimizer.schedule, assembly.horizon(plan))}
             runfile.set_attrs(optimizer=json.dumps(state.ran["optimizer_ran"]),
                               lr_schedule_values=json.dumps(state.ran["lr_schedule_values"]))
+            if plan.workload.optimizer is None and state.ran["optimizer_ran"]:  # a built-in's kernel: said
+                fused = state.ran["optimizer_ran"]["defaults"].get("fused")
+                log.info("the shards' %s runs torch's %s kernel (%s)", plan.cfg.optimizer,
+                         "fused" if fused else "default", "--no-fused / fused=False for a plain torch optimizer's, "
+                         "to the last bit" if fused else "--fused for the faster fused one")
         if plan.ckpt is not None:
             agree(comm, lambda: check_same_optimizer(plan.ckpt, plan.cfg.resume, state.ran["optimizer_ran"],
                                                      optimizer.schedule) if comm.rank == 0 else None)

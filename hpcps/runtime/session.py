@@ -166,7 +166,7 @@ class Session(_LoopCalls):
         if cfg.inner_steps is not None:
             self.local = LocalSteps(self.model, self.flat, builtin_optimizer(
                 cfg.inner_optimizer, lr=cfg.inner_lr, momentum=cfg.inner_momentum,
-                weight_decay=cfg.inner_weight_decay), every=cfg.inner_steps, steps=run.plan.steps)
+                weight_decay=cfg.inner_weight_decay, fused=cfg.fused), every=cfg.inner_steps, steps=run.plan.steps)
             self.inner = InnerRounds(self.local, run, self.worker_index, rank)
             self.inner.resume()
         self._waited0 = 0.0

@@ -101,14 +101,16 @@ def warm_optimizers() -> None:
 
 def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
                       weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-8, momentum_period: int = 1) -> OptimizerFactory:
+                      eps: float = 1e-8, momentum_period: int = 1, fused: bool | None = None) -> OptimizerFactory:
     """``--optimizer sgd|adam|adamw`` and its options, as a factory of torch optimizers.
 
     torch's fused implementation where it has one (``fused=True``: one pass over a chunk
     where the default for-loop makes one per operation; Adam's step on the shard went from
     17x to 3.2x the time of a copy of the gradient's bytes, ``tools/bench_shard_apply.py``),
-    the default one where it refuses. ``momentum_period`` above 1: sgd's Nesterov momentum updated once per
-    that many updates (:class:`hpcps.training.delayed.DelayedNesterov`)."""
+    the default one where it refuses (``fused=None``, unless :data:`FUSED` is off); ``fused=False``: torch's
+    default kernels, as a plain ``torch.optim.AdamW(params)`` has them (the user's own loop, to the last
+    bit); ``fused=True``: the fused kernel or torch's error. ``momentum_period`` above 1: sgd's Nesterov
+    momentum updated once per that many updates (:class:`hpcps.training.delayed.DelayedNesterov`)."""
     if name == "sgd" and momentum_period > 1:
         from hpcps.training.delayed import DelayedNesterov
 
@@ -125,7 +127,9 @@ def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: 
 
     def make(params):
         params = list(params)
-        if not FUSED:
+        if fused is True:
+            return cls(params, fused=True, **options)
+        if fused is False or not FUSED:
             return cls(params, **options)
         try:
             return cls(params, fused=True, **options)

@@ -143,7 +143,8 @@ class Workload:
     def optimizer_factory(self, cfg: TrainConfig) -> OptimizerFactory:
         return self.optimizer or builtin_optimizer(cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
                                                    nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-                                                   betas=cfg.betas, eps=cfg.eps, momentum_period=cfg.momentum_period)
+                                                   betas=cfg.betas, eps=cfg.eps, momentum_period=cfg.momentum_period,
+                                                   fused=cfg.fused)
 
 
 def data_source(train: Any, test: Any = None, *, test_fraction: float = 0.2, name: str = "dataset") -> DataSource:

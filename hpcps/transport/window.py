@@ -192,7 +192,8 @@ class _Reads:
             groups = [g for g in groups if g]
         else:
             groups = [pieces]
-        return Pull(self, out, heard, (versions, bool(heads[:, wire.WIN_STOP].any())), backoff, slots,
+        return Pull(self, out, heard, (versions, bool((heads[:, wire.WIN_STOP] == wire.STOP_RAISED).any())),
+                    backoff, slots,
                     list(parts), land, groups=groups,
                     issue=lambda piece: self._get_range(win, land, *piece, slots))
 
@@ -220,7 +221,7 @@ class _Reads:
             win.Unlock(rank)
         if out is not None and land is not out:
             self.codec.decode_params(land, out)
-        return heads[:, wire.WIN_VERSION].copy(), bool(heads[:, wire.WIN_STOP].any())
+        return heads[:, wire.WIN_VERSION].copy(), bool((heads[:, wire.WIN_STOP] == wire.STOP_RAISED).any())
 
 
 class ParamWindow(_Reads):
@@ -274,6 +275,10 @@ class ParamWindow(_Reads):
         self._newest = 0  # pinned: the slot of our newest publish
         self._age = [0] * self.n_slots  # pinned: publish count when each slot was last written
         self._published = 0
+        #: a paradigm of rounds (bsp): a stop asked for goes up at the shard's next publish, not at once (a worker
+        #: that pulled before it and one that pulled after would otherwise end a round apart, and the round's last
+        #: gradients be applied as a round of their own); set by the run for its central window, on every rank
+        self.stop_at_publish = False
         self._held: tuple[np.ndarray, int] | None = None  # a publish deferred while every free slot is pinned
         self.deferred = 0  # publishes deferred for pinned slots (this shard)
         self.retries = 0  # times this rank's pulls found the newest slot claimed and started over
@@ -344,6 +349,8 @@ class ParamWindow(_Reads):
             win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
             self.codec.encode_params(params, self.slots[0])
             self.header[wire.WIN_VERSION] = version
+            if self.stop_at_publish and self.header[wire.WIN_STOP] == wire.STOP_PENDING:
+                self.header[wire.WIN_STOP] = wire.STOP_RAISED  # (see _raise_pending)
             # the separate memory model: the stores of this epoch, and a 16-bit window's fp32 masters (stepped
             # in place before it), reach the public copy here; exact pulls read them only while no shard steps
             win.Sync()
@@ -367,7 +374,14 @@ class ParamWindow(_Reads):
         self._store(wire.WIN_PINS + slot, -CLAIMED, MPI.SUM)  # release: readers may pin it now
         self._published += 1
         self._newest, self._age[slot] = slot, self._published
+        self._raise_pending()
         return True
+
+    def _raise_pending(self) -> None:
+        """After a publish, under :attr:`stop_at_publish`: a stop asked for since the last one goes up now, with
+        this version, so every worker of the round that just closed sees it at the same pull."""
+        if self.stop_at_publish and self._stop_word() == wire.STOP_PENDING:
+            self._raise(wire.STOP_RAISED)
 
     def publish_held(self) -> bool:
         """Publish a deferred version once a slot is free; True if nothing is left deferred."""
@@ -376,39 +390,48 @@ class ParamWindow(_Reads):
         return self.publish(*self._held)
 
     def set_stop(self) -> None:
-        """Raise this shard's stop flag; workers see it at their next pull."""
+        """Raise this shard's stop flag; workers see it at their next pull (under :attr:`stop_at_publish`,
+        the pull of this shard's next publish)."""
+        self._raise(wire.STOP_PENDING if self.stop_at_publish else wire.STOP_RAISED)
+
+    def _raise(self, value: int) -> None:
+        """This shard's own stop word up to ``value`` (never down)."""
         win = self._live()
         if self.protocol == "locked":
             win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
-            self.header[wire.WIN_STOP] = 1
+            self.header[wire.WIN_STOP] = max(int(self.header[wire.WIN_STOP]), value)
             win.Unlock(self.rank)
         else:
-            self._store(wire.WIN_STOP, 1)
+            self._store(wire.WIN_STOP, value, MPI.MAX)
 
-    def stop_raised(self) -> bool:
-        """This shard's stop flag, as readers see it (raised by :meth:`set_stop` or any rank's
-        :meth:`request_stop`)."""
+    def _stop_word(self) -> int:
         win = self._live()
         if self.protocol == "pinned":
             win.Fetch_and_op([self._one, 1, _I64], [self._word, 1, _I64], self.rank, 8 * wire.WIN_STOP, MPI.NO_OP)
             win.Flush(self.rank)
-            return int(self._word[0]) != 0
+            return int(self._word[0])
         win.Lock(self.rank, MPI.LOCK_SHARED)
-        raised = bool(self.header[wire.WIN_STOP])
+        word = int(self.header[wire.WIN_STOP])
         win.Unlock(self.rank)
-        return raised
+        return word
+
+    def stop_raised(self) -> bool:
+        """This shard's stop flag, as readers see it (raised by :meth:`set_stop` or any rank's
+        :meth:`request_stop`; a pending one, under :attr:`stop_at_publish`, once this shard has published)."""
+        return self._stop_word() == wire.STOP_RAISED
 
     # -- reader side ----------------------------------------------------
 
     def request_stop(self) -> None:
         """From any rank: raise every shard's stop flag (an atomic ``Accumulate`` into each header), so
-        every reader sees it at its next pull. Used to spread a signal one rank received."""
+        every reader sees it at its next pull (under :attr:`stop_at_publish`, the pull of each shard's next
+        publish). Used to spread a signal one rank received, and for the loop's ``ps.stop()``."""
         win = self._live()
-        one = np.ones(1, np.int64)
+        one = np.array([wire.STOP_PENDING if self.stop_at_publish else wire.STOP_RAISED], np.int64)
         for rank in self.shard_ranks:
             if self.protocol == "locked":
                 win.Lock(rank, MPI.LOCK_SHARED)
-            win.Accumulate([one, 1, _I64], rank, (8 * wire.WIN_STOP, 1, _I64), MPI.REPLACE)
+            win.Accumulate([one, 1, _I64], rank, (8 * wire.WIN_STOP, 1, _I64), MPI.MAX)
             if self.protocol == "locked":
                 win.Unlock(rank)
             else:

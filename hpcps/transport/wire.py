@@ -112,6 +112,10 @@ WINDOW_HEADER_BYTES = 128
 WIN_MAX_SLOTS = 4
 WIN_VERSION = 0  # newest published version
 WIN_STOP = 1
+#: the stop word's values, raised only (MAX): a stop asked for under a paradigm of rounds waits for the shard's
+#: next publish (STOP_PENDING), so that every worker sees it at the same round; readers stop at STOP_RAISED
+STOP_PENDING = 1
+STOP_RAISED = 2
 WIN_NEWEST = 2  # pinned: the slot that holds the newest complete publish
 WIN_SLOT_VERSION = 4  # pinned: the version in slot k is word 4 + k
 WIN_PINS = 8  # pinned: readers copying slot k (word 8 + k); hpcps.transport.window.CLAIMED while the shard writes it

@@ -510,3 +510,68 @@ def test_a_loop_that_resumes_itself_goes_on_at_its_iteration_and_keeps_the_earli
             assert sorted(set(f["workers/iterations"]["step"].tolist())) == list(range(k))
         if paradigm == "bsp":
             assert np.abs(resumed.result.params - whole.result.params).max() < 1e-6
+
+
+@pytest.mark.parametrize("pull", ["get", "send"])
+def test_a_stop_under_bsp_ends_every_worker_at_the_same_round_and_applies_no_partial_round(world, mpi_tmp_path, pull):
+    """Before, ``ps.stop()`` raised every shard's stop flag at once: a worker that had pulled before it took one
+    more step, one that pulled after took none, and the shard applied the round's last gradients as a round of
+    their own (seen: version 3 applied with 1 of 4 gradients). Now a stop asked for under a paradigm of rounds
+    goes up with the shards' next publish: every worker ends at the same iteration, every version applied is a
+    whole round. Each worker of the first two asks in turn, at its own iteration 3, three runs each."""
+    for asker in (0, 1):
+        for attempt in range(3):
+            ps = hpcps.init(TinyLM, device="cpu", optimizer="sgd", lr=0.05, paradigm="bsp", servers=2, steps=40,
+                            pull=pull, progress=False, exit_on_error=False, comm=world,
+                            out=str(mpi_tmp_path / f"stop-{pull}-{asker}-{attempt}.h5"))
+            with ps:
+                while ps.running:
+                    ps.model(*batch(ps.iteration, 0, ps.worker_index)).backward()
+                    ps.step()
+                    if ps.worker_index == asker and ps.iteration == 3:
+                        ps.stop("enough")
+            ended = world.allgather(ps.iteration if ps.is_worker else None)
+            assert len({e for e in ended if e is not None}) == 1, ended
+            if world.rank == 0:
+                with h5py.File(ps.result.path) as f:
+                    up = f["servers/updates"][()]
+                for shard in (0, 1):
+                    mine = up[up["shard"] == shard]
+                    per_version = np.bincount(mine["version"][mine["applied"] == 1])
+                    assert (per_version == ps.n_workers).all(), per_version
+
+
+def test_no_fused_runs_the_users_plain_torch_optimizer_to_the_last_bit(world, mpi_tmp_path):
+    """The built-in adamw takes torch's fused kernel by default (faster; a few ulp from the for-loop kernel). A
+    DDP script's plain ``torch.optim.AdamW(model.parameters())`` runs the default kernel: ``fused=False`` is it,
+    and one worker under bsp ends on the single-process loop's parameters exactly (and says which kernel ran)."""
+    steps = 6
+    comm = sub(world, 2)
+    facts = None
+    if comm != MPI.COMM_NULL:
+        ps = hpcps.init(TinyLM, device="cpu", optimizer="adamw", lr=3e-3, weight_decay=0.01, fused=False,
+                        paradigm="bsp", steps=steps, progress=False, out=str(mpi_tmp_path / "plain.h5"),
+                        exit_on_error=False, comm=comm)
+        with ps:
+            while ps.running:
+                ps.optimizer.zero_grad()
+                ps.model(*batch(ps.iteration, 0)).backward()
+                ps.optimizer.step()
+        if comm.rank == 0:
+            torch.manual_seed(0)
+            model = TinyLM()
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+            for it in range(steps):
+                opt.zero_grad()
+                model(*batch(it, 0)).backward()
+                opt.step()
+            want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            got = torch.from_numpy(ps.result.params[:len(want)])
+            with h5py.File(ps.result.path) as f:
+                ran = json.loads(f.attrs["optimizer"])
+            facts = {"equal": bool(torch.equal(got, want)), "err": float((got - want).abs().max()),
+                     "fused": ran["defaults"].get("fused")}
+        comm.Free()
+    facts = share(world, facts)
+    assert facts["equal"], facts
+    assert not facts["fused"]

@@ -39,7 +39,7 @@ from hpcps.runtime.session import Session
 from hpcps.training.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
 
 
-def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
+def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: Any = "digits", *,
           test_data: torch.utils.data.Dataset | Iterable[Any] | None = None,
           loss: LossFn | str | None = None, evaluate: EvalFn | None = None,
           optimizer: OptimizerFactory | str | None = None, lr_schedule: Schedule | str | None = None,
@@ -51,7 +51,8 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
 
     ``model``
         a factory returning a ``torch.nn.Module``, called on every rank right
-        after ``torch.manual_seed(seed)`` (with ``in_shape``, ``n_classes``
+        after ``torch.manual_seed(seed)`` (or the model itself, built by the script: the
+        run starts from rank 0's parameters) (with ``in_shape``, ``n_classes``
         and ``hidden`` where it accepts them and the data tell them); or a
         built-in name or plug-in path, as ``--model`` takes. Afterwards
         worker ``i`` reseeds torch with ``seed + 1 + i`` (plus 1000003 x the
@@ -131,7 +132,7 @@ def train(model: Callable[..., torch.nn.Module] | str, data: Any = "digits", *,
     return _collectively(comm, run, exit_on_error)
 
 
-def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFactory | str | None = None,
+def init(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, *, optimizer: OptimizerFactory | str | None = None,
          lr_schedule: Schedule | str | None = None, param_groups: GroupsSpec | None = None,
          config: str | None = None, comm=None, exit_on_error: bool = True, overlap_pull: bool = False,
          reseed: bool = True, start_iteration: int = 0, **options: Any) -> Session:
@@ -156,7 +157,10 @@ def init(model: Callable[..., torch.nn.Module] | str, *, optimizer: OptimizerFac
     (``ps.model``) holds the parameters of the first step; ``ps.path`` is the run file.
 
     ``model``, ``optimizer``, ``lr_schedule``, ``param_groups``, ``config``, ``comm``
-    and ``exit_on_error`` are as :func:`train` takes them. An uncaught exception
+    and ``exit_on_error`` are as :func:`train` takes them; ``model`` may also be the model the
+    script built itself, as ``DDP(model)`` takes it: hpcps then draws nothing from torch's random
+    stream to build it, and the run starts from rank 0's parameters (every rank's are replaced
+    by them, as DDP broadcasts rank 0's). An uncaught exception
     anywhere in the script (inside ``with ps:`` or not) ends the job on every
     rank with one line naming the rank, as under ``python -m mpi4py``; with
     ``exit_on_error`` (the default) so does a worker's script that ends with

@@ -255,6 +255,9 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
     agree(comm, lambda: check_same_model(shapes))
     stripe = stripe_elements(cfg.partition_mb)  # the one place --partition-mb becomes a stripe
+    if workload.given_model:  # built by each rank's script, as DDP takes it: rank 0's parameters start the run
+        comm.Bcast(flat.params, root=0)
+        flat.upload()
     ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout, stripe)) if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params

@@ -118,8 +118,13 @@ class Workload:
 
         The factory gets the keyword arguments it accepts of ``in_shape``,
         ``n_classes`` (where the data set tells them) and ``hidden`` (where
-        the user gave it; else the factory's own default applies).
+        the user gave it; else the factory's own default applies). A model the
+        caller built (``hpcps.init(model)``, as ``DDP(model)`` takes it) is taken
+        as it is, torch's random stream untouched: the run starts from rank 0's
+        parameters (:func:`hpcps.runtime.run.open_run` sends them to every rank).
         """
+        if self.given_model:
+            return self.model
         offered: dict[str, Any] = {} if hidden is None else {"hidden": hidden}
         if in_shape is not None:
             offered["in_shape"] = tuple(in_shape)
@@ -136,6 +141,11 @@ class Workload:
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"--model {self.model_name}: returned a {type(model).__name__}, not a torch.nn.Module")
         return model
+
+    @property
+    def given_model(self) -> bool:
+        """Whether the caller gave a model already built, not a factory."""
+        return isinstance(self.model, torch.nn.Module)
 
     def evaluation(self) -> EvalFn:
         return self.evaluate or default_evaluate(self.loss)

@@ -575,3 +575,22 @@ def test_no_fused_runs_the_users_plain_torch_optimizer_to_the_last_bit(world, mp
     facts = share(world, facts)
     assert facts["equal"], facts
     assert not facts["fused"]
+
+
+def test_a_model_the_script_built_starts_the_run_from_rank_0s_parameters_and_leaves_the_stream(world, mpi_tmp_path):
+    """``hpcps.init(model)``, as ``DDP(model)``: every rank built its own (seeded by its rank, as nanoGPT seeds
+    1337 + rank); the run starts from rank 0's, and torch's stream is where the script left it."""
+    torch.manual_seed(100 + world.rank)
+    model = TinyLM()
+    start = world.bcast(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]), root=0)
+    after_build = torch.get_rng_state()
+    ps = hpcps.init(model, device="cpu", paradigm="bsp", steps=1, reseed=False, progress=False, exit_on_error=False,
+                    comm=world, out=str(mpi_tmp_path / "given.h5"))
+    facts = None
+    with ps:
+        if ps.is_worker:
+            facts = (bool(torch.equal(torch.get_rng_state(), after_build)),
+                     bool(torch.equal(torch.cat([p.detach().reshape(-1) for p in ps.model.parameters()]), start)))
+            ps.model(*batch(0, 0)).backward()
+            ps.step()
+    assert [f for f in world.allgather(facts) if f is not None] == [(True, True)] * (world.size - 1)

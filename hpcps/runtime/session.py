@@ -58,13 +58,20 @@ class _LoopCalls:
 
     def stop(self, reason: str = "") -> None:
         """End the run for every worker (early stopping): each shard's stop flag goes up, and every
-        worker's :attr:`running` turns False once its current step is done, as after a signal. The run
+        worker's :attr:`running` turns False once its current step is done (under a paradigm of rounds, bsp's,
+        at the close of the round under way: every worker ends at the same round), as after a signal. The run
         is recorded as stopped by the loop (``stopped_by`` ``loop``, or ``loop: <reason>``) and writes a
         checkpoint to resume from, as a signal's stop does."""
         if self.is_worker:
             signals = self.run.state.signals
             signals.acted = signals.acted or ("loop: " + reason if reason else "loop")
             self.worker.window.request_stop()
+
+    @property
+    def stopped(self) -> bool:
+        """True once somebody stopped the run (a signal, :meth:`stop`, a target) before its steps were done: a
+        loop that validates at an epoch's end tells a stop mid-epoch from its last step."""
+        return self.is_worker and bool(self.worker.stop)
 
     def log(self, **scalars: float) -> None:
         """The loop's own numbers for this step (``ps.log(val_loss=1.7)``): rows of ``/workers/scalars``

@@ -448,6 +448,7 @@ def test_world_before_init_says_what_init_makes_of_this_rank(world, mpi_tmp_path
             ps.model(*batch(0, 0)).backward()
             ps.step()
     assert (where.n_workers, where.worker_index, where.is_worker) == (ps.n_workers, ps.worker_index, ps.is_worker)
+    assert not ps.stopped  # (the steps ran out: nobody stopped it)
     roles = world.allgather(where.role)
     n_servers, groups = options["servers"], options.get("groups", 0)
     assert sorted(roles) == sorted(["server"] * n_servers + ["group"] * groups + ["worker"] * where.n_workers)
@@ -530,8 +531,8 @@ def test_a_stop_under_bsp_ends_every_worker_at_the_same_round_and_applies_no_par
                     ps.step()
                     if ps.worker_index == asker and ps.iteration == 3:
                         ps.stop("enough")
-            ended = world.allgather(ps.iteration if ps.is_worker else None)
-            assert len({e for e in ended if e is not None}) == 1, ended
+            ended = world.allgather((ps.iteration, ps.stopped) if ps.is_worker else None)
+            assert len({e for e in ended if e is not None}) == 1 and ended[-1][1], ended  # (stopped, all of them)
             if world.rank == 0:
                 with h5py.File(ps.result.path) as f:
                     up = f["servers/updates"][()]

@@ -138,6 +138,9 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         if cfg.divergence == "stop":
             add = recorder.watchers.setdefault
             add("workers/iterations", []).append(watchers.divergence_watch(plan, state, window))
+            flat = watchers.flat_loss_watch(plan, state, window)
+            if flat is not None:
+                add("workers/iterations", []).append(flat)
             add("servers/updates", []).append(watchers.nonfinite_start_watch(plan, state, window))
     periodic = policy.periodic_cut() if cfg.checkpoint_every or cfg.checkpoint_interval else None
     if periodic and topo.rank == 0:

@@ -54,6 +54,10 @@ class LossCapture:
             _active = None
         self._values.clear()
 
+    def unknown(self) -> None:
+        """A backward from something that is no scalar tensor (a graph edge): the step's loss is unknown."""
+        self._unknown = True
+
     def note(self, tensor: torch.Tensor) -> None:
         if tensor.numel() != 1:
             self._unknown = True
@@ -85,15 +89,22 @@ class LossCapture:
         return math.nan
 
 
-def _note(tensors: Any) -> None:
+def _note(tensors: Any) -> Any:
+    """Note what a backward runs from (a tensor, or a sequence of them; a graph edge is no loss); return
+    ``tensors`` for the backward, a one-shot iterable made a tuple so that noting it does not use it up."""
     capture = _active() if _active is not None else None
     if capture is None:
-        return
+        return tensors
     if isinstance(tensors, torch.Tensor):
         capture.note(tensors)
-    else:
-        for tensor in tensors:
+        return tensors
+    tensors = tuple(tensors)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
             capture.note(tensor)
+        else:
+            capture.unknown()
+    return tensors
 
 
 def _wrap_torch() -> None:
@@ -106,8 +117,7 @@ def _wrap_torch() -> None:
 
     @functools.wraps(backward)
     def noted_backward(tensors, *args, **kwargs):
-        _note(tensors)
-        return backward(tensors, *args, **kwargs)
+        return backward(_note(tensors), *args, **kwargs)
 
     torch.autograd.backward = noted_backward
     scaler_class = torch.amp.GradScaler

@@ -89,10 +89,10 @@ class RunPlan:
     def shard_start(self, shard: int) -> int:
         """The version central shard ``shard`` starts at: the checkpoint's, or for a loop that resumes itself
         at iteration k, the version an uninterrupted run is at after k steps in the paradigm's rhythm (k
-        where it releases rounds, k x clients where each gradient is an update)."""
+        where it averages rounds, k x clients where each gradient is an update: ``updates_per_step``)."""
         if self.ckpt is not None:
             return int(self.ckpt.shard_version(shard))
-        return self.start_iteration * (1 if self.paradigm.releases_rounds() else len(self.clients))
+        return self.start_iteration * self.paradigm.updates_per_step(len(self.clients))
 
     @property
     def shards(self) -> list[int]:

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from hpcps.training import rates
-from hpcps.training.divergence import DivergenceWatch, NonFiniteStart
+from hpcps.training.divergence import DivergenceWatch, FlatLoss, NonFiniteStart
 from hpcps.transport.window import ParamWindow
 from hpcps.runtime.plan import RunPlan, RunState
 
@@ -46,6 +46,28 @@ def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
                   cfg.paradigm, reason, how)
         window.set_stop()
     return on_rows
+
+
+def flat_loss_watch(plan: RunPlan, state: RunState, window: ParamWindow):
+    """Rank 0: the workers' rows as they arrive; once the loss has stayed at its start over a quarter of the
+    run (hpcps.training.divergence.FlatLoss), one line saying what to try, and every shard's stop flag up.
+    Not for a resumed run, whose start is no untrained loss (a late plateau is no fault)."""
+    watch, cfg = FlatLoss(plan.rounds), plan.cfg
+
+    def on_rows(rows: np.ndarray) -> None:
+        reason = watch.observe(rows)
+        if reason is None or state.diverged is not None:
+            return
+        state.diverged = reason
+        if plan.paradigm.updates_per_step(len(plan.clients)) > 1:
+            how = ("under an asynchronous paradigm its first updates can kill a model no one tuned for it: try a "
+                   "smaller --lr or --momentum, --warmup-steps, a bounded paradigm (ssp, dssp) or bsp")
+        else:
+            how = "try a larger --lr, another --optimizer, or check that the labels match the data"
+        log.error("training is not learning under %s: %s; %s, or --divergence ignore to train on; stopping",
+                  cfg.paradigm, reason, how)
+        window.set_stop()
+    return on_rows if plan.ckpt is None and plan.start_iteration == 0 else None
 
 
 def nonfinite_start_watch(plan: RunPlan, state: RunState, window: ParamWindow):

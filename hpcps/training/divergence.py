@@ -12,8 +12,10 @@ reach the metrics file:
   parameters, before any update of the run, so the start is the untrained loss even where an
   asynchronous run blows up within its first few updates.
 
-A loss that stays at its start (a run at chance) is not a divergence by this rule: it is slow,
-not broken, and stopping it would be a guess.
+A loss that stays at its start is not a divergence by this rule; :class:`FlatLoss` watches for it
+apart: a run whose loss stays at its start over a long stretch (an asynchronous run whose first
+updates killed the model sits at chance, ln 10 for ten classes, for all its steps, or falls back
+there for good, and nothing said so) is said and stopped as one that diverged.
 """
 
 from __future__ import annotations
@@ -68,6 +70,51 @@ class DivergenceWatch:
                                f"{start:.4g} at the start (each worker's first), more than {self.factor:g} times")
                 return self.reason
         return None
+
+
+#: the stretch a loss must stay at its start to be said flat: a share of the planned steps, and at least as many
+FLAT_SHARE, FLAT_MIN_STEPS = 0.25, 100
+#: how near its start (relative) the recent mean loss is, to count as not having moved
+FLAT_TOLERANCE = 0.03
+
+
+class FlatLoss:
+    """Feed it the ``workers/iterations`` rows as they arrive; :attr:`reason` says so once the mean of the last
+    :data:`WINDOW` losses has stayed within :data:`FLAT_TOLERANCE` of the start (the mean of each worker's first
+    finite loss, as :class:`DivergenceWatch` takes it) for ``stretch`` steps of every worker in a row
+    (:data:`FLAT_SHARE` of ``steps``, at least :data:`FLAT_MIN_STEPS`): a run that never left its untrained
+    loss, or one that learned a little and fell back to it for good. A run of no more steps than the stretch
+    is never said to be flat."""
+
+    def __init__(self, steps: int, *, window: int = WINDOW, tolerance: float = FLAT_TOLERANCE,
+                 share: float = FLAT_SHARE, least: int = FLAT_MIN_STEPS) -> None:
+        self.stretch = max(least, math.ceil(share * steps))
+        self.checkable = steps > self.stretch  # (a run that ends first: nothing to save by stopping it)
+        self.window, self.tolerance = window, tolerance
+        self.first: dict[int, float] = {}
+        self.recent: deque[float] = deque(maxlen=window)
+        self.flat_rows = 0  # rows in a row whose recent mean was at the start
+        self.reason: str | None = None
+
+    def observe(self, rows: np.ndarray) -> str | None:
+        """Take rows of ``workers/iterations``; return the reason the one time the run is found flat."""
+        if self.reason is not None or not self.checkable:
+            return None
+        for rank, loss in zip(rows["rank"].tolist(), rows["loss"].tolist()):
+            if not math.isfinite(loss):
+                continue
+            self.first.setdefault(rank, loss)
+            self.recent.append(loss)
+            start = sum(self.first.values()) / len(self.first)
+            at_start = len(self.recent) == self.window and \
+                abs(sum(self.recent) / self.window - start) <= self.tolerance * abs(start)
+            self.flat_rows = self.flat_rows + 1 if at_start else 0
+        if not self.first or self.flat_rows < self.stretch * len(self.first):
+            return None
+        start, now = float(np.mean(list(self.first.values()))), float(np.mean(self.recent))
+        self.reason = (f"the training loss has stayed at its start for the last {self.stretch} steps of every "
+                       f"worker: {now:.4g} (mean of the last {self.window}) against {start:.4g} at the start")
+        return self.reason
 
 
 #: gradients of a run's start, all non-finite, that mean its data or model make NaN from the first step

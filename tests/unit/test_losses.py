@@ -26,6 +26,9 @@ def test_accumulated_scaled_and_plain_backwards_sum_to_the_loss_pushed():
         assert capture.take() is None
         torch.autograd.backward(w.sum())  # torch's function, as Tensor.backward calls it
         assert math.isclose(capture.take(), 1.0)
+        before = w.grad.clone()
+        torch.autograd.backward(t for t in [w.sum(), 2 * w.sum()])  # a generator: noted, and not used up
+        assert math.isclose(capture.take(), 3.0) and torch.equal(w.grad - before, torch.full((2,), 3.0))
     finally:
         capture.close()
     w.sum().backward()  # closed: nothing taken

@@ -306,25 +306,20 @@ def world(*, config: str | None = None, comm=None, exit_on_error: bool = True, *
     Bad options end every rank with one line, as ``init`` does (``exit_on_error``)."""
     from mpi4py import MPI
 
-    from hpcps.cluster.placement import node_ids, placement_order
+    from hpcps.cluster.placement import run_order
     from hpcps.options.planning import plan
 
     comm = MPI.COMM_WORLD if comm is None else comm
     _check_launch(comm, exit_on_error)
-    flags = {key: value for key, value in options.items() if key not in ("model", "optimizer", "lr_schedule",
-                                                                         "param_groups", "steps")}
+    flags = _flags({key: value for key, value in options.items() if key not in ("model", "optimizer", "lr_schedule",
+                                                                                "param_groups", "steps")})
     flags.update(steps=1, dataset=OWN_LOOP)
-    if not isinstance(flags.get("paradigm", ""), str):
-        from hpcps.policies import register_class
-
-        flags["paradigm"] = register_class(flags["paradigm"])
 
     def where() -> World:
         cfg = make_config(flags, config_file=config, python=True)
         layout = plan(cfg, comm.size)
-        nodes = node_ids(comm)  # (collective: every rank is here)
-        order = placement_order(nodes, cfg.servers) if cfg.placement == "spread" else list(range(comm.size))
-        run_rank = order.index(comm.rank)  # the run renumbers the ranks so (hpcps.cluster.placement)
+        # (collective: every rank is here) the run renumbers the ranks so (hpcps.cluster.placement)
+        run_rank = run_order(comm, cfg.servers, cfg.placement).index(comm.rank)
         role = layout.role(run_rank)
         return World(n_workers=layout.n_workers, role=role.value, rank=comm.rank, size=comm.size,
                      worker_index=layout.worker_index(run_rank) if role is Role.WORKER else None,

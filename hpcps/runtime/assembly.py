@@ -168,8 +168,7 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         watch=Watch(cfg.stall_warn, cfg.stall_limit, state.backoff),
         hooks=ServerHooks(side_tasks, on_applied=bar.update if bar is not None else None, on_published=on_published),
         table="groups/updates" if grouped else "servers/updates")
-    if (plan.ckpt is not None or plan.start_iteration) and not grouped:
-        # the clocks the workers resume at (one that ended stays there)
+    if not grouped:  # the clocks the workers start at: a resumed one's (one that ended stays there), else 0
         server.clocks = [plan.worker_start(w) for w in range(len(workers))]
         server.gradients_applied = int(sum(server.clocks))  # where hsp's schedule resumes
     if snapshots is not None:

@@ -129,6 +129,12 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
 
 
+def _raised(heads: np.ndarray) -> bool:
+    """Whether any shard's header (a row of ``heads``) has its stop flag raised for readers (a pending stop,
+    :attr:`ParamWindow.stop_at_publish`, is not yet)."""
+    return bool((heads[:, wire.WIN_STOP] == wire.STOP_RAISED).any())
+
+
 class _Reads:
     """How a pull reads the shards' windows under each protocol (a mixin of :class:`ParamWindow`, whose window
     and attributes it uses; the protocols are the module docstring's): the pinned protocol's slots, pinned and
@@ -192,9 +198,7 @@ class _Reads:
             groups = [g for g in groups if g]
         else:
             groups = [pieces]
-        return Pull(self, out, heard, (versions, bool((heads[:, wire.WIN_STOP] == wire.STOP_RAISED).any())),
-                    backoff, slots,
-                    list(parts), land, groups=groups,
+        return Pull(self, out, heard, (versions, _raised(heads)), backoff, slots, list(parts), land, groups=groups,
                     issue=lambda piece: self._get_range(win, land, *piece, slots))
 
     def _get_range(self, win: MPI.Win, land: np.ndarray, s: int, at: int, lo: int, hi: int,
@@ -221,7 +225,7 @@ class _Reads:
             win.Unlock(rank)
         if out is not None and land is not out:
             self.codec.decode_params(land, out)
-        return heads[:, wire.WIN_VERSION].copy(), bool((heads[:, wire.WIN_STOP] == wire.STOP_RAISED).any())
+        return heads[:, wire.WIN_VERSION].copy(), _raised(heads)
 
 
 class ParamWindow(_Reads):

@@ -223,10 +223,13 @@ def init(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, *, optim
 
     def start() -> Session:
         if steps_of is not None:  # the steps of the worker count, which the layout knows before anything starts
+            from hpcps.cluster.placement import node_ids
             from hpcps.options.planning import plan
 
+            nodes = node_ids(comm)
+
             def count() -> int:
-                layout = plan(make_config({**flags, "steps": 1}, config_file=config, python=True), comm.size)
+                layout = plan(make_config({**flags, "steps": 1}, config_file=config, python=True), comm.size, nodes)
                 steps = steps_of(layout.n_workers)
                 if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
                     raise UserError(f"steps: the function of the worker count returned {steps!r} for "
@@ -306,8 +309,10 @@ def world(*, config: str | None = None, comm=None, exit_on_error: bool = True, *
     Bad options end every rank with one line, as ``init`` does (``exit_on_error``)."""
     from mpi4py import MPI
 
-    from hpcps.cluster.placement import run_order
+    from hpcps.cluster.placement import node_ids, run_order
+    from hpcps.options.defaults import settle_layout
     from hpcps.options.planning import plan
+    from hpcps.policies import policy_class
 
     comm = MPI.COMM_WORLD if comm is None else comm
     _check_launch(comm, exit_on_error)
@@ -317,9 +322,11 @@ def world(*, config: str | None = None, comm=None, exit_on_error: bool = True, *
 
     def where() -> World:
         cfg = make_config(flags, config_file=config, python=True)
+        nodes = node_ids(comm)  # (collective: every rank is here)
+        cfg = settle_layout(cfg, policy_class(cfg.paradigm), nodes)  # servers="auto": as init will settle it
         layout = plan(cfg, comm.size)
-        # (collective: every rank is here) the run renumbers the ranks so (hpcps.cluster.placement)
-        run_rank = run_order(comm, cfg.servers, cfg.placement).index(comm.rank)
+        # the run renumbers the ranks so (hpcps.cluster.placement)
+        run_rank = run_order(comm, cfg.servers, cfg.placement, nodes).index(comm.rank)
         role = layout.role(run_rank)
         return World(n_workers=layout.n_workers, role=role.value, rank=comm.rank, size=comm.size,
                      worker_index=layout.worker_index(run_rank) if role is Role.WORKER else None,

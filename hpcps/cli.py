@@ -95,7 +95,9 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         f"pkg.mod:Class (a subclass of hpcps.Policy; docs/paradigms.md). {_paradigm_help()}")
     g.add_argument("--paradigm-option", action="append", dest="paradigm_option", metavar="NAME=VALUE",
                    help="an option of your own paradigm, passed to its constructor as NAME=VALUE (repeatable)")
-    g.add_argument("--servers", type=int, metavar="S", help="central server shards, ranks 0..S-1 (default {default})")
+    g.add_argument("--servers", metavar="S|auto",
+                   help="central server shards, ranks 0..S-1, or auto (default {default}): one beside the workers "
+                        "on each node when the job spans nodes of two ranks or more, else 1")
     g.add_argument("--placement",
                    help="where shards go: spread (default) puts shard s on node s mod M, renumbering the ranks "
                         "so the shards are ranks 0..S-1; rank keeps the launcher's order (shards on the first "
@@ -236,21 +238,24 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "half the bytes; the servers keep fp32 weights and optimizer state); topk:RATIO (pushes "
                         "carry the RATIO largest-magnitude values of each shard's slice, the rest fed back into "
                         "the worker's next gradient; pulls stay fp32)")
-    g.add_argument("--partition-mb", type=float, dest="partition_mb", metavar="MB",
+    g.add_argument("--partition-mb", dest="partition_mb", metavar="MB|auto",
                    help="pull in partitions of MB megabytes, in the order the forward pass uses the layers, and "
-                        "start each layer as soon as its own have arrived (CPU workers; not eager, which pulls "
-                        "behind its computation); default {default}: whole pulls")
+                        "start each layer as soon as its own have arrived, and push each as backward produces it "
+                        "(CPU workers; not eager, which pulls behind its computation); 0: whole transfers; auto "
+                        "(default {default}): a sixteenth of the model, within 0.25-4 MB, where the job spans nodes, the "
+                        "workers use the CPU and the model is 1 MB or more, else whole transfers")
     g.add_argument("--shards-at-once", type=int, dest="shards_at_once", metavar="K",
                    help="a worker's (and a group server's) push goes to, and its pull reads from, at most K "
                         "shards at once, each starting its rotation at a different shard, so that no link carries "
                         "every worker's push or every shard's reply at once (over TCP on slow links, such a fan-in "
                         "collapses); default {default}: every shard at once")
-    g.add_argument("--pull", choices=["get", "send"],
+    g.add_argument("--pull", choices=["auto", "get", "send"],
                    help="how a worker gets a round's parameters under bsp and its presets (localsgd, diloco): get "
                         "(each worker reads them out of the shards' windows after its grant, one-sided, as under "
                         "every paradigm) or send (each shard sends them to every worker as the round closes, "
                         "two-sided: over TCP it saves the reads' round trips); not with 16-bit pulls (--compress "
-                        "bf16/fp16), --overlap-steps or --shards-at-once; default {default}")
+                        "bf16/fp16), --overlap-steps or --shards-at-once; auto (default {default}): send where the "
+                        "job spans nodes and nothing needs reads, else get (within a node both take the same time)")
     g = t.add_argument_group("failures")
     g.add_argument("--nonfinite", help="skip (drop the gradient, recorded with reason 1) or abort the job when a "
                                        "worker pushes a gradient with NaN or Inf (default {default})")
@@ -508,6 +513,7 @@ def _train(args: argparse.Namespace) -> int:
     from hpcps.runtime.faults import InjectedFault
     from hpcps.cluster.launcher import check_world
     from hpcps.options.planning import plan
+    from hpcps.cluster.placement import node_ids
     from hpcps.log import setup_logging
 
     comm = MPI.COMM_WORLD
@@ -522,7 +528,8 @@ def _train(args: argparse.Namespace) -> int:
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
         # torch (~2 s a rank, minutes for a large job on a shared file system) only once the options and their
         # fit to the world size are known good: a mistyped option is answered at once
-        agree(comm, lambda: plan(cfg, comm.size))
+        nodes = node_ids(comm)
+        agree(comm, lambda: plan(cfg, comm.size, nodes))
         from hpcps.runtime.run import run_training
 
         return cfg, run_training(cfg, comm)
@@ -613,8 +620,10 @@ class _CheckParser(_Parser):
         raise UserError(f"after --: {message}")
 
 
-def check_train_options(train_args: list[str], ranks: int) -> None:
-    """UserError, naming the option, if ``hpcps train`` would refuse these options on ``ranks`` ranks."""
+def check_train_options(train_args: list[str], nodes: int, per_node: int) -> None:
+    """UserError, naming the option, if ``hpcps train`` would refuse these options on ``nodes`` nodes of
+    ``per_node`` ranks each."""
+    ranks = nodes * per_node
     from hpcps.options.config import make_config
     from hpcps.options.effects import no_effect
     from hpcps.options.planning import resolve
@@ -626,7 +635,7 @@ def check_train_options(train_args: list[str], ranks: int) -> None:
     config = flags.pop("config", None)
     cfg = make_config(flags, config_file=config)
     try:
-        paradigm, _ = resolve(cfg, ranks)
+        paradigm, _ = resolve(cfg, ranks, [r // per_node for r in range(ranks)])
     except UserError as exc:
         raise UserError(f"{exc} [this job: --nodes x --ntasks-per-node = {ranks} ranks]") from None
     for line in no_effect(cfg, paradigm):
@@ -653,7 +662,7 @@ def _jobs_render(args: argparse.Namespace) -> int:
     if spec.mpi_family == "auto":
         spec.mpi_family = detect_mpi_family()
     if spec.script is None:  # a script's arguments are its own
-        check_train_options(spec.train_args, spec.nodes * spec.ntasks_per_node)
+        check_train_options(spec.train_args, spec.nodes, spec.ntasks_per_node)
     sys.stdout.write(render(spec, command=shlex.join(["hpcps", *args.command_line])))
     return 0
 

@@ -30,7 +30,9 @@ included: the shares spent layer by layer inside the passes by hpcps's own hooks
 (:mod:`hpcps.cluster.emulation`), the rest as a sleep after the pass. ``--partitions MB [MB ...]``
 runs the colocated hpcps placement once per partition size (0: whole transfers), in the same
 invocation, and ``--pulls get send`` once per ``--pull`` (the shards send a round's parameters, or the
-workers read them).
+workers read them). ``--placements defaults`` runs ``hpcps train --paradigm bsp`` with none of these flags, on two
+ranks per node: what ``auto`` places and chooses (:mod:`hpcps.options.defaults`). With ``--link`` the bench
+ends with the bound of a step at the link's line rate (:func:`step_bounds`) and each method's mean step over it.
 
     python tools/bench_allreduce.py --workers 4 -- --hidden 1024
     python tools/bench_allreduce.py --workers 4 --steps 20 -- --model resnet18 \
@@ -135,6 +137,7 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
     if comm.rank == 0:
         print(f"MEAN_STEP_S {mean}")
         print(f"MEDIAN_STEP_S {median}")
+        print(f"MODEL_BYTES {flat.size * flat.params.itemsize}")
     for handle in hooks:
         handle.remove()
     if ddp is not None:
@@ -149,6 +152,10 @@ def _box(nodes: int, a, ranks_per_node: int = 1) -> str | None:
     return f"--nodes {nodes} --ranks-per-node {ranks_per_node} --link {a.link} --buffer {a.buffer}"
 
 
+#: the model's size in bytes, as the data-parallel runs report it (for the bound of a step)
+MODEL_BYTES: list[int] = []
+
+
 def _run_inner(kind: str, n: int, steps: int, options: list[str], emulate: str | None = None,
                bucket_mb: float = 25.0) -> tuple[float, float]:
     from benchlib import launch_argv
@@ -161,9 +168,33 @@ def _run_inner(kind: str, n: int, steps: int, options: list[str], emulate: str |
     said = {}
     for line in proc.stdout.splitlines():
         words = line.split()
-        if len(words) == 2 and words[0] in ("MEAN_STEP_S", "MEDIAN_STEP_S"):
+        if len(words) == 2 and words[0] in ("MEAN_STEP_S", "MEDIAN_STEP_S", "MODEL_BYTES"):
             said[words[0]] = float(words[1])
+    MODEL_BYTES.append(int(said["MODEL_BYTES"]))
     return said["MEAN_STEP_S"], said["MEDIAN_STEP_S"]
+
+
+def step_bounds(compute_s: float, forward: float, backward: float, model_bytes: int, n: int,
+                link_bps: float) -> dict[str, float]:
+    """Lower bounds of a step, in seconds, at the link's line rate, for ``n`` nodes of one worker each.
+
+    Per step, each node's link carries ``2 (n-1)/n`` of the model each way, under a ring all-reduce as under
+    bsp with a shard on every node (a push phase, then a pull phase, each ``(n-1)/n`` of the model).
+
+    * **bsp, colocated shards**: the push can overlap the backward pass only (its gradients appear there),
+      and the pull the next forward pass only (it cannot start before the round closes):
+      ``compute - F - B + max(B, T_push) + max(F, T_pull)``;
+    * **all-reduce overlapping backward** (DDP): the reduction of the whole gradient can overlap the backward
+      pass only (the step follows it, and the next forward needs the step):
+      ``compute - B + max(B, T_allreduce)``, ``T_allreduce = T_push + T_pull``.
+
+    ``forward`` and ``backward`` are the shares of ``compute_s`` spent in the passes
+    (``--compute-forward``, ``--compute-backward``); the rest comes before the passes and overlaps nothing.
+    """
+    phase = (n - 1) / n * model_bytes * 8 / link_bps
+    f, b = compute_s * forward, compute_s * backward
+    return {"bsp": compute_s - f - b + max(b, phase) + max(f, phase),
+            "allreduce": compute_s - b + max(b, 2 * phase)}
 
 
 def mean_step(it: np.ndarray) -> float:
@@ -185,9 +216,12 @@ def main() -> None:
     p.add_argument("--link", metavar="RATE", help="run everything in a cluster in a box with links of RATE "
                                                   "(e.g. 1gbit): colocated and dedicated server nodes")
     p.add_argument("--buffer", default="512kb", help="with --link: the switch's queue per port (default 512kb)")
-    p.add_argument("--placements", nargs="+", choices=["colocated", "spare", "dedicated"],
+    p.add_argument("--placements", nargs="+", choices=["defaults", "former", "colocated", "spare", "dedicated"],
                    default=["colocated", "spare", "dedicated"],
-                   help="with --link: which server placements to run (default all three)")
+                   help="with --link: which server placements to run (default colocated, spare, dedicated); "
+                        "defaults: hpcps train --paradigm bsp with no layout, pull or partition flag, on two ranks "
+                        "per node (what auto chooses); former: the same job under the defaults before auto (one "
+                        "server beside 2N-1 workers, --pull get, whole transfers)")
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0], metavar="MB",
                    help="DDP's bucket_cap_mb: one DDP run per size (default 25, torch's own)")
     p.add_argument("--partitions", type=float, nargs="+", metavar="MB",
@@ -212,6 +246,10 @@ def main() -> None:
                                                      for o in seeded])
     # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
     runs = ([(f"hpcps bsp S={s}", s, None, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
+            [("hpcps bsp, no flags (auto: S=N)", None, _box(n, a, ranks_per_node=2), None, None, None)]
+            * ("defaults" in a.placements) +
+            [(f"hpcps bsp, the former defaults (S=1, {2 * n - 1} workers)", 1, _box(n, a, ranks_per_node=2), 0.0,
+              None, "get")] * ("former" in a.placements) +
             [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else "") +
               (f", --shards-at-once {k}" if a.fanin else "") + (f", --pull {pull}" if a.pulls else ""),
               n, _box(n, a, ranks_per_node=2), mb, k, pull)
@@ -226,11 +264,13 @@ def main() -> None:
         for name, s, box, mb, k, pull in runs:
             part = ([] if mb is None else ["--partition-mb", f"{mb:g}"]) + ([] if k is None else ["--shards-at-once", str(k)]) \
                 + ([] if pull is None else ["--pull", pull])
-            its = [train(s + n, Path(tmp) / f"bsp{s}.h5",
-                         ["--paradigm", "bsp", "--servers", str(s), "--steps", str(a.steps), *NO_EVAL, *o, *part],
+            servers = [] if s is None else ["--servers", str(s)]  # None: the default (auto) places them
+            ranks = 2 * n if s is None or "former" in name else s + n
+            its = [train(ranks, Path(tmp) / f"bsp{s}.h5",
+                         ["--paradigm", "bsp", *servers, "--steps", str(a.steps), *NO_EVAL, *o, *part],
                          emulate=box)["it"]
                    for o in seeded]
-            rows[name] = (s + n, [(mean_step(it), median_step(it)) for it in its])
+            rows[name] = (ranks, [(mean_step(it), median_step(it)) for it in its])
             parts[name] = {k: float(np.mean([np.median(it[k]) for it in its]))
                            for k in ("compute_s", "push_s", "wait_s", "pull_s")}
 
@@ -251,6 +291,21 @@ def main() -> None:
     ddp = min((name for name in rows if name.startswith("DDP")), key=mean)
     print(f"best hpcps bsp / best DDP ({ddp}), by the mean step: {mean(best) / mean(ddp):.2f} "
           f"(by the median: {mean(best, 1) / mean(ddp, 1):.2f})")
+    if "hpcps bsp, no flags (auto: S=N)" in rows:
+        print(f"hpcps bsp with no flags / best DDP, by the mean step: "
+              f"{mean('hpcps bsp, no flags (auto: S=N)') / mean(ddp):.2f}")
+    if a.link is not None:
+        from hpcps.box.spec import parse_rate
+
+        cfg = config_of(a.options)
+        compute = parts[best]["compute_s"]  # measured: the emulated time and what the passes overshoot
+        bounds = step_bounds(compute, cfg.compute_forward, cfg.compute_backward, MODEL_BYTES[0], n,
+                             parse_rate(a.link))
+        print(f"\nbound of a step at the line rate ({a.link}, {MODEL_BYTES[0] / 1e6:.2f} MB, measured compute "
+              f"{compute * 1e3:.1f} ms): bsp colocated {bounds['bsp'] * 1e3:.1f} ms, all-reduce overlapping "
+              f"backward {bounds['allreduce'] * 1e3:.1f} ms")
+        print(f"by the mean step: best hpcps / bsp bound {mean(best) / bounds['bsp']:.2f}, best DDP / bsp bound "
+              f"{mean(ddp) / bounds['bsp']:.2f}, best DDP / all-reduce bound {mean(ddp) / bounds['allreduce']:.2f}")
 
 
 if __name__ == "__main__":

@@ -256,8 +256,8 @@ def main() -> None:
     outer = ["--inner-optimizer", "adamw", "--inner-lr", str(a.lr), "--optimizer", "sgd", "--lr", "0.7",
              "--momentum", "0.9", "--nesterov"]
     h0 = a.local_steps[0]
-    methods = {f"bsp, --partition-mb {a.partition_mb:g}": ("bsp", ["--paradigm", "bsp", "--partition-mb",
-                                                                     str(a.partition_mb)]),
+    methods = {f"bsp, --partition-mb {a.partition_mb:g}, --pull get": (
+                   "bsp", ["--paradigm", "bsp", "--pull", "get", "--partition-mb", str(a.partition_mb)]),
                **{f"bsp, --partition-mb {a.partition_mb:g}, --shards-at-once {k}": (
                    "bsp-rotated", ["--paradigm", "bsp", "--partition-mb", str(a.partition_mb), "--shards-at-once", str(k)])
                   for k in a.fanin},

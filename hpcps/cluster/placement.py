@@ -72,15 +72,18 @@ def node_ids(comm: MPI.Comm) -> list[int]:
     return [first.setdefault(key, rank) for rank, key in enumerate(keys)]
 
 
-def run_order(comm: MPI.Comm, n_shards: int, mode: str) -> list[int]:
-    """Collective: ``comm``'s ranks in the run's order, as ``mode`` says (:func:`placement_order` for
-    ``spread``, their own order for ``rank``): ``order[k]`` becomes the run's rank ``k``."""
-    return placement_order(node_ids(comm), n_shards) if mode == "spread" else list(range(comm.size))
+def run_order(comm: MPI.Comm, n_shards: int, mode: str, nodes: Sequence[int] | None = None) -> list[int]:
+    """Collective (unless ``nodes``, :func:`node_ids` of ``comm``, is given): ``comm``'s ranks in the run's
+    order, as ``mode`` says (:func:`placement_order` for ``spread``, their own order for ``rank``):
+    ``order[k]`` becomes the run's rank ``k``."""
+    if mode != "spread":
+        return list(range(comm.size))
+    return placement_order(node_ids(comm) if nodes is None else nodes, n_shards)
 
 
-def place(comm: MPI.Comm, n_shards: int, mode: str) -> tuple[MPI.Comm, list[int]]:
+def place(comm: MPI.Comm, n_shards: int, mode: str, nodes: Sequence[int] | None = None) -> tuple[MPI.Comm, list[int]]:
     """Collective: the run's communicator, renumbered as ``mode`` says, and the world rank of each of
     its ranks (``comm``'s ranks, in the new order). The caller frees the communicator."""
-    order = run_order(comm, n_shards, mode)
+    order = run_order(comm, n_shards, mode, nodes)
     new_rank = {world: k for k, world in enumerate(order)}
     return comm.Split(0, new_rank[comm.rank]), order

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -60,7 +60,8 @@ class TrainConfig(BaseModel):
 
     paradigm: str = "dssp"  # a built-in name, or your own: pkg.mod:Class, path/file.py:Class (hpcps.policies)
     paradigm_option: dict[str, Any] = Field(default_factory=dict)  # NAME=VALUE: your paradigm's own options
-    servers: int = Field(1, ge=1)
+    #: "auto": one shard per node when the job spans nodes, else 1 (hpcps.options.defaults)
+    servers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
     spare_workers: int = Field(0, ge=0)  # the last ranks: idle until a worker dies (run-through), then in its place
     group_by: Literal["rank", "speed"] = "rank"
@@ -125,9 +126,11 @@ class TrainConfig(BaseModel):
     progress: bool = True
     progress_every: float = Field(30.0, gt=0)
     compress: str = "none"  # none, bf16, fp16, topk:RATIO (hpcps.transport.compress)
-    partition_mb: float = Field(0.0, ge=0)  # 0: whole pulls; else partitioned pulls (hpcps.runtime.partitions)
+    #: 0: whole pulls; else partitioned pulls (hpcps.runtime.partitions); "auto": hpcps.options.defaults
+    partition_mb: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"
     shards_at_once: int = Field(0, ge=0)  # 0: pushes and pulls reach every shard at once; K: K at a time (fan-in)
-    pull: Literal["get", "send"] = "get"  # bsp: workers read a round's values (get) or the shards send them (send)
+    #: bsp: workers read a round's values (get) or the shards send them (send); auto: hpcps.options.defaults
+    pull: Literal["auto", "get", "send"] = "auto"
     timeline: bool = False  # record every rank's phase spans in /timeline (hpcps.metrics.timeline)
     tensorboard: str | None = None  # rank 0 writes the rows as TensorBoard scalars there too (hpcps.metrics.board)
     nonfinite: Literal["skip", "abort"] = "skip"

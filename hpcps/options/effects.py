@@ -123,7 +123,12 @@ def _periodic(cfg: TrainConfig) -> str | None:
         else None
 
 
-HALF_PULLS = ("bf16", "fp16")  # --compress values whose pulls read the window's 16-bit copies
+HALF_PULLS = ("bf16", "fp16")
+
+
+def partitioned(cfg: TrainConfig) -> bool:
+    """Whether the user asked for partitions of a size (``auto`` chooses only where they can run)."""
+    return cfg.partition_mb != "auto" and cfg.partition_mb > 0  # --compress values whose pulls read the window's 16-bit copies
 
 
 #: the combinations refused at start-up, in the order they are checked (the first that applies is the line)
@@ -136,7 +141,7 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg: f"{_periodic(cfg)}: --paradigm {cfg.paradigm} holds gradients its own way, and periodic "
                         f"checkpoints cut only paradigms that hold rounds or apply every gradient on arrival "
                         f"(every built-in one); a run of it writes one when SIGUSR1, SIGTERM or Ctrl-C stops it"),
-    Refusal(lambda cfg, cls: bool(cfg.partition_mb) and cls.eager_pull,
+    Refusal(lambda cfg, cls: partitioned(cfg) and cls.eager_pull,
             lambda cfg: f"--partition-mb: --paradigm {cfg.paradigm} pulls behind its computation already (and "
                         f"swaps the whole pull in); partitioned pulls are for paradigms that pull between steps"),
     Refusal(lambda cfg, cls: bool(cfg.checkpoint_interval) and cls.checkpoints_at_publish(),

@@ -7,23 +7,28 @@ start-up is refused before it waits in a queue.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from hpcps.options.config import TrainConfig
+from hpcps.options.defaults import settle_layout
 from hpcps.errors import UserError
 from hpcps.cluster.layout import Layout, Role
 from hpcps.options.effects import refuse
 from hpcps.policies import Policy, make_policy, policy_class
 
 
-def plan(cfg: TrainConfig, world_size: int) -> Layout:
+def plan(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = None) -> Layout:
     """Check the options (:func:`resolve`); return the rank layout."""
-    return resolve(cfg, world_size)[1]
+    return resolve(cfg, world_size, nodes)[1]
 
 
-def resolve(cfg: TrainConfig, world_size: int) -> tuple[type[Policy], Layout]:
+def resolve(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = None) -> tuple[type[Policy], Layout]:
     """The paradigm's class, resolved from its name once for the run (a run's
     :class:`~hpcps.runtime.plan.RunPlan` keeps it), and the rank layout, once the options are checked
-    (:func:`hpcps.options.effects.refuse`) with those that depend on the world size."""
+    (:func:`hpcps.options.effects.refuse`) with those that depend on the world size. ``nodes[r]`` names
+    rank r's node, for ``--servers auto`` (:mod:`hpcps.options.defaults`); None: one node."""
     paradigm = policy_class(cfg.paradigm)
+    cfg = settle_layout(cfg, paradigm, [0] * world_size if nodes is None else nodes)
     refuse(cfg, paradigm)  # the combinations that cannot work, whatever the world size
     layout = Layout(world_size, cfg.servers, cfg.groups, n_spares=cfg.spare_workers)
     layout.check_groups()

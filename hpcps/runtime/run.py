@@ -51,8 +51,9 @@ from hpcps.training.flat import FlatParameters
 from hpcps.cluster.grouping import speed_groups
 from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
-from hpcps.cluster.placement import place
+from hpcps.cluster.placement import node_ids, place
 from hpcps.metrics.board import check_installed
+from hpcps.options.defaults import describe as describe_defaults, settle_layout, settle_partitions
 from hpcps.options.planning import resolve
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
@@ -60,7 +61,7 @@ from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
 from hpcps.training.optim import describe_optimizer, warm_optimizers
 from hpcps.training.paramgroups import resolve_groups
-from hpcps.policies import Policy
+from hpcps.policies import Policy, policy_class
 from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.runtime.spares import wait_for_place
@@ -212,19 +213,25 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.cluster.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
     """
+    nodes = node_ids(comm)
+    given = cfg
+    # --servers auto and --pull auto made concrete, from the nodes the ranks are on (hpcps.options.defaults)
+    cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes))
     agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement
     stack = ExitStack()
-    run_comm, world_ranks = place(comm, cfg.servers, cfg.placement)
+    run_comm, world_ranks = place(comm, cfg.servers, cfg.placement, nodes)
     stack.callback(run_comm.Free)
     try:
-        return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed=reseed, start_iteration=start_iteration)
+        return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed=reseed, start_iteration=start_iteration,
+                        spans_nodes=len(set(nodes)) > 1, given=given)
     except BaseException:
         stack.close()
         raise
 
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
-             stack: ExitStack, *, reseed: bool = True, start_iteration: int = 0) -> "Run":
+             stack: ExitStack, *, reseed: bool = True, start_iteration: int = 0, spans_nodes: bool = False,
+             given: TrainConfig | None = None) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
@@ -254,6 +261,11 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     flat = FlatParameters(model, device.device, device.transfer)
     shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
     agree(comm, lambda: check_same_model(shapes))
+    # --partition-mb auto made concrete, alike on every rank: from the model and where the workers compute
+    cfg = settle_partitions(cfg, paradigm, flat.size * flat.params.itemsize, spans_nodes,
+                            all(devices[r].startswith("cpu") for r in layout.training_ranks()))
+    if comm.rank == 0 and given is not None and describe_defaults(given, cfg):
+        log.info("%s", describe_defaults(given, cfg))
     stripe = stripe_elements(cfg.partition_mb)  # the one place --partition-mb becomes a stripe
     if workload.given_model:  # built by each rank's script, as DDP takes it: rank 0's parameters start the run
         comm.Bcast(flat.params, root=0)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import hpcps.cluster.placement
+import hpcps.runtime.run
 from mpitest import share, train
 
 pytestmark = pytest.mark.mpi(min_size=5)
@@ -16,6 +17,7 @@ def test_two_shards_on_two_nodes_go_one_per_node_and_the_run_is_whole(world, mpi
     put both shards on node A), and the run must train as any other (nothing lost, one version each)."""
     fake = [0, 0, 0, 3, 3][:world.size] + [3] * (world.size - 5)
     monkeypatch.setattr(hpcps.cluster.placement, "node_ids", lambda comm: fake)
+    monkeypatch.setattr(hpcps.runtime.run, "node_ids", lambda comm: fake)
     result, t = train(mpi_tmp_path / "spread.h5", paradigm="asp", servers=2, steps=20)
     facts = None
     if world.rank == 0:
@@ -26,3 +28,24 @@ def test_two_shards_on_two_nodes_go_one_per_node_and_the_run_is_whole(world, mpi
     assert facts["placement"] == {"mode": "spread", "world_rank_of": [0, 3, 1, 2, 4]}
     assert [facts["roles"][r] for r in range(5)] == ["server", "server", "worker", "worker", "worker"]
     assert facts["pushed"] == facts["applied"] == 3 * 20
+
+
+@pytest.mark.timeout(120)
+def test_with_no_layout_flags_a_job_on_two_nodes_gets_a_shard_beside_the_workers_on_each(world, mpi_tmp_path,
+                                                                                          monkeypatch):
+    """--servers auto on the same two nodes: two shards, one per node; --pull auto under bsp: the shards send
+    the rounds; a model too small to pipeline: whole transfers. The run file's config says what ran."""
+    fake = [0, 0, 0, 3, 3][:world.size] + [3] * (world.size - 5)
+    monkeypatch.setattr(hpcps.cluster.placement, "node_ids", lambda comm: fake)
+    monkeypatch.setattr(hpcps.runtime.run, "node_ids", lambda comm: fake)
+    result, t = train(mpi_tmp_path / "auto.h5", paradigm="bsp", steps=6)
+    facts = None
+    if world.rank == 0:
+        config = json.loads(t["attrs"]["config"])
+        facts = {"placement": json.loads(t["attrs"]["placement"]), "servers": int(t["attrs"]["n_servers"]),
+                 "pull": t["attrs"]["pull"], "settled": (config["servers"], config["pull"], config["partition_mb"]),
+                 "applied": int(t["summary"]["gradients_applied"])}
+    facts = share(world, facts)
+    assert facts["servers"] == 2 and facts["placement"]["world_rank_of"][:2] == [0, 3]
+    assert facts["pull"] == "send" and facts["settled"] == (2, "send", 0.0)
+    assert facts["applied"] == (world.size - 2) * 6

@@ -50,7 +50,7 @@ def test_a_round_the_shards_send_ends_bit_for_bit_as_one_the_workers_read(world,
         force_transfer(monkeypatch, extra.pop("transfer"))
     made = _count_sent_pulls(monkeypatch)
     common = {"paradigm": "bsp", "servers": 2, "steps": 8, "seed": 4, "lr": 0.1, **extra}
-    read, r = train(mpi_tmp_path / "get.h5", **common)
+    read, r = train(mpi_tmp_path / "get.h5", pull="get", **common)
     assert not made  # (the window's pulls)
     sent, t = train(mpi_tmp_path / "send.h5", pull="send", **common)
     counts = world.gather(len(made), root=0)

@@ -22,7 +22,7 @@ def test_every_default_the_help_names_is_the_configs(actions):
     said = {name: a.help for name, a in actions.items() if a.help and "(default " in a.help}
     assert len(said) >= 25
     assert not [name for name, text in said.items() if "{default}" in text]
-    assert "(default 1)" in said["servers"] and "(default 600;" in said["stall_abort"]
+    assert "(default auto)" in said["servers"] and "(default 600;" in said["stall_abort"]
     assert "(default 0.9,0.999)" in said["betas"] and "(default off)" in said["nesterov"]
 
 

@@ -10,7 +10,8 @@ from hpcps.errors import UserError
 
 def test_defaults_make_a_useful_run():
     cfg = make_config({})
-    assert (cfg.paradigm, cfg.servers, cfg.groups, cfg.model, cfg.dataset) == ("dssp", 1, 0, "mlp", "digits")
+    assert (cfg.paradigm, cfg.servers, cfg.groups, cfg.model, cfg.dataset) == ("dssp", "auto", 0, "mlp", "digits")
+    assert (cfg.pull, cfg.partition_mb) == ("auto", "auto")  # made concrete at the start: hpcps.options.defaults
     assert (cfg.staleness, cfg.s_lo, cfg.s_hi) == (None, 2, 6)  # None: no bound for eager
     assert steps_for(cfg, per_epoch=11) == DEFAULT_STEPS
 

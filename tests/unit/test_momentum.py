@@ -22,7 +22,7 @@ def test_no_staleness_leaves_the_momentum_and_the_rate_exactly_as_set():
                                                            (0.9, 20, 0.0), (0.5, 1, 0.0), (0.99, 4, 0.95)])
 def test_the_explicit_momentum_keeps_the_total_and_the_rate_keeps_the_step(momentum, staleness, explicit):
     rule = StaleMomentum()
-    for _ in range(10):
+    for _ in range(3000):  # (past the ramp: both momentum buffers full)
         rule.observe(staleness)
     assert rule.mean == pytest.approx(staleness)
     got, factor = rule.adjusted(momentum)
@@ -31,6 +31,32 @@ def test_the_explicit_momentum_keeps_the_total_and_the_rate_keeps_the_step(momen
     if explicit > 0:  # 1 - total = (1 - explicit)(1 - s/(1+s)): the user's momentum
         assert (1 - got) * (1 - staleness / (1 + staleness)) == pytest.approx(1 - momentum)
     assert 1.0 * factor / (1 - got) == pytest.approx(1.0 / (1 - momentum))  # rate / (1 - momentum) kept
+
+
+@pytest.mark.parametrize("momentum, staleness", [(0.9, 3), (0.9, 6), (0.9, 20), (0.99, 4), (0.5, 0.5)])
+def test_under_a_steady_gradient_every_update_moves_as_far_as_the_users_optimizers(momentum, staleness):
+    """torch's SGD from a fresh buffer at the user's momentum and rate, and at the rule's momentum and raised
+    rate, under a constant gradient: the same step at every update, the first (where the raise is 1) and
+    the 1500th (the full raise, 0.99's buffer full too) included, so the first updates are never larger than the user's."""
+    g = torch.ones(3, dtype=torch.float64)
+    plain = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    ruled = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    user = torch.optim.SGD([plain], lr=0.1, momentum=momentum)
+    ours = torch.optim.SGD([ruled], lr=0.1, momentum=momentum)
+    rule = StaleMomentum()
+    factors = []
+    for _ in range(1500):
+        rule.observe(staleness)
+        explicit, factor = rule.adjusted(momentum)
+        factors.append(factor)
+        ours.param_groups[0].update(momentum=explicit, lr=0.1 * factor)
+        before_plain, before_ruled = plain.detach().clone(), ruled.detach().clone()
+        for p, opt in ((plain, user), (ruled, ours)):
+            p.grad = g.clone()
+            opt.step()
+        assert (ruled.detach() - before_ruled) == pytest.approx(plain.detach() - before_plain, rel=1e-9)
+    assert factors[0] == pytest.approx(1.0)
+    assert factors[-1] == pytest.approx((1 - explicit) / (1 - momentum), rel=1e-4)
 
 
 def test_the_mean_forgets_the_start_and_counts_the_first_update_at_once():

@@ -32,3 +32,18 @@ def test_the_policy_benchmark_runs_every_paradigm_to_the_end():
     assert proc.returncode == 0, proc.stderr
     assert [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")][1:] == \
         list(bench_policies.PARADIGMS)
+
+
+def test_the_bound_of_a_step_is_compute_plus_what_cannot_overlap_it():
+    """bench_allreduce's bounds, closed form: 4 nodes at 1 Gbit/s, a 4 MB model: each phase carries 3/4 of it,
+    24 ms at the line rate; 60 ms of compute, 20 in the forward pass and 30 in backward, 10 before them."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from bench_allreduce import step_bounds
+    finally:
+        sys.path.remove(str(TOOLS))
+    b = step_bounds(0.060, 1 / 3, 0.5, 4_000_000, 4, 1e9)
+    assert b["bsp"] == pytest.approx(0.010 + 0.030 + 0.024)  # the push hides in backward; the pull 20 of 24 ms
+    assert b["allreduce"] == pytest.approx(0.030 + 0.048)  # 48 ms of reduction after backward began
+    # compute-bound: nothing left to overlap
+    assert step_bounds(1.0, 0.3, 0.6, 4_000_000, 4, 1e9)["bsp"] == pytest.approx(1.0)

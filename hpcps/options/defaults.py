@@ -1,0 +1,104 @@
+"""What ``auto`` means for the layout, the pull and the partitions: the configuration measured fastest
+(docs/results.md, *Defaults that are the measured best*), for a user who sets no flag.
+
+Pure policy, no MPI: the callers bring the facts (each rank's node, the model's tensors, where the
+workers compute). Each rule keeps the old behaviour wherever the new one was not measured faster, and
+what it chose is said once at the start (:func:`describe`) and kept in the run file's config.
+
+* **Servers** (``--servers auto``): one shard on each node, beside the workers there, when the job spans
+  nodes and every node has a rank to spare for a worker; else one shard. A shard per node serves a
+  1/M slice of every pull from each node's own link, where one server's link carries every worker's
+  traffic (in the box, 8 ranks on 4 nodes: one server took 5.15x DDP's step, a shard per node 0.90x).
+* **Pull** (``--pull auto``): the shards send a round's values (``send``) where the job spans nodes, the
+  paradigm releases every worker at a round's close and nothing the user set needs reads (16-bit pulls,
+  ``--shards-at-once``, ``--overlap-steps``); the workers read the window (``get``) everywhere else. Over
+  TCP a read costs round trips a send does not (in the box, bsp's step 0.88x with send against 1.0x);
+  within a node the two took the same step (64.5 ms each), so there the window is read as before.
+* **Partitions** (``--partition-mb auto``): partitioned pulls and pushes during backward where a
+  link lies between the workers and the shards (the job spans nodes), the workers compute on the CPU, the
+  paradigm pulls between steps one gradient per step, and the model is large enough to pipeline (at least
+  :data:`PARTITION_MIN_MB`); a partition of 1/16 of the model, within 0.25 and 4 MB (the box measured
+  0.1-1 MB alike on a 4.8 MB model, 0.5 MB on an 8.4 MB one). Whole transfers elsewhere: on one node
+  shared memory leaves no transfer to hide, and on a GPU a pull is a copy to the device.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from hpcps.options.config import TrainConfig
+
+AUTO = "auto"
+#: a model smaller than this is pulled whole under --partition-mb auto: its pieces would be all overhead
+PARTITION_MIN_MB = 1.0
+#: the partition size under --partition-mb auto: the model over this many pieces, within the bounds below
+PARTITION_PIECES = 16
+PARTITION_MB_RANGE = (0.25, 4.0)
+#: 16-bit pulls read the window's 16-bit copies, which the shards do not send (hpcps.options.effects)
+_HALF = ("bf16", "fp16")
+
+
+def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
+    """``--servers auto`` on ranks whose nodes are ``nodes`` (``nodes[r]``: rank r's node): one shard per
+    node where the job spans nodes, each node has two ranks or more and a worker is left (spares and
+    group servers counted), else 1. Grouped paradigms keep one central shard: their group servers carry
+    the links' traffic."""
+    per_node = Counter(nodes)
+    n_nodes = len(per_node)
+    if n_nodes < 2 or min(per_node.values()) < 2 or cfg.groups:
+        return 1
+    if len(nodes) - n_nodes - cfg.spare_workers < 1:
+        return 1
+    return n_nodes
+
+
+def pull_for(cfg: TrainConfig, paradigm: type, spans_nodes: bool) -> str:
+    """``--pull auto``: ``send`` where the job spans nodes, the paradigm releases every worker at a round's
+    close and no option needs the workers to read, else ``get``."""
+    if not spans_nodes or not paradigm.releases_rounds() or cfg.compress in _HALF or cfg.shards_at_once:
+        return "get"
+    if cfg.inner_steps is not None and cfg.overlap_steps:
+        return "get"
+    return "send"
+
+
+def partition_mb_for(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool, on_cpu: bool) -> float:
+    """``--partition-mb auto``: a partition size in MB, or 0 (whole transfers); see the module's docstring."""
+    pipelines = not (paradigm.eager_pull or paradigm.uses_groups or cfg.inner_steps is not None)
+    mb = model_bytes / 2**20
+    if not (spans_nodes and on_cpu and pipelines and cfg.compress == "none") or mb < PARTITION_MIN_MB:
+        return 0.0
+    low, high = PARTITION_MB_RANGE
+    return round(min(high, max(low, mb / PARTITION_PIECES)), 3)
+
+
+def settle_layout(cfg: TrainConfig, paradigm: type, nodes: Sequence[int]) -> TrainConfig:
+    """``cfg`` with ``servers`` and ``pull`` made concrete (what they are already, where the user set them)."""
+    update = {}
+    if cfg.servers == AUTO:
+        update["servers"] = servers_for(cfg, nodes)
+    if cfg.pull == AUTO:
+        update["pull"] = pull_for(cfg, paradigm, len(set(nodes)) > 1)
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def settle_partitions(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool,
+                      on_cpu: bool) -> TrainConfig:
+    """``cfg`` with ``partition_mb`` made concrete."""
+    if cfg.partition_mb != AUTO:
+        return cfg
+    return cfg.model_copy(update={"partition_mb": partition_mb_for(cfg, paradigm, model_bytes, spans_nodes, on_cpu)})
+
+
+def describe(given: TrainConfig, settled: TrainConfig) -> str | None:
+    """One line naming what ``auto`` chose for this run (None where the user set all three)."""
+    chose = []
+    if given.servers == AUTO:
+        chose.append(f"{settled.servers} server shard{'s' if settled.servers != 1 else ''}"
+                     + (" (one per node)" if settled.servers > 1 else ""))
+    if given.pull == AUTO:
+        chose.append(f"pull {settled.pull}")
+    if given.partition_mb == AUTO:
+        chose.append(f"partitions of {settled.partition_mb:g} MB" if settled.partition_mb else "whole transfers")
+    return "defaults for this job: " + ", ".join(chose) if chose else None

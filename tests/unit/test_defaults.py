@@ -1,0 +1,104 @@
+"""What ``auto`` settles to (hpcps.options.defaults): servers from the nodes, the pull from the paradigm, the
+partition size from the model and where the link lies."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hpcps.cluster.placement import placement_order
+from hpcps.options.config import make_config
+from hpcps.options.defaults import (describe, partition_mb_for, pull_for, servers_for, settle_layout,
+                                    settle_partitions)
+from hpcps.options.planning import plan
+from hpcps.policies import policy_class
+
+MB = 2**20
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=6))
+def test_one_shard_per_node_and_a_worker_beside_each_when_the_job_spans_nodes(per_node):
+    """On nodes of 2+ ranks, spread placement puts exactly one shard and at least one worker on each node;
+    a job on one node, or with a node of a single rank, keeps one shard."""
+    nodes = [node for node, n in enumerate(per_node) for _ in range(n)]
+    cfg = make_config({"paradigm": "bsp"})
+    s = servers_for(cfg, nodes)
+    if len(per_node) > 1 and min(per_node) >= 2:
+        assert s == len(per_node)
+        order = placement_order(nodes, s)
+        shard_nodes = Counter(nodes[r] for r in order[:s])
+        worker_nodes = Counter(nodes[r] for r in order[s:])
+        assert shard_nodes == Counter(range(len(per_node)))
+        assert set(worker_nodes) == set(range(len(per_node)))
+    else:
+        assert s == 1
+
+
+def test_grouped_paradigms_and_spares_that_leave_no_worker_keep_one_shard():
+    nodes = [0, 0, 1, 1]
+    assert servers_for(make_config({"paradigm": "grouped", "groups": 1}), nodes) == 1
+    assert servers_for(make_config({"paradigm": "asp", "spare_workers": 2}), nodes) == 1
+    assert servers_for(make_config({"paradigm": "asp", "spare_workers": 1}), nodes) == 2
+
+
+def test_the_users_own_servers_and_pull_are_kept():
+    cfg = make_config({"paradigm": "bsp", "servers": 3, "pull": "get"})
+    assert settle_layout(cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2]) is cfg
+
+
+@pytest.mark.parametrize("paradigm,flags,expected", [
+    ("bsp", {}, "send"),
+    ("localsgd", {}, "send"),
+    ("diloco", {}, "send"),
+    ("asp", {}, "get"),
+    ("ssp", {}, "get"),
+    ("dssp", {}, "get"),
+    ("eager", {}, "get"),
+    ("hsp", {}, "get"),
+    ("bsp", {"compress": "bf16"}, "get"),  # 16-bit pulls read the window's copies
+    ("bsp", {"compress": "topk:0.1"}, "send"),  # (topk compresses pushes; pulls stay fp32)
+    ("bsp", {"shards_at_once": 2}, "get"),
+    ("localsgd", {"overlap_steps": 2}, "get"),
+])
+def test_across_nodes_the_pull_is_sent_where_the_paradigm_releases_rounds_and_nothing_needs_reads(paradigm, flags,
+                                                                                                   expected):
+    cfg = make_config({"paradigm": paradigm, **flags})
+    assert pull_for(cfg, policy_class(paradigm), spans_nodes=True) == expected
+    assert pull_for(cfg, policy_class(paradigm), spans_nodes=False) == "get"  # within a node: no faster
+    # what auto settles to is never refused (hpcps.options.effects): plan() checks the settled options
+    nodes = [0, 0, 0, 1, 1, 1]
+    assert settle_layout(cfg, policy_class(paradigm), nodes).pull == expected
+    plan(cfg, 6, nodes)
+
+
+@pytest.mark.parametrize("mb,expected", [(0.5, 0.0), (1.0, 0.25), (4.8, 0.3), (8.4, 0.525), (100.0, 4.0)])
+def test_the_partition_is_a_sixteenth_of_the_model_within_bounds(mb, expected):
+    cfg = make_config({"paradigm": "bsp"})
+    assert partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), spans_nodes=True, on_cpu=True) == expected
+
+
+@pytest.mark.parametrize("paradigm,flags,spans,cpu", [
+    ("bsp", {}, False, True),  # one node: shared memory, nothing to hide
+    ("bsp", {}, True, False),  # GPU workers
+    ("eager", {}, True, True),  # pulls behind its computation already
+    ("grouped", {"groups": 1}, True, True),
+    ("localsgd", {}, True, True),  # a push per round
+    ("bsp", {"compress": "bf16"}, True, True),
+])
+def test_whole_transfers_where_partitions_were_not_measured_faster(paradigm, flags, spans, cpu):
+    cfg = make_config({"paradigm": paradigm, **flags})
+    assert partition_mb_for(cfg, policy_class(paradigm), 10 * MB, spans, cpu) == 0.0
+
+
+def test_settled_values_and_the_line_that_names_them():
+    given_cfg = make_config({"paradigm": "bsp"})
+    cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2, 3, 3])
+    cfg = settle_partitions(cfg, policy_class("bsp"), int(4.8 * MB), spans_nodes=True, on_cpu=True)
+    assert (cfg.servers, cfg.pull, cfg.partition_mb) == (4, "send", 0.3)
+    assert describe(given_cfg, cfg) == ("defaults for this job: 4 server shards (one per node), pull send, "
+                                        "partitions of 0.3 MB")
+    mine = make_config({"paradigm": "bsp", "servers": 1, "pull": "get", "partition_mb": 0})
+    assert describe(mine, settle_partitions(mine, policy_class("bsp"), MB, True, True)) is None

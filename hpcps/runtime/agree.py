@@ -122,6 +122,11 @@ def run_or_end(comm: MPI.Comm, step: Callable[[], T], *, quiet: tuple[type[BaseE
 last_words: list[Callable[[], object]] = []
 
 
+#: seconds a rank that ends the job waits after its one line, before ``MPI_Abort``: the launcher forwards a
+#: rank's output through its proxies, and an abort that tears them down first loses the line
+FORWARD_S = 0.5
+
+
 def end_job(comm: MPI.Comm, exc: BaseException, *, quiet: tuple[type[BaseException], ...] = ()) -> None:
     """One line naming this rank and ``exc`` (the traceback in the log, unless the error's message says
     it all), its :data:`last_words`, then ``MPI_Abort``: every rank ends, none is left waiting for this one."""
@@ -133,7 +138,7 @@ def end_job(comm: MPI.Comm, exc: BaseException, *, quiet: tuple[type[BaseExcepti
             last_words.pop()()
         except Exception:  # a dying rank's rows are a courtesy: the abort must happen
             log.debug("last words failed on rank %d", comm.rank, exc_info=True)
-    time.sleep(0.5)  # let the launcher forward that line (and rank 0 write the rows) before MPI_Abort
+    time.sleep(FORWARD_S)  # let the launcher forward that line (and rank 0 write the rows) before MPI_Abort
     from hpcps.transport.failures import ulfm_enabled
     if ulfm_enabled():
         # under Open MPI's ULFM (5.0.11 measured), MPI_Abort blocks its caller and ends no one, and so does

@@ -243,7 +243,7 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "start each layer as soon as its own have arrived, and push each as backward produces it "
                         "(CPU workers; not eager, which pulls behind its computation); 0: whole transfers; auto "
                         "(default {default}): a sixteenth of the model, within 0.25-4 MB, where the job spans "
-                        "nodes, the workers use the CPU and the model is 1 MB or more, else whole transfers")
+                        "nodes, the workers use the CPU and the model is 4 MB or more, else whole transfers")
     g.add_argument("--shards-at-once", type=int, dest="shards_at_once", metavar="K",
                    help="a worker's (and a group server's) push goes to, and its pull reads from, at most K "
                         "shards at once, each starting its rotation at a different shard, so that no link carries "

@@ -12,8 +12,8 @@ what it chose is said once at the start (:func:`describe`) and kept in the run f
 * **Pull** (``--pull auto``): the shards send a round's values (``send``) where the job spans nodes, the
   paradigm releases every worker at a round's close and nothing the user set needs reads (16-bit pulls,
   ``--shards-at-once``, ``--overlap-steps``); the workers read the window (``get``) everywhere else. Over
-  TCP a read costs round trips a send does not (in the box, bsp's step 0.88x with send against 1.0x);
-  within a node the two took the same step (64.5 ms each), so there the window is read as before.
+  TCP a read costs round trips a send does not (in the box, bsp's step with send was 0.87x its step with
+  get); within a node the two took the same step (64.2-65.0 ms), so there the window is read as before.
 * **Partitions** (``--partition-mb auto``): partitioned pulls and pushes during backward where a
   link lies between the workers and the shards (the job spans nodes), the workers compute on the CPU, the
   paradigm pulls between steps one gradient per step, and the model is large enough to pipeline (at least
@@ -30,8 +30,10 @@ from typing import Sequence
 from hpcps.options.config import TrainConfig
 
 AUTO = "auto"
-#: a model smaller than this is pulled whole under --partition-mb auto: its pieces would be all overhead
-PARTITION_MIN_MB = 1.0
+#: a model smaller than this goes whole under --partition-mb auto: in the box at 1 Gbit/s partitions took 0.72x
+#: the step of whole transfers on the 4.8 MB deep_mlp, and gained nothing on the 1.4 MB language model of
+#: tools/bench_local.py (105.7 against 103.9 ms, two seeds), whose transfer is short beside its passes
+PARTITION_MIN_MB = 4.0
 #: the partition size under --partition-mb auto: the model over this many pieces, within the bounds below
 PARTITION_PIECES = 16
 PARTITION_MB_RANGE = (0.25, 4.0)

@@ -74,7 +74,7 @@ def test_across_nodes_the_pull_is_sent_where_the_paradigm_releases_rounds_and_no
     plan(cfg, 6, nodes)
 
 
-@pytest.mark.parametrize("mb,expected", [(0.5, 0.0), (1.0, 0.25), (4.8, 0.3), (8.4, 0.525), (100.0, 4.0)])
+@pytest.mark.parametrize("mb,expected", [(0.5, 0.0), (1.4, 0.0), (4.0, 0.25), (4.8, 0.3), (8.4, 0.525), (100.0, 4.0)])
 def test_the_partition_is_a_sixteenth_of_the_model_within_bounds(mb, expected):
     cfg = make_config({"paradigm": "bsp"})
     assert partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), spans_nodes=True, on_cpu=True) == expected

@@ -310,9 +310,7 @@ def world(*, config: str | None = None, comm=None, exit_on_error: bool = True, *
     from mpi4py import MPI
 
     from hpcps.cluster.placement import node_ids, run_order
-    from hpcps.options.defaults import settle_layout
     from hpcps.options.planning import plan
-    from hpcps.policies import policy_class
 
     comm = MPI.COMM_WORLD if comm is None else comm
     _check_launch(comm, exit_on_error)
@@ -323,10 +321,9 @@ def world(*, config: str | None = None, comm=None, exit_on_error: bool = True, *
     def where() -> World:
         cfg = make_config(flags, config_file=config, python=True)
         nodes = node_ids(comm)  # (collective: every rank is here)
-        cfg = settle_layout(cfg, policy_class(cfg.paradigm), nodes)  # servers="auto": as init will settle it
-        layout = plan(cfg, comm.size)
+        layout = plan(cfg, comm.size, nodes)  # servers="auto" settled as init will settle it
         # the run renumbers the ranks so (hpcps.cluster.placement)
-        run_rank = run_order(comm, cfg.servers, cfg.placement, nodes).index(comm.rank)
+        run_rank = run_order(comm, layout.n_servers, cfg.placement, nodes).index(comm.rank)
         role = layout.role(run_rank)
         return World(n_workers=layout.n_workers, role=role.value, rank=comm.rank, size=comm.size,
                      worker_index=layout.worker_index(run_rank) if role is Role.WORKER else None,

@@ -68,6 +68,8 @@ from benchlib import config_of, data_parallel_replica, fmt, train
 #: evaluations in the background (every 0.1 s by default) slowed its shard's publishes in the box (a later
 #: --eval-interval in the options still wins)
 NO_EVAL = ["--eval-interval", "1e9"]
+#: the row of hpcps train --paradigm bsp with no layout, pull or partition flag (--placements defaults)
+NO_FLAGS = "hpcps bsp, no flags (auto: S=N)"
 
 
 def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -> None:
@@ -244,28 +246,28 @@ def main() -> None:
     for mb in a.bucket_mb:
         rows[f"DDP (gloo), {mb:g} MB buckets"] = (n, [_run_inner("ddp", n, a.steps, o, _box(n, a), mb)
                                                      for o in seeded])
-    # (name, shards, emulate): on one machine S=1, 2, N; in a box, colocated and dedicated server nodes
-    runs = ([(f"hpcps bsp S={s}", s, None, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
-            [("hpcps bsp, no flags (auto: S=N)", None, _box(n, a, ranks_per_node=2), None, None, None)]
-            * ("defaults" in a.placements) +
-            [(f"hpcps bsp, the former defaults (S=1, {2 * n - 1} workers)", 1, _box(n, a, ranks_per_node=2), 0.0,
-              None, "get")] * ("former" in a.placements) +
+    # (name, shards (None: auto), ranks, emulate, --partition-mb, --shards-at-once, --pull): on one machine
+    # S=1, 2, N; in a box, the defaults, the former ones, colocated and dedicated server nodes
+    pair = _box(n, a, ranks_per_node=2) if a.link is not None else None  # a shard and a worker on each node
+    runs = ([(f"hpcps bsp S={s}", s, s + n, None, None, None, None) for s in sorted({1, 2, n})] if a.link is None else
+            [(NO_FLAGS, None, 2 * n, pair, None, None, None)] * ("defaults" in a.placements) +
+            [(f"hpcps bsp, the former defaults (S=1, {2 * n - 1} workers)", 1, 2 * n, pair, 0.0, None, "get")]
+            * ("former" in a.placements) +
             [(f"hpcps bsp colocated S={n}" + (f", --partition-mb {mb:g}" if a.partitions else "") +
               (f", --shards-at-once {k}" if a.fanin else "") + (f", --pull {pull}" if a.pulls else ""),
-              n, _box(n, a, ranks_per_node=2), mb, k, pull)
+              n, 2 * n, pair, mb, k, pull)
              for mb in (a.partitions or [None]) for k in (a.fanin or [None]) for pull in (a.pulls or [None])]
             * ("colocated" in a.placements) +
-            [(f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1,
+            [(f"hpcps bsp colocated + 1 server node S={n + 1}", n + 1, 2 * n + 1,
               _box(n + 1, a, ranks_per_node=2) + f" --ranks {n}=1", None, None, None)] * ("spare" in a.placements) +
-            [(f"hpcps bsp dedicated S={s}", s, _box(n + s, a), None, None, None)
+            [(f"hpcps bsp dedicated S={s}", s, s + n, _box(n + s, a), None, None, None)
              for s in (1, 2)] * ("dedicated" in a.placements))
     parts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, s, box, mb, k, pull in runs:
+        for name, s, ranks, box, mb, k, pull in runs:
             part = ([] if mb is None else ["--partition-mb", f"{mb:g}"]) + ([] if k is None else ["--shards-at-once", str(k)]) \
                 + ([] if pull is None else ["--pull", pull])
             servers = [] if s is None else ["--servers", str(s)]  # None: the default (auto) places them
-            ranks = 2 * n if s is None or "former" in name else s + n
             its = [train(ranks, Path(tmp) / f"bsp{s}.h5",
                          ["--paradigm", "bsp", *servers, "--steps", str(a.steps), *NO_EVAL, *o, *part],
                          emulate=box)["it"]
@@ -291,9 +293,8 @@ def main() -> None:
     ddp = min((name for name in rows if name.startswith("DDP")), key=mean)
     print(f"best hpcps bsp / best DDP ({ddp}), by the mean step: {mean(best) / mean(ddp):.2f} "
           f"(by the median: {mean(best, 1) / mean(ddp, 1):.2f})")
-    if "hpcps bsp, no flags (auto: S=N)" in rows:
-        print(f"hpcps bsp with no flags / best DDP, by the mean step: "
-              f"{mean('hpcps bsp, no flags (auto: S=N)') / mean(ddp):.2f}")
+    if NO_FLAGS in rows:
+        print(f"hpcps bsp with no flags / best DDP, by the mean step: {mean(NO_FLAGS) / mean(ddp):.2f}")
     if a.link is not None:
         from hpcps.box.spec import parse_rate
 

@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Sequence
 
 from hpcps.options.config import TrainConfig
+from hpcps.options.effects import REFUSALS
 
 AUTO = "auto"
 #: a model smaller than this goes whole under --partition-mb auto: in the box at 1 Gbit/s partitions took 0.72x
@@ -37,8 +38,6 @@ PARTITION_MIN_MB = 4.0
 #: the partition size under --partition-mb auto: the model over this many pieces, within the bounds below
 PARTITION_PIECES = 16
 PARTITION_MB_RANGE = (0.25, 4.0)
-#: 16-bit pulls read the window's 16-bit copies, which the shards do not send (hpcps.options.effects)
-_HALF = ("bf16", "fp16")
 
 
 def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
@@ -56,13 +55,14 @@ def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
 
 
 def pull_for(cfg: TrainConfig, paradigm: type, spans_nodes: bool) -> str:
-    """``--pull auto``: ``send`` where the job spans nodes, the paradigm releases every worker at a round's
-    close and no option needs the workers to read, else ``get``."""
-    if not spans_nodes or not paradigm.releases_rounds() or cfg.compress in _HALF or cfg.shards_at_once:
+    """``--pull auto``: ``send`` where the job spans nodes and ``--pull send`` would be refused for nothing
+    (:data:`hpcps.options.effects.REFUSALS`: the paradigm releases every worker at a round's close, and no
+    option needs the workers to read), else ``get``."""
+    if not spans_nodes:
         return "get"
-    if cfg.inner_steps is not None and cfg.overlap_steps:
-        return "get"
-    return "send"
+    sending = cfg.model_copy(update={"pull": "send"})
+    refused = any(r.applies(sending, paradigm) and not r.applies(cfg, paradigm) for r in REFUSALS)
+    return "get" if refused else "send"
 
 
 def partition_mb_for(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool, on_cpu: bool) -> float:

@@ -123,12 +123,12 @@ def _periodic(cfg: TrainConfig) -> str | None:
         else None
 
 
-HALF_PULLS = ("bf16", "fp16")
+HALF_PULLS = ("bf16", "fp16")  # --compress values whose pulls read the window's 16-bit copies
 
 
 def partitioned(cfg: TrainConfig) -> bool:
     """Whether the user asked for partitions of a size (``auto`` chooses only where they can run)."""
-    return cfg.partition_mb != "auto" and cfg.partition_mb > 0  # --compress values whose pulls read the window's 16-bit copies
+    return cfg.partition_mb != "auto" and cfg.partition_mb > 0
 
 
 #: the combinations refused at start-up, in the order they are checked (the first that applies is the line)

@@ -264,8 +264,9 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     # --partition-mb auto made concrete, alike on every rank: from the model and where the workers compute
     cfg = settle_partitions(cfg, paradigm, flat.size * flat.params.itemsize, spans_nodes,
                             all(devices[r].startswith("cpu") for r in layout.training_ranks()))
-    if comm.rank == 0 and given is not None and describe_defaults(given, cfg):
-        log.info("%s", describe_defaults(given, cfg))
+    chose = describe_defaults(given, cfg) if comm.rank == 0 and given is not None else None
+    if chose:
+        log.info("%s", chose)
     stripe = stripe_elements(cfg.partition_mb)  # the one place --partition-mb becomes a stripe
     if workload.given_model:  # built by each rank's script, as DDP takes it: rank 0's parameters start the run
         comm.Bcast(flat.params, root=0)

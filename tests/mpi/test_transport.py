@@ -119,20 +119,29 @@ def test_a_shard_never_writes_a_pinned_slot_and_defers_until_one_is_free(world):
     assert facts["held_out"] is True and facts["newest_now"] == 99 and facts["deferred"] == 1
 
 
-def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, pulls: int = 40) -> float | None:
-    """Rank 0 publishes, then applies big updates back to back; rank 1 times small pulls (median, s)."""
+def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23,
+                  pulls: int = 40) -> tuple[float, float] | None:
+    """Rank 0 publishes, then applies big updates back to back; rank 1 times small pulls.
+
+    Returns, on rank 1, the median pull and the median apply (s): a pull held up by an apply waits for
+    about half an apply, one that is not waits for none of it.
+    """
     bounds = [(0, 1024)]
     window = ParamWindow(comm, shard_ranks=[0], bounds=bounds, local_len=1024 if comm.rank == 0 else 0,
                          protocol=protocol)
-    median = None
+    median = apply_s = None
     if comm.rank == 0:
         window.publish(np.zeros(1024, np.float32), 0)
         master, grad = torch.zeros(n_busy), torch.ones(n_busy)
         comm.Barrier()
         done = comm.Ibarrier()
         poke = lambda: comm.Iprobe(source=MPI.ANY_SOURCE, tag=99)  # noqa: E731
+        applies = []
         while not done.Test():
+            t = time.perf_counter()
             apply_update(master, [grad], [1e-6], progress=poke, chunk=n_busy if monolithic else 1 << 18)
+            applies.append(time.perf_counter() - t)
+        apply_s = float(np.median(applies))
     elif comm.rank == 1:
         out = np.empty(1024, np.float32)
         comm.Barrier()
@@ -145,7 +154,8 @@ def _pull_latency(comm, protocol: str, monolithic: bool, n_busy: int = 1 << 23, 
         median = float(np.median(times))
         polite_barrier(comm)
     window.free()
-    return median
+    apply_s = comm.bcast(apply_s, root=0)
+    return None if median is None else (median, apply_s)
 
 
 def test_pulls_stay_fast_while_the_server_applies_updates(world):
@@ -165,10 +175,15 @@ def test_pulls_stay_fast_while_the_server_applies_updates(world):
                    for protocol in ("locked", "pinned") for monolithic in (False, True)}
         pair.Free()
     polite_barrier(world)  # idle ranks must not spin in a blocking collective meanwhile
-    t = world.bcast(results, root=1)
+    results = world.bcast(results, root=1)
+    t = {key: pull for key, (pull, _) in results.items()}
+    apply_s = results["pinned", True][1]
     print("median pull while busy (ms): " + ", ".join(
-        f"{p} {'monolithic' if m else 'chunked'} {v * 1e3:.3f}" for (p, m), v in t.items()))
-    assert t["pinned", True] < 3 * t["pinned", False]
+        f"{p} {'monolithic' if m else 'chunked'} {v * 1e3:.3f}" for (p, m), v in t.items())
+        + f"; median monolithic apply {apply_s * 1e3:.3f}")
+    # Held up, a pull would wait about half an apply; sub-millisecond jitter between two fast medians
+    # (0.15 against 0.04 ms on a busy 2-core machine) is not being held up.
+    assert t["pinned", True] < max(3 * t["pinned", False], apply_s / 4)
     if implementation() == "mpich":
         assert t["locked", False] * 3 < t["locked", True]
         assert t["pinned", True] * 3 < t["locked", True]

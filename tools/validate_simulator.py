@@ -2,9 +2,10 @@
 """Check ``hpcps simulate`` against real emulated runs at 4, 8 and 16 workers.
 
 One invocation: first calibration runs, none of them a validated size.
-1 server + 1 worker under asp gives the per-iteration overhead on this
-machine (median iteration time minus compute time), the model's transfer
-latency L. 1 server + n = 1, 2, 3, 5, 6 workers under bsp, the last one
+1 server + 1 worker whose pull goes with its push (examples/pull_with_push.py:
+asp as it was before it read its own writes) gives the per-iteration overhead
+on this machine (median iteration time minus compute time), the model's
+transfer latency L. 1 server + n = 1, 2, 3, 5, 6 workers under bsp, the last one
 ``--straggler`` times slower, give the server's costs: such a round takes
 straggler x compute + 2L + server_s (the straggler's push) + n x update_s
 (closing the round: a row, a receipt and a grant per gradient), and a
@@ -43,6 +44,9 @@ from benchlib import train
 from hpcps.analysis.report import worker_rates
 from hpcps.analysis.simulate import Links, Machine, simulate
 
+#: the calibration's paradigm: one transfer's overhead per iteration, the pull overlapping the push
+PULL_WITH_PUSH = f"{Path(__file__).resolve().parents[1] / 'examples' / 'pull_with_push.py'}:PullWithPush"
+
 
 def _parameters(hidden: int | None) -> int:
     """Parameters of the MLP hpcps train builds on digits (64 inputs, 10 classes) with ``hidden`` units."""
@@ -71,7 +75,7 @@ def main() -> None:
     nbytes = 4 * _parameters(a.hidden) if a.link else 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cal = train(2, Path(tmp) / "calibrate.h5", ["--paradigm", "asp", *common], emulate=box)["it"]
+        cal = train(2, Path(tmp) / "calibrate.h5", ["--paradigm", PULL_WITH_PUSH, *common], emulate=box)["it"]
         overhead = float(np.median(cal["t_end"] - cal["t_start"] - cal["compute_s"]))
         if words:  # the 1-worker iteration in the box also moves the model once each way, overlapped
             overhead = max(0.0, overhead - nbytes / min(Links.from_words(words, 1).workers[0],
@@ -102,7 +106,7 @@ def main() -> None:
         print(f"in a box: workers' links {a.link}, the server's {a.server_link or a.link}, "
               f"{nbytes / 1e6:.2f} MB per transfer")
     print(f"compute {a.compute_time * 1e3:g} ms, last worker {a.straggler:g}x slower, {a.steps} steps; "
-          f"calibrated: transfer {overhead * 1e3:.2f} ms (1 worker, asp); server {server_s * 1e3:.3f} ms per push "
+          f"calibrated: transfer {overhead * 1e3:.2f} ms (1 worker, pull with push); server {server_s * 1e3:.3f} ms per push "
           f"and {update_s * 1e3:.3f} ms per gradient of a closing update (1-6 workers, bsp: rounds of "
           f"{', '.join(f'{r * 1e3:.1f}' for r in rounds)} ms)\n")
     print("| paradigm | workers | measured iterations/s | predicted | error |")

@@ -20,4 +20,5 @@ class Eager(ASP):
     name = "eager"
     summary = "decoupled push and one-sided pull overlapped with compute, staleness-scaled learning rate"
     eager_pull = True
+    worker_blocks = False  # (its pulls are decoupled from its pushes: it never waits for its own either)
     default_lr_staleness = "inverse"

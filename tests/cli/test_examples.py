@@ -191,3 +191,24 @@ def test_the_horovod_style_loop_applies_its_per_batch_schedule_on_the_servers(tm
                                                           round(scaled, 9)]
     assert list(scalars["name"]).count(b"val_loss") == 4 * 3  # each worker, each epoch
     assert "epoch 2: validation loss" in proc.stdout
+
+
+def test_the_pull_with_push_plugin_computes_gradients_without_its_workers_last_one(tmp_path):
+    """asp as it was: the pull begun with the push reads the shard before that push is applied, so a
+    gradient is computed on a version older than its worker's previous update made (asp never does:
+    tests/mpi/test_paradigms.py). Every gradient is still applied, on arrival."""
+    out = tmp_path / "former.h5"
+    proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm",
+                  f"{EXAMPLES / 'pull_with_push.py'}:PullWithPush", "--steps", "30", "--out", str(out),
+                  timeout=240, cwd=str(tmp_path))
+    _ok(proc)
+    with h5py.File(out) as f:
+        up = f["servers/updates"][()]
+    missed = 0
+    for w in set(up["worker"].tolist()):
+        mine = up[up["worker"] == w]
+        mine = mine[mine["worker_clock"].argsort()]
+        computed_on = mine["version"] - mine["staleness"]
+        missed += int((computed_on[1:] < mine["version"][:-1] + 1).sum())
+    assert len(up) == 4 * 30 and up["applied"].all()
+    assert missed > 0  # (begun before the push leaves, a pull cannot wait for it: here nearly every one misses)

@@ -43,7 +43,9 @@ def test_bsp_round_closes_when_the_missing_worker_leaves():
 def test_asp_applies_and_releases_at_once():
     p = make_policy("asp", 4)
     assert p.on_push(3, 7, 2, 0.0) == Decision(updates=((3,),), grants=(3,))
-    assert not type(p).worker_blocks and p.threshold(3) == -1
+    assert p.threshold(3) == -1
+    # the worker waits for its own gradient's update (granted with it), for no other: read-my-writes
+    assert type(p).worker_blocks and not make_policy("eager", 4).worker_blocks
 
 
 def test_ssp_releases_only_within_s_of_the_slowest():

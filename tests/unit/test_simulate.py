@@ -1,5 +1,7 @@
 """The discrete-event model: closed-form rates on timelines simple enough to work out by hand."""
 
+from pathlib import Path
+
 import pytest
 
 from hpcps.cli import main
@@ -9,11 +11,12 @@ C, L = 0.01, 0.001  # compute and transfer seconds
 FREE = Machine(latency=L, bandwidth=1e30, server_s=0.0, apply_rate=1e30)  # transfers cost L, the server nothing
 
 
-def test_asp_worker_runs_at_one_over_compute_plus_one_transfer():
-    """Pull L, compute C, push L; the next pull starts with the push: a period of C + L."""
+def test_asp_worker_runs_at_one_over_compute_plus_two_transfers():
+    """Pull L, compute C, push L; the next pull waits for the push's update (read-my-writes), not for any other
+    worker: a period of C + 2L, and no wait counted."""
     r = simulate("asp", 4, steps=50, nbytes=0, compute_time=C, machine=FREE)
-    assert r.per_worker_rate == {w: pytest.approx(1 / (C + L)) for w in range(4)}
-    assert r.throughput == pytest.approx(4 / (C + L)) and r.mean_wait_s == 0.0
+    assert r.per_worker_rate == {w: pytest.approx(1 / (C + 2 * L)) for w in range(4)}
+    assert r.throughput == pytest.approx(4 / (C + 2 * L)) and r.mean_wait_s == 0.0
 
 
 def test_bsp_runs_everyone_at_the_stragglers_pace_and_counts_the_wait():
@@ -55,9 +58,9 @@ def test_overlap_steps_must_be_fewer_than_the_local_steps():
 
 
 def test_the_free_form_of_local_steps_is_asp_over_rounds():
-    """asp with H local steps: a period of H*C + L per round (the pull goes with the push)."""
+    """asp with H local steps: a period of H*C + 2L per round (the pull after the push's update)."""
     r = simulate("asp", 3, steps=60, nbytes=0, compute_time=C, machine=FREE, local_steps=6)
-    assert r.per_worker_rate[0] == pytest.approx(60 / (10 * (6 * C + L)))  # (as asp without: N x (C + L))
+    assert r.per_worker_rate[0] == pytest.approx(60 / (10 * (6 * C + 2 * L)))  # (as asp without: N x (C + 2L))
 
 
 def test_eager_hides_the_pull():
@@ -128,11 +131,17 @@ B, R = 10 ** 6, 10 ** 8  # bytes of a transfer; a worker link's bytes/s (a trans
 LINKED = Machine(latency=0.0, server_s=0.0, apply_rate=1e30)
 
 
-def test_asp_over_links_overlaps_its_pull_with_its_push():
-    """Pull B/R, compute C; the push and the next pull go opposite ways at once: a period of C + B/R."""
+PULL_WITH_PUSH = f"{Path(__file__).resolve().parents[2] / 'examples' / 'pull_with_push.py'}:PullWithPush"
+
+
+def test_a_worker_that_never_waits_overlaps_its_pull_with_its_push_over_links():
+    """Pull B/R, compute C; the push and the next pull go opposite ways at once: a period of C + B/R (the
+    plug-in of examples/pull_with_push.py). asp, whose pull waits for its push's update, takes C + 2B/R."""
     links = Links(server=R, workers=(R,))
-    r = simulate("asp", 1, steps=30, nbytes=B, compute_time=C, machine=LINKED, links=links)
-    assert r.per_worker_rate[0] == pytest.approx(1 / (C + B / R))
+    never = simulate(PULL_WITH_PUSH, 1, steps=30, nbytes=B, compute_time=C, machine=LINKED, links=links)
+    assert never.per_worker_rate[0] == pytest.approx(1 / (C + B / R))
+    asp = simulate("asp", 1, steps=30, nbytes=B, compute_time=C, machine=LINKED, links=links)
+    assert asp.per_worker_rate[0] == pytest.approx(1 / (C + 2 * B / R))
 
 
 @pytest.mark.parametrize("server_factor", [1, 4])

@@ -212,7 +212,8 @@ def shard_optimizer(plan: RunPlan, state: RunState, params: np.ndarray, shard: i
     # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
     optimizer.schedule = schedule(plan, optimizer.default_lr or cfg.lr)
     if cfg.stale_momentum == "auto" and cfg.momentum_period == 1:  # (Delayed Nesterov's momentum is its own cure)
-        optimizer.stale = StaleMomentum()
+        # resumed: the ramp goes on from the shard's version, as its restored momentum buffers do
+        optimizer.stale = StaleMomentum(updates=plan.shard_start(shard) if plan.ckpt is not None else 0)
     if plan.ckpt is not None and plan.ckpt.resharded:
         optimizer.load_state_dict(checkpointing.resliced_optimizer_state(plan, state, optimizer, shard))
     elif plan.ckpt is not None:

@@ -41,14 +41,16 @@ class StaleMomentum:
     """The running mean staleness of a shard's updates and the momentum and rate factor it implies.
 
     ``memory``: the updates the mean weighs (an exponential mean with weight ``1/memory``, corrected for
-    its start as Adam's moments are, so the first updates count at once).
+    its start as Adam's moments are, so the first updates count at once). ``updates``: those the shard has
+    applied already (a resumed run's version: its momentum buffers are restored full, so the ramp goes on
+    where it was instead of starting again; the mean, not saved, starts again from the next update).
     """
 
-    def __init__(self, memory: float = 100.0) -> None:
+    def __init__(self, memory: float = 100.0, updates: int = 0) -> None:
         self.decay = 1.0 - 1.0 / memory
         self._sum = 0.0
         self._weight = 0.0
-        self.updates = 0
+        self.updates = updates
 
     def observe(self, staleness: float) -> None:
         """An update applied ``staleness`` versions after the version its gradient was computed on."""

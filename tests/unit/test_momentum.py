@@ -92,3 +92,18 @@ def test_a_shards_updates_equal_torch_sgd_at_the_rules_momentum_and_rate_and_kee
         assert shard.momentum == pytest.approx(momentum) and shard.rate_factor == pytest.approx(factor)
     assert torch.allclose(torch.cat([p.detach() for p in params]), replay_param.detach(), atol=1e-6)
     assert shard.optimizer.param_groups[0]["momentum"] == 0.9  # the user's, for edits and state_dict
+
+
+def test_a_resumed_rule_goes_on_with_the_ramp_where_the_run_was():
+    """A shard resumed at version k (its momentum buffers restored full) takes its next update's raise as
+    the uninterrupted shard does, not the ramp's first (which is 1)."""
+    going = StaleMomentum()
+    for _ in range(50):
+        going.observe(3)
+    resumed = StaleMomentum(updates=49)
+    resumed.observe(3)  # (the mean is not saved: bias-corrected, one observation of a steady staleness is it)
+    assert resumed.adjusted(0.9) == pytest.approx(going.adjusted(0.9))
+    fresh = StaleMomentum()
+    fresh.observe(3)
+    assert fresh.adjusted(0.9)[1] == pytest.approx(1.0)
+    assert going.adjusted(0.9)[1] > 3.5  # (1 - 0.6) / (1 - 0.9) = 4 once both buffers are full

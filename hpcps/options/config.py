@@ -377,8 +377,13 @@ def _option(loc: tuple, python: bool = False) -> str:
 
 def _describe(exc: ValidationError, python: bool = False) -> str:
     lines = []
+    union: dict[str, tuple[tuple, list[str], Any]] = {}  # an option of several types: one line saying them all
     for err in exc.errors():
         msg = err["msg"].removeprefix("Value error, ")
+        if len(err["loc"]) == 2 and msg.startswith("Input should be "):  # (loc: the option, the type tried)
+            expected = msg.removeprefix("Input should be ").split(",")[0]
+            union.setdefault(str(err["loc"][0]), (err["loc"][:1], [], err.get("input")))[1].append(expected)
+            continue
         if err["type"] == "extra_forbidden":
             name = str(err["loc"][0]) if err["loc"] else ""
             close = difflib.get_close_matches(name, TrainConfig.model_fields, n=1)
@@ -389,6 +394,8 @@ def _describe(exc: ValidationError, python: bool = False) -> str:
             lines.append(f"{_option(err['loc'], python)}: {msg} (got {err.get('input')!r})")
         else:
             lines.append(msg)
+    for loc, expected, given in union.values():
+        lines.append(f"{_option(loc, python)}: should be {' or '.join(expected)} (got {given!r})")
     return "; ".join(lines)
 
 

@@ -147,3 +147,13 @@ def test_min_lr_is_the_cosine_schedules_floor_below_lr():
 def test_the_local_sgd_presets_defaults(flags, expected):
     cfg = make_config(flags)
     assert (cfg.lr, cfg.momentum, cfg.nesterov, cfg.inner_steps, cfg.inner_lr) == expected
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"servers": "foo"}, "--servers: should be a valid integer or 'auto' (got 'foo')"),
+    ({"partition_mb": "abc"}, "--partition-mb: should be a valid number or 'auto' (got 'abc')"),
+])
+def test_an_option_of_a_number_or_auto_says_both_in_one_line(flags, message):
+    with pytest.raises(UserError) as caught:
+        make_config(flags)
+    assert str(caught.value) == message

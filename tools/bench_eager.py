@@ -2,7 +2,7 @@
 """Eager pull against blocking push-then-pull ASP and against BSP, on the same workload and ranks.
 
 Variants: ``eager`` (learning rate lr/(1+staleness)), ``eager-const`` (eager
-without learning-rate modulation), ``asp`` (push, then a blocking pull) and
+without learning-rate modulation), ``asp`` (push, its update, then a blocking pull) and
 ``bsp``. Printed per variant over the seeds: median iteration time, gradients
 applied until the target accuracy was first seen, time to target, final
 accuracy, and ratios against blocking ASP measured in the same invocation.

@@ -44,12 +44,15 @@ def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
     """``--servers auto`` on ranks whose nodes are ``nodes`` (``nodes[r]``: rank r's node): one shard per
     node where the job spans nodes, each node has two ranks or more and a worker is left (spares and
     group servers counted), else 1. Grouped paradigms keep one central shard: their group servers carry
-    the links' traffic."""
+    the links' traffic. Under ``--placement rank`` the shards are ranks 0..S-1 as launched: one per node
+    only where those ranks sit on different nodes (a cyclic rank order), else 1."""
     per_node = Counter(nodes)
     n_nodes = len(per_node)
     if n_nodes < 2 or min(per_node.values()) < 2 or cfg.groups:
         return 1
     if len(nodes) - n_nodes - cfg.spare_workers < 1:
+        return 1
+    if cfg.placement == "rank" and len(set(nodes[:n_nodes])) < n_nodes:
         return 1
     return n_nodes
 

@@ -44,6 +44,15 @@ def test_grouped_paradigms_and_spares_that_leave_no_worker_keep_one_shard():
     assert servers_for(make_config({"paradigm": "asp", "spare_workers": 1}), nodes) == 2
 
 
+def test_rank_placement_gets_a_shard_per_node_only_where_the_first_ranks_sit_on_different_nodes():
+    """--placement rank: the shards are ranks 0..S-1; block order (srun's default) would put them all on the
+    first nodes, so auto keeps one shard there; a cyclic order puts one on each node."""
+    rank = make_config({"paradigm": "bsp", "placement": "rank"})
+    assert servers_for(rank, [0, 0, 1, 1, 2, 2]) == 1
+    assert servers_for(rank, [0, 1, 2, 0, 1, 2]) == 3
+    assert servers_for(make_config({"paradigm": "bsp"}), [0, 0, 1, 1, 2, 2]) == 3  # spread: one per node
+
+
 def test_the_users_own_servers_and_pull_are_kept():
     cfg = make_config({"paradigm": "bsp", "servers": 3, "pull": "get"})
     assert settle_layout(cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2]) is cfg

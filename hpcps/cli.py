@@ -330,6 +330,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_options(t)
     t.set_defaults(func=_train)
 
+    u = sub.add_parser("tune", argument_default=argparse.SUPPRESS,
+                       help="try a job's layouts on its own model, data and ranks; rank them by measured speed "
+                            "(launch under mpiexec/srun)",
+                       description="Launched as the job would be, with hpcps train's options: short trials of "
+                                   "the layouts (--servers, --pull, --partition-mb, --shards-at-once) the options "
+                                   "leave open, the options as given first; prints them ranked by batches a "
+                                   "second, and the command line of the best. The options you set are kept. "
+                                   "The paradigm is not tuned.")
+    u.add_argument("--trial-steps", dest="trial_steps", type=int, default=30, metavar="N",
+                   help="steps per worker in each trial (default {default})")
+    u.add_argument("--top", type=int, default=3, metavar="K", help="command lines printed (default {default})")
+    add_train_options(u)
+    u.set_defaults(func=_tune)
+
     c = sub.add_parser("check", help="is this allocation fit for hpcps? (launch under mpiexec/srun)",
                        description="Run under the job's launcher on a new allocation (srun -n 8 hpcps check, "
                                    "mpiexec -n 4 hpcps check). In about a minute it prints the MPI library, thread "
@@ -542,6 +556,52 @@ def _train(args: argparse.Namespace) -> int:
         status = DIVERGED_STATUS
     end_without_the_dead(status)
     return status  # rank 0 has logged the run's one summary line
+
+
+#: hpcps tune's own options, with a value each (not hpcps train's)
+TUNE_OPTIONS = ("--trial-steps", "--top")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from hpcps.runtime.signals import catch_early
+
+    catch_early()
+    from mpi4py import MPI
+
+    from hpcps.cluster.launcher import check_world
+    from hpcps.log import setup_logging
+    from hpcps.options.config import make_config
+    from hpcps.runtime.agree import agree, run_or_end
+
+    comm = MPI.COMM_WORLD
+    setup_logging(comm.rank)
+    try:
+        check_world(comm.size)
+        if args.trial_steps < 2 or args.top < 1:
+            raise UserError("hpcps tune: --trial-steps takes 2 or more, --top 1 or more")
+    except UserError as exc:
+        return _user_error(exc, show=launcher_rank() == 0)
+    own = ("command", "func", "config", "command_line", "trial_steps", "top")
+    flags = {k: v for k, v in vars(args).items() if k not in own}
+    words, skip = [], False  # hpcps train's words of the command line, for the commands printed
+    for word in args.command_line[1:]:
+        if skip:
+            skip = False
+        elif word in TUNE_OPTIONS:
+            skip = True
+        elif not word.startswith(tuple(f"{o}=" for o in TUNE_OPTIONS)):
+            words.append(word)
+
+    def tune():
+        from hpcps.runtime.run import run_training
+        from hpcps.runtime.tune import run_tune
+
+        cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
+        return run_tune(cfg, list(flags), comm, trial_steps=args.trial_steps, top=args.top, train_words=words,
+                        train=run_training)
+
+    _, status = run_or_end(comm, tune)
+    return status
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -119,7 +119,7 @@ def _commands(text: str):
             continue
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             line = line.strip().removeprefix("$ ")
-            if re.search(r"\bhpcps (train|jobs render|report|simulate|emulate)\b|\bpython tools/\w+\.py", line):
+            if re.search(r"\bhpcps (train|tune|jobs render|report|simulate|emulate)\b|\bpython tools/\w+\.py", line):
                 yield line
 
 
@@ -139,9 +139,10 @@ def _check(line: str) -> list[str]:
         line = shlex.join(words)
     if boxed:
         return boxed + _check(line)
-    if "tools/" in line:
-        at = next(i for i, w in enumerate(words) if w.startswith("tools/"))
-        command, rest = words[at], words[at + 1:]
+    tool = next((i for i, w in enumerate(words) if i and words[i - 1].endswith("python") and w.startswith("tools/")),
+                None)  # (python tools/x.py; a train option may name a file in tools/ too: --model tools/x.py:net)
+    if tool is not None:
+        command, rest = words[tool], words[tool + 1:]
     else:
         at = words.index("hpcps")
         command = "jobs render" if words[at + 1] == "jobs" else words[at + 1]
@@ -169,6 +170,8 @@ def test_a_renamed_option_would_be_caught():
     assert _check("mpiexec -n 5 hpcps train --paradigm bsp --stepz 10") == ["--stepz"]
     assert _check("hpcps jobs render slurm --nodez 2 -- --paradigm dssp --stepz 3") == ["--nodez", "--stepz"]
     assert _check("python tools/bench_policies.py --workerz 4") == ["--workerz"]
+    assert _check("hpcps emulate --nodes 2 -- hpcps tune --model tools/bench_partitions.py:deep_mlp --stepz 3") == [
+        "--stepz"]
     assert _check("hpcps emulate --nodez 2 --link 1gbit -- hpcps train --stepz 3") == ["--nodez", "--stepz"]
     assert _check("hpcps emulate --nodes 2 -- python tools/bench_transport.py --sizez 16") == ["--sizez"]
     assert _check('python tools/bench_eager.py --emulate "--nodez {np}" -- --stepz 3') == ["--nodez", "--stepz"]

@@ -1,0 +1,47 @@
+"""hpcps tune under mpiexec: trials of the layouts the options leave open, ranked, with commands that keep the
+user's own words; nothing of the trials left behind."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+
+import pytest
+
+from launching import launch, needs_mpiexec
+
+pytestmark = needs_mpiexec
+
+ROW = re.compile(r"^\| (\d+) \| (.+?)( \(as given\))? \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$")
+
+
+@pytest.mark.timeout(240)
+def test_tune_ranks_every_open_layout_by_batches_a_second_and_prints_commands_that_keep_the_users_words(tmp_path):
+    user = ["--paradigm", "bsp", "--partition-mb", "0", "--shards-at-once", "0", "--steps", "99",
+            "--out", "runs/mine.h5"]
+    proc = launch(5, sys.executable, "-m", "hpcps", "tune", "--trial-steps", "8", *user, timeout=200, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ROW.match(line) for line in proc.stdout.splitlines() if ROW.match(line)]
+    # one node of 5 ranks: 1 or 2 shards, each pull; the partitions and rotation as the user set them
+    layouts = {row[2] for row in rows}
+    assert layouts == {f"--servers {s} --pull {p} --partition-mb 0 --shards-at-once 0"
+                       for s in (1, 2) for p in ("get", "send")}, proc.stdout
+    assert [int(row[1]) for row in rows] == [1, 2, 3, 4]
+    rates = [float(row[6]) for row in rows]
+    assert rates == sorted(rates, reverse=True)
+    for row in rows:  # batches a second: the workers over the mean step (one shard leaves 4 workers, two 3)
+        workers, step_ms = int(row[4]), float(row[5])
+        assert workers == (4 if row[2].startswith("--servers 1 ") else 3)
+        assert float(row[6]) == pytest.approx(workers / (step_ms / 1e3), rel=0.03)
+    given = [row[2] for row in rows if row[3]]
+    assert given == ["--servers 1 --pull get --partition-mb 0 --shards-at-once 0"]  # what auto chose on one node
+    assert "the options as given, tried first and last:" in proc.stdout
+    commands = [line.split(None, 1)[1] for line in proc.stdout.splitlines() if line.strip().startswith(("0", "1", "2",
+                "3", "4", "5", "6", "7", "8", "9")) and "hpcps train" in line]
+    assert len(commands) == 3
+    for line in commands:
+        words = shlex.split(line)
+        assert words[:5] == ["mpiexec", "-n", "5", "hpcps", "train"] and words[5:5 + len(user)] == user
+        assert words[5 + len(user)::2] == ["--servers", "--pull"] and "--trial-steps" not in words
+    assert not (tmp_path / "runs").exists()  # the trials wrote where the user's run would not

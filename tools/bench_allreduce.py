@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from benchlib import config_of, data_parallel_replica, fmt, train
+from hpcps.analysis.report import mean_step
 
 
 #: hpcps evaluates only at the start and the end, as the data-parallel runs do not evaluate at all: rank 0's
@@ -197,12 +198,6 @@ def step_bounds(compute_s: float, forward: float, backward: float, model_bytes: 
     f, b = compute_s * forward, compute_s * backward
     return {"bsp": compute_s - f - b + max(b, phase) + max(f, phase),
             "allreduce": compute_s - b + max(b, 2 * phase)}
-
-
-def mean_step(it: np.ndarray) -> float:
-    """A run's mean step: each worker's wall time over its steps (first start to last end), the slowest's."""
-    return max((float(mine["t_end"].max() - mine["t_start"].min()) / len(mine))
-               for mine in (it[it["rank"] == r] for r in np.unique(it["rank"])))
 
 
 def median_step(it: np.ndarray) -> float:

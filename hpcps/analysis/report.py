@@ -108,6 +108,18 @@ def worker_rates(iterations: np.ndarray, places: dict[int, int] | None = None) -
     return {int(r): float((owner == r).sum() / it["t_end"][owner == r].max()) for r in np.unique(owner)}
 
 
+def mean_step(iterations: np.ndarray, warmup: int = 0) -> float:
+    """A run's mean step (s), what a user waits for: each worker's wall time over its steps (the start of its
+    first timed step to the end of its last), the slowest worker's. ``warmup``: steps left out at each
+    worker's start, at most a quarter of its steps (start-up and torch's first passes)."""
+    slowest = 0.0
+    for r in np.unique(iterations["rank"]):
+        mine = np.sort(iterations[iterations["rank"] == r], order="step")
+        timed = mine[min(warmup, len(mine) // 4):]
+        slowest = max(slowest, float(timed["t_end"].max() - timed["t_start"].min()) / len(timed))
+    return slowest
+
+
 def places(joins: np.ndarray) -> dict[int, int]:
     """From ``/servers/joins``: each spare rank that took a dead worker's place -> the rank of the worker
     that held the place first (a spare that died in its turn, and was replaced, passes it on)."""

@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
+from hpcps.analysis.report import mean_step
 from hpcps.errors import UserError
 from hpcps.options.config import TrainConfig
 from hpcps.options.tuning import TUNED, Trial, candidates, command, flags, ranked, table
@@ -38,19 +39,16 @@ TRIAL = {"epochs": None, "save": None, "tensorboard": None, "checkpoint_every": 
 REFUSED = ("resume", "fault")
 
 
-def mean_step(path: str) -> tuple[float, int]:
-    """A run file's mean step (s) and worker count: each worker's wall time over its steps after the first
-    quarter (at most 5: start-up, torch's first passes), the slowest worker's."""
+#: steps left out at each worker's start (at most a quarter of its steps): start-up, torch's first passes
+WARMUP_STEPS = 5
+
+
+def measured(path: str) -> tuple[float, int]:
+    """A trial's run file: its mean step (s; :func:`hpcps.analysis.report.mean_step` after
+    :data:`WARMUP_STEPS`) and its worker count."""
     with h5py.File(path, "r") as f:
         it = f["workers/iterations"][()]
-    slowest, workers = 0.0, sorted(set(it["rank"].tolist()))
-    for rank in workers:
-        mine = np.sort(it[it["rank"] == rank], order="step")
-        skip = min(5, len(mine) // 4)
-        timed = mine[skip:]
-        if len(timed):
-            slowest = max(slowest, float(timed["t_end"][-1] - timed["t_start"][0]) / len(timed))
-    return slowest, len(workers)
+    return mean_step(it, WARMUP_STEPS), len(np.unique(it["rank"]))
 
 
 def settled(path: str) -> dict[str, Any]:
@@ -103,7 +101,7 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     result = train(base.model_copy(update={"out": str(folder / "trial-0.h5")}), comm)
     first = None
     if comm.rank == 0:
-        step_s, workers = mean_step(result.path)
+        step_s, workers = measured(result.path)
         first = (Trial(settled(result.path), workers, step_s, as_given=True), 4 * result.params.size / 2**20)
     first = comm.bcast(first, root=0)
     trials, model_mb = [first[0]], first[1]
@@ -115,7 +113,7 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
             log.info("hpcps tune: trial %d of %d: %s", k + 1, len(todo) + 1, " ".join(flags(values)))
         result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm)
         if comm.rank == 0:
-            step_s, workers = mean_step(result.path)
+            step_s, workers = measured(result.path)
             trials.append(Trial(values, workers, step_s))
     if comm.rank != 0:
         return []

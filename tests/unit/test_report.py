@@ -11,7 +11,7 @@ from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import EVAL, ITERATION, JOIN, RANK, SCALAR, TRANSFER, UPDATE
-from hpcps.analysis.report import Run, load_run, make_report, places, summary_rows
+from hpcps.analysis.report import Run, load_run, make_report, mean_step, places, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -299,3 +299,18 @@ def test_a_spare_in_a_dead_workers_place_is_not_another_worker(tmp_path):
         rf.append("eval", np.zeros(0, EVAL))
         rf.append("servers/joins", joins)
     assert summary_rows([load_run(path)], 0.9)[0]["workers"] == 2
+
+
+def test_the_mean_step_is_the_slowest_workers_wall_time_over_its_timed_steps():
+    """Worker 1: 8 steps of 10 ms back to back, the first two 50 ms (start-up); worker 2: 8 steps of 12 ms.
+    All steps: (2 x 50 + 6 x 10) / 8 = 20 ms against 12 ms; two steps of warm-up left out: 10 against 12."""
+    it = np.zeros(16, ITERATION)
+    for i, (rank, times) in enumerate([(1, [0.05, 0.05] + [0.01] * 6), (2, [0.012] * 8)]):
+        ends = np.cumsum(times)
+        rows = it[8 * i:8 * i + 8]
+        rows["rank"], rows["step"], rows["t_start"], rows["t_end"] = rank, np.arange(8), ends - times, ends
+        it[8 * i:8 * i + 8] = rows
+    shuffled = it[np.random.default_rng(0).permutation(16)]  # rows as they come, in no order
+    assert mean_step(shuffled) == pytest.approx(0.020)
+    assert mean_step(shuffled, warmup=2) == pytest.approx(0.012)
+    assert mean_step(shuffled, warmup=5) == pytest.approx(0.012)  # (at most a quarter: 2 of 8 left out)

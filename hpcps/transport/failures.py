@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from mpi4py import MPI
 
@@ -43,9 +43,15 @@ def ulfm_enabled(library: str | None = None, environ: dict | None = None) -> boo
     return "Open MPI" in library and flag in ("1", "true", "yes", "on", "enabled")
 
 
-def is_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is MPI saying a rank died."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILED_CLASSES
+def is_failure(exc: BaseException, statuses: Sequence[MPI.Status] = ()) -> bool:
+    """Whether ``exc`` is MPI saying a rank died. A call on several requests (``Testall``, ``Testsome``)
+    raises ``MPI_ERR_IN_STATUS`` instead, the death in the failed request's status: pass ``statuses`` (those
+    the call filled) to see it there."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    if exc.Get_error_class() == MPI.ERR_IN_STATUS:
+        return any(MPI.Get_error_class(s.Get_error()) in FAILED_CLASSES for s in statuses)
+    return exc.Get_error_class() in FAILED_CLASSES
 
 
 _seen: set[int] = set()  # every rank any DeadRanks of this process found dead
@@ -75,10 +81,10 @@ class DeadRanks:
         self.comms = list(comms)
         self.dead: set[int] = set()
 
-    def found(self, exc: BaseException) -> set[int]:
-        """The ranks newly known dead after ``exc``, acknowledged on every watched communicator; ``exc``
-        itself is raised again where it is not a rank's death."""
-        if not is_failure(exc):
+    def found(self, exc: BaseException, statuses: Sequence[MPI.Status] = ()) -> set[int]:
+        """The ranks newly known dead after ``exc`` (``statuses``: see :func:`is_failure`), acknowledged on
+        every watched communicator; ``exc`` itself is raised again where it is not a rank's death."""
+        if not is_failure(exc, statuses):
             raise exc
         return self.check()
 
@@ -117,12 +123,12 @@ def left_out(before: MPI.Comm, after: MPI.Comm, into: MPI.Comm | None = None) ->
             group.Free()
 
 
-def found_dead(dead: DeadRanks | None, exc: MPI.Exception) -> set[int]:
-    """The ranks newly dead that ``exc`` reports, acknowledged, where ``dead`` watches (run-through); ``exc``
-    raised again where nothing watches or it is not a rank's death."""
+def found_dead(dead: DeadRanks | None, exc: MPI.Exception, statuses: Sequence[MPI.Status] = ()) -> set[int]:
+    """The ranks newly dead that ``exc`` reports (``statuses``: see :func:`is_failure`), acknowledged, where
+    ``dead`` watches (run-through); ``exc`` raised again where nothing watches or it is not a rank's death."""
     if dead is None:
         raise exc
-    return dead.found(exc)
+    return dead.found(exc, statuses)
 
 
 def completed(dead: DeadRanks | None, req: MPI.Request) -> bool:

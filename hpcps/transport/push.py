@@ -283,6 +283,7 @@ class PushInbox:
         self.buffer_of: dict[int, int] = {}  # worker -> the buffer its gradient is in (or comes to)
         self.awaiting_buffer: dict[int, None] = {}  # workers whose header came, in arrival order
         self.receiving: dict[int, list[MPI.Request]] = {}  # worker -> its payload's receives, while in flight
+        self._status_pool: list[MPI.Status] = []  # see _statuses
         self.listening = set(range(n))  # workers whose next header is taken up as it comes
         self.cut: list[int] | None = None  # a checkpoint's cut: the last clock taken up per worker (hold_after)
         self.regulars = [0] * n  # pushes not flagged EXTRA taken up per worker in this run (a round's, hsp)
@@ -376,15 +377,22 @@ class PushInbox:
         """Workers whose payload came whole; one whose receive failed because it died leaves (next poll)."""
         done = []
         for w, reqs in list(self.receiving.items()):
+            statuses = self._statuses(len(reqs))
             try:
-                complete = MPI.Request.Testall(reqs)
-            except MPI.Exception as exc:
-                self._lose(found_dead(self.dead, exc) | {self.worker_ranks[w]}, self.early)
+                complete = MPI.Request.Testall(reqs, statuses)
+            except MPI.Exception as exc:  # MPI_ERR_IN_STATUS: the death is in a status
+                self._lose(found_dead(self.dead, exc, statuses) | {self.worker_ranks[w]}, self.early)
                 continue
             if complete:
                 del self.receiving[w]
                 done.append(w)
         return done
+
+    def _statuses(self, n: int) -> list[MPI.Status]:
+        """``n`` statuses for a ``Testall`` to fill (kept: the server polls in a loop)."""
+        while len(self._status_pool) < n:
+            self._status_pool.append(MPI.Status())
+        return self._status_pool[:n]
 
     def _lose(self, ranks: set[int], events: list) -> None:
         """Dead ``ranks``: each worker among them leaves with the pushes it had begun here (:class:`LostEvent`).

@@ -23,6 +23,24 @@ def test_only_a_dead_rank_counts_as_one():
     assert not is_failure(ValueError("x"))
 
 
+def status(error: int) -> MPI.Status:
+    s = MPI.Status()
+    s.Set_error(error)
+    return s
+
+
+def test_a_death_in_a_status_of_testall_counts_as_one():
+    """Testall and Testsome raise MPI_ERR_IN_STATUS, the death in the status of the request that failed (a
+    worker's payload, its sender killed mid-transfer: CI's Open MPI stage): a death only where a status says."""
+    in_status = MPI.Exception(MPI.ERR_IN_STATUS)
+    assert is_failure(in_status, [status(MPI.SUCCESS), status(MPI.ERR_PROC_FAILED)])
+    assert is_failure(in_status, [status(MPI.ERR_PENDING), status(MPI.ERR_PROC_FAILED)])
+    assert not is_failure(in_status, [status(MPI.SUCCESS), status(MPI.ERR_TRUNCATE)])
+    assert not is_failure(in_status)  # no statuses: nothing says a rank died
+    with pytest.raises(MPI.Exception):
+        DeadRanks([MPI.COMM_SELF]).found(in_status, [status(MPI.ERR_TRUNCATE)])
+
+
 def test_any_other_error_goes_on_up_unchanged():
     dead = DeadRanks([MPI.COMM_SELF])
     error = MPI.Exception(MPI.ERR_TRUNCATE)

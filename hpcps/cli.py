@@ -264,7 +264,7 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "loss turns non-finite (3 steps in a row) or its recent mean exceeds 3x its start; the summary "
                         "says stopped_by diverged and the exit status is 3; ignore: train on")
     g.add_argument("--fault", action="append", metavar="KIND@RANK:STEP",
-                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, kill, killhead, hang or usr1 (repeatable; under hpcps supervise, in the first launch only)")
+                   help="testing: inject a fault in worker RANK at STEP; KIND is nan, raise, exit, kill, killhead, killverdict, hang or usr1 (repeatable; under hpcps supervise, in the first launch only)")
     g.add_argument("--spare-workers", type=int, dest="spare_workers", metavar="K",
                    help="the last K ranks wait as spares: under Open MPI's fault tolerance (mpirun --with-ft ulfm) "
                         "a spare takes a dead worker's place, its share of the data and its clock, and the run "

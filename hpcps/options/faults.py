@@ -10,6 +10,9 @@ At iteration STEP, worker RANK, after its forward/backward pass:
 * ``kill``: sends itself SIGKILL, as the kernel's out-of-memory killer or a dying node would;
 * ``killhead``: sends its push's headers, then SIGKILL before any payload: the shards hold a header of a
   worker that is dead (run-through: a lost push; a late header after a spare took its place);
+* ``killverdict``: with pushes during backward (``--partition-mb``), sends its whole payload, then SIGKILL
+  before the verdict that follows it: the shards hold a gradient whose verdict never comes (run-through: it
+  is dropped); at a step without such a push, ``kill``;
 * ``hang``: stops making progress forever (sleeping), as a stuck rank would; the
   stall detector (``--stall-warn``, ``--stall-abort``) must notice and end the job;
 * ``usr1``: sends itself SIGUSR1, as a batch system does before the time limit
@@ -24,7 +27,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("nan", "raise", "exit", "kill", "killhead", "hang", "usr1")
+KINDS = ("nan", "raise", "exit", "kill", "killhead", "killverdict", "hang", "usr1")
+#: the kinds acted out in the push, not after the pass: the step's push goes on as usual up to them
+IN_PUSH = ("killverdict",)
 _SPEC = re.compile(r"^([a-z][a-z0-9]*)@(\d+):(\d+)$")
 
 

@@ -50,7 +50,8 @@ def armed(faults: list[Fault], environ) -> list[Fault]:
 def inject(fault: Fault, worker) -> None:
     """Act out ``fault`` on ``worker`` (a :class:`~hpcps.runtime.worker.Worker`, at the step the fault names,
     after its pass): poison its gradient (``nan``), raise (``raise``), signal itself (``usr1``), hang, die
-    (``kill``), die between its push's headers and payload (``killhead``), or exit with status 1."""
+    (``kill``), die between its push's headers and payload (``killhead``) or between its payload and verdict
+    (``killverdict``), or exit with status 1."""
     if fault.kind == "nan":
         worker.flat.grads_t[:: max(1, worker.flat.size // 7)] = float("nan")
     elif fault.kind == "raise":
@@ -61,6 +62,10 @@ def inject(fault: Fault, worker) -> None:
         while True:  # stuck for good: only the stall detector ends this job
             time.sleep(3600)
     elif fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "killverdict":  # (called in the push, its payload begun: hpcps.runtime.worker)
+        slot = worker.step % len(worker.pusher.buffers)
+        worker._wait(lambda: worker.pusher.test(slot), "its push's payload to leave")
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "killhead":  # its push's headers reach the shards, its payload never
         slot = worker.step % len(worker.pusher.buffers)

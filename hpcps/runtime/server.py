@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from hpcps.errors import RunAborted
 from hpcps.metrics.timeline import NullTimeline
@@ -53,6 +54,7 @@ from hpcps.runtime.parts import Records, ServerHooks, ServerPorts, ShardUpdate, 
 from hpcps.transport import wire
 from hpcps.transport.poll import Backoff
 from hpcps.transport.compress import Codec, all_finite
+from hpcps.transport.failures import found_dead
 from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent
 from hpcps.runtime.spares import JoinEvent
 from hpcps.runtime.stalls import ShardStalls
@@ -408,9 +410,9 @@ class ShardServer(_Membership):
         if push.skip:
             return False
         if push.flags & wire.VERDICT:
-            verdict = np.empty(1, np.int64)
-            self.inbox.comm.Recv(verdict, source=self.worker_ranks[push.worker], tag=wire.TAG_VERDICT)
-            finite = bool(verdict[0])
+            finite = received_verdict(self.inbox, push, self.shard)
+            if finite is None:
+                return False
         elif push.flags & (wire.CHECKED | wire.NONFINITE):
             finite = not push.flags & wire.NONFINITE
         else:
@@ -431,3 +433,18 @@ def _note(notices: dict[int, list], worker: int, flag: int, *fields) -> None:
     entry[0] |= flag
     if fields:
         entry[1:] = fields
+
+
+def received_verdict(inbox, push: PushEvent, shard: int) -> bool | None:
+    """The verdict that follows the payload of a push begun during backward; None where its worker died
+    before sending it (run-through: the gradient is dropped, and the inbox's next poll finds the death)."""
+    verdict = np.empty(1, np.int64)
+    rank = inbox.worker_ranks[push.worker]
+    try:
+        inbox.comm.Recv(verdict, source=rank, tag=wire.TAG_VERDICT)
+    except MPI.Exception as exc:
+        found_dead(inbox.dead, exc)  # raised again where it is not a death under run-through
+        log.warning("shard %d: worker rank %d died before the verdict on its gradient %d: dropped",
+                    shard, rank, push.clock)
+        return None
+    return bool(verdict[0])

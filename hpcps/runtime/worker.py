@@ -54,7 +54,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpcps.options.faults import Fault
+from hpcps.options.faults import IN_PUSH, Fault
 from hpcps.runtime.faults import inject
 from hpcps.runtime.receipts import Receipts
 from hpcps.runtime.parts import PullPlan, PushPlan, Records, StepPlan, Watch, WorkerPorts
@@ -194,6 +194,7 @@ class Worker(_Pulls):
         self.hyper_edits: Callable[[], list[dict] | None] | None = None
         self._hyper_sends: list = []  # their sends not yet known complete (all are by the time it leaves)
         self.faults = {f.step: f for f in plan.faults}
+        self.after_pass = {f.step for f in plan.faults if f.kind not in IN_PUSH}  # steps whose fault may change it
         # a worker blocked on its grant is waiting on a peer the server names first; it speaks up
         # (and gives up) only at twice the limits, when the server itself may be what is stuck
         self.stall_warn = 2 * watch.stall_warn
@@ -234,7 +235,7 @@ class Worker(_Pulls):
         pull). ``skip``: push the gradient flagged ``SKIP`` (counted in its round, never applied)."""
         self.row["loss"], self.row["compute_s"] = loss, compute_s
         self._settle_pull()
-        if self.step in self.faults:
+        if self.step in self.faults and not self._pushed_in_backward:  # (killverdict's: in the push)
             self._inject(self.faults[self.step])
         flags = wire.SKIP if skip else 0
         if not skip and not self._pushed_in_backward:
@@ -250,7 +251,7 @@ class Worker(_Pulls):
         """hpcps's own loop, before its backward pass: with backward pushes, begin the step's push now (its
         slot, its headers), so each piece of the gradient leaves as soon as backward has produced it. Not
         at a step with a ``--fault``, which changes the gradient after the pass."""
-        if self.backward_pushes is None or not self.running or self.step in self.faults:
+        if self.backward_pushes is None or not self.running or self.step in self.after_pass:
             return
         self._settle_pull()  # (the pass has what it needed; the rest of the pull before the push, as always)
         slot = self.step % 2
@@ -284,7 +285,10 @@ class Worker(_Pulls):
             tl.enter("push")
         if during_backward:
             # the pieces backward did not complete, the buffers' change; each piece was checked as it left
-            self._send_verdict(self.backward_pushes.finish())
+            finite = self.backward_pushes.finish()
+            if self.step in self.faults:  # killverdict: dies with its payload sent, before its verdict
+                self._inject(self.faults[self.step])
+            self._send_verdict(finite)
         elif slotted:
             self._push_copy(self.step, self.versions, row, flags)
         else:

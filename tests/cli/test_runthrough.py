@@ -8,8 +8,8 @@ round 15 of ssp's rounds of 2 local steps with ``--overlap-steps 1`` (a pull def
 asynchronous local-SGD form with and without overlap, N times each with the step drawn at random (the seed
 is printed). With ``--spare-workers 1`` CI kills worker rank 3 at step 15 under asp, ssp, dssp, eager, ssp
 on two shards and ssp's rounds of local steps with overlap: a spare takes its place and the run trains its
-planned amount; also a second death with the spare taken, a spare that dies in its place, and checkpoints
-after a join.
+planned amount; also killed right after its push's headers, or between a payload and its verdict, a
+second death with the spare taken, a spare that dies in its place, and checkpoints after a join.
 """
 
 import os
@@ -206,6 +206,28 @@ def test_a_worker_killed_right_after_its_push_header_is_replaced_and_its_late_he
     rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, spare])]
     assert sorted(rows["worker_clock"].tolist()) == list(range(1, STEPS + 1))
     assert summary["workers_lost"] == 1 and summary["workers_joined"] == 1
+    assert summary["gradients_applied"] + summary["gradients_dropped"] + summary["gradients_lost"] == \
+        summary["gradients_pushed"]
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_between_its_payload_and_its_verdict_has_that_gradient_dropped(tmp_path):
+    """asp with pushes during backward (``--partition-mb``: each push's verdict follows its payload): worker
+    rank 3 sends its step-15 payload whole (its gradient 16), then SIGKILLs itself before the verdict. The
+    shard drops that gradient, says so, and the spare takes the place from gradient 17: shard 0 applied each
+    other clock of the index once, and pushed = applied + dropped + lost. (Before, the shard's wait for the
+    verdict raised MPI_ERR_PROC_FAILED and ended the job.)"""
+    out = tmp_path / "asp.h5"
+    done = ulfm_train("--paradigm", "asp", "--compute-time", "0.01", "--partition-mb", "0.01",
+                      "--fault", "killverdict@3:15", "--spare-workers", "1", out=out, n=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shard 0: worker rank 3 died before the verdict on its gradient 16: dropped" in done.stderr
+    assert "shard 0: spare rank 5 takes the place of worker rank 3, from its gradient 17 on" in done.stderr
+    t = tables(out)
+    up, summary = t["up"], t["summary"]
+    rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, 5])]
+    assert sorted(rows["worker_clock"].tolist()) == [c for c in range(1, STEPS + 1) if c != 16]
+    assert summary["gradients_dropped"] >= 1 and summary["gradients_applied"] == 4 * STEPS - 1
     assert summary["gradients_applied"] + summary["gradients_dropped"] + summary["gradients_lost"] == \
         summary["gradients_pushed"]
 

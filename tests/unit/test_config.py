@@ -43,7 +43,7 @@ def test_slowdown_flags_parse_rank_equals_factor():
     ({"compute_time": 0.1, "compute_forward": 0.5, "compute_backward": 0.6},
      r"--compute-forward 0.5 and --compute-backward 0.6 add up to more than the whole compute time"),
     ({"fault": ["nan2:5"]}, r"--fault: .*expected KIND@RANK:STEP"),
-    ({"fault": ["boom@2:5"]}, r"--fault: .*KIND must be one of nan, raise, exit, kill, killhead, hang"),
+    ({"fault": ["boom@2:5"]}, r"--fault: .*KIND must be one of nan, raise, exit, kill, killhead, killverdict, hang"),
     ({"nonfinite": "ignore"}, r"--nonfinite: "),
     ({"local_steps": 0}, r"--local-steps: .*greater than or equal to 1"),
     ({"local_steps": 2, "inner_optimizer": "adam", "inner_momentum": 0.9}, r"--inner-momentum is for --inner-optimizer sgd"),

@@ -9,17 +9,23 @@ what it chose is said once at the start (:func:`describe`) and kept in the run f
   nodes and every node has a rank to spare for a worker; else one shard. A shard per node serves a
   1/M slice of every pull from each node's own link, where one server's link carries every worker's
   traffic (in the box, 8 ranks on 4 nodes: one server took 5.15x DDP's step, a shard per node 0.90x).
-* **Pull** (``--pull auto``): the shards send a round's values (``send``) where the job spans nodes, the
-  paradigm releases every worker at a round's close and nothing the user set needs reads (16-bit pulls,
-  ``--shards-at-once``, ``--overlap-steps``); the workers read the window (``get``) everywhere else. Over
-  TCP a read costs round trips a send does not (in the box, bsp's step with send was 0.87x its step with
-  get); within a node the two took the same step (64.2-65.0 ms), so there the window is read as before.
+* **Pull** (``--pull auto``): the shards send a round's values (``send``) where the job spans nodes over a
+  link of :data:`SEND_MIN_BPS` or more, the paradigm releases every worker at a round's close and nothing
+  the user set needs reads (16-bit pulls, ``--shards-at-once``, ``--overlap-steps``); the workers read the
+  window (``get``) everywhere else. Over TCP a read costs round trips a send does not (in the box, bsp's
+  step with send was 0.87x its step with get at 1 Gbit/s), but at 100 Mbit/s the shards' sends took 1.16x;
+  within a node the two took the same step (64.2-65.0 ms), so there the window is read as before.
 * **Partitions** (``--partition-mb auto``): partitioned pulls and pushes during backward where a
   link lies between the workers and the shards (the job spans nodes), the workers compute on the CPU, the
-  paradigm pulls between steps one gradient per step, and the model is large enough to pipeline (at least
-  :data:`PARTITION_MIN_MB`); a partition of 1/16 of the model, within 0.25 and 4 MB (the box measured
-  0.1-1 MB alike on a 4.8 MB model, 0.5 MB on an 8.4 MB one). Whole transfers elsewhere: on one node
-  shared memory leaves no transfer to hide, and on a GPU a pull is a copy to the device.
+  paradigm pulls between steps one gradient per step, and the model's transfer over the link is long
+  enough to pipeline (:data:`PARTITION_MIN_S`, 4 MB at 1 Gbit/s); a partition of 1/16 of the model, within
+  0.25 and 4 MB (the box measured 0.1-1 MB alike on a 4.8 MB model, 0.5 MB on an 8.4 MB one). Whole
+  transfers elsewhere: on one node shared memory leaves no transfer to hide, and on a GPU a pull is a copy
+  to the device.
+
+The link is measured at start-up, where a rule needs it and the job spans nodes: a stream from rank 0 to
+a rank on another node, a fraction of a second (:func:`hpcps.check.probe.link_between_nodes`). A plan made
+before launch (``hpcps jobs render``) takes the link for :data:`REFERENCE_BPS`.
 """
 
 from __future__ import annotations
@@ -38,6 +44,18 @@ PARTITION_MIN_MB = 4.0
 #: the partition size under --partition-mb auto: the model over this many pieces, within the bounds below
 PARTITION_PIECES = 16
 PARTITION_MB_RANGE = (0.25, 4.0)
+#: the link the rules assume where none was measured (a plan made before launch: hpcps jobs render), bits/s:
+#: the box's 1 Gbit/s, where the rules were first measured
+REFERENCE_BPS = 1e9
+#: --partition-mb auto pipelines a model whose whole transfer over the measured link takes at least this long
+#: (seconds): PARTITION_MIN_MB at the reference link, 33.6 ms. At 100 Mbit/s the 1.4 MB language model's
+#: transfer (117 ms) passes it, and 0.25 MB partitions took 0.84x the step of whole transfers there
+PARTITION_MIN_S = PARTITION_MIN_MB * 2**20 * 8 / REFERENCE_BPS
+#: --pull auto sends a round's values only over a link at least this fast (bits/s). In the box (deep_mlp, bsp,
+#: a shard per node) sends took 0.87x the step of reads at 1 Gbit/s, the same step at 250 Mbit/s (with
+#: partitions) and 1.16x at 100 Mbit/s: the threshold lies between the last two (docs/results.md, *No flags
+#: against every layout*)
+SEND_MIN_BPS = 150e6
 
 
 def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
@@ -57,47 +75,60 @@ def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
     return n_nodes
 
 
-def pull_for(cfg: TrainConfig, paradigm: type, spans_nodes: bool) -> str:
-    """``--pull auto``: ``send`` where the job spans nodes and ``--pull send`` would be refused for nothing
+def pull_for(cfg: TrainConfig, paradigm: type, spans_nodes: bool, link_bps: float | None = None) -> str:
+    """``--pull auto``: ``send`` where the job spans nodes over a link of at least :data:`SEND_MIN_BPS`
+    (``link_bps``, measured; None: :data:`REFERENCE_BPS`) and ``--pull send`` would be refused for nothing
     (:data:`hpcps.options.effects.REFUSALS`: the paradigm releases every worker at a round's close, and no
     option needs the workers to read), else ``get``."""
-    if not spans_nodes:
+    if not spans_nodes or (REFERENCE_BPS if link_bps is None else link_bps) < SEND_MIN_BPS:
         return "get"
     sending = cfg.model_copy(update={"pull": "send"})
     refused = any(r.applies(sending, paradigm) and not r.applies(cfg, paradigm) for r in REFUSALS)
     return "get" if refused else "send"
 
 
-def partition_mb_for(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool, on_cpu: bool) -> float:
-    """``--partition-mb auto``: a partition size in MB, or 0 (whole transfers); see the module's docstring."""
+def partition_mb_for(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool, on_cpu: bool,
+                     link_bps: float | None = None) -> float:
+    """``--partition-mb auto``: a partition size in MB, or 0 (whole transfers); see the module's docstring.
+    ``link_bps``: the link between nodes, measured (None: :data:`REFERENCE_BPS`)."""
     pipelines = not (paradigm.eager_pull or paradigm.uses_groups or cfg.inner_steps is not None)
     mb = model_bytes / 2**20
-    if not (spans_nodes and on_cpu and pipelines and cfg.compress == "none") or mb < PARTITION_MIN_MB:
+    transfer_s = model_bytes * 8 / (REFERENCE_BPS if link_bps is None else link_bps)
+    if not (spans_nodes and on_cpu and pipelines and cfg.compress == "none") or transfer_s < PARTITION_MIN_S:
         return 0.0
     low, high = PARTITION_MB_RANGE
     return round(min(high, max(low, mb / PARTITION_PIECES)), 3)
 
 
-def settle_layout(cfg: TrainConfig, paradigm: type, nodes: Sequence[int]) -> TrainConfig:
-    """``cfg`` with ``servers`` and ``pull`` made concrete (what they are already, where the user set them)."""
+def needs_link(cfg: TrainConfig, nodes: Sequence[int]) -> bool:
+    """Whether the rules need the link between nodes measured: the job spans nodes and the pull or the
+    partitions are left to them."""
+    return len(set(nodes)) > 1 and AUTO in (cfg.pull, cfg.partition_mb)
+
+
+def settle_layout(cfg: TrainConfig, paradigm: type, nodes: Sequence[int], link_bps: float | None = None) -> TrainConfig:
+    """``cfg`` with ``servers`` and ``pull`` made concrete (what they are already, where the user set them);
+    ``link_bps``: the link between nodes, measured (None: :data:`REFERENCE_BPS`)."""
     update = {}
     if cfg.servers == AUTO:
         update["servers"] = servers_for(cfg, nodes)
     if cfg.pull == AUTO:
-        update["pull"] = pull_for(cfg, paradigm, len(set(nodes)) > 1)
+        update["pull"] = pull_for(cfg, paradigm, len(set(nodes)) > 1, link_bps)
     return cfg.model_copy(update=update) if update else cfg
 
 
 def settle_partitions(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool,
-                      on_cpu: bool) -> TrainConfig:
+                      on_cpu: bool, link_bps: float | None = None) -> TrainConfig:
     """``cfg`` with ``partition_mb`` made concrete."""
     if cfg.partition_mb != AUTO:
         return cfg
-    return cfg.model_copy(update={"partition_mb": partition_mb_for(cfg, paradigm, model_bytes, spans_nodes, on_cpu)})
+    mb = partition_mb_for(cfg, paradigm, model_bytes, spans_nodes, on_cpu, link_bps)
+    return cfg.model_copy(update={"partition_mb": mb})
 
 
-def describe(given: TrainConfig, settled: TrainConfig) -> str | None:
-    """One line naming what ``auto`` chose for this run (None where the user set all three)."""
+def describe(given: TrainConfig, settled: TrainConfig, link_bps: float | None = None) -> str | None:
+    """One line naming what ``auto`` chose for this run (None where the user set all three), and the link
+    it measured to choose (``link_bps``)."""
     chose = []
     if given.servers == AUTO:
         chose.append(f"{settled.servers} server shard{'s' if settled.servers != 1 else ''}"
@@ -106,4 +137,7 @@ def describe(given: TrainConfig, settled: TrainConfig) -> str | None:
         chose.append(f"pull {settled.pull}")
     if given.partition_mb == AUTO:
         chose.append(f"partitions of {settled.partition_mb:g} MB" if settled.partition_mb else "whole transfers")
-    return "defaults for this job: " + ", ".join(chose) if chose else None
+    if not chose:
+        return None
+    link = f" (the link between nodes measured at {link_bps / 1e6:.0f} Mbit/s)" if link_bps else ""
+    return "defaults for this job: " + ", ".join(chose) + link

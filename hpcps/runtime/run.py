@@ -53,7 +53,8 @@ from hpcps.cluster.layout import Layout, Role
 from hpcps.cluster.slices import Slices, stripe_elements
 from hpcps.cluster.placement import node_ids, place
 from hpcps.metrics.board import check_installed
-from hpcps.options.defaults import describe as describe_defaults, settle_layout, settle_partitions
+from hpcps.check.probe import link_between_nodes
+from hpcps.options.defaults import describe as describe_defaults, needs_link, settle_layout, settle_partitions
 from hpcps.options.planning import resolve
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
@@ -215,15 +216,16 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     """
     nodes = node_ids(comm)
     given = cfg
+    link_bps = link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
     # --servers auto and --pull auto made concrete, from the nodes the ranks are on (hpcps.options.defaults)
-    cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes))
+    cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes, link_bps))
     agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement
     stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement, nodes)
     stack.callback(run_comm.Free)
     try:
         return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed=reseed, start_iteration=start_iteration,
-                        spans_nodes=len(set(nodes)) > 1, given=given)
+                        spans_nodes=len(set(nodes)) > 1, link_bps=link_bps, given=given)
     except BaseException:
         stack.close()
         raise
@@ -231,7 +233,7 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
              stack: ExitStack, *, reseed: bool = True, start_iteration: int = 0, spans_nodes: bool = False,
-             given: TrainConfig | None = None) -> "Run":
+             link_bps: float | None = None, given: TrainConfig | None = None) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
@@ -263,8 +265,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     agree(comm, lambda: check_same_model(shapes))
     # --partition-mb auto made concrete, alike on every rank: from the model and where the workers compute
     cfg = settle_partitions(cfg, paradigm, flat.size * flat.params.itemsize, spans_nodes,
-                            all(devices[r].startswith("cpu") for r in layout.training_ranks()))
-    chose = describe_defaults(given, cfg) if comm.rank == 0 and given is not None else None
+                            all(devices[r].startswith("cpu") for r in layout.training_ranks()), link_bps)
+    chose = describe_defaults(given, cfg, link_bps) if comm.rank == 0 and given is not None else None
     if chose:
         log.info("%s", chose)
     stripe = stripe_elements(cfg.partition_mb)  # the one place --partition-mb becomes a stripe

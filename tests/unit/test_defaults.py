@@ -102,6 +102,41 @@ def test_whole_transfers_where_partitions_were_not_measured_faster(paradigm, fla
     assert partition_mb_for(cfg, policy_class(paradigm), 10 * MB, spans, cpu) == 0.0
 
 
+@pytest.mark.parametrize("mb,mbps,expected", [
+    (1.4, 1000, 0.0),  # the language model at 1 Gbit/s: its 11 ms transfer leaves nothing to hide
+    (1.4, 100, 0.25),  # at 100 Mbit/s: 117 ms (0.25 MB took 0.84x the step of whole transfers there)
+    (4.8, 1000, 0.3),  # deep_mlp at 1 Gbit/s: 40 ms
+    (4.8, 100_000, 0.0),  # at 100 Gbit/s: 0.4 ms
+    (64.0, 100_000, 0.0),
+    (500.0, 100_000, 4.0),  # 42 ms
+])
+def test_partitions_where_the_measured_link_makes_the_transfer_long_enough_to_hide(mb, mbps, expected):
+    """A model is partitioned where its whole transfer over the link takes 33.6 ms or more (4 MB at 1 Gbit/s,
+    the floor first measured there)."""
+    cfg = make_config({"paradigm": "bsp"})
+    assert partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), True, True, link_bps=mbps * 1e6) == expected
+
+
+def test_rounds_are_sent_over_fast_links_and_read_over_slow_ones():
+    """bsp across nodes: send from 150 Mbit/s up (0.87x reads' step at 1 Gbit/s, alike at 250 Mbit/s), read
+    below (sends took 1.16x at 100 Mbit/s); an unmeasured link is taken for 1 Gbit/s."""
+    cfg, bsp = make_config({"paradigm": "bsp"}), policy_class("bsp")
+    assert [pull_for(cfg, bsp, True, mbps * 1e6) for mbps in (10, 100, 149, 150, 250, 1000, 100_000)] == \
+        ["get"] * 3 + ["send"] * 4
+    assert pull_for(cfg, bsp, True, None) == "send"
+    assert pull_for(cfg, policy_class("asp"), True, 1e9) == "get"  # rounds not released together: as before
+    assert settle_layout(cfg, bsp, [0, 0, 1, 1], link_bps=94e6).pull == "get"
+
+
+def test_the_line_names_the_link_it_measured():
+    given_cfg = make_config({"paradigm": "bsp"})
+    cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1], link_bps=94.4e6)
+    cfg = settle_partitions(cfg, policy_class("bsp"), int(1.4 * MB), True, True, link_bps=94.4e6)
+    assert describe(given_cfg, cfg, 94.4e6) == ("defaults for this job: 2 server shards (one per node), pull get, "
+                                                "partitions of 0.25 MB (the link between nodes measured at "
+                                                "94 Mbit/s)")
+
+
 def test_settled_values_and_the_line_that_names_them():
     given_cfg = make_config({"paradigm": "bsp"})
     cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2, 3, 3])

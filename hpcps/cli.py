@@ -516,27 +516,41 @@ def _supervise(args: argparse.Namespace) -> int:
     return Supervisor(args.command_args, restarts=args.restarts, delay=args.delay).run()
 
 
-def _train(args: argparse.Namespace) -> int:
+def _start_job(args: argparse.Namespace, own: tuple[str, ...] = (), check=None):
+    """What ``hpcps train`` and ``hpcps tune`` do first, on every rank: catch signals before MPI and torch
+    load (a signal during start-up stops the run cleanly), log, check the world's size (and ``check()``, the
+    command's own options). Returns MPI's world and the train options of ``args`` (less ``own``), or the exit
+    status of a user error, said once."""
     from hpcps.runtime.signals import catch_early
 
-    catch_early()  # before importing MPI and torch: a signal during start-up stops the run cleanly
+    catch_early()
     from mpi4py import MPI
 
-    from hpcps.runtime.agree import agree, run_or_end
-    from hpcps.options.config import make_config
-    from hpcps.runtime.faults import InjectedFault
     from hpcps.cluster.launcher import check_world
-    from hpcps.options.planning import plan
-    from hpcps.cluster.placement import node_ids
     from hpcps.log import setup_logging
 
     comm = MPI.COMM_WORLD
     setup_logging(comm.rank)
     try:
         check_world(comm.size)
+        if check is not None:
+            check()
     except UserError as exc:
         return _user_error(exc, show=launcher_rank() == 0)
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "command_line")}
+    skip = ("command", "func", "config", "command_line", *own)
+    return comm, {k: v for k, v in vars(args).items() if k not in skip}
+
+
+def _train(args: argparse.Namespace) -> int:
+    started = _start_job(args)
+    if isinstance(started, int):
+        return started
+    comm, flags = started
+    from hpcps.runtime.agree import agree, run_or_end
+    from hpcps.options.config import make_config
+    from hpcps.runtime.faults import InjectedFault
+    from hpcps.options.planning import plan
+    from hpcps.cluster.placement import node_ids
 
     def train():
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
@@ -563,26 +577,16 @@ TUNE_OPTIONS = ("--trial-steps", "--top")
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from hpcps.runtime.signals import catch_early
-
-    catch_early()
-    from mpi4py import MPI
-
-    from hpcps.cluster.launcher import check_world
-    from hpcps.log import setup_logging
-    from hpcps.options.config import make_config
-    from hpcps.runtime.agree import agree, run_or_end
-
-    comm = MPI.COMM_WORLD
-    setup_logging(comm.rank)
-    try:
-        check_world(comm.size)
+    def check():
         if args.trial_steps < 2 or args.top < 1:
             raise UserError("hpcps tune: --trial-steps takes 2 or more, --top 1 or more")
-    except UserError as exc:
-        return _user_error(exc, show=launcher_rank() == 0)
-    own = ("command", "func", "config", "command_line", "trial_steps", "top")
-    flags = {k: v for k, v in vars(args).items() if k not in own}
+
+    started = _start_job(args, ("trial_steps", "top"), check)
+    if isinstance(started, int):
+        return started
+    comm, flags = started
+    from hpcps.options.config import make_config
+    from hpcps.runtime.agree import agree, run_or_end
     words, skip = [], False  # hpcps train's words of the command line, for the commands printed
     for word in args.command_line[1:]:
         if skip:

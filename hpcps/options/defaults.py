@@ -9,12 +9,14 @@ what it chose is said once at the start (:func:`describe`) and kept in the run f
   nodes and every node has a rank to spare for a worker; else one shard. A shard per node serves a
   1/M slice of every pull from each node's own link, where one server's link carries every worker's
   traffic (in the box, 8 ranks on 4 nodes: one server took 5.15x DDP's step, a shard per node 0.90x).
-* **Pull** (``--pull auto``): the shards send a round's values (``send``) where the job spans nodes over a
-  link of :data:`SEND_MIN_BPS` or more, the paradigm releases every worker at a round's close and nothing
-  the user set needs reads (16-bit pulls, ``--shards-at-once``, ``--overlap-steps``); the workers read the
-  window (``get``) everywhere else. Over TCP a read costs round trips a send does not (in the box, bsp's
-  step with send was 0.87x its step with get at 1 Gbit/s), but at 100 Mbit/s the shards' sends took 1.16x;
-  within a node the two took the same step (64.2-65.0 ms), so there the window is read as before.
+* **Pull** (``--pull auto``): the shards send a round's values (``send``) where the job spans nodes, the
+  model's whole transfer over the link takes under :data:`SEND_MAX_S`, the paradigm releases every worker
+  at a round's close and nothing the user set needs reads (16-bit pulls, ``--shards-at-once``,
+  ``--overlap-steps``); the workers read the window (``get``) everywhere else. Over TCP a read costs round
+  trips a send does not (in the box, bsp's step with send was 0.87x its step with get on a 40 ms
+  transfer), but on long transfers the shards' sends lost (1.13-1.25x from 280 ms: a 33-45 MB model at
+  1 Gbit/s, 4.8 MB at 100 Mbit/s); within a node the two took the same step (64.2-65.0 ms), so there the
+  window is read as before.
 * **Partitions** (``--partition-mb auto``): partitioned pulls and pushes during backward where a
   link lies between the workers and the shards (the job spans nodes), the workers compute on the CPU, the
   paradigm pulls between steps one gradient per step, and the model's transfer over the link is long
@@ -24,8 +26,9 @@ what it chose is said once at the start (:func:`describe`) and kept in the run f
   to the device.
 
 The link is measured at start-up, where a rule needs it and the job spans nodes: a stream from rank 0 to
-a rank on another node, a fraction of a second (:func:`hpcps.check.probe.link_between_nodes`). A plan made
-before launch (``hpcps jobs render``) takes the link for :data:`REFERENCE_BPS`.
+a rank on another node, a fraction of a second (:func:`hpcps.check.probe.link_between_nodes`); the pull and
+the partitions are settled once the model is built (its size), the servers before (a plan made before
+launch, ``hpcps jobs render``, settles only those).
 """
 
 from __future__ import annotations
@@ -44,18 +47,18 @@ PARTITION_MIN_MB = 4.0
 #: the partition size under --partition-mb auto: the model over this many pieces, within the bounds below
 PARTITION_PIECES = 16
 PARTITION_MB_RANGE = (0.25, 4.0)
-#: the link the rules assume where none was measured (a plan made before launch: hpcps jobs render), bits/s:
-#: the box's 1 Gbit/s, where the rules were first measured
+#: the link the rules assume where none was measured (one node, or a caller that does not say), bits/s: the
+#: box's 1 Gbit/s, where the rules were first measured
 REFERENCE_BPS = 1e9
 #: --partition-mb auto pipelines a model whose whole transfer over the measured link takes at least this long
 #: (seconds): PARTITION_MIN_MB at the reference link, 33.6 ms. At 100 Mbit/s the 1.4 MB language model's
 #: transfer (117 ms) passes it, and 0.25 MB partitions took 0.84x the step of whole transfers there
 PARTITION_MIN_S = PARTITION_MIN_MB * 2**20 * 8 / REFERENCE_BPS
-#: --pull auto sends a round's values only over a link at least this fast (bits/s). In the box (deep_mlp, bsp,
-#: a shard per node) sends took 0.87x the step of reads at 1 Gbit/s, the same step at 250 Mbit/s (with
-#: partitions) and 1.16x at 100 Mbit/s: the threshold lies between the last two (docs/results.md, *No flags
-#: against every layout*)
-SEND_MIN_BPS = 150e6
+#: --pull auto sends a round's values only where the model's whole transfer over the link takes less than this
+#: (seconds). In the box (bsp, a shard per node), sends against reads by that time: 0.92x at 12 ms, 0.87x at
+#: 40, 0.96x at 80, alike at 117-160, 1.13x at 280, 1.18-1.25x at 370 and 1.13x at 400 (docs/results.md,
+#: *No flags against every layout*)
+SEND_MAX_S = 0.1
 
 
 def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
@@ -75,12 +78,14 @@ def servers_for(cfg: TrainConfig, nodes: Sequence[int]) -> int:
     return n_nodes
 
 
-def pull_for(cfg: TrainConfig, paradigm: type, spans_nodes: bool, link_bps: float | None = None) -> str:
-    """``--pull auto``: ``send`` where the job spans nodes over a link of at least :data:`SEND_MIN_BPS`
-    (``link_bps``, measured; None: :data:`REFERENCE_BPS`) and ``--pull send`` would be refused for nothing
-    (:data:`hpcps.options.effects.REFUSALS`: the paradigm releases every worker at a round's close, and no
-    option needs the workers to read), else ``get``."""
-    if not spans_nodes or (REFERENCE_BPS if link_bps is None else link_bps) < SEND_MIN_BPS:
+def pull_for(cfg: TrainConfig, paradigm: type, spans_nodes: bool, link_bps: float | None = None,
+             model_bytes: int = 0) -> str:
+    """``--pull auto``: ``send`` where the job spans nodes, the model's whole transfer over the link
+    (``link_bps``, measured; None: :data:`REFERENCE_BPS`) takes under :data:`SEND_MAX_S`, and ``--pull send``
+    would be refused for nothing (:data:`hpcps.options.effects.REFUSALS`: the paradigm releases every worker
+    at a round's close, and no option needs the workers to read), else ``get``."""
+    transfer_s = model_bytes * 8 / (REFERENCE_BPS if link_bps is None else link_bps)
+    if not spans_nodes or transfer_s >= SEND_MAX_S:
         return "get"
     sending = cfg.model_copy(update={"pull": "send"})
     refused = any(r.applies(sending, paradigm) and not r.applies(cfg, paradigm) for r in REFUSALS)
@@ -106,24 +111,22 @@ def needs_link(cfg: TrainConfig, nodes: Sequence[int]) -> bool:
     return len(set(nodes)) > 1 and AUTO in (cfg.pull, cfg.partition_mb)
 
 
-def settle_layout(cfg: TrainConfig, paradigm: type, nodes: Sequence[int], link_bps: float | None = None) -> TrainConfig:
-    """``cfg`` with ``servers`` and ``pull`` made concrete (what they are already, where the user set them);
-    ``link_bps``: the link between nodes, measured (None: :data:`REFERENCE_BPS`)."""
+def settle_layout(cfg: TrainConfig, paradigm: type, nodes: Sequence[int]) -> TrainConfig:
+    """``cfg`` with ``servers`` made concrete (what it is already, where the user set it). The pull and the
+    partitions wait for the model (:func:`settle_transfers`); ``auto`` is never refused meanwhile."""
+    return cfg.model_copy(update={"servers": servers_for(cfg, nodes)}) if cfg.servers == AUTO else cfg
+
+
+def settle_transfers(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool,
+                     on_cpu: bool, link_bps: float | None = None) -> TrainConfig:
+    """``cfg`` with ``pull`` and ``partition_mb`` made concrete, from the model's size, the link between
+    nodes (``link_bps``, measured; None: :data:`REFERENCE_BPS`) and where the workers compute."""
     update = {}
-    if cfg.servers == AUTO:
-        update["servers"] = servers_for(cfg, nodes)
     if cfg.pull == AUTO:
-        update["pull"] = pull_for(cfg, paradigm, len(set(nodes)) > 1, link_bps)
+        update["pull"] = pull_for(cfg, paradigm, spans_nodes, link_bps, model_bytes)
+    if cfg.partition_mb == AUTO:
+        update["partition_mb"] = partition_mb_for(cfg, paradigm, model_bytes, spans_nodes, on_cpu, link_bps)
     return cfg.model_copy(update=update) if update else cfg
-
-
-def settle_partitions(cfg: TrainConfig, paradigm: type, model_bytes: int, spans_nodes: bool,
-                      on_cpu: bool, link_bps: float | None = None) -> TrainConfig:
-    """``cfg`` with ``partition_mb`` made concrete."""
-    if cfg.partition_mb != AUTO:
-        return cfg
-    mb = partition_mb_for(cfg, paradigm, model_bytes, spans_nodes, on_cpu, link_bps)
-    return cfg.model_copy(update={"partition_mb": mb})
 
 
 def describe(given: TrainConfig, settled: TrainConfig, link_bps: float | None = None) -> str | None:

@@ -54,7 +54,7 @@ from hpcps.cluster.slices import Slices, stripe_elements
 from hpcps.cluster.placement import node_ids, place
 from hpcps.metrics.board import check_installed
 from hpcps.check.probe import link_between_nodes
-from hpcps.options.defaults import describe as describe_defaults, needs_link, settle_layout, settle_partitions
+from hpcps.options.defaults import describe as describe_defaults, needs_link, settle_layout, settle_transfers
 from hpcps.options.planning import resolve
 from hpcps.log import setup_logging
 from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
@@ -217,8 +217,8 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     nodes = node_ids(comm)
     given = cfg
     link_bps = link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
-    # --servers auto and --pull auto made concrete, from the nodes the ranks are on (hpcps.options.defaults)
-    cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes, link_bps))
+    # --servers auto made concrete, from the nodes the ranks are on (hpcps.options.defaults)
+    cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes))
     agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement
     stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement, nodes)
@@ -263,9 +263,10 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     flat = FlatParameters(model, device.device, device.transfer)
     shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
     agree(comm, lambda: check_same_model(shapes))
-    # --partition-mb auto made concrete, alike on every rank: from the model and where the workers compute
-    cfg = settle_partitions(cfg, paradigm, flat.size * flat.params.itemsize, spans_nodes,
-                            all(devices[r].startswith("cpu") for r in layout.training_ranks()), link_bps)
+    # --pull auto and --partition-mb auto made concrete, alike on every rank: from the model, the link and where
+    # the workers compute
+    cfg = settle_transfers(cfg, paradigm, flat.size * flat.params.itemsize, spans_nodes,
+                           all(devices[r].startswith("cpu") for r in layout.training_ranks()), link_bps)
     chose = describe_defaults(given, cfg, link_bps) if comm.rank == 0 and given is not None else None
     if chose:
         log.info("%s", chose)

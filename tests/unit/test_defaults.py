@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from hpcps.cluster.placement import placement_order
 from hpcps.options.config import make_config
 from hpcps.options.defaults import (describe, partition_mb_for, pull_for, servers_for, settle_layout,
-                                    settle_partitions)
+                                    settle_transfers)
 from hpcps.options.planning import plan
 from hpcps.policies import policy_class
 
@@ -79,7 +79,7 @@ def test_across_nodes_the_pull_is_sent_where_the_paradigm_releases_rounds_and_no
     assert pull_for(cfg, policy_class(paradigm), spans_nodes=False) == "get"  # within a node: no faster
     # what auto settles to is never refused (hpcps.options.effects): plan() checks the settled options
     nodes = [0, 0, 0, 1, 1, 1]
-    assert settle_layout(cfg, policy_class(paradigm), nodes).pull == expected
+    assert settle_transfers(cfg, policy_class(paradigm), 4 * MB, True, True).pull == expected
     plan(cfg, 6, nodes)
 
 
@@ -117,21 +117,25 @@ def test_partitions_where_the_measured_link_makes_the_transfer_long_enough_to_hi
     assert partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), True, True, link_bps=mbps * 1e6) == expected
 
 
-def test_rounds_are_sent_over_fast_links_and_read_over_slow_ones():
-    """bsp across nodes: send from 150 Mbit/s up (0.87x reads' step at 1 Gbit/s, alike at 250 Mbit/s), read
-    below (sends took 1.16x at 100 Mbit/s); an unmeasured link is taken for 1 Gbit/s."""
+def test_rounds_are_sent_where_the_models_transfer_is_short_and_read_where_it_is_long():
+    """bsp across nodes: send while the whole model crosses the link in under 0.1 s (0.87x reads' step at
+    40 ms), read from there (alike at 117-160 ms, sends 1.13-1.25x from 280 ms); an unmeasured link is taken
+    for 1 Gbit/s; the pull is settled with the model, not before."""
     cfg, bsp = make_config({"paradigm": "bsp"}), policy_class("bsp")
-    assert [pull_for(cfg, bsp, True, mbps * 1e6) for mbps in (10, 100, 149, 150, 250, 1000, 100_000)] == \
-        ["get"] * 3 + ["send"] * 4
-    assert pull_for(cfg, bsp, True, None) == "send"
-    assert pull_for(cfg, policy_class("asp"), True, 1e9) == "get"  # rounds not released together: as before
-    assert settle_layout(cfg, bsp, [0, 0, 1, 1], link_bps=94e6).pull == "get"
+    cells = [(4.8, 1000), (4.8, 500), (1.4, 1000), (1.4, 100), (4.8, 250), (33.4, 1000), (44.7, 1000), (4.8, 100)]
+    assert [pull_for(cfg, bsp, True, mbps * 1e6, int(mb * MB)) for mb, mbps in cells] == \
+        ["send"] * 3 + ["get"] * 5
+    assert pull_for(cfg, bsp, True, None, int(4.8 * MB)) == "send"
+    assert pull_for(cfg, bsp, True, None, int(12.5 * MB)) == "get"  # 105 ms at the reference 1 Gbit/s
+    assert pull_for(cfg, policy_class("asp"), True, 1e9, MB) == "get"  # rounds not released together: as before
+    assert settle_layout(cfg, bsp, [0, 0, 1, 1]).pull == "auto"
+    assert settle_transfers(cfg, bsp, int(4.8 * MB), True, True, link_bps=94e6).pull == "get"
 
 
 def test_the_line_names_the_link_it_measured():
     given_cfg = make_config({"paradigm": "bsp"})
-    cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1], link_bps=94.4e6)
-    cfg = settle_partitions(cfg, policy_class("bsp"), int(1.4 * MB), True, True, link_bps=94.4e6)
+    cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1])
+    cfg = settle_transfers(cfg, policy_class("bsp"), int(1.4 * MB), True, True, link_bps=94.4e6)
     assert describe(given_cfg, cfg, 94.4e6) == ("defaults for this job: 2 server shards (one per node), pull get, "
                                                 "partitions of 0.25 MB (the link between nodes measured at "
                                                 "94 Mbit/s)")
@@ -140,9 +144,9 @@ def test_the_line_names_the_link_it_measured():
 def test_settled_values_and_the_line_that_names_them():
     given_cfg = make_config({"paradigm": "bsp"})
     cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2, 3, 3])
-    cfg = settle_partitions(cfg, policy_class("bsp"), int(4.8 * MB), spans_nodes=True, on_cpu=True)
+    cfg = settle_transfers(cfg, policy_class("bsp"), int(4.8 * MB), spans_nodes=True, on_cpu=True)
     assert (cfg.servers, cfg.pull, cfg.partition_mb) == (4, "send", 0.3)
     assert describe(given_cfg, cfg) == ("defaults for this job: 4 server shards (one per node), pull send, "
                                         "partitions of 0.3 MB")
     mine = make_config({"paradigm": "bsp", "servers": 1, "pull": "get", "partition_mb": 0})
-    assert describe(mine, settle_partitions(mine, policy_class("bsp"), MB, True, True)) is None
+    assert describe(mine, settle_transfers(mine, policy_class("bsp"), MB, True, True)) is None

@@ -216,10 +216,10 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     """
     nodes = node_ids(comm)
     given = cfg
-    link_bps = link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
     # --servers auto made concrete, from the nodes the ranks are on (hpcps.options.defaults)
     cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes))
-    agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement
+    agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement (or the link's probe)
+    link_bps = link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
     stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement, nodes)
     stack.callback(run_comm.Free)

@@ -78,3 +78,18 @@ def test_the_link_probe_gives_every_rank_one_positive_rate(world):
     rate = link_between_nodes(world, fake)
     rates = world.allgather(rate)
     assert rate > 1e6 and rates == [rate] * world.size
+
+
+@pytest.mark.timeout(60)
+def test_options_that_leave_no_worker_fail_before_the_link_between_nodes_is_probed(world, mpi_tmp_path, monkeypatch):
+    """As many shards as ranks on the same two nodes: every rank raises the one error of the options, and
+    the link's probe (a stream of a second or more over a slow link) never ran."""
+    from hpcps.errors import UserError
+    fake = [0, 0, 0, 3, 3][:world.size] + [3] * (world.size - 5)
+    monkeypatch.setattr(hpcps.cluster.placement, "node_ids", lambda comm: fake)
+    monkeypatch.setattr(hpcps.runtime.run, "node_ids", lambda comm: fake)
+    probed = []
+    monkeypatch.setattr(hpcps.runtime.run, "link_between_nodes", lambda comm, nodes: probed.append(comm.rank) or 1e9)
+    with pytest.raises(UserError, match=r"too small for --servers \d+"):
+        train(mpi_tmp_path / "none.h5", paradigm="bsp", servers=world.size, steps=2)
+    assert probed == []

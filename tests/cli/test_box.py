@@ -135,16 +135,16 @@ def test_hpcps_check_reports_each_workers_link_within_ten_percent_and_the_server
     """A server's node at 2 Gbit/s among workers at 1: the pairs measure the workers' links, the fan-in the
     server's; TCP's payload is ~96% of the wire rate, so a worker's must land in [0.9, 1.0] of --link. The
     fan-in's three streams and its receiver need the CPU too, four busy ranks on two cores: it measured 0.85
-    of 2 Gbit/s under MPICH on a busy machine and 0.69 under Open MPI in CI. So the server's must land above
-    1.2 Gbit/s, a fifth above the fastest worker's link (what a 1 Gbit/s server link could not show), and at
-    most its own."""
+    of 2 Gbit/s under MPICH on a busy machine, 0.69 under Open MPI in CI, and 0.59 under Open MPI on a host
+    1.65x slower than usual. So the server's must land above 1.1 Gbit/s, a tenth above the fastest worker's
+    link (what a 1 Gbit/s server link, ~0.96 Gbit/s of payload, could not show), and at most its own."""
     proc = emulate("--nodes", "4", "--link", "1gbit", "--link", "0=2gbit", "--", sys.executable, "-m", "hpcps", "check")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("each node's link, as measured:"))
     measured = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(", "))
     assert len(measured) == 4, line
     for node, rate in measured.items():
-        low, high = (1.2e9, 2e9) if node.endswith("/n0") else (0.9e9, 1e9)
+        low, high = (1.1e9, 2e9) if node.endswith("/n0") else (0.9e9, 1e9)
         assert low <= parse_rate(rate) <= high, (node, rate, proc.stdout)
     assert "verdict: hpcps works here" in proc.stdout
 

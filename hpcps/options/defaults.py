@@ -111,7 +111,7 @@ def needs_link(cfg: TrainConfig, nodes: Sequence[int]) -> bool:
     return len(set(nodes)) > 1 and AUTO in (cfg.pull, cfg.partition_mb)
 
 
-def settle_layout(cfg: TrainConfig, paradigm: type, nodes: Sequence[int]) -> TrainConfig:
+def settle_layout(cfg: TrainConfig, nodes: Sequence[int]) -> TrainConfig:
     """``cfg`` with ``servers`` made concrete (what it is already, where the user set it). The pull and the
     partitions wait for the model (:func:`settle_transfers`); ``auto`` is never refused meanwhile."""
     return cfg.model_copy(update={"servers": servers_for(cfg, nodes)}) if cfg.servers == AUTO else cfg

@@ -95,7 +95,8 @@ def no_effect(cfg: TrainConfig, paradigm: type) -> list[str]:
             lines.append(f"{flag(option)} has no effect under --paradigm {cfg.paradigm}: "
                          f"it is read by {_and(paradigms)}")
         else:
-            lines.append(f"{flag(option)} has no effect in this run: it is read by {_and([r.name for r in readers_of])}")
+            names = _and([r.name for r in readers_of])
+            lines.append(f"{flag(option)} has no effect in this run: it is read by {names}")
     return lines
 
 

@@ -28,7 +28,7 @@ def resolve(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = Non
     (:func:`hpcps.options.effects.refuse`) with those that depend on the world size. ``nodes[r]`` names
     rank r's node, for ``--servers auto`` (:mod:`hpcps.options.defaults`); None: one node."""
     paradigm = policy_class(cfg.paradigm)
-    cfg = settle_layout(cfg, paradigm, [0] * world_size if nodes is None else nodes)
+    cfg = settle_layout(cfg, [0] * world_size if nodes is None else nodes)
     refuse(cfg, paradigm)  # the combinations that cannot work, whatever the world size
     layout = Layout(world_size, cfg.servers, cfg.groups, n_spares=cfg.spare_workers)
     layout.check_groups()

@@ -62,7 +62,7 @@ from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
 from hpcps.training.optim import describe_optimizer, warm_optimizers
 from hpcps.training.paramgroups import resolve_groups
-from hpcps.policies import Policy, policy_class
+from hpcps.policies import Policy
 from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.runtime.spares import wait_for_place
@@ -217,26 +217,28 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     nodes = node_ids(comm)
     given = cfg
     # --servers auto made concrete, from the nodes the ranks are on (hpcps.options.defaults)
-    cfg = agree(comm, lambda: settle_layout(cfg, policy_class(cfg.paradigm), nodes))
-    agree(comm, lambda: resolve(cfg, comm.size))  # bad options fail before any placement (or the link's probe)
+    cfg = agree(comm, lambda: settle_layout(cfg, nodes))
+    # bad options fail before any placement (or the link's probe); the run's copy of comm has its size
+    paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
     link_bps = link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
     stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement, nodes)
     stack.callback(run_comm.Free)
     try:
-        return _prepare(cfg, run_comm, workload, world_ranks, stack, reseed=reseed, start_iteration=start_iteration,
-                        spans_nodes=len(set(nodes)) > 1, link_bps=link_bps, given=given)
+        return _prepare(cfg, run_comm, workload, world_ranks, stack, paradigm, layout, reseed=reseed,
+                        start_iteration=start_iteration, spans_nodes=len(set(nodes)) > 1, link_bps=link_bps,
+                        given=given)
     except BaseException:
         stack.close()
         raise
 
 
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
-             stack: ExitStack, *, reseed: bool = True, start_iteration: int = 0, spans_nodes: bool = False,
-             link_bps: float | None = None, given: TrainConfig | None = None) -> "Run":
+             stack: ExitStack, paradigm: type[Policy], layout: Layout, *, reseed: bool = True,
+             start_iteration: int = 0, spans_nodes: bool = False, link_bps: float | None = None,
+             given: TrainConfig | None = None) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
-    paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
     setup_logging(comm.rank, layout.role(comm.rank).value)
     if cfg.resume == "auto":  # rank 0 looks, every rank resumes what it found
         cfg = comm.bcast(agree(comm, lambda: checkpointing.resolve_resume(cfg) if comm.rank == 0 else None), root=0)
@@ -452,7 +454,8 @@ class Run:
         """Collective: the metrics file, the windows, the shards' optimizers; everyone meets, the clocks agree.
 
         Then each rank plays its role: :meth:`serve` (servers, group servers), or a worker's steps
-        (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and :meth:`end`, collective again.
+        (:class:`hpcps.runtime.session.Session` over :func:`hpcps.runtime.assembly.make_worker`); and
+        :meth:`end`, collective again.
         """
         plan, state = self.plan, self.state
         comm, topo = state.topo.comm, state.topo

@@ -17,6 +17,17 @@ OVERSUBSCRIBE = oversubscribing(FAMILY) if FAMILY else {}
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install '.[mpich]' or load your MPI)")
 
 
+def failure(stderr: str) -> str:
+    """A failed check's message: a job's stderr from the first rank that failed, and its end. A rank's
+    failure can make others fail after it (under run-through, its death; elsewhere, the job's abort): the
+    first traceback is the cause, the last is often only a consequence."""
+    first = min((i for i in (stderr.find(" failed: "), stderr.find("Traceback")) if i >= 0), default=None)
+    if first is None:
+        return stderr[-8000:]
+    start = stderr.rfind("\n", 0, first) + 1
+    return stderr[start:start + 8000] + ("\n[...]\n" + stderr[-2000:] if len(stderr) > start + 8000 else "")
+
+
 def launch(n: int, *args: str, timeout: float, cwd: str | None = None,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n N ARGS`` in a clean environment (plus ``env``); on timeout kill the whole job and fail."""

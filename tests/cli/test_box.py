@@ -23,10 +23,10 @@ import pytest
 
 from hpcps.box import net
 from hpcps.box.reaper import tree
-from hpcps.box.spec import make_cluster, parse_rate
+from hpcps.box.spec import parse_rate
 from hpcps.cluster.launcher import clean_environ
 from hpcps.analysis.report import max_clock_gap
-from launching import FAMILY, box_missing, needs_mpiexec, run_bounded
+from launching import FAMILY, box_missing, failure, needs_mpiexec, run_bounded
 
 STEPS = 12
 SOAK = os.environ.get("HPCPS_SOAK_BOX", "") not in ("", "0")
@@ -70,7 +70,7 @@ def test_every_paradigm_runs_on_five_emulated_nodes_and_loses_nothing(tmp_path, 
                    "--paradigm", paradigm, "--steps", str(STEPS), "--compute-time", "0.02", "--hidden", "1024",
                    "--staleness", "1", "--staleness-max", "3", "--slowdown", "4=2", "--eval-interval", "1",
                    "--progress-every", "600", "--out", str(out), *extra, timeout=200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
     assert "hpcps emulate: 5 nodes (nodes 0-4 at 1 Gbit/s)" in proc.stderr
     with h5py.File(out) as f:
         s = dict(f["summary"].attrs)
@@ -118,7 +118,7 @@ def test_a_transfer_never_beats_its_links_rate(tmp_path):
         "    if c.rank == (0 if kind == 'send' else 1): print(kind, time.perf_counter() - t, flush=True)\n"
         "c.Barrier(); w.Unlock_all(); w.Free(); a.Unlock_all(); a.Free()\n")
     proc = emulate("--nodes", "2", "--link", "100mbit", "--", sys.executable, str(script), timeout=100)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     times = [(kind, float(t)) for kind, t in re.findall(r"^(send|get|alloc) ([0-9.e-]+)$", proc.stdout, re.M)]
     assert len(times) == 6, proc.stdout
     from hpcps.box.spec import burst_bytes
@@ -139,7 +139,7 @@ def test_hpcps_check_reports_each_workers_link_within_ten_percent_and_the_server
     1.65x slower than usual. So the server's must land above 1.1 Gbit/s, a tenth above the fastest worker's
     link (what a 1 Gbit/s server link, ~0.96 Gbit/s of payload, could not show), and at most its own."""
     proc = emulate("--nodes", "4", "--link", "1gbit", "--link", "0=2gbit", "--", sys.executable, "-m", "hpcps", "check")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("each node's link, as measured:"))
     measured = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(", "))
     assert len(measured) == 4, line
@@ -175,7 +175,7 @@ def test_a_push_moves_while_its_worker_computes_only_when_the_computation_pokes_
         "        arrived = time.monotonic(); end = c.recv(source=1, tag=2)\n"
         "        print(f'poke={poke} arrived_before_end={arrived < end}', flush=True)\n")
     proc = emulate("--nodes", "2", "--link", "1gbit", "--", sys.executable, str(script), timeout=100)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert "poke=False arrived_before_end=False" in proc.stdout, proc.stdout
     assert "poke=True arrived_before_end=True" in proc.stdout, proc.stdout
 
@@ -189,7 +189,7 @@ def test_shards_spread_one_per_emulated_node(tmp_path):
     proc = emulate("--nodes", "3", "--ranks", "0=2", "--", sys.executable, "-m", "hpcps", "train",
                    "--paradigm", "asp", "--servers", "2", "--steps", "5", "--compute-time", "0.01",
                    "--progress-every", "600", "--out", str(out), timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     with h5py.File(out) as f:
         placement = json.loads(f.attrs["placement"])
         ranks = f["ranks"][()]
@@ -246,7 +246,7 @@ def test_the_readmes_box_example_trains_without_diverging(tmp_path):
     line = next(line for line in readme.splitlines() if line.startswith("hpcps emulate "))
     args = line.split()[2:]  # after "hpcps emulate"
     proc = emulate(*args, "--steps", "100", "--out", str(tmp_path / "readme.h5"), "--no-progress")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     with h5py.File(tmp_path / "readme.h5") as f:
         s = f["summary"].attrs
         assert s["gradients_applied"] == 4 * 100 and s["stopped_by"] in ("", b"")
@@ -330,7 +330,7 @@ def test_a_user_who_is_not_root_gets_a_box_in_a_user_namespace_of_its_own(tmp_pa
                     "import sys; sys.stdout.write(f\"sum {c.allreduce(1)} {os.environ['HPCPS_NODE']};\\n\")")
     # print() makes two writes when unbuffered (the text, then its end), so two ranks' lines can interleave;
     # one write each, and the pattern does not ask for whole lines
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert sorted(re.findall(r"sum 2 (\d);", proc.stdout)) == ["0", "1"], proc.stdout
     assert "2 nodes (nodes 0-1 at 100 Mbit/s)" in proc.stderr
     assert net.namespaces() == before

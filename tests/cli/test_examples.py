@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcps.runtime.checkpoints.files import read_user_state
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 pytestmark = [needs_mpiexec, pytest.mark.slow]
 
@@ -26,8 +26,8 @@ def _module(name):
 
 
 def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
+    assert "Traceback" not in proc.stderr, failure(proc.stderr)
 
 
 def test_the_script_trains_a_batchnorm_model_with_adamw_and_cosine_and_its_saved_model_loads_in_plain_torch(tmp_path):

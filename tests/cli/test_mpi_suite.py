@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -25,6 +25,6 @@ def test_mpi_suite_passes_on_five_ranks(capsys):
     passed = [int(n) for n in re.findall(r"(\d+) passed", proc.stdout)]
     with capsys.disabled():
         print(f"\n[mpiexec -n 5 pytest --with-mpi tests/mpi] passed per rank: {passed}")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-6000:] + failure(proc.stderr)
     assert len(passed) == 5 and len(set(passed)) == 1 and passed[0] > 0, proc.stdout[-3000:]
     assert not re.search(r"\d+ (failed|error)", proc.stdout), proc.stdout[-6000:]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcps.cluster.launcher import clean_environ
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 pytestmark = needs_mpiexec
 
@@ -30,7 +30,7 @@ def test_hpcps_check_prints_the_table_and_the_verdict_of_the_mpi_it_runs_on(tmp_
     from hpcps.transport.mpilib import library_version
 
     proc = hpcps(5, "check", "--seconds", "0.1", "--busy", "0.5")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
     rows = dict(line.split(None, 1) if "  " not in line else [x.strip() for x in line.split("  ", 1)]
                 for line in proc.stdout.splitlines()[:8])
     assert rows["MPI library"] == library_version()  # this venv's mpi4py's MPI, which the job ran
@@ -172,7 +172,7 @@ def test_a_workers_inner_optimizer_imports_nothing_of_torchs_after_the_start(tmp
     probe = tmp_path / "probe.py"
     probe.write_text(INNER_IMPORTS)
     proc = launch(2, sys.executable, str(probe), str(tmp_path / "m.h5"), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert "IMPORTED []" in proc.stdout, proc.stdout[-2000:]
 
 
@@ -200,7 +200,7 @@ def test_a_failing_rank_ends_the_job_promptly_and_keeps_the_metrics(tmp_path, fa
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcps: error:")]
     if message is not None:
-        assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+        assert len(errors) == 1 and message in errors[0], failure(proc.stderr)
     # readable (without HDF5's lock: rank 0 may still be exiting), with what was recorded before the failure
     with h5py.File(out, "r", locking=False) as f:
         assert len(f["workers/iterations"]) > 0 and len(f["servers/updates"]) > 0
@@ -214,7 +214,7 @@ def test_a_failing_workers_last_rows_reach_the_file_before_the_job_ends(tmp_path
     out = tmp_path / "last.h5"
     proc = hpcps(5, "train", "--paradigm", "bsp", "--steps", "400", "--compute-time", "0.002", "--out", str(out),
                  "--fault", "raise@2:30", timeout=120)
-    assert proc.returncode != 0 and "rank 2 failed: InjectedFault" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode != 0 and "rank 2 failed: InjectedFault" in proc.stderr, failure(proc.stderr)
     with h5py.File(out, "r", locking=False) as f:
         it = f["workers/iterations"][()]
     assert sorted(it["step"][it["rank"] == 2].tolist()) == list(range(30))
@@ -226,7 +226,7 @@ def test_mnist1d_is_generated_once_and_the_papers_cnn_trains_on_it(tmp_path):
     proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "bsp", "--dataset", "mnist1d",
                   "--model", "cnn1d", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05", "--steps", "150",
                   "--out", str(out), timeout=240, env={"HPCPS_CACHE_DIR": str(cache)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert [p.name for p in cache.iterdir()] == ["mnist1d-5000.npz"]  # one file, written once, no leftovers
     with h5py.File(out) as f:
         assert f["summary"].attrs["gradients_applied"] == 4 * 150
@@ -264,14 +264,14 @@ def test_a_four_worker_two_shard_checkpoint_resumes_on_three_workers_and_on_one_
     common = ["train", "--paradigm", "bsp", "--momentum", "0.9", "--steps", "20"]
     proc = hpcps(6, *common, "--servers", "2", "--checkpoint-every", "10", "--checkpoint-dir", str(ck),
                  "--out", str(tmp_path / "six.h5"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     path = str(ck / "step-000010.h5")
     for servers, workers, shape in (("2", 3, "4 worker(s) at clocks [10, 10, 10, 10] -> 3 at clock 10"),
                                     ("1", 4, "2 shard(s) -> 1")):
         out = tmp_path / f"five-{servers}.h5"
         proc = hpcps(5, *common, "--servers", servers, "--resume", path, "--out", str(out),
                      "--checkpoint-dir", str(tmp_path / f"again-{servers}"))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, failure(proc.stderr)
         assert f"on another shape: {shape}" in proc.stderr
         with h5py.File(out) as f:
             assert f.attrs["resumed_shape"] == shape
@@ -286,7 +286,7 @@ def test_a_diloco_job_killed_mid_run_resumes_from_its_newest_checkpoint_and_ends
     common = ["train", "--paradigm", "diloco", "--local-steps", "2", "--steps", "40", "--inner-momentum", "0.9",
               "--inner-lr", "0.05", "--seed", "2", "--checkpoint-every", "4"]
     proc = hpcps(5, *common, "--checkpoint-dir", str(tmp_path / "ck-full"), "--out", str(tmp_path / "full.h5"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     ck = tmp_path / "ck"
     proc = hpcps(5, *common, "--fault", "exit@2:13", "--checkpoint-dir", str(ck), "--out", str(tmp_path / "k.h5"))
     assert proc.returncode != 0
@@ -299,7 +299,7 @@ def test_a_diloco_job_killed_mid_run_resumes_from_its_newest_checkpoint_and_ends
         f"worker-{w}.round-12.pt" for w in range(4)]
     proc = hpcps(5, *common, "--resume", str(newest), "--checkpoint-dir", str(tmp_path / "ck2"),
                  "--out", str(tmp_path / "resumed.h5"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert "inner optimizer state" not in proc.stderr  # no worker started its inner state afresh
     with h5py.File(tmp_path / "resumed.h5") as f:
         assert f["summary"].attrs["gradients_pushed"] == f["summary"].attrs["gradients_applied"] == 4 * (20 - 12)

@@ -3,13 +3,12 @@ loop reads of the parameters after ``ps.step()`` is exactly what its next forwar
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
 import pytest
 
-from launching import FAMILY, launch, needs_mpiexec
+from launching import FAMILY, failure, launch, needs_mpiexec
 
 SCRIPT = '''
 import sys
@@ -48,7 +47,7 @@ def torn_steps(tmp_path, mode: str) -> list[int]:
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)
     proc = launch(4, sys.executable, str(script), str(tmp_path / f"{mode}.h5"), mode, timeout=180, env=TCP)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     counts = [(int(a), int(b)) for a, b in re.findall(r"TORN (\d+) OF (\d+)", proc.stdout)]
     assert len(counts) == 2 and all(steps == 12 for _, steps in counts), proc.stdout
     return [torn for torn, _ in counts]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 ROOT = Path(__file__).resolve().parents[2]
 NANOGPT = ROOT / "examples" / "ported" / "nanogpt"
@@ -60,10 +60,10 @@ def test_nanogpt_ported_with_one_worker_trains_as_the_original_single_process_st
     original = subprocess.run([sys.executable, "train_ddp.py", *ARGS, "--max_iters=20", "--out_dir=original"],
                               cwd=nanogpt, capture_output=True, text=True, timeout=240,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert original.returncode == 0, original.stderr[-3000:]
+    assert original.returncode == 0, failure(original.stderr)
     port = launch(2, sys.executable, "train.py", *ARGS, "--max_iters=20", "--out_dir=port", cwd=str(nanogpt),
                   timeout=240)
-    assert port.returncode == 0, port.stderr[-3000:]
+    assert port.returncode == 0, failure(port.stderr)
     assert len(_losses(original.stdout)) == 21 + 3
     assert _losses(port.stdout) == _losses(original.stdout)  # reseed=False: the original's batches, its losses
     # the checkpoint nanoGPT wrote at its last evaluation (iteration 20): the same model, to the last bit
@@ -79,11 +79,11 @@ def test_nanogpt_ported_trains_with_two_workers_and_resumes_from_its_own_checkpo
     iteration 10, its versions too, and the first run's metrics are kept beside the new ones."""
     first = launch(3, sys.executable, "train.py", *ARGS, "--max_iters=10", "--out_dir=out", cwd=str(nanogpt),
                    timeout=240)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, failure(first.stderr)
     assert re.findall(r"^iter (\d+):", first.stdout, re.M) == [str(i) for i in range(11)]
     resumed = launch(3, sys.executable, "train.py", *ARGS, "--max_iters=20", "--out_dir=out", "--init_from=resume",
                      cwd=str(nanogpt), timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure(resumed.stderr)
     assert re.findall(r"^iter (\d+):", resumed.stdout, re.M) == [str(i) for i in range(10, 21)]
     assert "kept as " in resumed.stderr and (nanogpt / "out" / "hpcps.1.h5").exists()
     with h5py.File(nanogpt / "out" / "hpcps.h5") as f:

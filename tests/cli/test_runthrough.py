@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from launching import FAMILY, MPIEXEC, OVERSUBSCRIBE, launch, needs_mpiexec, run_bounded
+from launching import FAMILY, MPIEXEC, OVERSUBSCRIBE, failure, launch, needs_mpiexec, run_bounded
 
 pytestmark = [needs_mpiexec, pytest.mark.skipif(FAMILY != "openmpi", reason="run-through needs Open MPI's ULFM "
                                                                              "(mpirun --with-ft ulfm)")]
@@ -36,18 +36,6 @@ def ulfm_train(*args: str, out, n: int = 5, timeout: float = 150) -> subprocess.
     steps = [] if "--steps" in args else ["--steps", str(STEPS)]
     return launch(n, "--with-ft", "ulfm", sys.executable, "-m", "hpcps", "train", *steps,
                   "--no-progress", "--out", str(out), *args, timeout=timeout)
-
-
-def tail(done: subprocess.CompletedProcess) -> str:
-    """A failed line check's message: the job's stderr from the first rank that failed (a rank's failure under
-    run-through ends in its death, which others may fail on in turn: the first traceback is the cause), and
-    its end."""
-    err = done.stderr
-    first = min((i for i in (err.find(" failed: "), err.find("Traceback")) if i >= 0), default=None)
-    if first is None:
-        return err[-8000:]
-    start = err.rfind("\n", 0, first) + 1
-    return err[start:start + 8000] + ("\n[...]\n" + err[-2000:] if len(err) > start + 8000 else "")
 
 
 def tables(path) -> dict:
@@ -88,8 +76,8 @@ def killed_at(tmp_path, paradigm: str, at: int) -> None:
     local = {"": [], "local": ["--local-steps", "2"], "overlap": ["--local-steps", "2", "--overlap-steps", "1"]}[form]
     done = ulfm_train("--paradigm", name, "--staleness", str(s), *local,
                       "--compute-time", "0.01", "--slowdown", "4=3", "--fault", f"kill@{KILLED}:{at}", out=out)
-    assert done.returncode == 0, tail(done)
-    assert f"worker rank {KILLED} died after its gradient" in done.stderr, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
+    assert f"worker rank {KILLED} died after its gradient" in done.stderr, failure(done.stderr)
     t = tables(out)
     it, up, lost, summary = t["it"], t["up"], t["lost"], t["summary"]
     living = [1, 2, 4]
@@ -146,9 +134,10 @@ def test_a_spare_takes_a_dead_workers_place_and_the_run_trains_its_planned_amoun
     done = ulfm_train("--paradigm", name, "--staleness", str(s), "--servers", str(shards), *local,
                       "--compute-time", "0.01", "--slowdown", slow, "--fault", f"kill@{killed}:15",
                       "--spare-workers", "1", out=out, n=4 + shards + 1)
-    assert done.returncode == 0, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
     for shard in range(shards):
-        assert f"shard {shard}: spare rank {spare} takes the place of worker rank {killed}" in done.stderr, tail(done)
+        assert f"shard {shard}: spare rank {spare} takes the place of worker rank {killed}" in done.stderr, \
+            failure(done.stderr)
     t = tables(out)
     it, up, lost, summary = t["it"], t["up"], t["lost"], t["summary"]
     with h5py.File(out) as f:
@@ -191,9 +180,9 @@ def test_a_second_death_with_the_spare_taken_runs_through_without_one(tmp_path):
     out = tmp_path / "ssp.h5"
     done = ulfm_train("--paradigm", "ssp", "--compute-time", "0.01", "--fault", "kill@3:15", "--fault", "kill@2:30",
                       "--spare-workers", "1", out=out, n=6)
-    assert done.returncode == 0, tail(done)
-    assert "shard 0: spare rank 5 takes the place of worker rank 3" in done.stderr, tail(done)
-    assert "shard 0: no spare worker left to take the place of worker rank 2" in done.stderr, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
+    assert "shard 0: spare rank 5 takes the place of worker rank 3" in done.stderr, failure(done.stderr)
+    assert "shard 0: no spare worker left to take the place of worker rank 2" in done.stderr, failure(done.stderr)
     summary = tables(out)["summary"]
     assert summary["workers_lost"] == 2 and summary["workers_joined"] == 1
     assert summary["gradients_applied"] + summary["gradients_dropped"] + summary["gradients_lost"] == \
@@ -214,8 +203,8 @@ def test_a_worker_killed_right_after_its_push_header_is_replaced_and_its_late_he
     out = tmp_path / f"{paradigm}.h5"
     done = ulfm_train("--paradigm", paradigm, "--servers", str(shards), "--compute-time", "0.01",
                       "--fault", "killhead@3:15", "--spare-workers", "1", out=out, n=4 + shards + 1)
-    assert done.returncode == 0, tail(done)
-    assert f"shard 0: spare rank {spare} takes the place of worker rank 3" in done.stderr, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
+    assert f"shard 0: spare rank {spare} takes the place of worker rank 3" in done.stderr, failure(done.stderr)
     t = tables(out)
     up, summary = t["up"], t["summary"]
     rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, spare])]
@@ -235,9 +224,11 @@ def test_a_worker_killed_between_its_payload_and_its_verdict_has_that_gradient_d
     out = tmp_path / "asp.h5"
     done = ulfm_train("--paradigm", "asp", "--compute-time", "0.01", "--partition-mb", "0.01",
                       "--fault", "killverdict@3:15", "--spare-workers", "1", out=out, n=6)
-    assert done.returncode == 0, tail(done)
-    assert "shard 0: worker rank 3 died before the verdict on its gradient 16: dropped" in done.stderr, tail(done)
-    assert "shard 0: spare rank 5 takes the place of worker rank 3, from its gradient 17 on" in done.stderr, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
+    assert "shard 0: worker rank 3 died before the verdict on its gradient 16: dropped" in done.stderr, \
+        failure(done.stderr)
+    assert "shard 0: spare rank 5 takes the place of worker rank 3, from its gradient 17 on" in done.stderr, \
+        failure(done.stderr)
     t = tables(out)
     up, summary = t["up"], t["summary"]
     rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, 5])]
@@ -255,9 +246,9 @@ def test_a_spare_that_dies_in_its_place_is_replaced_by_the_next(tmp_path):
     out = tmp_path / "asp.h5"
     done = ulfm_train("--paradigm", "asp", "--compute-time", "0.01", "--fault", "kill@3:15", "--fault", "kill@5:40",
                       "--spare-workers", "2", out=out, n=7)
-    assert done.returncode == 0, tail(done)
-    assert "shard 0: spare rank 5 takes the place of worker rank 3" in done.stderr, tail(done)
-    assert "shard 0: spare rank 6 takes the place of worker rank 5" in done.stderr, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
+    assert "shard 0: spare rank 5 takes the place of worker rank 3" in done.stderr, failure(done.stderr)
+    assert "shard 0: spare rank 6 takes the place of worker rank 5" in done.stderr, failure(done.stderr)
     t = tables(out)
     up, summary = t["up"], t["summary"]
     rows = up[(up["shard"] == 0) & (up["applied"] == 1) & np.isin(up["worker"], [3, 5, 6])]
@@ -274,9 +265,9 @@ def test_a_paradigm_that_does_not_run_through_ends_the_job_instead_of_hanging(tm
     rank kills itself instead.)"""
     done = ulfm_train("--paradigm", "hsp", "--compute-time", "0.01", "--fault", f"kill@{KILLED}:15",
                       out=tmp_path / "hsp.h5", timeout=90)
-    assert "does not run through a dead worker" in done.stderr, tail(done)
-    assert "rank 0 failed" in done.stderr, tail(done)  # the shard: the first to find the worker dead
-    assert "done in" not in done.stderr, tail(done)
+    assert "does not run through a dead worker" in done.stderr, failure(done.stderr)
+    assert "rank 0 failed" in done.stderr, failure(done.stderr)  # the shard: the first to find the worker dead
+    assert "done in" not in done.stderr, failure(done.stderr)
 
 
 def test_a_checkpoint_taken_after_the_death_gives_the_dead_workers_steps_back_to_a_resumed_job(tmp_path):
@@ -286,14 +277,14 @@ def test_a_checkpoint_taken_after_the_death_gives_the_dead_workers_steps_back_to
     ck = tmp_path / "ck"
     done = ulfm_train("--paradigm", "ssp", "--steps", "40", "--compute-time", "0.02", "--checkpoint-interval", "0.2",
                       "--checkpoint-dir", str(ck), "--fault", f"kill@{KILLED}:15", out=tmp_path / "first.h5")
-    assert done.returncode == 0, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
     newest = sorted(ck.glob("step-*.h5"))[-1]
     with h5py.File(newest) as f:
         clocks = f.attrs["worker_clocks"].tolist()
     assert clocks[KILLED - 1] == 15 and min(clocks[i] for i in (0, 1, 3)) > 15  # taken after the death
     resumed = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "ssp", "--steps", "40", "--no-progress",
                      "--resume", str(newest), "--out", str(tmp_path / "second.h5"), timeout=150)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure(resumed.stderr)
     it = tables(tmp_path / "second.h5")["it"]
     assert [int((it["rank"] == w).sum()) for w in (1, 2, 3, 4)] == [40 - c for c in clocks]
 
@@ -308,15 +299,15 @@ def test_checkpoints_after_a_join_carry_the_dead_workers_index_on_through_the_sp
     done = ulfm_train("--paradigm", "ssp", "--servers", "2", "--steps", "40", "--compute-time", "0.02",
                       "--checkpoint-interval", "0.2", "--checkpoint-dir", str(ck), "--fault", "kill@4:15",
                       "--spare-workers", "1", out=tmp_path / "first.h5", n=7)
-    assert done.returncode == 0, tail(done)
-    assert "shard 1: spare rank 6 takes the place of worker rank 4" in done.stderr, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
+    assert "shard 1: spare rank 6 takes the place of worker rank 4" in done.stderr, failure(done.stderr)
     newest = sorted(ck.glob("step-*.h5"))[-1]
     with h5py.File(newest) as f:
         clocks = f.attrs["worker_clocks"].tolist()
     assert len(clocks) == 4 and clocks[2] > 16, clocks  # worker index 2 is rank 4
     resumed = launch(6, sys.executable, "-m", "hpcps", "train", "--paradigm", "ssp", "--servers", "2", "--steps", "40",
                      "--no-progress", "--resume", str(newest), "--out", str(tmp_path / "second.h5"), timeout=150)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure(resumed.stderr)
     it = tables(tmp_path / "second.h5")["it"]
     assert [int((it["rank"] == w).sum()) for w in (2, 3, 4, 5)] == [40 - c for c in clocks]
 
@@ -360,10 +351,10 @@ def test_an_own_loop_whose_worker_dies_goes_on_and_its_ps_mean_averages_the_livi
     script = tmp_path / "own.py"
     script.write_text(OWN_LOOP)
     done = launch(5, "--with-ft", "ulfm", sys.executable, str(script), str(tmp_path / "own.h5"), timeout=150)
-    assert done.returncode == 0, tail(done)
+    assert done.returncode == 0, failure(done.stderr)
     means = sorted(line for line in done.stdout.splitlines() if line.startswith("mean at"))
     assert means == sorted([f"mean at 10: {1.5:.6f}"] * 4 + [f"mean at {s}: {4 / 3:.6f}" for s in (20, 30, 40)] * 3)
-    assert "the workers' collectives go on over the 3 living" in done.stderr, tail(done)
+    assert "the workers' collectives go on over the 3 living" in done.stderr, failure(done.stderr)
     # each living worker knows of the death from its collective (its loop may os._exit at the end)
     assert [line for line in done.stdout.splitlines() if line.startswith("deaths seen")] == \
         ["deaths seen at 20: True"] * 3
@@ -384,7 +375,7 @@ def test_a_paradigm_that_does_not_run_through_is_restarted_by_the_supervisor_tho
                         "--paradigm", "hsp", "--steps", str(STEPS), "--compute-time", "0.02", "--checkpoint-every",
                         "40", "--seed", "1", "--no-progress", "--out", str(out), "--resume", "auto",
                         "--fault", f"kill@{KILLED}:30"], timeout=240, env=OVERSUBSCRIBE, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert "launch 1 ended with status 0, its run unfinished" in proc.stderr
     assert "finished after 2 launch(es)" in proc.stderr
     assert not list(tmp_path.glob(".hpcps-launch.*"))

@@ -13,7 +13,7 @@ import textwrap
 import h5py
 import pytest
 
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 pytestmark = [needs_mpiexec, pytest.mark.slow]
 
@@ -52,7 +52,7 @@ def test_an_exception_after_init_outside_the_with_block_ends_the_job_naming_the_
     proc, _ = _run(tmp_path, "raise", paradigm)
     assert proc.returncode != 0
     errors = _errors(proc.stderr)
-    assert len(errors) == 1, proc.stderr[-3000:]
+    assert len(errors) == 1, failure(proc.stderr)
     assert "rank 2 failed: FileNotFoundError" in errors[0] and "/nonexistent/train.bin" in errors[0]
     assert "done" not in proc.stdout
 
@@ -61,13 +61,13 @@ def test_a_worker_that_exits_mid_run_ends_the_job_saying_its_session_was_open(tm
     proc, _ = _run(tmp_path, "exit")
     assert proc.returncode != 0
     errors = _errors(proc.stderr)
-    assert len(errors) == 1, proc.stderr[-3000:]
+    assert len(errors) == 1, failure(proc.stderr)
     assert "rank 1: the script ended with its hpcps session open (worker 0, step 3)" in errors[0]
 
 
 def test_a_loop_that_runs_out_without_close_is_closed_at_exit_and_its_run_is_whole(tmp_path):
     proc, out = _run(tmp_path, "noclose")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert not _errors(proc.stderr)
     # the workers' tails ran; the server's process ended in init once it had served
     assert sorted(re.findall(r"rank (\d) done", proc.stdout)) == ["1", "2", "3"]
@@ -101,4 +101,4 @@ def test_an_exception_before_init_ends_the_job_naming_the_rank(tmp_path, when):
     assert proc.returncode != 0
     errors = _errors(proc.stderr)
     assert len(errors) == 1 and "rank 2 failed: RuntimeError: the data's path is wrong" in errors[0], \
-        proc.stderr[-3000:]
+        failure(proc.stderr)

@@ -15,7 +15,7 @@ import h5py
 import pytest
 import torch
 
-from launching import MPIEXEC, OVERSUBSCRIBE, launch, needs_mpiexec, run_bounded
+from launching import MPIEXEC, OVERSUBSCRIBE, failure, launch, needs_mpiexec, run_bounded
 
 pytestmark = needs_mpiexec
 
@@ -37,10 +37,10 @@ def test_a_bsp_job_whose_worker_is_killed_finishes_by_itself_as_the_job_nobody_k
               "--seed", "3", "--no-progress"]
     full = launch(5, sys.executable, "-m", "hpcps", "train", *common, "--out", str(tmp_path / "full.h5"),
                   timeout=180)
-    assert full.returncode == 0, full.stderr[-3000:]
+    assert full.returncode == 0, failure(full.stderr)
     out = tmp_path / "sup.h5"
     proc = supervise(*common, "--out", str(out), "--resume", "auto", "--fault", "kill@2:38")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert "--resume auto: no complete checkpoint" in proc.stderr  # the first launch started afresh
     assert "hpcps supervise: launch 1 ended with" in proc.stderr
     assert f"--resume auto: resuming from {tmp_path / 'sup-checkpoints' / 'step-000030.h5'}" in proc.stderr
@@ -81,7 +81,7 @@ def test_every_paradigm_finishes_by_itself_with_the_accounting_exact_from_the_ch
     proc = supervise("--paradigm", paradigm, *extra, "--steps", "60", "--compute-time", "0.02",
                      "--checkpoint-interval", "0.2", "--checkpoint-every", "40", "--seed", "1", "--no-progress",
                      "--out", str(out), "--resume", "auto", "--fault", "kill@4:45")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert "finished after 2 launch(es)" in proc.stderr
     with h5py.File(out) as f:
         resumed, workers = f.attrs["resumed_from"], int(f.attrs["n_workers"])

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -34,7 +34,7 @@ def test_live_and_exported_events_hold_the_runs_loss_and_lr(tmp_path):
     done = launch(3, sys.executable, "-m", "hpcps", "train", "--paradigm", "bsp", "--steps", "12", "--dataset",
                   "digits", "--model", "mlp", "--lr-schedule", "cosine", "--eval-interval", "0.2", "--out", str(out),
                   "--tensorboard", str(live), "--no-progress", timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     assert f"TensorBoard: the run's scalars live in {live / 'bsp'}" in done.stderr
     exported = tmp_path / "exported"
     report = subprocess.run([sys.executable, "-m", "hpcps", "report", str(out), "--tensorboard", str(exported)],

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from launching import run_bounded
+from launching import failure, run_bounded
 
 SCRIPT = "import torch, hpcps\nps = hpcps.init(lambda: torch.nn.Linear(4, 2), steps=4, lr=0.1)\n"
 
@@ -22,4 +22,4 @@ def test_a_script_started_by_torchrun_ends_with_one_line_naming_mpiexec(tmp_path
     assert errors == ["hpcps: error: torchrun started 2 processes, each an MPI world of 1: hpcps runs over MPI, not "
                       "torch's launcher. Launch the same script with mpiexec -n 3 python ddp_habit.py (or srun -n 3 "
                       "python ddp_habit.py): 2 workers and a server shard (hpcps.init needs no init_process_group)"], \
-        proc.stderr[-2000:]
+        failure(proc.stderr)

@@ -15,7 +15,7 @@ import h5py
 import pytest
 
 from hpcps.cluster.transports import cells
-from launching import FAMILY, launch, needs_mpiexec
+from launching import FAMILY, failure, launch, needs_mpiexec
 
 pytestmark = [needs_mpiexec, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ TCP = next((c for c in HERE if c.name in ("mpich-ucx-tcp", "openmpi-tcp")), None
 @pytest.mark.parametrize("cell", HERE, ids=[c.name for c in HERE])
 def test_each_cell_is_the_transport_it_names_by_mpis_own_log(cell):
     proc = launch(2, sys.executable, "-c", PROBE, timeout=90, env={**cell.env, **cell.log_env})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     assert cell.proven(proc.stdout + proc.stderr), (cell.name, (proc.stdout + proc.stderr)[-3000:])
 
 
@@ -50,7 +50,7 @@ def test_every_paradigm_trains_over_tcp_with_every_gradient_accounted_for(tmp_pa
     n = 5 if paradigm == "grouped" else 4
     proc = launch(n, sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm, "--steps", str(steps),
                   "--stall-warn", "10", "--stall-abort", "60", "--out", str(out), *extra, timeout=120, env=TCP.env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc.stderr)
     with h5py.File(out) as f:
         s = dict(f["summary"].attrs)
         it = f["workers/iterations"][()]

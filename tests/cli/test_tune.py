@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launching import launch, needs_mpiexec
+from launching import failure, launch, needs_mpiexec
 
 pytestmark = needs_mpiexec
 
@@ -21,7 +21,7 @@ def test_tune_ranks_every_open_layout_by_batches_a_second_and_prints_commands_th
     user = ["--paradigm", "bsp", "--partition-mb", "0", "--shards-at-once", "0", "--steps", "99",
             "--out", "runs/mine.h5"]
     proc = launch(5, sys.executable, "-m", "hpcps", "tune", "--trial-steps", "8", *user, timeout=200, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
     rows = [ROW.match(line) for line in proc.stdout.splitlines() if ROW.match(line)]
     # one node of 5 ranks: 1 or 2 shards, each pull; the partitions and rotation as the user set them
     layouts = {row[2] for row in rows}

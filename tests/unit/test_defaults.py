@@ -55,7 +55,7 @@ def test_rank_placement_gets_a_shard_per_node_only_where_the_first_ranks_sit_on_
 
 def test_the_users_own_servers_and_pull_are_kept():
     cfg = make_config({"paradigm": "bsp", "servers": 3, "pull": "get"})
-    assert settle_layout(cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2]) is cfg
+    assert settle_layout(cfg, [0, 0, 1, 1, 2, 2]) is cfg
 
 
 @pytest.mark.parametrize("paradigm,flags,expected", [
@@ -128,13 +128,13 @@ def test_rounds_are_sent_where_the_models_transfer_is_short_and_read_where_it_is
     assert pull_for(cfg, bsp, True, None, int(4.8 * MB)) == "send"
     assert pull_for(cfg, bsp, True, None, int(12.5 * MB)) == "get"  # 105 ms at the reference 1 Gbit/s
     assert pull_for(cfg, policy_class("asp"), True, 1e9, MB) == "get"  # rounds not released together: as before
-    assert settle_layout(cfg, bsp, [0, 0, 1, 1]).pull == "auto"
+    assert settle_layout(cfg, [0, 0, 1, 1]).pull == "auto"
     assert settle_transfers(cfg, bsp, int(4.8 * MB), True, True, link_bps=94e6).pull == "get"
 
 
 def test_the_line_names_the_link_it_measured():
     given_cfg = make_config({"paradigm": "bsp"})
-    cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1])
+    cfg = settle_layout(given_cfg, [0, 0, 1, 1])
     cfg = settle_transfers(cfg, policy_class("bsp"), int(1.4 * MB), True, True, link_bps=94.4e6)
     assert describe(given_cfg, cfg, 94.4e6) == ("defaults for this job: 2 server shards (one per node), pull get, "
                                                 "partitions of 0.25 MB (the link between nodes measured at "
@@ -143,7 +143,7 @@ def test_the_line_names_the_link_it_measured():
 
 def test_settled_values_and_the_line_that_names_them():
     given_cfg = make_config({"paradigm": "bsp"})
-    cfg = settle_layout(given_cfg, policy_class("bsp"), [0, 0, 1, 1, 2, 2, 3, 3])
+    cfg = settle_layout(given_cfg, [0, 0, 1, 1, 2, 2, 3, 3])
     cfg = settle_transfers(cfg, policy_class("bsp"), int(4.8 * MB), spans_nodes=True, on_cpu=True)
     assert (cfg.servers, cfg.pull, cfg.partition_mb) == (4, "send", 0.3)
     assert describe(given_cfg, cfg) == ("defaults for this job: 4 server shards (one per node), pull send, "

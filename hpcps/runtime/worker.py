@@ -27,12 +27,14 @@ gradient, so that on a TCP link the pull's requests do not queue behind
 that gradient) it asks a helper thread for the newest parameters, which the
 thread pulls behind the computation and keeps refreshing whenever a shard
 publishes a newer version; the worker pushes from a copy of its gradients,
-so it never waits for a push before computing again, and swaps the freshest
-pulled parameters in after computing. It waits only for the pull issued
+so it does not wait for a push before computing again, and swaps the freshest
+pulled parameters in after computing. It waits for the pull issued
 when computing started (so it never computes on parameters older than the
-newest version published when its previous computation started) and, with
-``--staleness s``, until what it computes on is at most ``s`` versions
-behind the newest it knows of.
+newest version published when its previous computation started), with
+``--staleness s`` until what it computes on is at most ``s`` versions
+behind the newest it knows of, and before a push until the shards have applied
+its gradient of two pushes ago (a shard slower than its workers would otherwise
+hold a queue of their gradients that grows without end).
 
 The staleness a worker *knows of* when it pushes is the newest version it
 has seen (from pulls; from receipts, since a gradient applied at version v
@@ -68,6 +70,10 @@ from hpcps.transport.eager import EagerPuller
 from hpcps.errors import RunAborted
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.transport.window import Pull
+
+#: the most of its pushes a worker that never waits for a grant may have unapplied by some shard, the one
+#: about to leave included (its two send slots' worth: the one of two pushes ago applied before the next)
+UNAPPLIED_AT_MOST = 2
 
 log = logging.getLogger("hpcps")
 
@@ -154,7 +160,37 @@ class _Pulls:
         self.pass_pull += waited + time.perf_counter() - t  # (settled before backward, then again before the push)
 
 
-class Worker(_Pulls):
+class _Pushes:
+    """A worker's pushes from a copy of its gradient (a mixin of :class:`Worker`, whose attributes it reads),
+    and the pace the shards hold a worker that never waits for a grant to."""
+
+    def _keep_pace(self) -> None:
+        """A worker that never waits for a grant is still held to the shards' pace: before a push, wait
+        until no more than :attr:`unapplied_at_most` of its pushes, this one included, would be unapplied
+        by some shard (their receipts not all in). A push that has left the worker's memory is not yet
+        applied (an MPI send completes once the transport holds it): a shard slower than its workers (a
+        busy node, a slow apply) would otherwise gather a queue of their gradients that grows without end,
+        every gradient in it computed on parameters older by the whole queue (measured under eager:
+        staleness 150 after 400 updates of 4 workers, with two CPU hogs on the box's two cores)."""
+        if self.unapplied_at_most is not None:
+            self._wait(lambda: len(self.book.rows) < self.unapplied_at_most,
+                       f"the shards to apply its gradient of {self.unapplied_at_most} pushes ago")
+
+    def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
+        """Copy the gradient into slot ``step % 2`` once its previous push has left (and the shards kept
+        pace: :meth:`_keep_pace`), push it; return the slot."""
+        slot = step % 2
+        self.tl.enter("push")
+        t = time.perf_counter()
+        self._keep_pace()
+        self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
+        self.stage(self.send_buffers[slot], not flags & (wire.SKIP | wire.NONFINITE))
+        self._push(versions, row, slot, flags)
+        row["push_s"] = time.perf_counter() - t
+        return slot
+
+
+class Worker(_Pulls, _Pushes):
     """Run ``steps`` iterations (or until a shard raises the stop flag)."""
 
     #: read the shards' versions just before pushing when the learning rate depends on staleness:
@@ -187,6 +223,9 @@ class Worker(_Pulls):
         self.recorder, self.clock = records.recorder, records.clock
         self.tl = records.timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
         self.blocks, self.steps, self.lr = plan.blocks, plan.steps, plan.lr  # (a row's lr: the rate applied)
+        #: the most of its pushes that may be unapplied by some shard, the one about to leave included
+        #: (:meth:`_keep_pace`): two for a worker that never waits for a grant; None for one that does
+        self.unapplied_at_most = None if self.blocks else UNAPPLIED_AT_MOST
         self.lr_staleness = plan.lr_staleness
         self.extra_scale = 1.0  # an extra gradient's rate over a round's (HSPWorker)
         #: the loop's optimizer edits since the last push, or None (the step API's ps.optimizer:
@@ -292,6 +331,7 @@ class Worker(_Pulls):
         elif slotted:
             self._push_copy(self.step, self.versions, row, flags)
         else:
+            self._keep_pace()
             self._push(self.versions, row, flags=flags)
         row["push_s"] = time.perf_counter() - t - begun + (self.early_push_s if during_backward else 0.0)
         if self.defer_pull:  # the grant and the pull come meanwhile, the next computation under way
@@ -385,17 +425,6 @@ class Worker(_Pulls):
     def _start_row(self, step: int, versions: np.ndarray) -> dict:
         return {"rank": self.rank, "step": step, "t_start": self.clock(), "version": int(versions.min()),
                 "lag": self._lag(versions), "wait_s": 0.0}
-
-    def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
-        """Copy the gradient into slot ``step % 2`` once its previous push has left, push it; return the slot."""
-        slot = step % 2
-        self.tl.enter("push")
-        t = time.perf_counter()
-        self._wait(lambda: self.pusher.test(slot), "its push to leave")  # pushed two iterations ago, as a rule
-        self.stage(self.send_buffers[slot], not flags & (wire.SKIP | wire.NONFINITE))
-        self._push(versions, row, slot, flags)
-        row["push_s"] = time.perf_counter() - t
-        return slot
 
     def _finish_row(self, row: dict) -> None:
         row["pull_s"] = row.get("pull_s", 0.0) + self.pass_pull

@@ -19,7 +19,8 @@ TESTS = Path(__file__).resolve().parents[1]
 @needs_mpiexec
 @pytest.mark.timeout(900)
 def test_mpi_suite_passes_on_five_ranks(capsys):
-    proc = launch(5, sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+    # (without the slowest tests' list: five ranks' copies would crowd a failure's output out)
+    proc = launch(5, sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                   str(TESTS / "mpi"), timeout=840, cwd=str(TESTS.parent))
     # each rank prints its own closing line; lines of different ranks may interleave
     passed = [int(n) for n in re.findall(r"(\d+) passed", proc.stdout)]

@@ -67,3 +67,39 @@ def test_the_clock_gap_bound_holds_from_the_recorded_timestamps_alone(world, mpi
     assert facts["rows"] == 4 * steps
     assert facts["max_gap"] <= bound
     assert facts["max_gap"] >= 2  # the straggler made the bound bind: the check is not empty
+
+
+@pytest.mark.timeout(120)
+def test_an_eager_worker_never_pushes_before_the_shard_applied_its_gradient_of_two_pushes_ago(world, mpi_tmp_path,
+                                                                                                monkeypatch):
+    """A shard slower than its workers (each update held 20 ms; the workers compute in about 1): eager's
+    workers never wait for a grant, yet each push of gradient c leaves only after the shard applied
+    gradient c - 2, by the recorded times (the push leaves before its iteration's row ends). Before, the
+    shard gathered a queue that grew without end, and staleness with it."""
+    import time
+
+    from hpcps.runtime.server import ShardServer
+
+    update = ShardServer._update
+
+    def slow_update(self, *args, **kwargs):
+        time.sleep(0.02)
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardServer, "_update", slow_update)
+    steps = 30
+    _, t = train(mpi_tmp_path / "eager-slow-shard.h5", paradigm="eager", steps=steps, lr=0.01)
+    facts = None
+    if world.rank == 0:
+        it, up = t["workers/iterations"], t["servers/updates"]
+        slack = float(t["ranks"]["clock_uncertainty_s"].max())
+        applied = {(int(u["worker"]), int(u["worker_clock"])): float(u["t"]) for u in up}
+        # gradient c (its row's step c - 1) leaves before its row ends: c - 2 was applied by then
+        early = [(int(r["rank"]), int(r["step"]) + 1, float(applied[int(r["rank"]), int(r["step"]) - 1] - r["t_end"]))
+                 for r in it if r["step"] >= 2 and applied[int(r["rank"]), int(r["step"]) - 1] > r["t_end"] + slack]
+        facts = {"early": early[:5], "rows": len(it), "staleness": int(up["staleness"].max()),
+                 "held": float(it["push_s"].sum())}
+    facts = share(world, facts)
+    assert facts["rows"] == 4 * steps
+    assert facts["early"] == [], facts["staleness"]  # (rank, gradient, by how much) pushed before c - 2 applied
+    assert facts["held"] > 0.02 * steps  # the shard's pace held the workers back: the bound was at work

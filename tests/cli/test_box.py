@@ -132,19 +132,22 @@ def test_a_transfer_never_beats_its_links_rate(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_hpcps_check_reports_each_workers_link_within_ten_percent_and_the_servers_faster():
-    """A server's node at 2 Gbit/s among workers at 1: the pairs measure the workers' links, the fan-in the
-    server's; TCP's payload is ~96% of the wire rate, so a worker's must land in [0.9, 1.0] of --link. The
-    fan-in's three streams and its receiver need the CPU too, four busy ranks on two cores: it measured 0.85
-    of 2 Gbit/s under MPICH on a busy machine, 0.69 under Open MPI in CI, and 0.59 under Open MPI on a host
-    1.65x slower than usual. So the server's must land above 1.1 Gbit/s, a tenth above the fastest worker's
-    link (what a 1 Gbit/s server link, ~0.96 Gbit/s of payload, could not show), and at most its own."""
-    proc = emulate("--nodes", "4", "--link", "1gbit", "--link", "0=2gbit", "--", sys.executable, "-m", "hpcps", "check")
+    """A server's node at 400 Mbit/s among workers at 200: the pairs measure the workers' links, the fan-in
+    the server's; TCP's payload is ~96% of the wire rate, so a worker's must land in [0.9, 1.0] of --link,
+    and the server's above 1.1 times a worker's (what a server link of 200 Mbit/s could not show) and at
+    most its own. The rates are a fifth of the 1 and 2 Gbit/s this test used: the fan-in's three streams
+    and its receiver share two cores with the senders, and at 2 Gbit/s the CPU, not the link, set the rate
+    (0.85 of it under MPICH on a busy machine, 0.59 under Open MPI on a host 1.65x slower than usual, and
+    below 1.1 Gbit/s under MPICH on that host); the probes stream for a time, not a size, so the test is
+    no longer for it."""
+    proc = emulate("--nodes", "4", "--link", "200mbit", "--link", "0=400mbit", "--", sys.executable, "-m", "hpcps",
+                   "check")
     assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("each node's link, as measured:"))
     measured = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(", "))
     assert len(measured) == 4, line
     for node, rate in measured.items():
-        low, high = (1.1e9, 2e9) if node.endswith("/n0") else (0.9e9, 1e9)
+        low, high = (1.1 * 200e6, 400e6) if node.endswith("/n0") else (0.9 * 200e6, 200e6)
         assert low <= parse_rate(rate) <= high, (node, rate, proc.stdout)
     assert "verdict: hpcps works here" in proc.stdout
 

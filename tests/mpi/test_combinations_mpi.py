@@ -11,7 +11,10 @@ run's file is checked for what holds across shards.
 * in the user's own loop, the parameters read after ``ps.step()`` are those the next forward pass uses.
 
 Every rank draws the same combinations (derandomized, no example database) and sees the same verdict
-(rank 0's facts, shared), so the ranks run each combination together, shrinking included. CI runs the
+(rank 0's facts, shared), so the ranks run each combination together, shrinking included. An error on one
+rank (in a run, or in the check on rank 0) is gathered and raised on every rank alike: raised on that rank
+alone, it made Hypothesis replay the combination there while the others went on, and the ranks hung in
+each other's collectives (seen twice, an ssp run of the user's loop whose error was never shown). CI runs the
 fast profile; the soak runs more with shrinking:
 ``HPCPS_COMBINATIONS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_combinations_mpi.py``.
 ``HPCPS_COMBINATIONS_PARTITIONS=1`` partitions every run (``tools/soak.py`` runs the soak in each transport
@@ -24,6 +27,7 @@ own, once and not again on replay: a dropped gradient's clock counted late, mend
 from __future__ import annotations
 
 import os
+import traceback
 
 import numpy as np
 import pytest
@@ -131,16 +135,30 @@ def _run(world, out, cfg: dict) -> tuple[dict | None, int]:
 
     options = {k: v for k, v in cfg.items() if k not in ("loop", "inner_nan") and v is not None}
     options["checkpoint_dir"] = str(out) + "-checkpoints"
-    if cfg["loop"] == "builtin":
-        _, tables = train(out, world, **options)
-        return tables, 0
-    torn = world.allreduce(_own_loop(out, options, world, cfg.get("inner_nan")), op=MPI.SUM)
-    tables = None
-    if world.rank == 0:
-        with h5py.File(out) as f:
-            tables = {name: f[name][()] for name in TABLES}
-            tables["summary"] = dict(f["summary"].attrs)
-    return tables, torn
+    tables, torn, error = None, 0, None
+    try:
+        if cfg["loop"] == "builtin":
+            _, tables = train(out, world, **options)
+        else:
+            torn = _own_loop(out, options, world, cfg.get("inner_nan"))
+            if world.rank == 0:
+                with h5py.File(out) as f:
+                    tables = {name: f[name][()] for name in TABLES}
+                    tables["summary"] = dict(f["summary"].attrs)
+    except Exception as exc:  # said on every rank below: one rank's error must not leave the others waiting
+        error = f"rank {world.rank}: " + "".join(traceback.format_exception(exc)[-3:])
+    errors = [e for e in world.allgather(error) if e is not None]
+    if errors:
+        raise AssertionError(f"{cfg}: " + "\n".join(errors))
+    return tables, world.allreduce(torn, op=MPI.SUM)
+
+
+def _checked(cfg: dict, t: dict) -> list[str]:
+    """:func:`_problems`, or the error the check itself raised, as a problem (rank 0's, shared)."""
+    try:
+        return _problems(cfg, t)
+    except Exception as exc:
+        return [f"the check raised: {''.join(traceback.format_exception(exc)[-3:])}"]
 
 
 def _problems(cfg: dict, t: dict) -> list[str]:
@@ -201,7 +219,7 @@ def test_combinations_hold_across_shards(world, mpi_tmp_path, cfg):
         reject()
     n = share(world, np.random.default_rng().integers(1 << 30) if world.rank == 0 else None)
     tables, torn = _run(world, mpi_tmp_path / f"c{n}.h5", cfg)
-    problems = share(world, _problems(cfg, tables) if world.rank == 0 else None)
+    problems = share(world, _checked(cfg, tables) if world.rank == 0 else None)
     if world.rank == 0 and os.environ.get("HPCPS_COMBINATIONS_SHOW"):
         print("COMBO", cfg, dict(tables["summary"]).get("gradients_dropped"), torn, flush=True)
     assert torn == 0, f"{cfg}: {torn} steps read parameters the next pass did not use"

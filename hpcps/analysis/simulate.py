@@ -21,7 +21,9 @@ One iteration of worker w: pull (transfer), compute, push (transfer); the
 push joins the server's queue when it has arrived. A worker of a blocking
 paradigm then waits for its grant; otherwise it begins its next pull as it
 begins its push (the two go opposite ways), and eager's pull costs nothing
-(it hides behind the computation). Versions,
+(it hides behind the computation); such a worker pushes once the server has
+handled its gradient of two pushes ago (:data:`~hpcps.policies.base.UNAPPLIED_AT_MOST`),
+as the runtime's does. Versions,
 staleness and waits are counted as the runtime records them.
 
 Local steps (``local_steps`` H, the local-SGD family): a worker's
@@ -54,6 +56,7 @@ import heapq
 import itertools
 import math
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +65,7 @@ from hpcps.cluster.emulation import ComputeTime
 from hpcps.analysis.fairshare import FairLink
 from hpcps.cluster.layout import shard_bounds
 from hpcps.policies import make_policy
+from hpcps.policies.base import UNAPPLIED_AT_MOST
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,9 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
 
     version = 0
     computed_on = [0] * n_workers  # version each worker's current gradient is computed on
-    pushed_on = [0] * n_workers  # version of the gradient each worker's push in flight was computed on
+    pushed_on = [deque() for _ in range(n_workers)]  # versions each worker's pushes in flight were computed on
+    applied: list[list[float]] = [[] for _ in range(n_workers)]  # when each of a worker's gradients was handled
+    held: dict[int, int] = {}  # a worker that never blocks, waiting to push: the version its gradient is on
     pending: dict[int, int] = {}  # worker -> version its pending gradient was computed on
     clock, started = [0] * n_workers, [0] * n_workers  # pushes arrived, pushes begun
     blocked_since: dict[int, float] = {}
@@ -232,13 +238,29 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         else:
             transfer(up, t, ("pull", w))
 
+    def paced(w: int) -> float | None:
+        """When a worker that never blocks may push its next gradient: once the server has handled its
+        gradient of :data:`UNAPPLIED_AT_MOST` pushes ago (as the runtime's worker waits); None: not yet
+        known (that gradient has not reached the server)."""
+        need = started[w] - UNAPPLIED_AT_MOST
+        return 0.0 if need < 1 else applied[w][need - 1] if len(applied[w]) >= need else None
+
     def computed(w: int, t: float) -> None:
         started[w] += 1
-        pushed_on[w] = computed_on[w]
         if overlap_steps and started[w] < steps:  # the next round's first batches go on at once
             n = min(every, batches - every * started[w])
             head = min(overlap_steps, n)
             head_done[w], rest[w] = t + draw(w, head), n - head
+        if policy.worker_blocks:
+            push(w, t, computed_on[w])
+            return
+        held[w] = computed_on[w]
+        ready = paced(w)
+        if ready is not None:
+            at(max(t, ready), "paced", w)
+
+    def push(w: int, t: float, on: int) -> None:
+        pushed_on[w].append(on)
         if not policy.worker_blocks:  # its next pull begins with the push (and goes the other way)
             start_iteration(w, t)
         transfer(down, t, ("push", w))
@@ -264,6 +286,9 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         if kind == "computed":
             computed(who, t)
             continue
+        if kind == "paced":
+            push(who, t, held.pop(who))
+            continue
         w = who
         begin = max(t, server_free)
         if kind == "leave":
@@ -271,19 +296,25 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             cost = machine.server_s
         else:
             clock[w] += 1
-            pending[w] = pushed_on[w]
+            pending[w] = pushed_on[w].popleft()
             if policy.worker_blocks:  # (under overlap, from when its round's first batches are done)
                 blocked_since[w] = max(t, head_done.get(w, t))
-            decision = policy.on_push(w, clock[w], pushed_on[w], begin)
+            decision = policy.on_push(w, clock[w], pending[w], begin)
             cost = machine.server_s
+        handled = []
         for group in decision.updates:
             cost += apply_s * len(group)
             for g in group:
                 stale.append(version - pending.pop(g))
             version += 1
+            handled += group
         for g in decision.drops:  # discarded by the paradigm: no update, no staleness
             pending.pop(g)
         server_free = begin + cost
+        for g in handled + list(decision.drops):
+            applied[g].append(server_free)
+            if g in held and len(applied[g]) == started[g] - UNAPPLIED_AT_MOST:  # what its push waited for
+                at(server_free, "paced", g)
         for g in decision.grants:
             if g in blocked_since and g not in gone:
                 waits.append(max(0.0, server_free - blocked_since.pop(g)))

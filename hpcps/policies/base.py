@@ -57,6 +57,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+#: the most of its gradients a worker that never waits for a grant (``worker_blocks`` False) may have pushed
+#: and not yet applied by every shard, the one about to leave included: before a push it waits until its
+#: gradient of two pushes ago was applied, so a shard slower than its workers slows them rather than
+#: queueing their gradients without end (:meth:`hpcps.runtime.worker.Worker._keep_pace`; the simulator
+#: holds its workers alike)
+UNAPPLIED_AT_MOST = 2
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

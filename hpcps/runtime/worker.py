@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from hpcps.options.faults import IN_PUSH, Fault
+from hpcps.policies.base import UNAPPLIED_AT_MOST
 from hpcps.runtime.faults import inject
 from hpcps.runtime.receipts import Receipts
 from hpcps.runtime.parts import PullPlan, PushPlan, Records, StepPlan, Watch, WorkerPorts
@@ -70,10 +71,6 @@ from hpcps.transport.eager import EagerPuller
 from hpcps.errors import RunAborted
 from hpcps.transport.poll import Backoff, StallWatch, wait_until
 from hpcps.transport.window import Pull
-
-#: the most of its pushes a worker that never waits for a grant may have unapplied by some shard, the one
-#: about to leave included (its two send slots' worth: the one of two pushes ago applied before the next)
-UNAPPLIED_AT_MOST = 2
 
 log = logging.getLogger("hpcps")
 

@@ -238,11 +238,15 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         else:
             transfer(up, t, ("pull", w))
 
+    def needed(w: int) -> int:
+        """How many of its gradients the server must have handled before a worker that never blocks pushes
+        its next: all but the last :data:`UNAPPLIED_AT_MOST` - 1 (as the runtime's worker waits)."""
+        return started[w] - UNAPPLIED_AT_MOST
+
     def paced(w: int) -> float | None:
-        """When a worker that never blocks may push its next gradient: once the server has handled its
-        gradient of :data:`UNAPPLIED_AT_MOST` pushes ago (as the runtime's worker waits); None: not yet
+        """When a worker that never blocks may push its next gradient (:func:`needed`); None: not yet
         known (that gradient has not reached the server)."""
-        need = started[w] - UNAPPLIED_AT_MOST
+        need = needed(w)
         return 0.0 if need < 1 else applied[w][need - 1] if len(applied[w]) >= need else None
 
     def computed(w: int, t: float) -> None:
@@ -313,7 +317,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         server_free = begin + cost
         for g in handled + list(decision.drops):
             applied[g].append(server_free)
-            if g in held and len(applied[g]) == started[g] - UNAPPLIED_AT_MOST:  # what its push waited for
+            if g in held and len(applied[g]) == needed(g):  # what its push waited for
                 at(server_free, "paced", g)
         for g in decision.grants:
             if g in blocked_since and g not in gone:

@@ -163,15 +163,16 @@ class _Pushes:
 
     def _keep_pace(self) -> None:
         """A worker that never waits for a grant is still held to the shards' pace: before a push, wait
-        until no more than :attr:`unapplied_at_most` of its pushes, this one included, would be unapplied
+        until no more than :data:`~hpcps.policies.base.UNAPPLIED_AT_MOST` of its pushes, this one included,
+        would be unapplied
         by some shard (their receipts not all in). A push that has left the worker's memory is not yet
         applied (an MPI send completes once the transport holds it): a shard slower than its workers (a
         busy node, a slow apply) would otherwise gather a queue of their gradients that grows without end,
         every gradient in it computed on parameters older by the whole queue (measured under eager:
         staleness 150 after 400 updates of 4 workers, with two CPU hogs on the box's two cores)."""
-        if self.unapplied_at_most is not None:
-            self._wait(lambda: len(self.book.rows) < self.unapplied_at_most,
-                       f"the shards to apply its gradient of {self.unapplied_at_most} pushes ago")
+        if not self.blocks:
+            self._wait(lambda: len(self.book.rows) < UNAPPLIED_AT_MOST,
+                       f"the shards to apply its gradient of {UNAPPLIED_AT_MOST} pushes ago")
 
     def _push_copy(self, step: int, versions: np.ndarray, row: dict, flags: int = 0) -> int:
         """Copy the gradient into slot ``step % 2`` once its previous push has left (and the shards kept
@@ -220,9 +221,6 @@ class Worker(_Pulls, _Pushes):
         self.recorder, self.clock = records.recorder, records.clock
         self.tl = records.timeline or NullTimeline()  # the phases of this rank's time (hpcps.metrics.timeline)
         self.blocks, self.steps, self.lr = plan.blocks, plan.steps, plan.lr  # (a row's lr: the rate applied)
-        #: the most of its pushes that may be unapplied by some shard, the one about to leave included
-        #: (:meth:`_keep_pace`): two for a worker that never waits for a grant; None for one that does
-        self.unapplied_at_most = None if self.blocks else UNAPPLIED_AT_MOST
         self.lr_staleness = plan.lr_staleness
         self.extra_scale = 1.0  # an extra gradient's rate over a round's (HSPWorker)
         #: the loop's optimizer edits since the last push, or None (the step API's ps.optimizer:

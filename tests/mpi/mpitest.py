@@ -22,11 +22,16 @@ def train(out, comm=MPI.COMM_WORLD, **options):
     result = run_training(cfg, comm)
     if comm.rank != 0:
         return None, None
-    with h5py.File(result.path) as f:
+    return result, read_tables(result.path)
+
+
+def read_tables(path) -> dict:
+    """A run file's tables by name, its ``summary`` and its root ``attrs``, as dicts."""
+    with h5py.File(path) as f:
         tables = {name: f[name][()] for name in TABLES}
         tables["summary"] = dict(f["summary"].attrs)
         tables["attrs"] = dict(f.attrs)
-    return result, tables
+    return tables
 
 
 def share(comm, facts):

@@ -43,7 +43,7 @@ from hpcps.options.config import make_config
 from hpcps.data.sharding import batch_indices
 from hpcps.data.loaders import load_dataset
 from hpcps.errors import UserError
-from mpitest import clocks_at, share, train
+from mpitest import clocks_at, read_tables, share, train
 
 pytestmark = pytest.mark.mpi(min_size=5)
 
@@ -129,10 +129,6 @@ def _own_loop(out, options: dict, comm, inner_nan: tuple[int, int] | None = None
 
 def _run(world, out, cfg: dict) -> tuple[dict | None, int]:
     """Run ``cfg``; rank 0's tables and the torn steps summed over the ranks."""
-    import h5py
-
-    from hpcps.metrics.schema import TABLES
-
     options = {k: v for k, v in cfg.items() if k not in ("loop", "inner_nan") and v is not None}
     options["checkpoint_dir"] = str(out) + "-checkpoints"
     tables, torn, error = None, 0, None
@@ -142,9 +138,7 @@ def _run(world, out, cfg: dict) -> tuple[dict | None, int]:
         else:
             torn = _own_loop(out, options, world, cfg.get("inner_nan"))
             if world.rank == 0:
-                with h5py.File(out) as f:
-                    tables = {name: f[name][()] for name in TABLES}
-                    tables["summary"] = dict(f["summary"].attrs)
+                tables = read_tables(out)
     except Exception as exc:  # said on every rank below: one rank's error must not leave the others waiting
         error = f"rank {world.rank}: " + "".join(traceback.format_exception(exc)[-3:])
     errors = [e for e in world.allgather(error) if e is not None]

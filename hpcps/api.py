@@ -20,6 +20,8 @@ the options are the same, under the same names (``batch_size`` for
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import numbers
 import sys
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from hpcps.cluster.layout import Role
 from hpcps.options.effects import OWN_LOOP
 from hpcps.data.batches import is_dataset
 from hpcps.options.config import make_config
+from hpcps.options.paradigm_choice import AUTO
 from hpcps.errors import UserError
 from hpcps.training.optim import OptimizerFactory, Schedule
 from hpcps.training.paramgroups import GroupsSpec, decay_groups
@@ -127,7 +130,20 @@ def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: A
 
     def run() -> RunResult | None:
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
-        return run_training(cfg, comm, agree(comm, lambda: workload(cfg)))
+        work = agree(comm, lambda: workload(cfg))
+        if cfg.paradigm != AUTO:
+            return run_training(cfg, comm, work)
+        from hpcps.runtime.tune import choose_paradigm, keep_choice
+
+        def trial(option, comm):  # (a model the script built is trained in place: each trial takes a copy)
+            given = dataclasses.replace(work, model=copy.deepcopy(work.model)) if work.given_model else work
+            return run_training(option, comm, given)
+
+        cfg, choice = choose_paradigm(cfg, comm, trial)
+        result = run_training(cfg, comm, work)
+        if result is not None:
+            keep_choice(result.path, choice, cfg)
+        return result
 
     return _collectively(comm, run, exit_on_error)
 

@@ -58,7 +58,7 @@ def _config_default(name: str) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, tuple):
-        return ",".join(f"{v:g}" for v in value)
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -95,6 +95,12 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         f"pkg.mod:Class (a subclass of hpcps.Policy; docs/paradigms.md). {_paradigm_help()}")
     g.add_argument("--paradigm-option", action="append", dest="paradigm_option", metavar="NAME=VALUE",
                    help="an option of your own paradigm, passed to its constructor as NAME=VALUE (repeatable)")
+    g.add_argument("--paradigms", nargs="+", metavar="NAME",
+                   help="--paradigm auto: a trial of --trial-steps steps under each of these (default bsp ssp dssp "
+                        "asp, the paradigms that take the same step per sample), then the run under the one that "
+                        "trained the most batches a second, or a less stale one within 5%% of it")
+    g.add_argument("--trial-steps", dest="trial_steps", type=int, metavar="N",
+                   help="steps per worker in each trial of --paradigm auto and of hpcps tune (default {default})")
     g.add_argument("--servers", metavar="S|auto",
                    help="central server shards, ranks 0..S-1, or auto (default {default}): one beside the workers "
                         "on each node when the job spans nodes of two ranks or more, else 1")
@@ -337,9 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the layouts (--servers, --pull, --partition-mb, --shards-at-once) the options "
                                    "leave open, the options as given first; prints them ranked by batches a "
                                    "second, and the command line of the best. The options you set are kept. "
-                                   "The paradigm is not tuned.")
-    u.add_argument("--trial-steps", dest="trial_steps", type=int, default=30, metavar="N",
-                   help="steps per worker in each trial (default {default})")
+                                   "The paradigm is not tuned, unless it is --paradigm auto: then its trials "
+                                   "are the paradigms', as hpcps train --paradigm auto runs them.")
     u.add_argument("--top", type=int, default=3, metavar="K", help="command lines printed (default {default})")
     add_train_options(u)
     u.set_defaults(func=_tune)
@@ -549,7 +554,8 @@ def _train(args: argparse.Namespace) -> int:
     from hpcps.runtime.agree import agree, run_or_end
     from hpcps.options.config import make_config
     from hpcps.runtime.faults import InjectedFault
-    from hpcps.options.planning import plan
+    from hpcps.options.paradigm_choice import AUTO
+    from hpcps.options.planning import resolve_each
     from hpcps.cluster.placement import node_ids
 
     def train():
@@ -557,10 +563,17 @@ def _train(args: argparse.Namespace) -> int:
         # torch (~2 s a rank, minutes for a large job on a shared file system) only once the options and their
         # fit to the world size are known good: a mistyped option is answered at once
         nodes = node_ids(comm)
-        agree(comm, lambda: plan(cfg, comm.size, nodes))
+        agree(comm, lambda: resolve_each(cfg, comm.size, nodes))
         from hpcps.runtime.run import run_training
+        from hpcps.runtime.tune import choose_paradigm, keep_choice
 
-        return cfg, run_training(cfg, comm)
+        choice = None
+        if cfg.paradigm == AUTO:
+            cfg, choice = choose_paradigm(cfg, comm, run_training)
+        result = run_training(cfg, comm)
+        if choice is not None and result is not None:
+            keep_choice(result.path, choice, cfg)
+        return cfg, result
 
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))
     from hpcps.transport.failures import end_without_the_dead
@@ -572,16 +585,17 @@ def _train(args: argparse.Namespace) -> int:
     return status  # rank 0 has logged the run's one summary line
 
 
-#: hpcps tune's own options, with a value each (not hpcps train's)
+#: options of hpcps tune's own (--top) or read only by it (--trial-steps), each with a value: left out of the
+#: hpcps train commands it prints
 TUNE_OPTIONS = ("--trial-steps", "--top")
 
 
 def _tune(args: argparse.Namespace) -> int:
     def check():
-        if args.trial_steps < 2 or args.top < 1:
-            raise UserError("hpcps tune: --trial-steps takes 2 or more, --top 1 or more")
+        if args.top < 1:
+            raise UserError("hpcps tune: --top takes 1 or more")
 
-    started = _start_job(args, ("trial_steps", "top"), check)
+    started = _start_job(args, ("top",), check)
     if isinstance(started, int):
         return started
     comm, flags = started
@@ -601,8 +615,7 @@ def _tune(args: argparse.Namespace) -> int:
         from hpcps.runtime.tune import run_tune
 
         cfg = agree(comm, lambda: make_config(flags, config_file=getattr(args, "config", None)))
-        return run_tune(cfg, list(flags), comm, trial_steps=args.trial_steps, top=args.top, train_words=words,
-                        train=run_training)
+        return run_tune(cfg, list(flags), comm, top=args.top, train_words=words, train=run_training)
 
     _, status = run_or_end(comm, tune)
     return status
@@ -690,7 +703,7 @@ def check_train_options(train_args: list[str], nodes: int, per_node: int) -> Non
     ranks = nodes * per_node
     from hpcps.options.config import make_config
     from hpcps.options.effects import no_effect
-    from hpcps.options.planning import resolve
+    from hpcps.options.planning import resolve_each
 
     checker = _CheckParser(prog="hpcps train", argument_default=argparse.SUPPRESS)
     add_train_options(checker)
@@ -699,10 +712,10 @@ def check_train_options(train_args: list[str], nodes: int, per_node: int) -> Non
     config = flags.pop("config", None)
     cfg = make_config(flags, config_file=config)
     try:
-        paradigm, _ = resolve(cfg, ranks, [r // per_node for r in range(ranks)])
+        each = resolve_each(cfg, ranks, [r // per_node for r in range(ranks)])
     except UserError as exc:
         raise UserError(f"{exc} [this job: --nodes x --ntasks-per-node = {ranks} ranks]") from None
-    for line in no_effect(cfg, paradigm):
+    for line in dict.fromkeys(line for c, paradigm, _ in each for line in no_effect(c, paradigm)):
         print(f"hpcps: warning: {line}", file=sys.stderr)
 
 

@@ -18,7 +18,10 @@ training sample; each row names the rate per update. A paradigm of your own
 paradigms that can see staleness both ways. The last line is the ratio of
 the fastest paradigm's time to target to BSP's, in the last scenario.
 ``--ssp-staleness 0 1 2 3 4`` runs ssp at each fixed threshold; ``--emulate`` runs every job in a
-cluster in a box (``{np}``: the job's ranks, ``{last}``: its last rank, the straggler's).
+cluster in a box (``{np}``: the job's ranks, ``{last}``: its last rank, the straggler's). ``auto``
+(``--paradigm auto``) runs as a paradigm, with ``--from-launch``: every row's wall time and time to target
+then count from the command's launch (start-up, and auto's trials: what its user waits for), and a line
+under the table names what auto chose in each run.
 
     python tools/bench_paradigms.py --paradigms bsp asp ssp dssp --seeds 0 1 2 \
         --scenarios homogeneous heterogeneous -- --compute-time 0.01 --eval-interval 0.05
@@ -27,7 +30,9 @@ cluster in a box (``{np}``: the job's ranks, ``{last}``: its last rank, the stra
 from __future__ import annotations
 
 import contextlib
+import datetime
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -44,12 +49,16 @@ SEES_STALENESS = ("asp", "ssp", "dssp", "eager")
 
 
 def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float,
-        emulate: str | None = None) -> dict:
+        emulate: str | None = None, from_launch: bool = False) -> dict:
+    launched = time.time()
     r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra], emulate=emulate)
     it, s = r["it"], r["summary"]
     per_worker = list(worker_rates(it).values())
-    return {"acc": float(s["final_accuracy"]), "wall": float(s["wall_s"]), "ttt": time_to(r["ev"], target),
-            "its": float(np.mean(per_worker)), "wait": float(it["wait_s"].mean() * 1e3),
+    # the run file's start (its clock's, within start-up's last step) after the launch: --paradigm auto's trials too
+    before = datetime.datetime.fromisoformat(r["start_time"]).timestamp() - launched if from_launch else 0.0
+    return {"acc": float(s["final_accuracy"]), "wall": before + float(s["wall_s"]),
+            "ttt": before + time_to(r["ev"], target), "its": float(np.mean(per_worker)),
+            "wait": float(it["wait_s"].mean() * 1e3), "chose": r["paradigm"],
             "stale": float(it["staleness"][it["staleness"] >= 0].mean())}  # of the gradients applied (-1: dropped)
 
 
@@ -74,11 +83,15 @@ def main() -> None:
                         "--target); default: a temporary directory")
     p.add_argument("--ssp-staleness", nargs="+", type=int, default=[], metavar="S", dest="ssp_staleness",
                    help="run ssp once per threshold S (e.g. 0 1 2 3 4: every fixed threshold DSSP's range covers)")
+    p.add_argument("--from-launch", action="store_true", dest="from_launch",
+                   help="wall time and time to target from the command's launch (needed with auto)")
     p.add_argument("--groups", default="2",
                    help="grouped: group servers (extra ranks), or auto: 2 groups formed by measured speed")
     a = p.parse_args()
     if "slow-link" in a.scenarios and not a.emulate:
         p.error("the slow-link scenario needs --emulate (a cluster in a box)")
+    if "auto" in a.paradigms and not a.from_launch:
+        p.error("auto's trials come before its run's clock: give --from-launch, to time every row from its launch")
     extra = train_options(a)
     rows = {}
     for scenario in a.scenarios:
@@ -97,7 +110,7 @@ def main() -> None:
                         name, own = f"{name}, s={bound}", own + ["--staleness", str(bound)]
                     stem = paradigm.rpartition(":")[2] if is_plugin(paradigm) else paradigm
                     rows[name] = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}-{s}.h5"),
-                                      extra + slow + own, a.target, box) for s in a.seeds]
+                                      extra + slow + own, a.target, box, a.from_launch) for s in a.seeds]
                     print(f"  {scenario} {name}: done", file=sys.stderr)
         table(scenario, rows, a, extra)
     print(f"\n{verdict(rows, a.target)} ({a.scenarios[-1]})")
@@ -121,6 +134,8 @@ def verdict(rows: dict, target: float) -> str:
 def variant(paradigm: str, schedule: str | None, a, extra: list[str]) -> tuple[str, list[str]]:
     """The row's name and the options of this paradigm's runs (groups, plug-in options, staleness schedule);
     the name gives the rate per update that ``--lr-scaling`` makes of ``--lr``."""
+    if paradigm == "auto":
+        return "auto (the chosen one's rate; trials counted)", []
     cls = policy_class(paradigm)
     own, name = [], cls.name if is_plugin(paradigm) and cls.name else paradigm
     workers = a.np - 1
@@ -150,7 +165,8 @@ def table(scenario: str, rows: dict, a, options: list[str]) -> None:
     slow = {"heterogeneous": f", the last worker {a.straggler:g}x slower",
             "slow-link": f", the last worker's link at {a.slow_link}"}.get(scenario, "")
     slow += f", in a box: {a.emulate}" if a.emulate else ""
-    print(f"\n{scenario}: {a.np - 1} workers{slow}, seeds {a.seeds}, options: {' '.join(options)}\n")
+    launch = ", times from the launch" if a.from_launch else ""
+    print(f"\n{scenario}: {a.np - 1} workers{slow}, seeds {a.seeds}{launch}, options: {' '.join(options)}\n")
     print("| paradigm | final accuracy | wall s | time to {:.0%} s | vs BSP | iterations/s per worker | "
           "mean wait ms | mean staleness |".format(a.target))
     print("|---|---|---|---|---|---|---|---|")
@@ -159,6 +175,9 @@ def table(scenario: str, rows: dict, a, options: list[str]) -> None:
         print(f"| {paradigm} | {fmt([r['acc'] for r in rs], 3)} | {fmt([r['wall'] for r in rs], 2)} | "
               f"{fmt([r['ttt'] for r in rs], 2)} | {ttt / base:.2f} | {fmt([r['its'] for r in rs], 0)} | "
               f"{fmt([r['wait'] for r in rs], 2)} | {fmt([r['stale'] for r in rs], 2)} |", flush=True)
+    for paradigm, rs in rows.items():
+        if paradigm.startswith("auto"):
+            print(f"\nauto chose, seed by seed: {', '.join(r['chose'] for r in rs)}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import subprocess
@@ -38,7 +39,9 @@ def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: di
                              "make --emulate's nodes and ranks match")
         return {"it": f["workers/iterations"][()], "up": f["servers/updates"][()], "ev": f["eval"][()],
                 "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"]),
-                "cluster": str(f.attrs.get("cluster", "{}"))}
+                "cluster": str(f.attrs.get("cluster", "{}")),
+                "choice": json.loads(f.attrs.get("paradigm_choice", "{}")),  # --paradigm auto's
+                "start_time": str(f.attrs["start_time"])}
 
 
 def flags_of(options: list[str]) -> dict[str, str]:

@@ -27,7 +27,8 @@ it runs on a login node or a laptop. Writes into ``--out DIR``:
 * ``ranks.md`` and ``ranks.csv``: every rank of every run (its ``/ranks`` row): role, host, peak
   resident memory, samples read, clock offset to rank 0 and its uncertainty, device; also how a stopped
   run ended (``stopped_by``) and, for a run in a cluster in a box (``hpcps emulate``), the
-  emulated cluster (``cluster``: nodes, link rates, ranks per node, switch buffer) in ``summary.md``;
+  emulated cluster (``cluster``: nodes, link rates, ranks per node, switch buffer) and, for a run
+  under ``--paradigm auto``, its trials and choice (``paradigm_auto``) in ``summary.md``;
   a rank's ``host`` there is ``HOST/nK``, its emulated node
 """
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from hpcps.box.spec import describe_record
 from hpcps.options.config import DEFAULT_STALENESS
+from hpcps.options.paradigm_choice import describe as describe_choice
 from hpcps.errors import UserError
 from hpcps.analysis.timeline import PHASE_ORDER, chrome_trace, explained, phase_totals, window
 from hpcps.metrics.schema import JOIN, RANK, SCALAR, TIMELINE, TRANSFER
@@ -70,6 +72,7 @@ class Run:
     scalars: np.ndarray = field(default_factory=lambda: np.zeros(0, SCALAR))  # the loop's own (ps.log)
     cluster: dict = field(default_factory=dict)  # the emulated cluster (hpcps emulate), {} or emulated=False
     joins: np.ndarray = field(default_factory=lambda: np.zeros(0, JOIN))  # spares in dead workers' places
+    choice: dict = field(default_factory=dict)  # --paradigm auto's trials and choice (hpcps.options.paradigm_choice)
 
     @property
     def label(self) -> str:
@@ -108,16 +111,21 @@ def worker_rates(iterations: np.ndarray, places: dict[int, int] | None = None) -
     return {int(r): float((owner == r).sum() / it["t_end"][owner == r].max()) for r in np.unique(owner)}
 
 
-def mean_step(iterations: np.ndarray, warmup: int = 0) -> float:
-    """A run's mean step (s), what a user waits for: each worker's wall time over its steps (the start of its
-    first timed step to the end of its last), the slowest worker's. ``warmup``: steps left out at each
-    worker's start, at most a quarter of its steps (start-up and torch's first passes)."""
-    slowest = 0.0
+def step_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
+    """Each worker's mean step (s): its wall time over its steps, the start of its first timed step to the end
+    of its last. ``warmup``: steps left out at each worker's start, at most a quarter of its steps (start-up
+    and torch's first passes)."""
+    means = {}
     for r in np.unique(iterations["rank"]):
         mine = np.sort(iterations[iterations["rank"] == r], order="step")
         timed = mine[min(warmup, len(mine) // 4):]
-        slowest = max(slowest, float(timed["t_end"].max() - timed["t_start"].min()) / len(timed))
-    return slowest
+        means[int(r)] = float(timed["t_end"].max() - timed["t_start"].min()) / len(timed)
+    return means
+
+
+def mean_step(iterations: np.ndarray, warmup: int = 0) -> float:
+    """A run's mean step (s), what a user waits for: the slowest worker's (:func:`step_means`)."""
+    return max(step_means(iterations, warmup).values(), default=0.0)
 
 
 def places(joins: np.ndarray) -> dict[int, int]:
@@ -161,7 +169,8 @@ def load_run(path: str | os.PathLike) -> Run:
                        **({"timeline": f["timeline"][()]} if "timeline" in f else {}),
                        **({"scalars": f["workers/scalars"][()]} if "workers/scalars" in f else {}),
                        **({"joins": f["servers/joins"][()]} if "servers/joins" in f else {}),
-                       cluster=json.loads(f.attrs.get("cluster", "{}")))
+                       cluster=json.loads(f.attrs.get("cluster", "{}")),
+                       choice=json.loads(f.attrs.get("paradigm_choice", "{}")))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except (OSError, KeyError) as exc:
@@ -211,6 +220,7 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
             # a run that never wrote its summary ended without end(): it crashed or was killed
             "stopped_by": (str(r.summary.get("stopped_by", "")) or "-") if "wall_s" in r.summary else "no summary (crashed?)",
             "cluster": describe_record(r.cluster) if r.cluster.get("emulated") else "-",
+            "paradigm_auto": describe_choice(r.choice) if r.choice else "-",
         })
     return rows
 

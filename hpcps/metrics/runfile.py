@@ -4,7 +4,8 @@ Tree (schema version 1, fields in :mod:`hpcps.metrics.schema`)::
 
     run.h5
     ├── attrs: schema_version, hpcps_version, config (JSON), paradigm,
-    │          world_size, n_workers, n_servers, n_groups, mpi_library, start_time
+    │          world_size, n_workers, n_servers, n_groups, mpi_library, start_time, ...
+    │          (docs/metrics.md; paradigm_choice under --paradigm auto)
     ├── workers/iterations   compound, chunked, resizable: one row per worker iteration
     ├── servers/updates      compound, chunked, resizable: one row per gradient per shard
     ├── eval                 compound, chunked, resizable: one row per evaluation

@@ -36,6 +36,8 @@ FAMILY_OUTER = {"localsgd": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
 #: ``--lr`` of an outer sgd under ``--local-steps`` with another paradigm: the round's change as it is, localsgd's
 OUTER_SGD_LR = FAMILY_OUTER["localsgd"]["lr"]
 AUTO_GROUPS = 2  # --groups auto
+#: the paradigms --paradigm auto may choose (hpcps.options.paradigm_choice), least stale first
+CHOOSABLE = ("bsp", "ssp", "dssp", "asp")
 DEFAULT_STALL_ABORT = 600.0  # seconds: a hung rank must not burn a whole allocation
 
 
@@ -60,6 +62,8 @@ class TrainConfig(BaseModel):
 
     paradigm: str = "dssp"  # a built-in name, or your own: pkg.mod:Class, path/file.py:Class (hpcps.policies)
     paradigm_option: dict[str, Any] = Field(default_factory=dict)  # NAME=VALUE: your paradigm's own options
+    paradigms: tuple[str, ...] = CHOOSABLE  # what --paradigm auto's trials choose from
+    trial_steps: int = Field(30, ge=2)  # steps per worker in a trial (--paradigm auto, hpcps tune)
     #: "auto": one shard per node when the job spans nodes, else 1 (hpcps.options.defaults)
     servers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
@@ -212,6 +216,19 @@ class TrainConfig(BaseModel):
     def _parse_paradigm_options(cls, value: Any) -> Any:
         """``--paradigm-option backups=1`` (repeatable): a number, true/false or a string each."""
         return _as_dict(value, parse_paradigm_option)
+
+    @field_validator("paradigms", mode="before")
+    @classmethod
+    def _check_paradigms(cls, value: Any) -> Any:
+        """``--paradigms bsp asp`` (TOML: a list, or one string with commas): built-ins --paradigm auto can
+        rank by batches a second (hpcps.options.paradigm_choice says why not the others)."""
+        names = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+        wrong = [n for n in names if n not in CHOOSABLE]
+        if wrong or not names:
+            raise ValueError(f"{' '.join(map(str, wrong)) or 'none given'}: --paradigm auto chooses among "
+                             f"{', '.join(CHOOSABLE)} (paradigms that take the same step per sample; "
+                             f"the others, or your own, name with --paradigm)")
+        return tuple(dict.fromkeys(names))
 
     @field_validator("straggler_episodes", mode="before")
     @classmethod

@@ -60,6 +60,8 @@ FEATURES: tuple[Reader, ...] = (
                       "overlap_steps"}),
            lambda cfg: cfg.inner_steps is not None),
     Reader("the emulated compute's jitter (--jitter)", frozenset({"jitter_cv"}), lambda cfg: cfg.jitter != "none"),
+    # (the trials and the run under the paradigm chosen have neither set: hpcps.options.paradigm_choice.as_chosen)
+    Reader("--paradigm auto, and hpcps tune", frozenset({"paradigms", "trial_steps"}), lambda cfg: cfg.paradigm == "auto"),
     Reader("group servers (--groups)", frozenset({"group_by"}), lambda cfg: cfg.groups > 0),
     Reader("the progress line (--progress)", frozenset({"progress_every"}), lambda cfg: cfg.progress),
     Reader("hpcps's timed evaluation (hpcps train, hpcps.train; not with --eval-every)", frozenset({"eval_interval"}),

@@ -14,6 +14,7 @@ from hpcps.options.defaults import settle_layout
 from hpcps.errors import UserError
 from hpcps.cluster.layout import Layout, Role
 from hpcps.options.effects import refuse
+from hpcps.options.paradigm_choice import AUTO, candidates
 from hpcps.policies import Policy, make_policy, policy_class
 
 
@@ -22,11 +23,23 @@ def plan(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = None) 
     return resolve(cfg, world_size, nodes)[1]
 
 
+def resolve_each(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = None) \
+        -> list[tuple[TrainConfig, type[Policy], Layout]]:
+    """:func:`resolve` of ``cfg``, or under ``--paradigm auto`` of each paradigm it may choose (every one must
+    be able to run: the trials run them all), each with its options."""
+    each = candidates(cfg) if cfg.paradigm == AUTO else [cfg]
+    return [(c, *resolve(c, world_size, nodes)) for c in each]
+
+
 def resolve(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = None) -> tuple[type[Policy], Layout]:
     """The paradigm's class, resolved from its name once for the run (a run's
     :class:`~hpcps.runtime.plan.RunPlan` keeps it), and the rank layout, once the options are checked
     (:func:`hpcps.options.effects.refuse`) with those that depend on the world size. ``nodes[r]`` names
     rank r's node, for ``--servers auto`` (:mod:`hpcps.options.defaults`); None: one node."""
+    if cfg.paradigm == AUTO:
+        raise UserError("--paradigm auto is chosen by trials of the training loop, which hpcps train and "
+                        "hpcps.train run; in your own loop name a paradigm (hpcps train --paradigm auto on the same "
+                        "model and data says which)")
     paradigm = policy_class(cfg.paradigm)
     cfg = settle_layout(cfg, [0] * world_size if nodes is None else nodes)
     refuse(cfg, paradigm)  # the combinations that cannot work, whatever the world size

@@ -1,4 +1,5 @@
-"""``hpcps tune``: short trials of a job's layouts on its own model, data and ranks, ranked by measured speed.
+"""Short trials on a job's own model, data and ranks: ``hpcps tune``'s of its layouts, ranked by measured
+speed, and ``--paradigm auto``'s of its paradigms (:func:`choose_paradigm`).
 
 Collective over the job's ranks, launched as the job would be (``mpiexec -n 8 hpcps tune <train
 options>``). The first trial runs the options as given (every ``auto`` settled as a run settles it);
@@ -17,6 +18,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,9 +26,11 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.analysis.report import mean_step
+from hpcps.analysis.report import mean_step, step_means
 from hpcps.errors import UserError
+from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
+from hpcps.options.paradigm_choice import ParadigmTrial
 from hpcps.options.tuning import TUNED, Trial, candidates, command, flags, ranked, table
 
 log = logging.getLogger("hpcps")
@@ -58,14 +62,19 @@ def settled(path: str) -> dict[str, Any]:
     return {name: config[name] for name in TUNED}
 
 
-def run_tune(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, *, trial_steps: int, top: int,
-             train_words: Sequence[str], train) -> list[Trial] | None:
+def run_tune(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, *, top: int, train_words: Sequence[str],
+             train) -> list | None:
     """Collective: the trials of ``cfg``'s layouts on ``comm`` (``given``: the options the user set, kept;
-    ``train(cfg, comm)``: a run, returning its result on rank 0). Rank 0 prints the ranking and returns
-    the trials; the others return None."""
+    ``train(cfg, comm)``: a run, returning its result on rank 0), of ``--trial-steps`` steps each; under
+    ``--paradigm auto``, of its paradigms instead (:func:`choose_paradigm`). Rank 0 prints the ranking and
+    returns the trials; the others return None."""
     for name in REFUSED:
         if getattr(cfg, name):
             raise UserError(f"hpcps tune: --{name} is not tried in a trial; drop it")
+    if cfg.paradigm == paradigm_choice.AUTO:
+        return _tune_paradigms(cfg, comm, top, train_words, train)
+    trial_steps = cfg.trial_steps
+    cfg = paradigm_choice.as_chosen(cfg, cfg.paradigm)  # (--trial-steps read here, in no trial)
     folder = comm.bcast(tempfile.mkdtemp(prefix="hpcps-tune-") if comm.rank == 0 else None, root=0)
     try:
         trials = _trials(cfg, given, comm, trial_steps, Path(folder), train)
@@ -120,3 +129,83 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     again = trials.pop()
     return [Trial(trials[0].values, trials[0].workers, (trials[0].step_s + again.step_s) / 2, as_given=True,
                   repeats=(trials[0].step_s, again.step_s)), *trials[1:]]
+
+
+def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Sequence[str], train) \
+        -> list[ParadigmTrial] | None:
+    """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
+    _, choice = choose_paradigm(cfg, comm, train)
+    if comm.rank != 0:
+        return None
+    trials = [ParadigmTrial(**t) for t in json.loads(choice)["trials"]]
+    chosen = next(t for t in trials if t.paradigm == json.loads(choice)["chosen"])
+    print(f"hpcps tune: {len(trials)} paradigms on {comm.size} ranks, {cfg.trial_steps} steps each, ranked by "
+          f"batches a second (--paradigm auto trains as the one marked chosen):")
+    print("\n".join(paradigm_choice.table(trials, chosen)))
+    print(f"\nthe best {min(top, len(trials))} (batches/s; your launcher's words in place of mpiexec's):")
+    words = paradigm_choice.without_auto(train_words)
+    order = [chosen] + [t for t in sorted(trials, key=lambda t: -t.batches_per_s) if t is not chosen]
+    for t in [t for t in order if not t.stopped_by][:top]:
+        print(f"  {t.batches_per_s:7.1f}  {command(['mpiexec', '-n', str(comm.size)], words, {})} "
+              f"--paradigm {t.paradigm}")
+    return trials
+
+
+def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
+    """A trial's (or a run's) measure from its run file: its workers' batches a second (each worker's
+    mean step after :data:`WARMUP_STEPS`; ``every``: batches a row, the local steps), the slowest worker's
+    mean step, the applied gradients' mean staleness, and whether it stopped on its own."""
+    with h5py.File(path, "r") as f:
+        it, up = f["workers/iterations"][()], f["servers/updates"][()]
+        stopped = str(f["summary"].attrs.get("stopped_by", ""))
+    means = step_means(it, WARMUP_STEPS)
+    applied = up[(up["shard"] == 0) & (up["applied"] == 1)]
+    return ParadigmTrial(paradigm, len(means), sum(every / m for m in means.values()),
+                         max(means.values()) / every, float(applied["staleness"].mean()) if len(applied) else 0.0,
+                         stopped)
+
+
+def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train) -> tuple[TrainConfig, str]:
+    """Collective, for ``--paradigm auto``: a trial of ``--trial-steps`` steps under each paradigm of
+    ``--paradigms`` (``train(cfg, comm)``: a run, its result on rank 0), then ``cfg`` under the one chosen
+    (:func:`hpcps.options.paradigm_choice.choose`) and the choice as the run file keeps it (JSON). Rank 0
+    logs the trials' table. Trials write their run files in a temporary folder, removed at the end."""
+    options = paradigm_choice.candidates(cfg)
+    began = time.monotonic()
+    folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
+    trials = []
+    try:
+        for k, option in enumerate(options, 1):
+            if comm.rank == 0:
+                log.info("--paradigm auto: trial %d of %d: %s, %d steps", k, len(options), option.paradigm,
+                         cfg.trial_steps)
+            trial = option.model_copy(update={**TRIAL, "divergence": option.divergence, "fault": [],
+                                              "steps": cfg.trial_steps, "out": str(folder / f"{option.paradigm}.h5")})
+            result = train(trial, comm)
+            measure = paradigm_trial(result.path, option.paradigm, option.inner_steps or 1) if comm.rank == 0 \
+                else None
+            measure = comm.bcast(measure, root=0)
+            if measure.stopped_by not in ("", "diverged"):  # a signal, the loop: the job ends here
+                raise UserError(f"--paradigm auto: stopped in the trial of {option.paradigm} "
+                                f"({measure.stopped_by}); nothing was trained")
+            trials.append(measure)
+        comm.Barrier()  # (every rank done with the trials' files)
+    finally:
+        if comm.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    chosen = paradigm_choice.choose(trials)  # (the same trials on every rank: the same answer, or error)
+    seconds = time.monotonic() - began
+    if comm.rank == 0:
+        log.info("--paradigm auto: %s, the most batches a second (or within %.0f%% of it and less stale); the "
+                 "trials took %.1f s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds,
+                 "\n".join(paradigm_choice.table(trials, chosen)))
+    return options[[t.paradigm for t in trials].index(chosen.paradigm)], \
+        paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds)
+
+
+def keep_choice(path: str, choice: str, cfg: TrainConfig) -> None:
+    """Rank 0, after a run under ``--paradigm auto``: ``choice`` in the run file (attribute
+    ``paradigm_choice``), with the run's own batches a second and mean step beside the prediction."""
+    run = paradigm_trial(path, cfg.paradigm, cfg.inner_steps or 1)
+    with h5py.File(path, "a") as f:
+        f.attrs["paradigm_choice"] = paradigm_choice.measured(choice, run.batches_per_s, run.mean_step_s)

@@ -3,10 +3,12 @@ user's own words; nothing of the trials left behind."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
 
+import h5py
 import pytest
 
 from launching import failure, launch, needs_mpiexec
@@ -45,3 +47,38 @@ def test_tune_ranks_every_open_layout_by_batches_a_second_and_prints_commands_th
         assert words[:5] == ["mpiexec", "-n", "5", "hpcps", "train"] and words[5:5 + len(user)] == user
         assert words[5 + len(user)::2] == ["--servers", "--pull"] and "--trial-steps" not in words
     assert not (tmp_path / "runs").exists()  # the trials wrote where the user's run would not
+
+
+#: worker rank 4 three times slower: asp's other workers run on, bsp's round waits (tests/mpi/test_paradigm_auto_mpi.py)
+STRAGGLED = ["--paradigms", "bsp", "asp", "--compute-time", "0.01", "--slowdown", "4=3", "--trial-steps", "10"]
+AUTO_ROW = re.compile(r"^\| (\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (.*) \|$")
+
+
+@pytest.mark.timeout(180)
+def test_train_under_paradigm_auto_runs_the_trials_then_the_paradigm_chosen_and_keeps_the_choice(tmp_path):
+    proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "auto", *STRAGGLED, "--steps", "40",
+                  "--out", "run.h5", "--no-progress", timeout=150, cwd=str(tmp_path))
+    assert proc.returncode == 0, failure(proc.stderr)
+    assert "--paradigm auto: trial 1 of 2: bsp, 10 steps" in proc.stderr
+    assert "--paradigm auto: asp, the most batches a second" in proc.stderr
+    rows = [AUTO_ROW.match(line) for line in proc.stderr.splitlines() if AUTO_ROW.match(line)]
+    assert [(r[1], r[6].strip()) for r in rows] == [("asp", "chosen"), ("bsp", "")], proc.stderr
+    with h5py.File(tmp_path / "run.h5") as f:
+        assert f.attrs["paradigm"] == "asp" and json.loads(f.attrs["config"])["paradigm"] == "asp"
+        record = json.loads(f.attrs["paradigm_choice"])
+        steps = f["workers/iterations"]["step"]
+    assert record["chosen"] == "asp" and record["measured"]["batches_per_s"] > record["trials"][0]["batches_per_s"]
+    assert len(steps) == 4 * 40  # the run's own steps, not the trials'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5", "run.pt"]
+
+
+@pytest.mark.timeout(180)
+def test_tune_under_paradigm_auto_ranks_the_paradigms_and_prints_each_command_with_the_paradigm_typed(tmp_path):
+    proc = launch(5, sys.executable, "-m", "hpcps", "tune", "--paradigm", "auto", *STRAGGLED, "--steps", "99",
+                  timeout=150, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
+    rows = [AUTO_ROW.match(line) for line in proc.stdout.splitlines() if AUTO_ROW.match(line)]
+    assert [r[1] for r in rows] == ["asp", "bsp"] and rows[0][6] == "chosen", proc.stdout
+    commands = [shlex.split(line.split(None, 1)[1]) for line in proc.stdout.splitlines() if "hpcps train" in line]
+    kept = ["--compute-time", "0.01", "--slowdown", "4=3", "--steps", "99"]
+    assert commands == [["mpiexec", "-n", "5", "hpcps", "train", *kept, "--paradigm", p] for p in ("asp", "bsp")]

@@ -11,7 +11,7 @@ from hpcps.cli import main
 from hpcps.errors import UserError
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import EVAL, ITERATION, JOIN, RANK, SCALAR, TRANSFER, UPDATE
-from hpcps.analysis.report import Run, load_run, make_report, mean_step, places, summary_rows
+from hpcps.analysis.report import Run, load_run, make_report, mean_step, places, step_means, summary_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -314,3 +314,31 @@ def test_the_mean_step_is_the_slowest_workers_wall_time_over_its_timed_steps():
     assert mean_step(shuffled) == pytest.approx(0.020)
     assert mean_step(shuffled, warmup=2) == pytest.approx(0.012)
     assert mean_step(shuffled, warmup=5) == pytest.approx(0.012)  # (at most a quarter: 2 of 8 left out)
+    assert step_means(shuffled, warmup=2) == pytest.approx({1: 0.010, 2: 0.012})
+
+
+def test_a_trials_measure_counts_every_workers_batches_a_second_and_the_applied_gradients_staleness(tmp_path):
+    """--paradigm auto's measure of a trial (hpcps.runtime.tune.paradigm_trial): workers of 10 and 30 ms
+    steps train 1/0.01 + 1/0.03 = 133.3 batches a second (under 4 local steps a row, 4x that); the
+    slowest's step is the mean step; the dropped gradient's staleness is not counted."""
+    from hpcps.runtime.tune import WARMUP_STEPS, paradigm_trial
+
+    it = np.zeros(40, ITERATION)
+    for i, (rank, step_s) in enumerate([(1, 0.01), (2, 0.03)]):
+        rows = it[20 * i:20 * i + 20]
+        rows["rank"], rows["step"] = rank, np.arange(20)
+        rows["t_start"], rows["t_end"] = np.arange(20) * step_s, np.arange(1, 21) * step_s
+        it[20 * i:20 * i + 20] = rows
+    up = np.zeros(4, UPDATE)
+    up["shard"], up["staleness"], up["applied"] = [0, 0, 0, 1], [1, 2, 9, 7], [1, 1, 0, 1]
+    path = tmp_path / "trial.h5"
+    with RunFile(path, {"paradigm": "asp", "config": "{}"}) as rf:
+        rf.append("workers/iterations", it)
+        rf.append("servers/updates", up)
+        rf.write_summary({"stopped_by": "diverged"})
+    assert WARMUP_STEPS == 5
+    t = paradigm_trial(str(path), "asp", 1)
+    assert (t.paradigm, t.workers, t.staleness, t.stopped_by) == ("asp", 2, 1.5, "diverged")
+    assert t.batches_per_s == pytest.approx(1 / 0.01 + 1 / 0.03) and t.mean_step_s == pytest.approx(0.03)
+    local = paradigm_trial(str(path), "asp", 4)
+    assert local.batches_per_s == pytest.approx(4 * t.batches_per_s) and local.mean_step_s == pytest.approx(0.03 / 4)

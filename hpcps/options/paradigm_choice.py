@@ -1,0 +1,147 @@
+"""``--paradigm auto``: the paradigms a job may be given, and which one its trials choose (pure: no MPI).
+
+A run under ``--paradigm auto`` first runs ``--trial-steps`` steps of each paradigm of ``--paradigms``
+on the job's own model, data and ranks (:func:`hpcps.runtime.tune.choose_paradigm`), then trains
+under the one that trained the most batches a second, as if the user had typed it.
+
+Why batches a second is time to a loss here: under ``--lr-scaling auto`` (the default) every paradigm
+takes the same step per training sample (bsp's ``--lr`` over a round, each asynchronous gradient its
+share), and ``--stale-momentum auto`` lowers the momentum by what staleness adds. With both, bsp, asp,
+ssp and dssp reached the same accuracy per sample on MNIST-1D's CNN (0.916-0.933, three seeds), and
+their order by iterations a second was their order by time to 85% accuracy, in both scenarios
+measured: dssp, ssp, asp, bsp without a straggler (156, 141, 138, 112 iterations/s; 3.00, 3.30, 3.49,
+3.52 s) and asp, bsp, ssp, dssp with a 3x straggler (173, 90, 87, 83; 2.97, 4.32, 4.61, 5.17 s)
+(docs/results.md, *asp reads its own writes*). Where the trials cannot tell two paradigms apart
+(:data:`MARGIN`), the less stale one is chosen: fewer stale gradients, less to lose on a model no one
+tuned.
+
+Not among the choices: the local-SGD family and ``--local-steps`` presets (a push is worth H steps),
+eager (its staleness-scaled rates end lower at the same flags: 0.79 against bsp's 0.92 there), hsp
+(its extra gradients are updates beyond bsp's), grouped (it changes the ranks' roles) and plug-ins
+(their worth per step is their own).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from hpcps.errors import UserError
+from hpcps.options.config import CHOOSABLE, TrainConfig
+
+AUTO = "auto"
+#: options read only by ``--paradigm auto`` (and ``--trial-steps`` by ``hpcps tune``)
+AUTO_OPTIONS = frozenset({"paradigms", "trial_steps"})
+#: a paradigm is chosen over a less stale one only with this many more batches a second (a share): two
+#: trials of one layout fell 1-9% apart in the box (docs/results.md, *No flags against every layout*)
+MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class ParadigmTrial:
+    """One paradigm's trial: its worker count, their mean steps (s, each worker's wall time over its timed
+    steps), the mean staleness of the gradients applied, and whether it stopped on its own
+    (``stopped_by``: diverged, not learning)."""
+
+    paradigm: str
+    workers: int
+    batches_per_s: float
+    mean_step_s: float  # the slowest worker's
+    staleness: float
+    stopped_by: str = ""
+
+
+def check_auto(cfg: TrainConfig) -> None:
+    """One :class:`UserError` for ``--paradigm auto`` with options under which its rule does not hold."""
+    if cfg.lr_scaling != "auto":
+        raise UserError("--paradigm auto ranks the paradigms by batches a second, which is time to a loss only "
+                        "where each takes the same step per sample: drop --lr-scaling none, or name a paradigm")
+    if cfg.resume:
+        raise UserError("--paradigm auto with --resume: resume under the paradigm the first run chose "
+                        "(its run file's paradigm attribute, and its first log lines, name it)")
+    if cfg.paradigm_option:
+        raise UserError("--paradigm-option is for a paradigm of your own, which --paradigm auto does not choose")
+
+
+def candidates(cfg: TrainConfig) -> list[TrainConfig]:
+    """``cfg`` under each paradigm of ``--paradigms``, as if the user had typed it (:func:`as_chosen`)."""
+    check_auto(cfg)
+    return [as_chosen(cfg, p) for p in cfg.paradigms]
+
+
+def as_chosen(cfg: TrainConfig, paradigm: str) -> TrainConfig:
+    """The options the user set, less ``--paradigms`` and ``--trial-steps``, under ``paradigm``: the run the
+    same command with ``--paradigm PARADIGM`` would be (every default derived anew from it)."""
+    given = {name: getattr(cfg, name) for name in cfg.model_fields_set - AUTO_OPTIONS - {"paradigm"}}
+    return TrainConfig(**given, paradigm=paradigm)
+
+
+def without_auto(words: Sequence[str]) -> list[str]:
+    """Command-line ``words`` less ``--paradigm auto``, ``--paradigms ...`` and ``--trial-steps N`` (a
+    command printed for one paradigm)."""
+    kept, skip = [], 0
+    for word in words:
+        name = word.split("=", 1)[0]
+        if skip == 1 or (skip == 2 and not word.startswith("-")):
+            skip = 0 if skip == 1 else 2
+            continue
+        skip = 0
+        if name in ("--paradigm", "--trial-steps", "--paradigms"):
+            skip = 0 if "=" in word else 2 if name == "--paradigms" else 1
+            continue
+        kept.append(word)
+    return kept
+
+
+def choose(trials: Sequence[ParadigmTrial]) -> ParadigmTrial:
+    """The trial to train as: the most batches a second among those that did not stop on their own, or a
+    less stale one within :data:`MARGIN` of it."""
+    live = [t for t in trials if not t.stopped_by]
+    if not live:
+        said = "; ".join(f"{t.paradigm}: {t.stopped_by}" for t in trials)
+        raise UserError(f"--paradigm auto: every paradigm's trial stopped on its own ({said}); lower --lr, or "
+                        f"add a warm-up (--warmup-steps)")
+    fastest = max(t.batches_per_s for t in live)
+    close = [t for t in live if t.batches_per_s >= (1 - MARGIN) * fastest]
+    return min(close, key=lambda t: (t.staleness, CHOOSABLE.index(t.paradigm)))
+
+
+def table(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial) -> list[str]:
+    """The trials as a Markdown table, most batches a second first, the chosen one marked."""
+    lines = ["| paradigm | workers | batches/s | slowest worker's mean step ms | mean staleness | |",
+             "|---|---|---|---|---|---|"]
+    for t in sorted(trials, key=lambda t: -t.batches_per_s):
+        mark = "chosen" if t is chosen else f"stopped: {t.stopped_by}" if t.stopped_by else ""
+        lines.append(f"| {t.paradigm} | {t.workers} | {t.batches_per_s:.1f} | {t.mean_step_s * 1e3:.1f} | "
+                     f"{t.staleness:.2f} | {mark} |")
+    return lines
+
+
+def record(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial, trial_steps: int, seconds: float) -> str:
+    """The choice as the run file keeps it (JSON): the trials, how long they took in all (``seconds``: the
+    wait before the run), the one chosen and what it predicts of the run (its batches a second and mean
+    step); the run's own measure is added at its end (:func:`measured`)."""
+    return json.dumps({"chosen": chosen.paradigm, "trial_steps": trial_steps, "trials_s": seconds,
+                       "predicted": {"batches_per_s": chosen.batches_per_s, "mean_step_s": chosen.mean_step_s},
+                       "trials": [asdict(t) for t in trials]}, sort_keys=True)
+
+
+def measured(choice: str, batches_per_s: float, mean_step_s: float) -> str:
+    """``choice`` (:func:`record`'s JSON) with the run's own batches a second and mean step beside the
+    prediction."""
+    values = json.loads(choice)
+    values["measured"] = {"batches_per_s": batches_per_s, "mean_step_s": mean_step_s}
+    return json.dumps(values, sort_keys=True)
+
+
+def describe(choice: dict) -> str:
+    """One line for a run file's recorded choice (``hpcps report``): what it chose of what, the prediction
+    and the run's measure."""
+    tried = ", ".join(f"{t['paradigm']} {t['batches_per_s']:.1f}" for t in choice["trials"])
+    line = (f"auto: {choice['chosen']} (trials of {choice['trial_steps']} steps in {choice['trials_s']:.1f} s, "
+            f"batches/s: {tried}); "
+            f"predicted {choice['predicted']['batches_per_s']:.1f} batches/s")
+    if "measured" in choice:
+        line += f", measured {choice['measured']['batches_per_s']:.1f}"
+    return line

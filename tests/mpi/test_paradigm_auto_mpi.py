@@ -1,0 +1,64 @@
+"""``--paradigm auto`` on five ranks: trials of each paradigm, then the run as if the user had typed the one
+chosen."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import hpcps
+from hpcps.options.config import make_config
+from hpcps.runtime.run import run_training
+from hpcps.runtime.tune import choose_paradigm
+
+from mpitest import share
+
+
+@pytest.mark.timeout(120)
+def test_with_a_3x_straggler_asp_trains_the_most_batches_a_second_and_is_chosen(world, mpi_tmp_path):
+    """Worker rank 4 three times slower: bsp's round waits for it (4 batches per 30 ms), asp's other three
+    run on (3 per 10 ms and 1 per 30: 2.5x bsp's), so asp is chosen, and its trial says why."""
+    cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "asp"], "trial_steps": 12, "compute_time": 0.01,
+                       "slowdown": {4: 3.0}, "progress": False, "out": str(mpi_tmp_path / "unused.h5")})
+    chosen, choice = choose_paradigm(cfg, world, run_training)
+    assert chosen.paradigm == "asp"
+    assert chosen == make_config({"paradigm": "asp", "compute_time": 0.01, "slowdown": {4: 3.0}, "progress": False,
+                                  "out": str(mpi_tmp_path / "unused.h5")})  # as if typed, --trial-steps gone
+    record = json.loads(choice)
+    trials = {t["paradigm"]: t for t in record["trials"]}
+    assert record["chosen"] == "asp" and record["trial_steps"] == 12 and set(trials) == {"bsp", "asp"}
+    assert trials["asp"]["batches_per_s"] > 1.8 * trials["bsp"]["batches_per_s"]  # 2.5x in closed form
+    assert trials["bsp"]["staleness"] == 0.0 and trials["asp"]["staleness"] > 0
+    assert trials["bsp"]["batches_per_s"] == pytest.approx(4 / 0.03, rel=0.3)  # the straggler's pace
+    assert record["predicted"]["batches_per_s"] == trials["asp"]["batches_per_s"]
+    assert all(t["workers"] == 4 and not t["stopped_by"] for t in record["trials"])
+    assert record["trials_s"] > 12 * 0.01 * (1 + 3)  # bsp's trial at the straggler's pace, then asp's
+
+
+def _net():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_chosen_from_bsp_alone_is_the_bsp_run_bit_for_bit_though_the_trial_trained_the_scripts_model(
+        world, mpi_tmp_path):
+    """hpcps.train with a model the script built: the trial trains a copy, and the run starts from the
+    script's parameters as a plain bsp run does (bsp is the same run bit for bit), the choice in its file."""
+    options = {"steps": 30, "lr": 0.1, "progress": False, "exit_on_error": False}
+    plain = hpcps.train(_net(), paradigm="bsp", out=str(mpi_tmp_path / "plain.h5"), **options)
+    auto = hpcps.train(_net(), paradigm="auto", paradigms=["bsp"], trial_steps=8,
+                       out=str(mpi_tmp_path / "auto.h5"), **options)
+    # the trial's run file went with its folder; only the two runs' files are left
+    assert share(world, sorted(p.name for p in mpi_tmp_path.glob("*.h5"))) == ["auto.h5", "plain.h5"]
+    if world.rank == 0:
+        np.testing.assert_array_equal(auto.params, plain.params)
+        with h5py.File(auto.path) as f:
+            assert f.attrs["paradigm"] == "bsp"
+            record = json.loads(f.attrs["paradigm_choice"])
+        assert record["chosen"] == "bsp" and [t["paradigm"] for t in record["trials"]] == ["bsp"]
+        assert record["measured"]["batches_per_s"] > 0 and record["trial_steps"] == 8

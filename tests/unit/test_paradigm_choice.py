@@ -1,0 +1,133 @@
+"""``--paradigm auto``'s rule and options (pure): which trial is chosen, what the run is, what is refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from hpcps.cli import build_parser
+from hpcps.errors import UserError
+from hpcps.options import paradigm_choice as pc
+from hpcps.options.config import CHOOSABLE, make_config
+from hpcps.options.effects import no_effect
+from hpcps.options.planning import plan, resolve, resolve_each
+from hpcps.policies import policy_class
+
+
+def trial(paradigm, rate, staleness, stopped=""):
+    return pc.ParadigmTrial(paradigm, 4, rate, 4 / rate, staleness, stopped)
+
+
+def test_the_most_batches_a_second_is_chosen_where_it_is_more_than_the_margin_ahead():
+    trials = [trial("bsp", 100.0, 0.0), trial("ssp", 104.0, 1.5), trial("asp", 120.0, 2.0)]
+    assert pc.choose(trials).paradigm == "asp"
+
+
+def test_within_the_margin_of_the_fastest_the_least_stale_is_chosen():
+    trials = [trial("bsp", 96.0, 0.0), trial("ssp", 100.0, 1.5), trial("asp", 94.0, 0.5)]
+    assert pc.choose(trials).paradigm == "bsp"  # 96 >= 0.95 x 100; asp's 94 is not
+    trials = [trial("bsp", 94.0, 0.0), trial("dssp", 100.0, 1.9), trial("ssp", 99.0, 1.5)]
+    assert pc.choose(trials).paradigm == "ssp"
+
+
+def test_a_trial_that_stopped_on_its_own_is_never_chosen_and_if_all_did_the_message_names_each():
+    trials = [trial("asp", 500.0, 3.0, "diverged"), trial("bsp", 100.0, 0.0)]
+    assert pc.choose(trials).paradigm == "bsp"
+    with pytest.raises(UserError, match="asp: diverged; bsp: diverged.*lower --lr"):
+        pc.choose([trial("asp", 5.0, 3.0, "diverged"), trial("bsp", 1.0, 0.0, "diverged")])
+
+
+@given(st.lists(st.tuples(st.sampled_from(CHOOSABLE), st.floats(1, 1000), st.floats(0, 10), st.booleans()),
+                min_size=1, max_size=4, unique_by=lambda t: t[0]))
+def test_the_choice_is_never_slower_than_the_margin_allows_nor_staler_than_one_within_it(drawn):
+    trials = [trial(p, rate, s, "diverged" if stopped else "") for p, rate, s, stopped in drawn]
+    live = [t for t in trials if not t.stopped_by]
+    if not live:
+        with pytest.raises(UserError):
+            pc.choose(trials)
+        return
+    chosen = pc.choose(trials)
+    fastest = max(t.batches_per_s for t in live)
+    assert not chosen.stopped_by and chosen.batches_per_s >= (1 - pc.MARGIN) * fastest
+    assert all(chosen.staleness <= t.staleness for t in live if t.batches_per_s >= (1 - pc.MARGIN) * fastest)
+
+
+def test_the_run_is_the_same_command_with_the_paradigm_typed():
+    given = {"momentum": 0.9, "lr": 0.05, "steps": 400, "slowdown": ["4=2"], "compute_time": 0.01}
+    auto = make_config({**given, "paradigm": "auto", "paradigms": ["asp", "bsp"], "trial_steps": 12})
+    for paradigm in ("asp", "bsp"):
+        chosen = pc.as_chosen(auto, paradigm)
+        assert chosen == make_config({**given, "paradigm": paradigm})
+        assert not chosen.model_fields_set & pc.AUTO_OPTIONS
+    assert [c.paradigm for c in pc.candidates(auto)] == ["asp", "bsp"]
+    # ssp's bound: the default of the paradigm typed, not of auto
+    assert pc.as_chosen(auto, "ssp").s_lo == make_config({"paradigm": "ssp"}).s_lo == 2
+
+
+def test_paradigms_auto_cannot_rank_are_refused_naming_the_choices():
+    for wrong in (["eager"], ["bsp", "diloco"], ["my.py:Mine"], []):
+        with pytest.raises(UserError, match="--paradigms: .*chooses among bsp, ssp, dssp, asp"):
+            make_config({"paradigms": wrong})
+    assert make_config({"paradigms": "asp, bsp,asp"}).paradigms == ("asp", "bsp")  # TOML's one string
+    assert make_config({}).paradigms == CHOOSABLE
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"lr_scaling": "none"}, "drop --lr-scaling none"),
+    ({"resume": "ckpt.h5"}, "resume under the paradigm the first run chose"),
+    ({"paradigm_option": ["k=1"]}, "a paradigm of your own"),
+])
+def test_options_under_which_the_rule_does_not_hold_are_refused_before_a_trial(options, says):
+    cfg = make_config({"paradigm": "auto", **options})
+    with pytest.raises(UserError, match=says):
+        resolve_each(cfg, 5)
+
+
+def test_auto_is_planned_as_each_paradigm_and_refused_where_one_plan_is_wanted():
+    cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "dssp"]})
+    each = resolve_each(cfg, 5)
+    assert [(c.paradigm, p) for c, p, _ in each] == [("bsp", policy_class("bsp")), ("dssp", policy_class("dssp"))]
+    assert all(layout == plan(c, 5) for c, _, layout in each)
+    with pytest.raises(UserError, match="in your own loop name a paradigm"):  # hpcps.init's path
+        resolve(cfg, 5)
+
+
+def test_paradigms_and_trial_steps_set_without_auto_are_said_to_have_no_effect():
+    cfg = make_config({"paradigm": "bsp", "paradigms": ["bsp", "asp"], "trial_steps": 9})
+    lines = no_effect(cfg, policy_class("bsp"))
+    assert lines == [f"{o} has no effect in this run: it is read by --paradigm auto, and hpcps tune"
+                     for o in ("--paradigms", "--trial-steps")]
+    for chosen, paradigm, _ in resolve_each(make_config({"paradigm": "auto", "trial_steps": 9}), 5):
+        assert no_effect(chosen, paradigm) == []
+
+
+def test_the_command_line_takes_paradigms_and_trial_steps():
+    args = build_parser().parse_args(["train", "--paradigm", "auto", "--paradigms", "bsp", "asp",
+                                      "--trial-steps", "20"])
+    assert (args.paradigm, args.paradigms, args.trial_steps) == ("auto", ["bsp", "asp"], 20)
+    with pytest.raises(UserError, match="--trial-steps"):
+        make_config({"trial_steps": 1})
+
+
+def test_a_printed_command_loses_the_auto_words_and_keeps_the_users():
+    words = ["--paradigm", "auto", "--steps", "9", "--paradigms", "bsp", "asp", "--lr", "0.1", "--trial-steps=4",
+             "--paradigms=bsp", "--trial-steps", "3", "--out", "x.h5"]
+    assert pc.without_auto(words) == ["--steps", "9", "--lr", "0.1", "--out", "x.h5"]
+
+
+def test_the_record_keeps_the_trials_the_prediction_and_the_runs_measure_and_reads_in_one_line():
+    trials = [trial("bsp", 100.0, 0.0), trial("asp", 250.0, 1.8)]
+    chosen = pc.choose(trials)
+    record = json.loads(pc.measured(pc.record(trials, chosen, 30, 12.25), 240.5, 0.0125))
+    assert record["chosen"] == "asp" and record["trial_steps"] == 30 and record["trials_s"] == 12.25
+    assert record["predicted"] == {"batches_per_s": 250.0, "mean_step_s": 4 / 250.0}
+    assert record["measured"] == {"batches_per_s": 240.5, "mean_step_s": 0.0125}
+    assert [pc.ParadigmTrial(**t) for t in record["trials"]] == trials
+    assert pc.describe(record) == ("auto: asp (trials of 30 steps in 12.2 s, batches/s: bsp 100.0, asp 250.0); "
+                                   "predicted 250.0 batches/s, measured 240.5")
+    table = pc.table(trials, chosen)
+    assert table[2].startswith("| asp | 4 | 250.0 | 16.0 | 1.80 | chosen |") and table[3].startswith("| bsp |")
+    assert np.isclose(chosen.mean_step_s, 0.016)

@@ -41,7 +41,7 @@ def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: di
                 "summary": dict(f["summary"].attrs), "paradigm": str(f.attrs["paradigm"]),
                 "cluster": str(f.attrs.get("cluster", "{}")),
                 "choice": json.loads(f.attrs.get("paradigm_choice", "{}")),  # --paradigm auto's
-                "start_time": str(f.attrs["start_time"])}
+                "start_time": str(f.attrs["start_time"]), "clock_start": f.attrs.get("clock_start")}
 
 
 def flags_of(options: list[str]) -> dict[str, str]:

@@ -556,6 +556,8 @@ class Run:
             describe=lambda: f"rank {comm.rank} waiting at the start for the other ranks"))
         state.run_clock = sync_clock(topo.ps, shares_clock_with_rank0(topo.ps, topo.node))
         if comm.rank == 0:
+            # the wall-clock time of the run's t = 0 (every row's times count from it), against other clocks
+            runfile.set_attrs(clock_start=time.time() - state.run_clock())
             records.note_restart(plan, runfile)
             mark_launch("started")
         state.path, state.runfile, state.recorder = path, runfile, recorder

@@ -134,11 +134,10 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
 def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Sequence[str], train) \
         -> list[ParadigmTrial] | None:
     """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
-    _, choice = choose_paradigm(cfg, comm, train)
+    _, trials, _ = _paradigm_trials(cfg, comm, train)
+    chosen = paradigm_choice.choose(trials)
     if comm.rank != 0:
         return None
-    trials = [ParadigmTrial(**t) for t in json.loads(choice)["trials"]]
-    chosen = next(t for t in trials if t.paradigm == json.loads(choice)["chosen"])
     print(f"hpcps tune: {len(trials)} paradigms on {comm.size} ranks, {cfg.trial_steps} steps each, ranked by "
           f"batches a second (--paradigm auto trains as the one marked chosen):")
     print("\n".join(paradigm_choice.table(trials, chosen)))
@@ -169,7 +168,20 @@ def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train) -> tuple[TrainConfi
     """Collective, for ``--paradigm auto``: a trial of ``--trial-steps`` steps under each paradigm of
     ``--paradigms`` (``train(cfg, comm)``: a run, its result on rank 0), then ``cfg`` under the one chosen
     (:func:`hpcps.options.paradigm_choice.choose`) and the choice as the run file keeps it (JSON). Rank 0
-    logs the trials' table. Trials write their run files in a temporary folder, removed at the end."""
+    logs the trials' table."""
+    options, trials, seconds = _paradigm_trials(cfg, comm, train)
+    chosen = paradigm_choice.choose(trials)  # (the same trials on every rank: the same answer, or error)
+    if comm.rank == 0:
+        log.info("--paradigm auto: %s, the most batches a second (or within %.0f%% of it and less stale); the "
+                 "trials took %.1f s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds,
+                 "\n".join(paradigm_choice.table(trials, chosen)))
+    return options[trials.index(chosen)], paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds)
+
+
+def _paradigm_trials(cfg: TrainConfig, comm: MPI.Comm, train) \
+        -> tuple[list[TrainConfig], list[ParadigmTrial], float]:
+    """Collective: each paradigm's options (as typed), its trial's measure (every rank alike) and the
+    trials' time in all (s). Trials write their run files in a temporary folder, removed at the end."""
     options = paradigm_choice.candidates(cfg)
     began = time.monotonic()
     folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
@@ -193,14 +205,7 @@ def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train) -> tuple[TrainConfi
     finally:
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-    chosen = paradigm_choice.choose(trials)  # (the same trials on every rank: the same answer, or error)
-    seconds = time.monotonic() - began
-    if comm.rank == 0:
-        log.info("--paradigm auto: %s, the most batches a second (or within %.0f%% of it and less stale); the "
-                 "trials took %.1f s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds,
-                 "\n".join(paradigm_choice.table(trials, chosen)))
-    return options[[t.paradigm for t in trials].index(chosen.paradigm)], \
-        paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds)
+    return options, trials, time.monotonic() - began
 
 
 def keep_choice(path: str, choice: str, cfg: TrainConfig) -> None:

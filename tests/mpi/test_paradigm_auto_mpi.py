@@ -3,6 +3,7 @@ chosen."""
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import h5py
@@ -60,5 +61,9 @@ def test_a_run_chosen_from_bsp_alone_is_the_bsp_run_bit_for_bit_though_the_trial
         with h5py.File(auto.path) as f:
             assert f.attrs["paradigm"] == "bsp"
             record = json.loads(f.attrs["paradigm_choice"])
+            # the run's t = 0 on the wall clock: after the file's creation, before its first row ended
+            created = datetime.datetime.fromisoformat(f.attrs["start_time"]).timestamp()
+            first_end = float(f["workers/iterations"]["t_end"].min())
+            assert created <= f.attrs["clock_start"] <= created + 60 and first_end > 0
         assert record["chosen"] == "bsp" and [t["paradigm"] for t in record["trials"]] == ["bsp"]
         assert record["measured"]["batches_per_s"] > 0 and record["trial_steps"] == 8

@@ -27,8 +27,16 @@ def resolve_each(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None 
         -> list[tuple[TrainConfig, type[Policy], Layout]]:
     """:func:`resolve` of ``cfg``, or under ``--paradigm auto`` of each paradigm it may choose (every one must
     be able to run: the trials run them all), each with its options."""
-    each = candidates(cfg) if cfg.paradigm == AUTO else [cfg]
-    return [(c, *resolve(c, world_size, nodes)) for c in each]
+    if cfg.paradigm != AUTO:
+        return [(cfg, *resolve(cfg, world_size, nodes))]
+    each = []
+    for c in candidates(cfg):
+        try:
+            each.append((c, *resolve(c, world_size, nodes)))
+        except UserError as exc:
+            raise UserError(f"{exc} (in --paradigm auto's trial of {c.paradigm}: leave {c.paradigm} out of "
+                            f"--paradigms, or name a paradigm)") from None
+    return each
 
 
 def resolve(cfg: TrainConfig, world_size: int, nodes: Sequence[int] | None = None) -> tuple[type[Policy], Layout]:

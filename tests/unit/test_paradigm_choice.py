@@ -93,6 +93,9 @@ def test_auto_is_planned_as_each_paradigm_and_refused_where_one_plan_is_wanted()
     assert all(layout == plan(c, 5) for c, _, layout in each)
     with pytest.raises(UserError, match="in your own loop name a paradigm"):  # hpcps.init's path
         resolve(cfg, 5)
+    with pytest.raises(UserError, match="paradigm 'bsp' does not use group servers .in --paradigm auto's trial "
+                                        "of bsp: leave bsp out of --paradigms, or name a paradigm"):
+        resolve_each(make_config({"paradigm": "auto", "groups": 2}), 7)
 
 
 def test_paradigms_and_trial_steps_set_without_auto_are_said_to_have_no_effect():

@@ -33,7 +33,6 @@ from hpcps.cluster.layout import Role
 from hpcps.options.effects import OWN_LOOP
 from hpcps.data.batches import is_dataset
 from hpcps.options.config import make_config
-from hpcps.options.paradigm_choice import AUTO
 from hpcps.errors import UserError
 from hpcps.training.optim import OptimizerFactory, Schedule
 from hpcps.training.paramgroups import GroupsSpec, decay_groups
@@ -111,6 +110,7 @@ def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: A
 
     from hpcps.runtime.agree import agree
     from hpcps.runtime.run import run_training
+    from hpcps.runtime.tune import run_chosen
 
     comm = MPI.COMM_WORLD if comm is None else comm
     _check_launch(comm, exit_on_error)
@@ -131,19 +131,12 @@ def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: A
     def run() -> RunResult | None:
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
         work = agree(comm, lambda: workload(cfg))
-        if cfg.paradigm != AUTO:
-            return run_training(cfg, comm, work)
-        from hpcps.runtime.tune import choose_paradigm, keep_choice
 
-        def trial(option, comm):  # (a model the script built is trained in place: each trial takes a copy)
+        def trial(option, comm):  # (--paradigm auto's: a model the script built is trained in place, so a copy)
             given = dataclasses.replace(work, model=copy.deepcopy(work.model)) if work.given_model else work
             return run_training(option, comm, given)
 
-        cfg, choice = choose_paradigm(cfg, comm, trial)
-        result = run_training(cfg, comm, work)
-        if result is not None:
-            keep_choice(result.path, choice, cfg)
-        return result
+        return run_chosen(cfg, comm, lambda c, comm: run_training(c, comm, work), trial)[1]
 
     return _collectively(comm, run, exit_on_error)
 

@@ -554,7 +554,6 @@ def _train(args: argparse.Namespace) -> int:
     from hpcps.runtime.agree import agree, run_or_end
     from hpcps.options.config import make_config
     from hpcps.runtime.faults import InjectedFault
-    from hpcps.options.paradigm_choice import AUTO
     from hpcps.options.planning import resolve_each
     from hpcps.cluster.placement import node_ids
 
@@ -565,15 +564,9 @@ def _train(args: argparse.Namespace) -> int:
         nodes = node_ids(comm)
         agree(comm, lambda: resolve_each(cfg, comm.size, nodes))
         from hpcps.runtime.run import run_training
-        from hpcps.runtime.tune import choose_paradigm, keep_choice
+        from hpcps.runtime.tune import run_chosen
 
-        choice = None
-        if cfg.paradigm == AUTO:
-            cfg, choice = choose_paradigm(cfg, comm, run_training)
-        result = run_training(cfg, comm)
-        if choice is not None and result is not None:
-            keep_choice(result.path, choice, cfg)
-        return cfg, result
+        return run_chosen(cfg, comm, run_training)  # (--paradigm auto: its trials first)
 
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))
     from hpcps.transport.failures import end_without_the_dead

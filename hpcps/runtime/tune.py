@@ -164,6 +164,19 @@ def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
                          stopped)
 
 
+def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[TrainConfig, Any]:
+    """Collective: ``train(cfg, comm)`` (a run, its result on rank 0); under ``--paradigm auto`` the trials first
+    (``trial(cfg, comm)``, default ``train``), then the run under the paradigm chosen, its choice kept in its
+    run file. Returns the options the run ran with, and its result."""
+    if cfg.paradigm != paradigm_choice.AUTO:
+        return cfg, train(cfg, comm)
+    chosen, choice = choose_paradigm(cfg, comm, trial or train)
+    result = train(chosen, comm)
+    if result is not None:
+        keep_choice(result.path, choice, chosen)
+    return chosen, result
+
+
 def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train) -> tuple[TrainConfig, str]:
     """Collective, for ``--paradigm auto``: a trial of ``--trial-steps`` steps under each paradigm of
     ``--paradigms`` (``train(cfg, comm)``: a run, its result on rank 0), then ``cfg`` under the one chosen

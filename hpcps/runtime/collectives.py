@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcps.transport.failures import is_failure, left_out
+from hpcps.transport.failures import failed_on, left_out
 
 log = logging.getLogger("hpcps")
 
@@ -65,7 +65,7 @@ class WorkerCollectives:
                 self.wait(start(self.comm).Test, what)
                 done = True
             except MPI.Exception as exc:
-                if self.dead is None or not is_failure(exc):
+                if self.dead is None or not failed_on(exc, self.comm):
                     raise
                 self.comm.Revoke()
                 done = False
@@ -95,7 +95,7 @@ class WorkerCollectives:
             self.wait(self.comm.Iagree(flag).Test, f"the living workers' agreement on {what}")
             return bool(flag[0])
         except MPI.Exception as exc:
-            if not is_failure(exc):
+            if not failed_on(exc, self.comm):
                 raise
             self.comm.Ack_failed()  # (what the agreement found: the shrink below leaves them out)
             return False

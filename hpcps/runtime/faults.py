@@ -7,11 +7,14 @@ STEP and would meet the same fault again.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 
 from hpcps.options.faults import Fault
+
+log = logging.getLogger("hpcps")
 
 
 class InjectedFault(RuntimeError):
@@ -62,17 +65,25 @@ def inject(fault: Fault, worker) -> None:
         while True:  # stuck for good: only the stall detector ends this job
             time.sleep(3600)
     elif fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+        die(fault, worker)
     elif fault.kind == "killverdict":  # (called in the push, its payload begun: hpcps.runtime.worker)
         slot = worker.step % len(worker.pusher.buffers)
         worker._wait(lambda: worker.pusher.test(slot), "its push's payload to leave")
-        os.kill(os.getpid(), signal.SIGKILL)
+        die(fault, worker)
     elif fault.kind == "killhead":  # its push's headers reach the shards, its payload never
         slot = worker.step % len(worker.pusher.buffers)
         worker._wait(lambda: worker.pusher.test(slot), "its push slot")
         worker.pusher.start_header(worker.clock_count + 1, worker.versions, worker.lr, slot)
         worker._wait(lambda: worker.pusher.headers_sent(slot), "its push's headers to leave")
-        os.kill(os.getpid(), signal.SIGKILL)
+        die(fault, worker)
     else:  # status 1, an ordinary crash's: 3 says a run diverged (hpcps.errors.DIVERGED_STATUS)
         worker.recorder.flush()
         os._exit(1)
+
+
+def die(fault: Fault, worker) -> None:
+    """SIGKILL this process, after one line that says when on the run's clock (the rows' ``t_start`` and
+    ``t_end``): what the death then cost the others is read against it (``tools/bench_peers.py``)."""
+    log.warning("worker rank %d: --fault %s@%d:%d: SIGKILL at t=%.4f s", fault.rank, fault.kind, fault.rank,
+                fault.step, worker.clock())
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -3,6 +3,7 @@ supervisor launches again, and faults that fire in the first launch only."""
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ from hpcps.jobs.supervise import Supervisor, describe, verdict
 from hpcps.runtime.checkpoints.files import checkpoint_path, optimizer_state_path, write_checkpoint
 from hpcps.runtime.checkpoints.schedule import PROGRESS_NOTE, resolve_resume, restart_cost
 from hpcps.options.faults import parse_fault
-from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR, armed, mark_launch
+from hpcps.runtime import faults
+from hpcps.runtime.faults import ATTEMPT_VAR, MARK_VAR, armed, inject, mark_launch
 
 
 def _checkpoint(directory, version, clocks, parts=(0,)):
@@ -130,6 +132,19 @@ def test_faults_fire_in_the_first_launch_only():
     faults = [parse_fault("kill@2:30")]
     assert armed(faults, {}) == faults and armed(faults, {ATTEMPT_VAR: "1"}) == faults
     assert armed(faults, {ATTEMPT_VAR: "2"}) == []
+
+
+def test_a_kill_fault_says_when_on_the_runs_clock_before_it_kills(monkeypatch, caplog):
+    """The line bench_peers reads the death's time from: the run's clock at the SIGKILL, then the signal."""
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+
+    class Worker:
+        clock = staticmethod(lambda: 12.34567)
+    with caplog.at_level("WARNING", logger="hpcps"):
+        inject(parse_fault("kill@3:100"), Worker())
+    assert killed == [signal.SIGKILL]
+    assert caplog.messages == ["worker rank 3: --fault kill@3:100: SIGKILL at t=12.3457 s"]
 
 
 def test_a_slurm_relaunch_runs_on_the_nodes_still_alive():

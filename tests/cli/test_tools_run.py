@@ -4,11 +4,12 @@ memory benchmark's own default ended in 'diverged' on 2 workers).
 
 CI runs the quick ones (seconds each); the slow ones (tens of seconds: the box's, those that launch many jobs)
 run with ``HPCPS_TOOLS_ALL=1``, in the soak's spirit. Tools that need a box skip where none can be built, and
-bench_runthrough (ULFM) runs under Open MPI only. ``--help`` of every tool is tests/unit/test_tools.py's.
+bench_runthrough (ULFM) runs under Open MPI only, bench_peers under Open MPI with torchft installed. ``--help`` of every tool is tests/unit/test_tools.py's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -39,6 +40,8 @@ TINY: dict[str, tuple[list[str], str | None, bool]] = {
     "bench_partitions": (["--seeds", "0", "--np", "3", "--", "--steps", "4"], None, True),
     "bench_patterns": (["--nodes", "3", "--link", "1gbit", "--mb", "0.1", "--reps", "1"], "box", True),
     "bench_piecewise": (["--workers", "2", "--steps", "3", "--seeds", "0", "--link", "1gbit"], "box", False),
+    "bench_peers": (["faults", "--seeds", "0", "--steps", "20", "--kill-at", "10", "--heartbeats-ms", "1000",
+                     "--checkpoint-every", "5"], "torchft", False),
     "bench_policies": (["--workers", "4", "--pushes", "2"], None, True),
     "bench_pull": (["--np", "3", "--seeds", "0", "--", "--steps", "4"], None, True),
     "bench_runthrough": (["--paradigms", "asp", "--ranks", "3", "--rank", "2", "--steps", "10", "--kill-at", "4"], "openmpi",
@@ -64,8 +67,10 @@ def _skip_reason(needs: str | None, quick: bool) -> str | None:
         return "a slow tool: HPCPS_TOOLS_ALL=1 runs it"
     if needs == "box" and BOX is not None:
         return f"no box here: {BOX}"
-    if needs == "openmpi" and FAMILY != "openmpi":
+    if needs in ("openmpi", "torchft") and FAMILY != "openmpi":
         return "run-through needs Open MPI's ULFM (the Open MPI stage runs it)"
+    if needs == "torchft" and importlib.util.find_spec("torchft") is None:
+        return "torchft is not installed (pip install '.[peers]')"
     return None
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -47,3 +48,30 @@ def test_the_bound_of_a_step_is_compute_plus_what_cannot_overlap_it():
     assert b["allreduce"] == pytest.approx(0.030 + 0.048)  # 48 ms of reduction after backward began
     # compute-bound: nothing left to overlap
     assert step_bounds(1.0, 0.3, 0.6, 4_000_000, 4, 1e9)["bsp"] == pytest.approx(1.0)
+
+
+def test_bench_peers_reads_torchft_events_in_closed_form():
+    """bench_peers' torchft figures from a synthetic job: 3 replicas let go at t=100, a step every 0.1 s;
+    replica 2 killed at 105.05; replicas 0 and 1 throw away one step each and commit again at 106.2 and 106.3;
+    the replacement, relaunched at 105.1, throws its first step away and commits its second at 109.1."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(TOOLS))
+
+    def step(replica, t, committed=True, participants=3):
+        return {"event": "step", "replica": replica, "t": t, "committed": committed, "participants": participants}
+    evs = [step(r, 100 + 0.1 * k) for k in range(1, 51) for r in range(3)]
+    evs += [{"event": "kill", "replica": 2, "t": 105.05}, step(0, 105.2, False), step(1, 105.2, False),
+            step(0, 106.2, participants=2), step(1, 106.3, participants=2),
+            step(2, 108.0, False), step(2, 109.1), step(0, 120.0), step(1, 120.0),
+            {"event": "end", "replica": 0, "t": 120.1, "test_loss": 0.5}]
+    out = bench_peers.torchft_figures(evs, bench_peers.Outcome(), 2, 100.0, 105.1, steps=100)
+    assert out.step_s == pytest.approx(0.2)  # (120 - 100) / 100
+    assert out.recovery_s == pytest.approx(106.3 - 105.05)  # every survivor's next committed step
+    assert out.thrown == 2
+    assert out.rejoin_s == pytest.approx(109.1 - 105.1)  # the replacement's first step with a peer
+    assert out.loss == 0.5
+    clean = bench_peers.torchft_figures(evs[:150], bench_peers.Outcome(), None, 100.0, None, steps=50)
+    assert clean.step_s == pytest.approx(0.1) and np.isnan(clean.recovery_s) and np.isnan(clean.rejoin_s)

@@ -1,0 +1,347 @@
+#!/usr/bin/env python3
+"""hpcps beside torchft (PyTorch's fault-tolerance library), on the same workload and the same faults.
+
+``faults``: a worker of four SIGKILLed at step ``--kill-at`` of ``--steps`` (``mlp`` on ``digits``,
+``--compute-time`` seconds a step, hpcps's default workload), each method with the same run and nobody
+killed beside it, for each seed. Per method it prints:
+
+- **kill to next step**: from the kill (the dying process's own line, on its clock) until every survivor
+  has finished a step without the dead worker: its update applied (hpcps), or committed in a quorum that
+  left the dead replica out (torchft: a step whose all-reduce the dead one had joined may still commit
+  just after the kill); the clean run's mean step beside it, since up to a step of that is the step under
+  way;
+- **steps thrown away**: the survivors' steps torchft computed and did not commit, or the gradients hpcps
+  lost or dropped (the dead worker's in flight; the survivors' are all applied);
+- **replacement's first step**: torchft's replica relaunched the moment the old one is seen dead, from its
+  launch to its first committed step (Python and torch start-up, the quorum, the state fetched from a
+  peer); hpcps's spare (``--spare-workers 1``) was launched with the job, so from the kill;
+- **final loss** on the held-out set, killed against clean.
+
+torchft's methods: DDP over gloo as shipped (0.2.0), and with its comm hook fixed
+(``tools/peers/torchft_ddp.py --fixed-hook``: the shipped one asserts on a peer's death during the
+all-reduce), each killed inside the all-reduce and between steps, at the lighthouse's heartbeat timeout of
+1 s and 5 s and its join timeout of 1 s (a quorum forms without a replica that has not joined it within
+that, heartbeat or not); one process per replica group, a lighthouse on the same machine. hpcps's: bsp run through
+(``mpirun --with-ft ulfm``, no spare: bsp takes none) and ssp with a spare. Each run is one launch; all of
+them in one invocation:
+
+    /root/venvs/ompi/bin/python tools/bench_peers.py faults --seeds 0 1 2
+
+Run it with the Python of an environment with Open MPI's mpi4py (ULFM) and torchft (``pip install
+torchft``). One machine for now; the box (4 nodes at 1 Gbit/s) is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPLICA = os.path.join(HERE, "peers", "torchft_ddp.py")
+KILL_LINE = re.compile(r"--fault kill@(\d+):(\d+): SIGKILL at t=([0-9.]+) s")
+
+
+@dataclass
+class Outcome:
+    """One run's figures (NaN where they do not apply); ``note`` says what went wrong, if anything."""
+    step_s: float = float("nan")
+    recovery_s: float = float("nan")
+    thrown: float = float("nan")
+    rejoin_s: float = float("nan")
+    loss: float = float("nan")
+    note: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- torchft ------------------------------------------------------------------------------------------------
+
+def torchft_run(args, seed: int, *, kill_in: str | None, heartbeat_ms: int, fixed: bool, tmp: str) -> Outcome:
+    """One torchft job: a lighthouse, ``args.workers`` replica groups started together, replica 2 killed
+    (``kill_in``: ``allreduce``, ``between`` or None) and relaunched at once."""
+    log, go = os.path.join(tmp, f"tft-{time.monotonic_ns()}.jsonl"), os.path.join(tmp, f"go-{time.monotonic_ns()}")
+    port = free_port()
+    lighthouse = subprocess.Popen([shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
+                                   or "torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
+                                   "--join_timeout_ms", str(args.join_timeout_ms),
+                                   "--heartbeat_timeout_ms", str(heartbeat_ms),
+                                   "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+    killed = 2
+
+    def replica(r: int, kill: bool) -> subprocess.Popen:
+        cmd = [sys.executable, REPLICA, "--replica", str(r), "--replicas", str(args.workers), "--steps",
+               str(args.steps), "--seed", str(seed), "--compute-time", str(args.compute_time), "--store-port",
+               str(free_port()), "--log", log, "--go", go] + (["--fixed-hook"] if fixed else [])
+        if kill:
+            cmd += ["--kill-at", str(args.kill_at), "--kill-in", kill_in]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{log}.{r}.err", "a"))
+
+    procs = {r: replica(r, kill_in is not None and r == killed) for r in range(args.workers)}
+    out, relaunched, started = Outcome(), None, float("nan")
+    try:
+        deadline = time.monotonic() + args.timeout
+        while len([e for e in events(log) if e["event"] == "ready"]) < args.workers:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                raise RuntimeError(f"torchft's replicas did not all start (see {log}.*.err)")
+            time.sleep(0.05)
+        open(go, "w").close()
+        started = time.time()
+        while any(p.poll() is None for p in procs.values()):
+            if time.monotonic() > deadline:
+                out.note.append("timed out")
+                break
+            if kill_in is not None and relaunched is None and procs[killed].poll() is not None:
+                relaunched = time.time()
+                procs[f"{killed}b"] = replica(killed, kill=False)  # the relaunch: a supervisor's
+            time.sleep(0.01)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        lighthouse.kill()
+        lighthouse.wait()
+    out = torchft_figures(events(log), out, killed if kill_in else None, started, relaunched, args.steps)
+    crashed = [str(r) for r, p in procs.items() if r != killed and p.returncode not in (0, None)]
+    if crashed:  # (the job ended there: nothing after the kill to measure)
+        out.note.append(f"replica(s) {', '.join(crashed)} crashed too")
+        out.thrown = out.recovery_s = out.rejoin_s = out.loss = float("nan")
+    return out
+
+
+def events(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def torchft_figures(evs: list[dict], out: Outcome, killed: int | None, start: float, relaunched: float | None,
+                    steps: int) -> Outcome:
+    """The figures of one torchft job's events, its replicas let go at ``start`` (the replacement's are those
+    after ``relaunched``)."""
+    kill = [e["t"] for e in evs if e["event"] == "kill"]
+    first = [e for e in evs if e["event"] == "step"]
+    if not first:
+        out.note.append("no step")
+        return out
+    survivors = sorted({e["replica"] for e in first if e["replica"] != killed})
+    last = max(e["t"] for e in first if e["replica"] in survivors)
+    out.step_s = (last - start) / steps
+    if kill:
+        t = kill[0]
+        # (a step committed in a quorum without the dead: one it was in may commit after the kill)
+        nexts = [min((e["t"] for e in first if e["replica"] == r and e["committed"] and e["t"] > t
+                      and e["participants"] <= len(survivors)), default=float("nan")) for r in survivors]
+        out.recovery_s = max(nexts) - t
+        out.thrown = sum(1 for e in first if e["replica"] in survivors and not e["committed"])
+        if relaunched is not None:
+            mine = [e["t"] for e in first if e["replica"] == killed and e["t"] > relaunched and e["committed"]]
+            out.rejoin_s = (min(mine) - relaunched) if mine else float("nan")
+    ends = [e for e in evs if e["event"] == "end" and e["replica"] in survivors]
+    out.loss = ends[0]["test_loss"] if ends else float("nan")
+    return out
+
+
+# -- hpcps --------------------------------------------------------------------------------------------------
+
+def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: str) -> Outcome:
+    """One hpcps job under ``mpirun --with-ft ulfm``: a shard and four workers (and a spare), worker rank 3
+    killed at step ``args.kill_at`` where ``kill``."""
+    from hpcps.cluster.launcher import find_mpiexec
+
+    run_file = os.path.join(tmp, f"hpcps-{time.monotonic_ns()}.h5")
+    train = [sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm, "--steps", str(args.steps),
+             "--compute-time", str(args.compute_time), "--no-progress", "--seed", str(seed), "--out", run_file]
+    if kill:
+        train += ["--fault", f"kill@3:{args.kill_at}"]
+    if spare:
+        train += ["--spare-workers", "1"]
+    env = {**os.environ, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.run([find_mpiexec(), "--with-ft", "ulfm", "-n", str(1 + args.workers + spare), *train],
+                          capture_output=True, text=True, timeout=args.timeout, env=env)
+    out = Outcome()
+    if proc.returncode != 0 or "done in" not in proc.stderr:
+        out.note.append(f"failed: {proc.stderr.strip().splitlines()[-1:]}")
+        return out
+    with h5py.File(run_file) as f:
+        s, it = f["summary"].attrs, f["workers/iterations"][()]
+        out.loss = float(s["final_loss"])
+        lost = int(s["gradients_lost"]) + int(s["gradients_dropped"])
+    spare_rank = 1 + args.workers if spare else None
+    survivors = [r for r in np.unique(it["rank"]) if r not in ({3, spare_rank} if kill else {spare_rank})]
+    rows = it[np.isin(it["rank"], survivors)]
+    out.step_s = float(rows["t_end"].max() - rows["t_start"].min()) / args.steps
+    found = KILL_LINE.search(proc.stderr)
+    if kill:
+        if found is None:
+            out.note.append("no kill line")
+            return out
+        t = float(found.group(3))
+        after = [rows["t_end"][(rows["rank"] == r) & (rows["t_end"] > t)] for r in survivors]
+        out.recovery_s = max(float(a.min()) if len(a) else float("nan") for a in after) - t
+        out.thrown = lost
+        if spare:
+            mine = it["t_end"][it["rank"] == spare_rank]
+            out.rejoin_s = float(mine.min()) - t if len(mine) else float("nan")
+    return out
+
+
+def hpcps_restart_run(args, seed: int, *, tmp: str) -> Outcome:
+    """bsp under ``hpcps supervise`` and Open MPI's launcher without ULFM (a death ends the job), checkpoints
+    every ``args.checkpoint_every`` steps, ``--resume auto``: worker rank 3 killed at step ``args.kill_at``,
+    the job launched again at once and resumed. Times are read from the supervisor's output as it comes (the
+    kill's line, the relaunch's line) and from the resumed run's file (its first step)."""
+    from hpcps.cluster.launcher import find_mpiexec
+
+    where = os.path.join(tmp, f"restart-{time.monotonic_ns()}")
+    os.makedirs(where)
+    run_file = os.path.join(where, "run.h5")
+    env = {**os.environ, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcps", "supervise", "--delay", "0", "--restarts", "2", "--",
+                             find_mpiexec(), "-n", str(1 + args.workers), sys.executable, "-m", "hpcps", "train",
+                             "--paradigm", "bsp", "--steps", str(args.steps), "--compute-time", str(args.compute_time),
+                             "--no-progress", "--seed", str(seed), "--out", run_file, "--checkpoint-every",
+                             str(args.checkpoint_every), "--resume", "auto", "--fault", f"kill@3:{args.kill_at}"],
+                            cwd=where, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stderr), daemon=True)
+    reader.start()
+    out = Outcome()
+    try:
+        proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out.note.append("timed out")
+        return out
+    reader.join(5)
+    killed = [t for t, line in lines if KILL_LINE.search(line)]
+    again = [t for t, line in lines if "launching again" in line]
+    if proc.returncode != 0 or not killed or not again:
+        out.note.append(f"failed: {[line.strip() for _, line in lines[-1:]]}")
+        return out
+    with h5py.File(run_file) as f:
+        s, it, start = f["summary"].attrs, f["workers/iterations"][()], float(f.attrs["clock_start"])
+        out.loss, resumed = float(s["final_loss"]), f.attrs["resumed_from"]
+    cut = 0  # (no checkpoint before the kill: the second launch started afresh)
+    if resumed:
+        with h5py.File(resumed) as f:
+            cut = int(f.attrs["worker_clocks"].sum())
+    first = start + float(it["t_end"].min())
+    out.recovery_s, out.rejoin_s = first - killed[0], first - again[0]
+    out.thrown = args.workers * args.kill_at - cut  # (each worker had pushed its steps before the kill's)
+    return out
+
+
+# -- the table ----------------------------------------------------------------------------------------------
+
+def ms(values: list[float]) -> str:
+    """Seconds as milliseconds, mean ± sd over the runs that have the figure ("-" where none has)."""
+    v = np.array(values, dtype=float)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return "-"
+    return f"{1e3 * v.mean():.0f}" + (f" ± {1e3 * v.std():.0f}" if len(v) > 1 else "")
+
+
+def mean(values: list[float], spec: str) -> str:
+    """The mean over the runs that have the figure, as ``spec`` formats it ("-" where none has)."""
+    v = np.array(values, dtype=float)
+    v = v[~np.isnan(v)]
+    return format(float(v.mean()), spec) if len(v) else "-"
+
+
+def faults(args) -> None:
+    methods = []
+    for heartbeat in args.heartbeats_ms:
+        for fixed in (False, True):
+            for where in ("allreduce", "between"):
+                name = f"torchft DDP {'comm hook fixed' if fixed else 'as shipped'}, heartbeat {heartbeat / 1e3:g} s, " \
+                       f"killed {'in the all-reduce' if where == 'allreduce' else 'between steps'}"
+                methods.append((name, ("torchft", heartbeat, fixed, where)))
+    methods += [("hpcps bsp, run through (ULFM; bsp takes no spare)", ("hpcps", "bsp", False)),
+                ("hpcps ssp, run through with a spare (ULFM)", ("hpcps", "ssp", True)),
+                (f"hpcps bsp, restarted by `hpcps supervise` from its checkpoint (every {args.checkpoint_every} "
+                 f"steps; Open MPI without ULFM)", ("restart",))]
+    print(f"faults: {args.workers} workers, {args.steps} steps of {args.compute_time * 1e3:g} ms, worker 2 (hpcps "
+          f"rank 3) SIGKILLed at step {args.kill_at}; seeds {args.seeds}; mean ± sd over the seeds", flush=True)
+    print("| method | clean step ms | kill to every survivor's next step ms | steps thrown away | "
+          "replacement's first step ms | final loss, killed / clean | notes |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        os.makedirs(tmp, exist_ok=True)
+        clean = {}
+        for name, how in methods:
+            rows, notes = [], []
+            for seed in args.seeds:
+                key = ("torchft", None, seed) if how[0] == "torchft" else \
+                    ("hpcps", "bsp" if how[0] == "restart" else how[1], seed)
+                if key not in clean:
+                    clean[key] = (torchft_run(args, seed, kill_in=None, heartbeat_ms=how[1], fixed=False, tmp=tmp)
+                                  if how[0] == "torchft" else
+                                  hpcps_run(args, seed, paradigm=key[1], kill=False, spare=False, tmp=tmp))
+                if how[0] == "torchft":
+                    killed = torchft_run(args, seed, kill_in=how[3], heartbeat_ms=how[1], fixed=how[2], tmp=tmp)
+                elif how[0] == "restart":
+                    killed = hpcps_restart_run(args, seed, tmp=tmp)
+                else:
+                    killed = hpcps_run(args, seed, paradigm=how[1], kill=True, spare=how[2], tmp=tmp)
+                rows.append((clean[key], killed))
+                notes += [f"seed {seed}: {n}" for n in killed.note]
+            c, k = [r[0] for r in rows], [r[1] for r in rows]
+            print(f"| {name} | {ms([o.step_s for o in c])} | {ms([o.recovery_s for o in k])} | "
+                  f"{mean([o.thrown for o in k], '.1f')} | {ms([o.rejoin_s for o in k])} | "
+                  f"{mean([o.loss for o in k], '.4f')} / {mean([o.loss for o in c], '.4f')} | {'; '.join(notes)} |",
+                  flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["faults"], help="the comparison to run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--kill-at", type=int, default=100)
+    p.add_argument("--compute-time", type=float, default=0.02)
+    p.add_argument("--checkpoint-every", type=int, default=30, help="the restarted hpcps run's checkpoints")
+    p.add_argument("--heartbeats-ms", type=int, nargs="+", default=[1000, 5000],
+                   help="torchft lighthouse's heartbeat timeouts to try (default 1000 5000)")
+    p.add_argument("--join-timeout-ms", type=int, default=1000,
+                   help="how long torchft's lighthouse waits for a heartbeating replica to join a quorum before it "
+                        "forms one without (default 1000; torchft's README shows 10000)")
+    p.add_argument("--timeout", type=float, default=180, help="seconds a run may take before it is killed")
+    p.add_argument("--keep", help="keep every run's files (torchft's events, hpcps's run files) in this directory")
+    args = p.parse_args()
+    if importlib.util.find_spec("torchft") is None:
+        sys.exit("bench_peers: needs torchft (pip install torchft)")
+    faults(args)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main()

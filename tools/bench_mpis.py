@@ -22,12 +22,13 @@ As root, Open MPI's launcher needs ``OMPI_ALLOW_RUN_AS_ROOT``: set here when run
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchlib import openmpi_env
 
 TOOLS = Path(__file__).resolve().parent
 #: the 4.9 MB model and 50 ms of compute of results.md's box figures; these runs measure time, not accuracy
@@ -102,9 +103,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20, help="bench_transport's repetitions (default 20)")
     p.add_argument("--only", nargs="+", choices=["pull", "allreduce", "transport"], help="these benchmarks only")
     a = p.parse_args()
-    env = dict(os.environ)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = openmpi_env(oversubscribe=False)
     pythons = dict(item.split("=", 1) for item in a.python)
     columns: dict[str, dict[str, object]] = {}
     for label, python in pythons.items():

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
+from benchlib import openmpi_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPLICA = os.path.join(HERE, "peers", "torchft_ddp.py")
@@ -177,9 +178,7 @@ def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: s
         train += ["--fault", f"kill@3:{args.kill_at}"]
     if spare:
         train += ["--spare-workers", "1"]
-    env = {**os.environ, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = openmpi_env()
     proc = subprocess.run([find_mpiexec(), "--with-ft", "ulfm", "-n", str(1 + args.workers + spare), *train],
                           capture_output=True, text=True, timeout=args.timeout, env=env)
     out = Outcome()
@@ -219,9 +218,7 @@ def hpcps_restart_run(args, seed: int, *, tmp: str) -> Outcome:
     where = os.path.join(tmp, f"restart-{time.monotonic_ns()}")
     os.makedirs(where)
     run_file = os.path.join(where, "run.h5")
-    env = {**os.environ, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = openmpi_env()
     proc = subprocess.Popen([sys.executable, "-m", "hpcps", "supervise", "--delay", "0", "--restarts", "2", "--",
                              find_mpiexec(), "-n", str(1 + args.workers), sys.executable, "-m", "hpcps", "train",
                              "--paradigm", "bsp", "--steps", str(args.steps), "--compute-time", str(args.compute_time),

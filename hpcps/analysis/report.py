@@ -123,6 +123,12 @@ def step_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
     return means
 
 
+def applied_updates(updates: np.ndarray) -> np.ndarray:
+    """The rows of ``servers/updates`` of the gradients applied, each once (shard 0's; a dropped gradient
+    is not in the model, nor is its staleness)."""
+    return updates[(updates["shard"] == 0) & (updates["applied"] == 1)]
+
+
 def mean_step(iterations: np.ndarray, warmup: int = 0) -> float:
     """A run's mean step (s), what a user waits for: the slowest worker's (:func:`step_means`)."""
     return max(step_means(iterations, warmup).values(), default=0.0)
@@ -194,7 +200,7 @@ def summary_rows(runs: list[Run], target: float) -> list[dict]:
     rows = []
     for r in runs:
         it = r.iterations
-        applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]
+        applied = applied_updates(r.updates)
         every = local_steps(r.config)
         rates = {w: rate * (every or 1) for w, rate in r.place_rates().items()}
         evaluated = len(r.evals) > 0  # a step-API loop without test data evaluates nothing: "-", not "never"
@@ -410,7 +416,7 @@ def plot_staleness(runs: list[Run], out: Path) -> Path:
     plt, fig, ax = _figure(figsize=(max(8.0, 0.5 * len(values) * max(1, len(runs)) ** 0.5 + 4), 4.5))
     width = 0.8 / max(1, len(runs))
     for k, r in enumerate(runs):
-        applied = r.updates[(r.updates["shard"] == 0) & (r.updates["applied"] == 1)]["staleness"]
+        applied = applied_updates(r.updates)["staleness"]
         share = np.bincount(np.clip(applied, 0, top), minlength=len(values)) / max(1, len(applied))
         ax.bar(values - 0.4 + width * (k + 0.5), share, width, label=r.label)
     ax.set_xticks(values if len(values) <= 25 else values[:: int(np.ceil(len(values) / 25))])

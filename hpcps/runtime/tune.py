@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from hpcps.analysis.report import mean_step, step_means
+from hpcps.analysis.report import applied_updates, mean_step, step_means
 from hpcps.errors import UserError
 from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
@@ -158,10 +158,9 @@ def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
         it, up = f["workers/iterations"][()], f["servers/updates"][()]
         stopped = str(f["summary"].attrs.get("stopped_by", ""))
     means = step_means(it, WARMUP_STEPS)
-    applied = up[(up["shard"] == 0) & (up["applied"] == 1)]
+    applied = applied_updates(up)["staleness"]
     return ParadigmTrial(paradigm, len(means), sum(every / m for m in means.values()),
-                         max(means.values()) / every, float(applied["staleness"].mean()) if len(applied) else 0.0,
-                         stopped)
+                         max(means.values()) / every, float(applied.mean()) if len(applied) else 0.0, stopped)
 
 
 def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[TrainConfig, Any]:

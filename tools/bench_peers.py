@@ -166,16 +166,20 @@ def torchft_figures(evs: list[dict], out: Outcome, killed: int | None, start: fl
 
 # -- hpcps --------------------------------------------------------------------------------------------------
 
+def train_argv(args, seed: int, paradigm: str, run_file: str, kill: bool) -> list[str]:
+    """``hpcps train`` on the benchmark's workload, worker rank 3 killed at ``args.kill_at`` where ``kill``."""
+    argv = [sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm, "--steps", str(args.steps),
+            "--compute-time", str(args.compute_time), "--no-progress", "--seed", str(seed), "--out", run_file]
+    return argv + (["--fault", f"kill@3:{args.kill_at}"] if kill else [])
+
+
 def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: str) -> Outcome:
     """One hpcps job under ``mpirun --with-ft ulfm``: a shard and four workers (and a spare), worker rank 3
     killed at step ``args.kill_at`` where ``kill``."""
     from hpcps.cluster.launcher import find_mpiexec
 
     run_file = os.path.join(tmp, f"hpcps-{time.monotonic_ns()}.h5")
-    train = [sys.executable, "-m", "hpcps", "train", "--paradigm", paradigm, "--steps", str(args.steps),
-             "--compute-time", str(args.compute_time), "--no-progress", "--seed", str(seed), "--out", run_file]
-    if kill:
-        train += ["--fault", f"kill@3:{args.kill_at}"]
+    train = train_argv(args, seed, paradigm, run_file, kill)
     if spare:
         train += ["--spare-workers", "1"]
     env = openmpi_env()
@@ -220,10 +224,9 @@ def hpcps_restart_run(args, seed: int, *, tmp: str) -> Outcome:
     run_file = os.path.join(where, "run.h5")
     env = openmpi_env()
     proc = subprocess.Popen([sys.executable, "-m", "hpcps", "supervise", "--delay", "0", "--restarts", "2", "--",
-                             find_mpiexec(), "-n", str(1 + args.workers), sys.executable, "-m", "hpcps", "train",
-                             "--paradigm", "bsp", "--steps", str(args.steps), "--compute-time", str(args.compute_time),
-                             "--no-progress", "--seed", str(seed), "--out", run_file, "--checkpoint-every",
-                             str(args.checkpoint_every), "--resume", "auto", "--fault", f"kill@3:{args.kill_at}"],
+                             find_mpiexec(), "-n", str(1 + args.workers),
+                             *train_argv(args, seed, "bsp", run_file, kill=True), "--checkpoint-every",
+                             str(args.checkpoint_every), "--resume", "auto"],
                             cwd=where, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stderr), daemon=True)

@@ -234,10 +234,14 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "every SECONDS of the run, round-robin (needs --compute-time; default off)")
     g.add_argument("--device",
                    help="where workers train: auto (default) takes cuda:<i> when GPUs are visible, i being the "
-                        "worker's index among the node's workers; cuda insists on a GPU; servers use the CPU")
+                        "worker's index among the node's workers; cuda insists on a GPU; servers: --server-device")
     g.add_argument("--cuda-aware", dest="cuda_aware",
                    help="push gradients straight from GPU memory (yes) or through pinned host buffers (no); "
                         "auto (default) asks the MPI library and its vendor's variables")
+    g.add_argument("--server-device", dest="server_device",
+                   help="where the server shards keep and step their slice, its optimizer state and sums: host "
+                        "(default: in the window's host memory), cuda (the shard's GPU, the i-th shard of a node on "
+                        "cuda:<i>; MPI still moves host memory) or cpu (the same code on the CPU, for tests)")
     g.add_argument("--threads", type=int, help="torch threads per rank (default {default})")
     g.add_argument("--compress", metavar="{none,bf16,fp16,topk:RATIO}",
                    help="what moves on the wire: none (fp32, default); bf16 or fp16 (pushes and pulls in 16 bits, "

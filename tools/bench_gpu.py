@@ -4,8 +4,9 @@
 For each ``--models`` (ResNet-18, ResNet-50 on synthetic CIFAR-shaped data by default), measured in one
 invocation:
 
-* ``hpcps <paradigm>`` for each ``--paradigms``: ``hpcps train --device cuda`` on ``--servers`` shards
-  (default 1, on the CPU) + N workers, every worker on ``cuda:0``;
+* ``hpcps <paradigm>`` for each ``--paradigms``, each ``--servers`` count and each ``--server-devices``:
+  ``hpcps train --device cuda`` on that many shards + N workers, every worker on ``cuda:0``, the shards'
+  slices in host memory (``host``, stepped on the CPU) or on the GPU (``cuda``, ``--server-device``);
 * ``DDP (nccl) 1 rank``: ``DistributedDataParallel`` over NCCL on one rank whose batch is the N workers'
   batches together: one GPU trained as well as PyTorch does it, the ceiling for N workers sharing it;
 * ``DDP (nccl) N ranks``: N ranks on the one GPU. NCCL refuses two ranks on one device; the row then
@@ -20,12 +21,14 @@ copies) and blocked on the paradigm (wait).
 
     python tools/bench_gpu.py                                   # resnet18 resnet50 x bsp asp eager, 4 workers
     python tools/bench_gpu.py --models resnet18 --steps 60 --batch-size 64
+    python tools/bench_gpu.py --servers 1 4 --server-devices host cuda   # host against device shards
     python tools/bench_gpu.py --device cpu --models mlp --dataset digits   # the same on the CPU (gloo only)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -101,10 +104,12 @@ def _ddp(kind: str, ranks: int, batch: int, a: argparse.Namespace, model: str) -
     return None, f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:160]}"
 
 
-def _hpcps(paradigm: str, a: argparse.Namespace, model: str, out: Path) -> dict[str, float]:
+def _hpcps(paradigm: str, a: argparse.Namespace, model: str, out: Path, servers: int,
+           server_device: str) -> dict[str, float]:
     """Samples per second of an hpcps run, and the shares of a worker's iteration in transfers and waits."""
     try:  # (random labels: the loss need not fall, so the divergence guard stays off)
-        t = train(a.servers + a.workers, out, ["--paradigm", paradigm, "--servers", str(a.servers), "--model", model, "--dataset", a.dataset,
+        t = train(servers + a.workers, out, ["--paradigm", paradigm, "--servers", str(servers), "--model", model,
+                                       "--server-device", server_device, "--dataset", a.dataset,
                                        "--batch-size", str(a.batch_size), "--steps", str(a.steps),
                                        "--device", a.device, "--eval-interval", "1e9", "--lr", "0.05",
                                        "--divergence", "ignore", *a.train_args], timeout=600)
@@ -129,7 +134,9 @@ def main() -> int:
     p.add_argument("--gloo-models", nargs="*", help="the models DDP over gloo runs for (default: every one)")
     p.add_argument("--dataset", default="synthetic:3x32x32:10:8192", help="default: synthetic CIFAR-shaped data")
     p.add_argument("--workers", type=int, default=4, help="N workers / DDP ranks (default 4)")
-    p.add_argument("--servers", type=int, default=1, help="server shards of the hpcps runs, on the CPU (default 1)")
+    p.add_argument("--servers", type=int, nargs="+", default=[1], help="server shards of the hpcps runs (default 1)")
+    p.add_argument("--server-devices", nargs="+", choices=["host", "cpu", "cuda"],
+                   help="where the shards step their slices, a row each (default: host and, on a GPU, cuda)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     p.add_argument("--steps", type=int, default=40, help="iterations per worker (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="first iterations left out of the rates (default 10)")
@@ -144,6 +151,7 @@ def main() -> int:
         return 0
     n = a.workers
     gpu = a.device.startswith("cuda")
+    server_devices = a.server_devices or (["host", "cuda"] if gpu else ["host"])
     name = ""
     if gpu:
         import torch
@@ -171,14 +179,15 @@ def main() -> int:
                 base = rate if base is None else base
                 shown = f"{rate:.0f} | {rate / base:.2f}" if rate and base else f"failed: {why} | "
                 print(f"| {model} | {label} | {ranks} | {shown} | | |", flush=True)
-            for paradigm in a.paradigms:
-                r = _hpcps(paradigm, a, model, Path(tmp) / f"{model}-{paradigm}.h5")
-                label = f"hpcps {paradigm}" + (f", {a.servers} shards" if a.servers > 1 else "")
+            for paradigm, servers, where in itertools.product(a.paradigms, a.servers, server_devices):
+                r = _hpcps(paradigm, a, model, Path(tmp) / f"{model}-{paradigm}-{servers}-{where}.h5", servers, where)
+                label = f"hpcps {paradigm}, {servers} shard{'s' if servers > 1 else ''} " + \
+                    ("in host memory" if where == "host" else f"on {where}")
                 if "failed" in r:
-                    print(f"| {model} | {label} | {a.servers + n} | failed: {r['failed']} | | | |", flush=True)
+                    print(f"| {model} | {label} | {servers + n} | failed: {r['failed']} | | | |", flush=True)
                     continue
                 vs = f"{r['samples_per_s'] / base:.2f}" if base else ""
-                print(f"| {model} | {label} | {a.servers + n} | {r['samples_per_s']:.0f} | {vs} "
+                print(f"| {model} | {label} | {servers + n} | {r['samples_per_s']:.0f} | {vs} "
                       f"| {r['transfer']:.2f} | {r['wait']:.2f} |", flush=True)
     return 0
 

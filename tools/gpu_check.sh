@@ -108,7 +108,9 @@ paradigms() {
     "asp-local-overlap|--paradigm asp --local-steps 2 --overlap-steps 1"
     "ssp-local-overlap|--paradigm ssp --local-steps 2 --overlap-steps 1"
     "bsp-partitions-topk|--paradigm bsp --partition-mb 0.01 --compress topk:0.1"
-    "eager-bf16-adam|--paradigm eager --compress bf16 --optimizer adam --lr 0.001")
+    "eager-bf16-adam|--paradigm eager --compress bf16 --optimizer adam --lr 0.001"
+    "bsp-shards-on-device|--paradigm bsp --servers 2 --server-device ${DEVICE:-cuda} --optimizer adamw --lr 0.001"
+    "ssp-shards-on-device|--paradigm ssp --servers 2 --server-device ${DEVICE:-cuda} --momentum 0.9")
   local r name args bad=0 pids=() names=()
   : > "$out/par-rc"
   for r in "${runs[@]}"; do
@@ -161,7 +163,7 @@ for mpi in mpich openmpi; do
     echo "direct-$mpi: not run, $mpi is not CUDA-aware here" | tee -a "$out/summary.txt"
   fi
 done
-step resnets 200 "$mpich/python" tools/bench_gpu.py ${BENCH_GPU:---steps 30 --warmup 10}
+step resnets 200 "$mpich/python" tools/bench_gpu.py ${BENCH_GPU:---steps 30 --warmup 10 --paradigms bsp --servers 1 4}
 # the suite: the MPI tests (every worker on the GPU) beside the CLI tests (jobs launched by mpiexec)
 # (MPI_TESTS, CLI_TESTS: other selections, as pytest arguments)
 export PATH="$mpich:$PATH"  # the hpcps command of the CLI tests

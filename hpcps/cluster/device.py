@@ -4,7 +4,8 @@ Workers train on ``cuda:<i>``, ``i`` being the worker's index among the
 workers on its node (modulo the GPUs it can see, so a node with more workers
 than GPUs shares them, and a rank that Slurm bound to one GPU sees it as
 ``cuda:0``). Servers and group servers apply updates in host memory, where
-the RMA windows are, and never use a GPU.
+the RMA windows are, unless ``--server-device`` puts a central shard's slice
+on a device (:mod:`hpcps.runtime.residence`).
 
 How a worker's tensors move (:class:`~hpcps.training.flat.FlatParameters` does it):
 

@@ -120,6 +120,7 @@ class TrainConfig(BaseModel):
     target: str | None = None  # METRIC<=VALUE or METRIC>=VALUE (hpcps.options.targets)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_aware: Literal["auto", "yes", "no"] = "auto"
+    server_device: Literal["host", "cpu", "cuda"] = "host"  # where central shards step (hpcps.runtime.residence)
     eval_interval: float = Field(0.1, gt=0)
     eval_every: int | None = Field(None, ge=1)  # versions; instead of eval_interval
     log_every: float = Field(5.0, gt=0)  # seconds between the evaluation's console lines

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from hpcps.metrics.board import TABLES as BOARD_TABLES, Board, run_logdir
 from hpcps.metrics.timeline import NullTimeline, Timeline
 from hpcps.policies import Policy, make_policy
-from hpcps.runtime import faults, watchers
+from hpcps.runtime import faults, residence, watchers
 from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.runtime.backward import BackwardPushes
 from hpcps.runtime.checkpoints.files import read_optimizer_state, read_policy_state
@@ -99,12 +99,14 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     # order (reproducible), hsp in the order its serial transfers come; those and the ones that apply
     # every gradient on arrival receive into a pool of RECEIVE_POOL buffers, whatever the worker count;
     # any other (a plug-in that holds gradients) keeps one buffer per worker
-    rounds = RoundSum(len(master), trainable, len(workers), policy.active, ordered=not serial) \
-        if policy.holds_rounds and not grouped else None
+    home = state.home
+    rounds = RoundSum(len(master), trainable, len(workers), policy.active, ordered=not serial,
+                      device=home.device) if policy.holds_rounds and not grouped else None
     pooled = rounds is not None or policy.applies_on_arrival or grouped
     spares = SpareDesk(topo.ps, shard=topo.rank, shards=plan.shards, spares=layout.spare_ranks(),
                        rounds=plan.rounds, dead=state.dead) if layout.n_spares else None  # (idle ones told to end)
-    inbox = PushInbox(topo.ps, worker_ranks=workers, shard_len=plan.codec.push_len(len(master)),
+    # (a slice on a GPU uploads every gradient from the receive buffers: pinned, one DMA each)
+    inbox = (residence.PinnedPushInbox if home.pinned else PushInbox)(topo.ps, worker_ranks=workers, shard_len=plan.codec.push_len(len(master)),
                       dtype=plan.codec.push_dtype, clock=state.clock,
                       on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                       pool=RECEIVE_POOL if pooled else None,
@@ -161,7 +163,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         spares=spares, sender=ParamSender(topo.ps, worker_ranks=workers, ranges=plan.slices.local_ranges(topo.rank),
                                           length=len(master)) if sends_pulls(plan, state) else None)
     update = ShardUpdate(master, cfg.lr, optimizer=optimizer, n_params=trainable, version=start_version,
-                         round_sum=rounds, codec=plan.codec, abort_on_nonfinite=cfg.nonfinite == "abort")
+                         round_sum=rounds, codec=plan.codec, abort_on_nonfinite=cfg.nonfinite == "abort",
+                         home=home)
     server = ShardServer(
         shard=topo.rank, rank=topo.rank, policy=policy, worker_ranks=workers, ports=ports, update=update,
         records=Records(recorder, state.clock, timeline(plan, state, recorder)),
@@ -202,12 +205,12 @@ def reconcile_lost(plan: RunPlan, state: RunState, server: ShardServer, recorder
             recorder.add("servers/lost", (server.rank, server.shard, t, rank, clock, 2))
 
 
-def shard_optimizer(plan: RunPlan, state: RunState, params: np.ndarray, shard: int) -> ShardOptimizer:
-    """The optimizer of central shard ``shard``'s trainable values ``params``, cut into the run's param
-    groups, its schedule over the run's updates, resumed state."""
+def shard_optimizer(plan: RunPlan, state: RunState, params: torch.Tensor, shard: int) -> ShardOptimizer:
+    """The optimizer of central shard ``shard``'s trainable values ``params`` (on the slice's device), cut
+    into the run's param groups, its schedule over the run's updates, resumed state."""
     cfg = plan.cfg
     groups = shard_groups(plan.groups, plan.slices.pieces[shard])
-    optimizer = ShardOptimizer(torch.from_numpy(params), plan.workload.optimizer_factory(cfg), lambda v: 1.0,
+    optimizer = ShardOptimizer(params, plan.workload.optimizer_factory(cfg), lambda v: 1.0,
                                groups=groups, indices=shard_group_indices(plan.groups, plan.slices.pieces[shard]))
     # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
     optimizer.schedule = schedule(plan, optimizer.default_lr or cfg.lr)

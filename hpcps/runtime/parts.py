@@ -205,7 +205,8 @@ class ShardUpdate:
     (``--lr``); ``round_sum``: sum each round (bsp, hsp) as it arrives (:mod:`hpcps.runtime.rounds`)
     instead of holding it; ``codec``: what a push's payload holds (:mod:`hpcps.transport.compress`; fp32 by
     default); ``abort_on_nonfinite``: a non-finite gradient ends the run (``--nonfinite abort``) instead of
-    being dropped."""
+    being dropped; ``home``: where the slice is stepped (:mod:`hpcps.runtime.residence`; default: ``master``
+    itself, in place)."""
 
     master: np.ndarray
     unit_lr: float
@@ -215,6 +216,7 @@ class ShardUpdate:
     round_sum: Any = None
     codec: Any = None
     abort_on_nonfinite: bool = False
+    home: Any = None
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,8 @@ class RunState:
     recorder: Any = None
     master: Any = None  # a central shard's fp32 slice
     optimizer: "ShardOptimizer | None" = None  # a central shard's
+    slice_device: Any = None  # a central shard's --server-device (None: host memory)
+    home: Any = None  # a central shard's slice where it is stepped (hpcps.runtime.residence)
     policy: Policy | None = None  # a central shard's paradigm, once it serves (its state goes in checkpoints)
     rate: float | None = None  # the rate the servers' optimizer has of its own (a factory's, or --lr)
     ran: dict = field(default_factory=dict)  # rank 0: what ran (optimizer, schedule), for files and checkpoints

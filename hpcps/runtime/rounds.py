@@ -31,11 +31,13 @@ import torch
 class RoundSum:
     """The open round's sum; ``active`` is the policy's live set of active workers (read, not owned).
 
-    ``ordered``: add in worker order (bsp, reproducible) or in arrival order (hsp).
+    ``ordered``: add in worker order (bsp, reproducible) or in arrival order (hsp); ``device``: where the
+    sum lives, the shard's slice's (:mod:`hpcps.runtime.residence`).
     """
 
-    def __init__(self, size: int, n_params: int, n_workers: int, active: set[int], *, ordered: bool = True) -> None:
-        self.acc = torch.zeros(size, dtype=torch.float32)
+    def __init__(self, size: int, n_params: int, n_workers: int, active: set[int], *, ordered: bool = True,
+                 device: torch.device | str = "cpu") -> None:
+        self.acc = torch.zeros(size, dtype=torch.float32, device=device)
         self.n_params, self.n_workers, self.active, self.ordered = n_params, n_workers, active, ordered
         self.arrived: dict[int, None] = {}  # the round's gradients in hand, in arrival order
         self.finite: dict[int, bool] = {}  # summed this round: whether the gradient was added

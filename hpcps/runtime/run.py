@@ -44,6 +44,7 @@ from hpcps.runtime.checkpoints.files import (Checkpoint, LoopState, check_compat
 from hpcps.options.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
+from hpcps.runtime import residence
 from hpcps.cluster.emulation import emulated_compute_time
 from hpcps.options.effects import no_effect
 from hpcps.errors import RunAborted, UserError
@@ -261,7 +262,9 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     if cfg.tensorboard:
         agree(comm, lambda: check_installed() if comm.rank == 0 else None)
     device = _plan_device(cfg, comm, layout)
-    devices = comm.allgather(device.describe())
+    slice_device = _slice_device(cfg, comm, layout)
+    devices = comm.allgather(device.describe() if slice_device is None else
+                             f"{device.describe()}; slice on {residence.DeviceSlice.describe_device(slice_device)}")
     flat = FlatParameters(model, device.device, device.transfer)
     shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
     agree(comm, lambda: check_same_model(shapes))
@@ -308,7 +311,7 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
         reseed=reseed, start_iteration=start_iteration)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
-                     stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "")
+                     stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "", slice_device=slice_device)
     return Run(run_plan, state)
 
 
@@ -350,6 +353,19 @@ def _plan_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> DevicePlan
     return plan
 
 
+def _slice_device(cfg: TrainConfig, comm: MPI.Comm, layout: Layout) -> torch.device | None:
+    """Collective where ``--server-device`` is not ``host``: the device this rank's central shard steps its
+    slice on (:mod:`hpcps.runtime.residence`); None for host memory and for every other role."""
+    if cfg.server_device == "host":
+        return None
+    local = node_local_index(comm, range(layout.n_servers))
+    n_gpus = torch.cuda.device_count() if local is not None and cfg.server_device == "cuda" else 0
+    device = agree(comm, lambda: residence.shard_device(cfg.server_device, local, n_gpus) if local is not None else None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: torch.nn.Module,
                     flat: FlatParameters, batches, workload: Workload) -> Layout:
     """Collective: time every worker in a warm-up, then group the workers of similar speed."""
@@ -365,10 +381,10 @@ def _group_by_speed(cfg: TrainConfig, comm: MPI.Comm, layout: Layout, model: tor
     return replace(layout, members=tuple(tuple(m) for m in members))
 
 
-def _devices_summary(devices: list[str]) -> str:
+def _devices_summary(devices: list[str], what: str = "worker") -> str:
     """``cpu (4 workers)`` or ``cuda:0, staged ... (2 workers); cuda:1, ... (2 workers)``: the log's device line."""
     counts = Counter(devices)
-    return "; ".join(f"{d} ({n} worker{'s' if n > 1 else ''})" for d, n in counts.items())
+    return "; ".join(f"{d} ({n} {what}{'s' if n > 1 else ''})" for d, n in counts.items())
 
 
 def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout, stripe: int | None) -> Checkpoint:
@@ -510,7 +526,10 @@ class Run:
             window.publish(master, plan.shard_start(comm.rank))
             # before the start: torch's first optimizer imports torch._dynamo, which took 1.5-2.5 s here,
             # and every worker's first push waited for it
-            optimizer = state.optimizer = assembly.shard_optimizer(plan, state, master[:plan.trainable(shard)], shard)
+            # where the slice is stepped (--server-device): the master itself, or its copy on a device
+            state.home = residence.place(master, state.slice_device)
+            optimizer = state.optimizer = assembly.shard_optimizer(plan, state, state.home.tensor[:plan.trainable(shard)],
+                                                                   shard)
         elif topo.role in (Role.WORKER, Role.SPARE) and plan.cfg.inner_steps is not None:
             # likewise a worker's inner optimizer under --local-steps, built with its session after the start:
             # the import counted in the run's clock (2.5 s of a 2.7 s run of 10 rounds here)
@@ -545,6 +564,10 @@ class Run:
                      plan.cfg.paradigm, plan.layout.describe(), plan.workload.model_name, state.flat.n_params,
                      state.flat.size - state.flat.n_params, data, plan.steps, local)
             log.info("workers on %s", _devices_summary([plan.devices[r] for r in plan.layout.worker_ranks()]))
+            if plan.cfg.server_device != "host":
+                log.info("server shards' slices, optimizer state and sums on %s",
+                         _devices_summary([plan.devices[r].split("; slice on ", 1)[-1]
+                                           for r in range(plan.layout.n_servers)], "shard"))
             # once per run, on rank 0: the options nothing in this run reads
             for line in no_effect(plan.cfg, plan.paradigm):
                 log.warning(line)

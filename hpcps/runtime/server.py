@@ -56,6 +56,7 @@ from hpcps.transport.poll import Backoff
 from hpcps.transport.compress import Codec, all_finite
 from hpcps.transport.failures import found_dead
 from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent
+from hpcps.runtime.residence import HostSlice
 from hpcps.runtime.spares import JoinEvent
 from hpcps.runtime.stalls import ShardStalls
 
@@ -145,7 +146,8 @@ class ShardServer(_Membership):
         self.inbox, self.notifier, self.window = ports.inbox, ports.notifier, ports.window
         self.progress, self.sender, self.spares = ports.progress, ports.sender, ports.spares
         self.master, self.optimizer, self.unit_lr = update.master, update.optimizer, update.unit_lr
-        self.master_t = torch.from_numpy(update.master)
+        self.home = update.home if update.home is not None else HostSlice(update.master)  # (where it is stepped)
+        self.master_t = self.home.tensor
         self.n_params = len(update.master) if update.n_params is None else update.n_params
         self.version, self.round_sum = update.version, update.round_sum
         self.codec, self.abort_on_nonfinite = update.codec or Codec(), update.abort_on_nonfinite
@@ -204,6 +206,7 @@ class ShardServer(_Membership):
                 self._handle(event, notices)
             if self.version != version_before:
                 tl.enter("publish")
+                self.home.download()  # a device's slice into the master the window publishes
                 self.window.publish(self.master, self.version)
                 tl.at(self.version)
                 if self.on_published is not None:  # before any grant: every blocked worker still waits
@@ -398,9 +401,9 @@ class ShardServer(_Membership):
         self.stalls.check(self.clock(), self.gone | self.awaiting)
 
     def _gradient(self, worker: int) -> torch.Tensor:
-        """The held gradient of ``worker``: a view of the inbox's buffer (fp32, or 16-bit under
-        ``--compress bf16/fp16``), or a dense tensor made from a top-k payload."""
-        return self.codec.gradient(self.inbox.gradient(worker), len(self.master))
+        """The held gradient of ``worker`` where the slice is stepped: a view of the inbox's buffer (fp32, or
+        16-bit under ``--compress bf16/fp16``), or a dense tensor made from a top-k payload; or its copy."""
+        return self.home.upload(self.codec.gradient(self.inbox.gradient(worker), len(self.master)))
 
     def _finite(self, push: PushEvent) -> bool:
         """Whether a gradient may be applied (called once per push); a skipped one (its worker said so) or a

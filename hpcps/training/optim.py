@@ -251,7 +251,8 @@ class ShardOptimizer:
         # step straight from the received gradient (an fp32 one: a 16-bit payload is widened into the sum)
         single = len(grads) == 1 and coeffs[0] == 1.0 and grads[0].dtype == torch.float32
         if not single and self._sum is None:
-            self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32)
+            self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32,
+                                    device=self.chunks[0].device)
         for chunk, (lo, hi) in zip(self.chunks, self.spans):
             if single:
                 chunk.grad = grads[0][lo:hi]
@@ -267,7 +268,17 @@ class ShardOptimizer:
         return len(self.chunks)
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict() if self.optimizer is not None else {}
+        """The optimizer's state dict, its tensors in host memory whatever device the slice is on (a
+        checkpoint's and ``ps.optimizer``'s readers take numpy views of them; ``load_state_dict`` puts
+        them back on the slice's device, as torch.optim does)."""
+        if self.optimizer is None:
+            return {}
+        state = self.optimizer.state_dict()
+        if self.chunks[0].device.type != "cpu":
+            state = {**state, "state": {k: {name: v.cpu() if isinstance(v, torch.Tensor) else v
+                                             for name, v in entry.items()}
+                                         for k, entry in state["state"].items()}}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None and state:

@@ -19,6 +19,7 @@ from fakeports import Fabric, FakeSpares, Rows
 from hpcps.metrics.schema import ITERATION, UPDATE
 from hpcps.policies import make_policy
 from hpcps.runtime.parts import ServerHooks, ShardUpdate, StepPlan, Watch
+from hpcps.runtime.residence import DeviceSlice, HostSlice
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.worker import Worker
@@ -45,19 +46,25 @@ class Job:
     """One shard and ``n`` workers of ``paradigm`` over a :class:`Fabric`, each role in its thread."""
 
     def __init__(self, paradigm: str, n: int, steps: int, *, staleness: int = 0, rounds: bool = False,
-                 hooks: ServerHooks = ServerHooks(), spare: bool = False) -> None:
+                 hooks: ServerHooks = ServerHooks(), spare: bool = False, momentum: float = 0.0,
+                 on_device: bool = False) -> None:
+        """``on_device``: the shard steps its slice on a device (torch's CPU: a copy of its own,
+        :class:`~hpcps.runtime.residence.DeviceSlice`), not the master in place."""
         self.steps = steps
         self.flats = [FlatParameters(model()) for _ in range(n)]
         size = self.flats[0].size
         self.fabric, self.rows = Fabric(n, size), Rows()
         self.master = self.flats[0].params.copy()
         self.policy = make_policy(paradigm, n, staleness=staleness)
-        optimizer = ShardOptimizer(torch.from_numpy(self.master), builtin_optimizer("sgd", lr=LR), lambda v: 1.0)
-        round_sum = RoundSum(size, size, n, self.policy.active) if rounds else None
+        home = DeviceSlice(self.master, torch.device("cpu")) if on_device else HostSlice(self.master)
+        optimizer = ShardOptimizer(home.tensor, builtin_optimizer("sgd", lr=LR, momentum=momentum), lambda v: 1.0)
+        round_sum = RoundSum(size, size, n, self.policy.active, device=home.device) if rounds else None
+        self.pushed: dict[tuple[int, int], np.ndarray] = {}  # (worker, clock): the gradient it pushed
         self.server = ShardServer(
             shard=0, rank=0, policy=self.policy, worker_ranks=list(range(1, n + 1)),
             ports=self.fabric.server_ports(FakeSpares(n + 1, self._place) if spare else None),
-            update=ShardUpdate(self.master, LR, optimizer=optimizer, n_params=size, round_sum=round_sum),
+            update=ShardUpdate(self.master, LR, optimizer=optimizer, n_params=size, round_sum=round_sum,
+                               home=home),
             records=self.rows.records(), watch=WATCH, hooks=hooks)
         self.workers = [Worker(rank=w + 1, model=torch.nn.Linear(3, 2), flat=flat,
                                ports=self.fabric.worker_ports(w, flat.push_grads),
@@ -110,6 +117,7 @@ class Job:
                 g = gradient(flat.params, w, worker.step)
                 if nan_at == (w, worker.step):
                     g[0] = np.nan
+                self.pushed[w, worker.step + 1] = g.copy()
                 flat.grads_t[:] = torch.from_numpy(g)
                 worker.close_step(1.0, 0.0)
             worker.finish()
@@ -224,3 +232,34 @@ def test_a_spare_takes_a_dead_workers_place_and_every_planned_gradient_is_applie
     spare_rows = [r for r in job.iterations() if r["rank"] == 4]
     assert sorted(r["step"] for r in spare_rows) == list(range(2, steps))  # its steps, where worker 1 stopped
 
+
+
+@pytest.mark.parametrize("paradigm", ["bsp", "ssp"])
+def test_a_slice_stepped_on_a_device_ends_bit_for_bit_as_one_stepped_in_place(paradigm):
+    """``--server-device``: the shard's slice, momentum and round sum on a device (torch's CPU here, a copy
+    apart from the master), each gradient copied up and each update copied down before its publish. Held to
+    the host path bit for bit: bsp against a second job in host memory (its rounds sum in worker order, so
+    two jobs end alike), ssp (whose order is the timing's) against the host optimizer stepped in the order
+    the device job applied its gradients."""
+    steps, n = 6, 3
+    compute = (lambda w, k: 0.002 * ((w + k) % 3)) if paradigm == "bsp" else (lambda w, k: 0.01 if w == 1 else 0.0)
+    job = Job(paradigm, n, steps, staleness=1, rounds=paradigm == "bsp", momentum=0.9, on_device=True)
+    start = job.master.copy()
+    job.run(compute=compute)
+    assert job.server.gradients_applied == n * steps
+    if paradigm == "bsp":
+        host = Job(paradigm, n, steps, rounds=True, momentum=0.9)
+        host.run(compute=compute)
+        expected = host.master
+    else:
+        expected = start.copy()
+        replay = ShardOptimizer(torch.from_numpy(expected), builtin_optimizer("sgd", lr=LR, momentum=0.9),
+                                lambda v: 1.0)
+        updates = [dict(zip(UPDATE.names, row)) for row in job.rows.tables["servers/updates"]]
+        assert [u["version"] for u in updates] == list(range(n * steps))  # one gradient per update, in order
+        for u in updates:
+            replay.step([torch.from_numpy(job.pushed[u["worker"] - 1, u["worker_clock"]])], [1.0],
+                        version=u["version"], factor=1.0)
+    assert np.abs(job.master - start).max() > 1e-3, "nothing trained: the comparison would be empty"
+    assert np.array_equal(job.master, expected), np.abs(job.master - expected).max()
+    assert job.master.ctypes.data != job.server.home.tensor.data_ptr()  # the device path ran: a copy apart

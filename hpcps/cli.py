@@ -598,14 +598,8 @@ def _tune(args: argparse.Namespace) -> int:
     comm, flags = started
     from hpcps.options.config import make_config
     from hpcps.runtime.agree import agree, run_or_end
-    words, skip = [], False  # hpcps train's words of the command line, for the commands printed
-    for word in args.command_line[1:]:
-        if skip:
-            skip = False
-        elif word in TUNE_OPTIONS:
-            skip = True
-        elif not word.startswith(tuple(f"{o}=" for o in TUNE_OPTIONS)):
-            words.append(word)
+    from hpcps.options.words import without_options
+    words = without_options(args.command_line[1:], one=TUNE_OPTIONS)  # hpcps train's, for the commands printed
 
     def tune():
         from hpcps.runtime.run import run_training

@@ -29,6 +29,7 @@ from typing import Sequence
 
 from hpcps.errors import UserError
 from hpcps.options.config import CHOOSABLE, TrainConfig
+from hpcps.options.words import without_options
 
 AUTO = "auto"
 #: options read only by ``--paradigm auto`` (and ``--trial-steps`` by ``hpcps tune``)
@@ -80,18 +81,7 @@ def as_chosen(cfg: TrainConfig, paradigm: str) -> TrainConfig:
 def without_auto(words: Sequence[str]) -> list[str]:
     """Command-line ``words`` less ``--paradigm auto``, ``--paradigms ...`` and ``--trial-steps N`` (a
     command printed for one paradigm)."""
-    kept, skip = [], 0
-    for word in words:
-        name = word.split("=", 1)[0]
-        if skip == 1 or (skip == 2 and not word.startswith("-")):
-            skip = 0 if skip == 1 else 2
-            continue
-        skip = 0
-        if name in ("--paradigm", "--trial-steps", "--paradigms"):
-            skip = 0 if "=" in word else 2 if name == "--paradigms" else 1
-            continue
-        kept.append(word)
-    return kept
+    return without_options(words, one=("--paradigm", "--trial-steps"), many=("--paradigms",))
 
 
 def choose(trials: Sequence[ParadigmTrial]) -> ParadigmTrial:
@@ -121,13 +111,13 @@ def table(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial) -> list[str]:
 def record(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial, trial_steps: int, seconds: float) -> str:
     """The choice as the run file keeps it (JSON): the trials, how long they took in all (``seconds``: the
     wait before the run), the one chosen and what it predicts of the run (its batches a second and mean
-    step); the run's own measure is added at its end (:func:`measured`)."""
+    step); the run's own measure is added at its end (:func:`with_measure`)."""
     return json.dumps({"chosen": chosen.paradigm, "trial_steps": trial_steps, "trials_s": seconds,
                        "predicted": {"batches_per_s": chosen.batches_per_s, "mean_step_s": chosen.mean_step_s},
                        "trials": [asdict(t) for t in trials]}, sort_keys=True)
 
 
-def measured(choice: str, batches_per_s: float, mean_step_s: float) -> str:
+def with_measure(choice: str, batches_per_s: float, mean_step_s: float) -> str:
     """``choice`` (:func:`record`'s JSON) with the run's own batches a second and mean step beside the
     prediction."""
     values = json.loads(choice)

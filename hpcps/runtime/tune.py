@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import h5py
-import numpy as np
 from mpi4py import MPI
 
-from hpcps.analysis.report import applied_updates, mean_step, step_means
+from hpcps.analysis.report import applied_updates, step_means
 from hpcps.errors import UserError
 from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
@@ -45,14 +44,6 @@ REFUSED = ("resume", "fault")
 
 #: steps left out at each worker's start (at most a quarter of its steps): start-up, torch's first passes
 WARMUP_STEPS = 5
-
-
-def measured(path: str) -> tuple[float, int]:
-    """A trial's run file: its mean step (s; :func:`hpcps.analysis.report.mean_step` after
-    :data:`WARMUP_STEPS`) and its worker count."""
-    with h5py.File(path, "r") as f:
-        it = f["workers/iterations"][()]
-    return mean_step(it, WARMUP_STEPS), len(np.unique(it["rank"]))
 
 
 def settled(path: str) -> dict[str, Any]:
@@ -110,8 +101,9 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     result = train(base.model_copy(update={"out": str(folder / "trial-0.h5")}), comm)
     first = None
     if comm.rank == 0:
-        step_s, workers = measured(result.path)
-        first = (Trial(settled(result.path), workers, step_s, as_given=True), 4 * result.params.size / 2**20)
+        run = paradigm_trial(result.path, cfg.paradigm, 1)  # (a layout's trial: its rows' mean, one a row)
+        first = (Trial(settled(result.path), run.workers, run.mean_step_s, as_given=True),
+                 4 * result.params.size / 2**20)
     first = comm.bcast(first, root=0)
     trials, model_mb = [first[0]], first[1]
     todo = [c for c in candidates(cfg, given, nodes, model_mb) if c != dict(first[0].values)]
@@ -122,8 +114,8 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
             log.info("hpcps tune: trial %d of %d: %s", k + 1, len(todo) + 1, " ".join(flags(values)))
         result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm)
         if comm.rank == 0:
-            step_s, workers = measured(result.path)
-            trials.append(Trial(values, workers, step_s))
+            run = paradigm_trial(result.path, cfg.paradigm, 1)
+            trials.append(Trial(values, run.workers, run.mean_step_s))
     if comm.rank != 0:
         return []
     again = trials.pop()
@@ -225,4 +217,4 @@ def keep_choice(path: str, choice: str, cfg: TrainConfig) -> None:
     ``paradigm_choice``), with the run's own batches a second and mean step beside the prediction."""
     run = paradigm_trial(path, cfg.paradigm, cfg.inner_steps or 1)
     with h5py.File(path, "a") as f:
-        f.attrs["paradigm_choice"] = paradigm_choice.measured(choice, run.batches_per_s, run.mean_step_s)
+        f.attrs["paradigm_choice"] = paradigm_choice.with_measure(choice, run.batches_per_s, run.mean_step_s)

@@ -124,7 +124,7 @@ def test_a_printed_command_loses_the_auto_words_and_keeps_the_users():
 def test_the_record_keeps_the_trials_the_prediction_and_the_runs_measure_and_reads_in_one_line():
     trials = [trial("bsp", 100.0, 0.0), trial("asp", 250.0, 1.8)]
     chosen = pc.choose(trials)
-    record = json.loads(pc.measured(pc.record(trials, chosen, 30, 12.25), 240.5, 0.0125))
+    record = json.loads(pc.with_measure(pc.record(trials, chosen, 30, 12.25), 240.5, 0.0125))
     assert record["chosen"] == "asp" and record["trial_steps"] == 30 and record["trials_s"] == 12.25
     assert record["predicted"] == {"batches_per_s": 250.0, "mean_step_s": 4 / 250.0}
     assert record["measured"] == {"batches_per_s": 240.5, "mean_step_s": 0.0125}

@@ -71,3 +71,14 @@ def test_trials_rank_by_batches_a_second_and_the_best_command_keeps_the_users_wo
 @pytest.mark.parametrize("value, word", [(0.25, "0.25"), (1.0, "1"), (0.0, "0")])
 def test_partition_sizes_print_as_the_flag_takes_them(value, word):
     assert command([], [], {"partition_mb": value}).endswith(f"--partition-mb {word}")
+
+
+def test_a_printed_command_leaves_out_the_options_named_with_their_values_and_keeps_the_rest_in_order():
+    from hpcps.options.words import without_options
+
+    words = ["--top", "3", "--steps", "9", "--trial-steps=5", "--paradigms", "bsp", "asp", "--lr", "0.1",
+             "--paradigms=ssp", "--out", "x.h5", "--top"]
+    assert without_options(words, one=("--top", "--trial-steps"), many=("--paradigms",)) == \
+        ["--steps", "9", "--lr", "0.1", "--out", "x.h5"]
+    assert without_options(words) == words
+    assert without_options(["--paradigms", "bsp", "asp"], many=("--paradigms",)) == []

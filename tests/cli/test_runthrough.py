@@ -388,3 +388,14 @@ def test_a_paradigm_that_does_not_run_through_is_restarted_by_the_supervisor_tho
     with h5py.File(resumed) as f:
         cut = int(f.attrs["worker_clocks"].sum())
     assert 0 < cut < 4 * STEPS and pushed == handled and pushed + cut == 4 * STEPS, (pushed, cut)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_spawned_after_a_death_joins_the_shrunk_job_and_forms_a_window_with_it(tmp_path):
+    """What a replacement launched after a death will build on (tools/probe_join.py): under ULFM the survivors
+    shrink, ``MPI_Comm_spawn`` one process, merge with it, sum over the merged group and form an RMA window."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "probe_join.py")
+    proc = run_bounded([sys.executable, tool, "--ways", "spawn", "--ranks", "3"], timeout=100, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + failure(proc.stderr)
+    assert re.search(r"^\| spawn \| joined: allreduce and window over the merged group \| \d+\.\d\d \|$", proc.stdout,
+                     re.M), proc.stdout[-2000:]

@@ -44,6 +44,7 @@ TINY: dict[str, tuple[list[str], str | None, bool]] = {
                      "--checkpoint-every", "5"], "torchft", False),
     "bench_policies": (["--workers", "4", "--pushes", "2"], None, True),
     "bench_pull": (["--np", "3", "--seeds", "0", "--", "--steps", "4"], None, True),
+    "probe_join": (["--ways", "spawn", "--ranks", "3"], "openmpi", True),
     "bench_runthrough": (["--paradigms", "asp", "--ranks", "3", "--rank", "2", "--steps", "10", "--kill-at", "4"], "openmpi",
                          True),
     "bench_chaos": (["--paradigms", "asp", "--nodes", "3", "--node", "2", "--steps", "20", "--kill-at", "8"], "box",

@@ -18,7 +18,10 @@ the ratios against bsp and DDP of the same invocation:
   likewise (with Nesterov applied on every arrival instead, the bounded form diverged here after 340 s
   at a loss of 3.1);
 * with ``--overlap-steps T ...``, ``diloco`` at each H with the outer step hidden behind the next round's
-  first T steps (``hpcps train --overlap-steps``).
+  first T steps (``hpcps train --overlap-steps``);
+* ``torchft-diloco`` (when named in ``--methods``; ``pip install '.[peers]'``): torchft's DiLoCo at each H,
+  the same inner AdamW and outer Nesterov sgd, one replica group per node, its lighthouse on node 0
+  (``tools/peers/torchft_diloco.py``).
 
 The model is examples/nanogpt_style.py's GPT (3 layers, 96 wide, 48 characters of context, no dropout:
 0.35M parameters, 1.4 MB); the text is Python's own standard library (argparse, inspect, typing and
@@ -200,11 +203,36 @@ def _run_ddp(a, seed: int) -> list[tuple[float, float]]:
     return [tuple(e) for e in json.loads(line[len("EVALS "):])]
 
 
+def _run_torchft(a, seed: int, h: int) -> list[tuple[float, float]]:
+    """torchft's DiLoCo at H = ``h`` in the box, one replica group per node; its evaluations."""
+    from hpcps.cluster.launcher import clean_environ
+
+    options = [*_common(a, seed), "--straggler", str(a.straggler), "--eval-every-s", str(a.eval_interval)]
+    replica = Path(__file__).resolve().parent / "peers" / "torchft_diloco.py"
+    cmd = [*_box(a.nodes, 1, a.link), sys.executable, str(replica), "--local-steps", str(h), "--budget", str(a.budget),
+           "--target", str(a.target), "--", *options]
+    proc = subprocess.run(cmd, env=clean_environ(PYTHONPATH=str(Path(__file__).parent)), capture_output=True,
+                          text=True, timeout=a.budget * 4 + 600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("EVALS ")), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"torchft DiLoCo failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
+    return [tuple(e) for e in json.loads(line[len("EVALS "):])]
+
+
 def _common(a, seed: int) -> list[str]:
     """What every method shares: data, batch, emulated compute, AdamW's rate, the most steps."""
     return [*PLUGINS, "--seed", str(seed), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
             "--optimizer", "adamw", "--lr", str(a.lr), "--compute-time", str(a.compute_time),
             "--compute-forward", "0.33", "--compute-backward", "0.67", "--threads", "1"]
+
+
+def _torchft_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchft")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def time_to(evals: list[tuple[float, float]], target: float) -> float:
@@ -245,8 +273,8 @@ def main() -> None:
     p.add_argument("--shards-at-once", dest="fanin", type=int, nargs="*", default=[], metavar="K",
                    help="a bsp row more per K, with --shards-at-once K (method bsp-rotated)")
     p.add_argument("--methods", nargs="+",
-                   help="only these (bsp, bsp-rotated, bsp-sent, ddp, diloco, overlap, async, bounded; bsp-sent, "
-                        "bsp with --pull send, only when named)")
+                   help="only these (bsp, bsp-rotated, bsp-sent, ddp, diloco, overlap, async, bounded, "
+                        "torchft-diloco; bsp-sent, bsp with --pull send, and torchft-diloco only when named)")
     p.add_argument("--inner-ddp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("options", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -266,6 +294,7 @@ def main() -> None:
                f"DDP (gloo), {a.bucket_mb:g} MB buckets": ("ddp", None),
                **{f"diloco H={h}": ("diloco", ["--paradigm", "diloco", "--local-steps", str(h), *outer])
                   for h in a.local_steps},
+               **{f"torchft {_torchft_version()} DiLoCo H={h}": ("torchft-diloco", [str(h)]) for h in a.local_steps},
                **{f"diloco H={h}, --overlap-steps {t}": ("overlap", ["--paradigm", "diloco", "--local-steps", str(h),
                                                                      "--overlap-steps", str(t), *outer])
                   for h in a.local_steps for t in a.overlap_steps if t < h},
@@ -275,13 +304,14 @@ def main() -> None:
                    "--paradigm", "ssp", "--staleness", "1", "--local-steps", str(h0), *outer,
                    "--momentum-period", str(a.nodes)])}
     methods = {k: v for k, v in methods.items() if v[0] in a.methods} if a.methods else \
-        {k: v for k, v in methods.items() if v[0] != "bsp-sent"}  # (bsp-sent when asked for)
+        {k: v for k, v in methods.items() if v[0] not in ("bsp-sent", "torchft-diloco")}  # (when asked for)
     results: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in methods}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in a.seeds:
             for name, (kind, extra) in methods.items():
                 # (the options after the plug-ins win: --lr and --optimizer are the outer ones for local steps)
-                evals = _run_ddp(a, seed) if kind == "ddp" else _hpcps(a, seed, extra, Path(tmp) / "run.h5")
+                evals = _run_ddp(a, seed) if kind == "ddp" else _run_torchft(a, seed, int(extra[0])) \
+                    if kind == "torchft-diloco" else _hpcps(a, seed, extra, Path(tmp) / "run.h5")
                 results[name].append(evals)
                 print(f"seed {seed} {name}: {time_to(evals, a.target):.1f} s to loss {a.target}, "
                       f"loss {loss_at(evals, a.loss_at):.3f} at {a.loss_at:g} s", file=sys.stderr, flush=True)

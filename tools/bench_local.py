@@ -46,7 +46,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -106,23 +105,13 @@ def _ddp(options: list[str], bucket_mb: float, budget: float, target: float) -> 
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from benchlib import config_of, data_parallel_replica, flags_of
+    from benchlib import Replica
     from hpcps.box.spec import NODE_IFACE, Cluster
-    from hpcps.cluster.emulation import BackwardCompute, ComputeTime, forward_compute
     from hpcps.training.optim import builtin_optimizer
-    from hpcps.training.workload import default_evaluate
 
     comm = MPI.COMM_WORLD
-    flags = flags_of(options)
-    slow = float(flags.get("straggler", 1.0))
-    eval_every = float(flags.get("eval_every_s", 2.0))
-    cfg = config_of(options, drop=("straggler", "eval_every_s", "partition_mb", "servers", "paradigm",
-                                   "eval_interval", "target", "local_steps"))
-    torch.set_num_threads(cfg.threads)
-    workload, model, batches = data_parallel_replica(cfg, comm, cfg.steps)
-    emulated = ComputeTime(cfg.compute_time, slow if comm.rank == comm.size - 1 else 1.0)
-    forward_compute(model, lambda: emulated.forward_seconds(cfg.compute_forward), time.sleep)
-    backward = BackwardCompute(model, lambda: emulated.forward_seconds(cfg.compute_backward), time.sleep)
+    replica = Replica(options, comm, DROPPED, target=target, budget=budget)
+    cfg, model = replica.cfg, replica.model
     if os.environ.get("HPCPS_NODE") is not None:
         os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"] = Cluster.address(0), NODE_IFACE
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -131,35 +120,24 @@ def _ddp(options: list[str], bucket_mb: float, budget: float, target: float) -> 
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     optimizer = builtin_optimizer(cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)(
         list(model.parameters()))
-    evaluate = default_evaluate(workload.loss)
-    test = list(workload.data().test_batches(cfg.eval_batch_size)) if comm.rank == 0 else None
-    rng = np.random.default_rng([cfg.seed, comm.rank + 1, 7])
-    evals, paused, last_eval, stop = [], 0.0, -math.inf, False
+    stop = False
     comm.Barrier()
-    start = time.perf_counter()
+    replica.start()
     for step in range(cfg.steps):
-        if comm.rank == 0 and time.perf_counter() - start - paused >= last_eval + eval_every:
-            t0 = time.perf_counter()
-            model.eval()
-            with torch.no_grad():
-                loss = evaluate(model, test)["loss"]
-            model.train()
-            last_eval = t0 - start - paused
-            evals.append((last_eval, loss))
-            paused += time.perf_counter() - t0
-            stop = loss <= target or last_eval >= budget
+        if comm.rank == 0:
+            stop = replica.evaluate_if_due()
         if comm.bcast(stop, root=0):
             break
-        t = time.perf_counter()
-        x, y = batches.batch(step)
-        backward.begin()
-        ddp(x, y).backward()
-        time.sleep(emulated.sleep_after(time.perf_counter() - t, rng))
+        replica.step(step, ddp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
     if comm.rank == 0:
-        print("EVALS " + json.dumps(evals), flush=True)
+        print("EVALS " + json.dumps(replica.evals), flush=True)
     dist.destroy_process_group()
+
+
+#: the options of bench_local's hpcps runs that a replica outside hpcps does not take
+DROPPED = ("partition_mb", "servers", "paradigm", "eval_interval", "target", "local_steps")
 
 
 # -- the invocation -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -89,6 +90,67 @@ def data_parallel_replica(cfg, comm, steps: int):
     batches = source.for_worker(comm.rank, comm.size, batch_size=cfg.batch_size, seed=cfg.seed,
                                 device=torch.device("cpu"), steps=steps)
     return workload, model, batches
+
+
+class Replica:
+    """A data-parallel replica of a benchmark's workload outside hpcps (bench_local's DDP rows, torchft's
+    DiLoCo), from the hpcps train ``options`` after its ``--`` (less the fields in ``drop``), collective
+    over ``comm``: the config, workload, model and batches :func:`data_parallel_replica` gives, with the
+    emulated compute hooked into the model's passes as an hpcps worker's (the last rank ``--straggler``
+    times slower), and rank 0's evaluations every ``--eval-every-s`` seconds of training (its clock stopped
+    while it evaluates) until ``target`` or ``budget`` seconds."""
+
+    def __init__(self, options: list[str], comm, drop: tuple[str, ...], *, target: float, budget: float) -> None:
+        import torch
+
+        from hpcps.cluster.emulation import BackwardCompute, ComputeTime, forward_compute
+        from hpcps.training.workload import default_evaluate
+
+        flags = flags_of(options)
+        self.cfg = cfg = config_of(options, drop=("straggler", "eval_every_s", *drop))
+        torch.set_num_threads(cfg.threads)
+        self.workload, self.model, self.batches = data_parallel_replica(cfg, comm, cfg.steps)
+        slow = float(flags.get("straggler", 1.0)) if comm.rank == comm.size - 1 else 1.0
+        self.emulated = ComputeTime(cfg.compute_time, slow)
+        forward_compute(self.model, lambda: self.emulated.forward_seconds(cfg.compute_forward), time.sleep)
+        self.backward = BackwardCompute(self.model, lambda: self.emulated.forward_seconds(cfg.compute_backward),
+                                        time.sleep)
+        self.rng = np.random.default_rng([cfg.seed, comm.rank + 1, 7])
+        self.every, self.target, self.budget = float(flags.get("eval_every_s", 2.0)), target, budget
+        self._evaluate = default_evaluate(self.workload.loss)
+        self._test = list(self.workload.data().test_batches(cfg.eval_batch_size)) if comm.rank == 0 else None
+        self.evals: list[tuple[float, float]] = []  # rank 0: (seconds of training, validation loss)
+        self._paused, self._last, self._start = 0.0, -math.inf, time.perf_counter()
+
+    def start(self) -> None:
+        """The clock starts (after every replica is set up)."""
+        self._start = time.perf_counter()
+
+    def evaluate_if_due(self) -> bool:
+        """Rank 0: evaluate if ``--eval-every-s`` seconds of training have passed since the last; whether
+        training stops (the target reached, or the budget spent)."""
+        import torch
+
+        t0 = time.perf_counter()
+        if t0 - self._start - self._paused < self._last + self.every:
+            return False
+        self.model.eval()
+        with torch.no_grad():
+            loss = self._evaluate(self.model, self._test)["loss"]
+        self.model.train()
+        self._last = t0 - self._start - self._paused
+        self.evals.append((self._last, loss))
+        self._paused += time.perf_counter() - t0
+        return loss <= self.target or self._last >= self.budget
+
+    def step(self, step: int, module=None) -> None:
+        """One batch's forward and backward passes through ``module`` (default: the model; DDP's wrapper),
+        padded to the emulated compute."""
+        t = time.perf_counter()
+        x, y = self.batches.batch(step)
+        self.backward.begin()
+        self.workload.loss(module if module is not None else self.model, (x, y)).backward()
+        time.sleep(self.emulated.sleep_after(time.perf_counter() - t, self.rng))
 
 
 def parser(doc: str, *, seeds: list[int]) -> argparse.ArgumentParser:

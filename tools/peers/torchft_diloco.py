@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import socket
@@ -28,7 +27,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,23 +57,14 @@ def main() -> None:
 
     from mpi4py import MPI
 
-    from benchlib import config_of, data_parallel_replica, flags_of
+    from bench_local import DROPPED
+    from benchlib import Replica
     from hpcps.box.spec import NODE_IFACE, Cluster
-    from hpcps.cluster.emulation import BackwardCompute, ComputeTime, forward_compute
     from hpcps.training.optim import builtin_optimizer
-    from hpcps.training.workload import default_evaluate
 
     comm = MPI.COMM_WORLD
-    flags = flags_of(a.options)
-    slow = float(flags.get("straggler", 1.0))
-    eval_every = float(flags.get("eval_every_s", 2.0))
-    cfg = config_of(a.options, drop=("straggler", "eval_every_s", "partition_mb", "servers", "paradigm",
-                                     "eval_interval", "target", "local_steps"))
-    torch.set_num_threads(cfg.threads)
-    workload, model, batches = data_parallel_replica(cfg, comm, cfg.steps)
-    emulated = ComputeTime(cfg.compute_time, slow if comm.rank == comm.size - 1 else 1.0)
-    forward_compute(model, lambda: emulated.forward_seconds(cfg.compute_forward), time.sleep)
-    backward = BackwardCompute(model, lambda: emulated.forward_seconds(cfg.compute_backward), time.sleep)
+    replica = Replica(a.options, comm, DROPPED, target=a.target, budget=a.budget)
+    cfg, model = replica.cfg, replica.model
     boxed = os.environ.get("HPCPS_NODE") is not None
     me = Cluster.address(int(os.environ["HPCPS_NODE"])) if boxed else "127.0.0.1"
     head = Cluster.address(0) if boxed else "127.0.0.1"
@@ -108,36 +97,21 @@ def main() -> None:
                       lighthouse_addr=f"http://{head}:{LIGHTHOUSE_PORT}", timeout=timedelta(seconds=a.timeout),
                       checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=a.timeout),
                                                        device=torch.device("cpu")))
-    evaluate = default_evaluate(workload.loss)
-    test = list(workload.data().test_batches(cfg.eval_batch_size)) if comm.rank == 0 else None
-    rng = np.random.default_rng([cfg.seed, comm.rank + 1, 7])
-    evals, paused, last_eval, stop = [], 0.0, -math.inf, False
+    stop = False
     comm.Barrier()
-    start = time.perf_counter()
+    replica.start()
     with DiLoCo(manager, [model], inner, outer, sync_every=a.local_steps):
         for step in range(cfg.steps):
             if step % a.local_steps == 0:  # a round's start: the model is the synchronized one
-                if comm.rank == 0 and time.perf_counter() - start - paused >= last_eval + eval_every:
-                    t0 = time.perf_counter()
-                    model.eval()
-                    with torch.no_grad():
-                        loss = evaluate(model, test)["loss"]
-                    model.train()
-                    last_eval = t0 - start - paused
-                    evals.append((last_eval, loss))
-                    paused += time.perf_counter() - t0
-                    stop = loss <= a.target or last_eval >= a.budget
+                if comm.rank == 0:
+                    stop = replica.evaluate_if_due()
                 if comm.bcast(stop, root=0):
                     break
-            t = time.perf_counter()
-            x, y = batches.batch(step)
-            backward.begin()
-            workload.loss(model, (x, y)).backward()
-            time.sleep(emulated.sleep_after(time.perf_counter() - t, rng))
+            replica.step(step)
             inner.step()  # (every H-th: DiLoCo's outer step, over the quorum, in its hook)
             inner.zero_grad(set_to_none=False)
     if comm.rank == 0:
-        print("EVALS " + json.dumps(evals), flush=True)
+        print("EVALS " + json.dumps(replica.evals), flush=True)
     comm.Barrier()
     manager.shutdown(wait=False)
     del store
@@ -149,4 +123,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # said and ended here: hpcps's hook would MPI_Abort, which blocked in the box once
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -106,7 +106,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     spares = SpareDesk(topo.ps, shard=topo.rank, shards=plan.shards, spares=layout.spare_ranks(),
                        rounds=plan.rounds, dead=state.dead) if layout.n_spares else None  # (idle ones told to end)
     # (a slice on a GPU uploads every gradient from the receive buffers: pinned, one DMA each)
-    inbox = (residence.PinnedPushInbox if home.pinned else PushInbox)(topo.ps, worker_ranks=workers, shard_len=plan.codec.push_len(len(master)),
+    inbox_class = residence.PinnedPushInbox if home.pinned else PushInbox
+    inbox = inbox_class(topo.ps, worker_ranks=workers, shard_len=plan.codec.push_len(len(master)),
                       dtype=plan.codec.push_dtype, clock=state.clock,
                       on_transfer=(lambda i: notifier.send(i, wire.TRANSFER)) if serial else None,
                       pool=RECEIVE_POOL if pooled else None,

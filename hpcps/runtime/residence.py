@@ -48,9 +48,6 @@ class HostSlice:
     def download(self) -> None:
         """The master is the slice: already up to date."""
 
-    def describe(self) -> str:
-        return "host memory"
-
 
 class DeviceSlice:
     """The slice on ``device``, copied from ``master`` once and back into it after each update."""
@@ -70,9 +67,6 @@ class DeviceSlice:
     def download(self) -> None:
         """The stepped slice into the host master, before the window publishes it."""
         self.host.copy_(self.tensor)
-
-    def describe(self) -> str:
-        return self.describe_device(self.device)
 
     @staticmethod
     def describe_device(device: torch.device) -> str:

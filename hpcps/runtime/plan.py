@@ -55,7 +55,10 @@ class RunPlan:
     ones at its start (the rest are float buffers); ``stripe``: ``--partition-mb`` in values (None: whole
     slices); ``codec``: what moves on the wire (a worker's keeps its top-k residual); ``facts``: what every
     rank knows of the data (only workers and rank 0 load it); ``devices``: each rank's device, as
-    :meth:`~hpcps.cluster.device.DevicePlan.describe` says; ``world_ranks``: the launcher's rank of each
+    :meth:`~hpcps.cluster.device.DevicePlan.describe` says (a shard's with where its slice is, under
+    ``--server-device``); ``slice_devices``: where each rank's slice is, if on a device
+    (:meth:`~hpcps.runtime.residence.DeviceSlice.describe_device`; None: host memory, and every rank
+    but a central shard); ``world_ranks``: the launcher's rank of each
     of the run's ranks (``--placement``); ``groups``: the model's param groups
     (:func:`~hpcps.training.paramgroups.resolve_groups`); ``ckpt``: the checkpoint resumed, or None;
     ``reseed``: each worker draws its own torch random stream (``hpcps.init(reseed=False)`` keeps the
@@ -78,6 +81,7 @@ class RunPlan:
     world_ranks: tuple[int, ...]
     groups: tuple
     ckpt: "Checkpoint | None" = None
+    slice_devices: tuple[str | None, ...] = ()
     reseed: bool = True
     start_iteration: int = 0
 

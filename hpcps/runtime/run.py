@@ -263,8 +263,10 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         agree(comm, lambda: check_installed() if comm.rank == 0 else None)
     device = _plan_device(cfg, comm, layout)
     slice_device = _slice_device(cfg, comm, layout)
-    devices = comm.allgather(device.describe() if slice_device is None else
-                             f"{device.describe()}; slice on {residence.DeviceSlice.describe_device(slice_device)}")
+    slice_devices = comm.allgather(None if slice_device is None else
+                                   residence.DeviceSlice.describe_device(slice_device))
+    devices = [said if where is None else f"{said}; slice on {where}"
+               for said, where in zip(comm.allgather(device.describe()), slice_devices)]
     flat = FlatParameters(model, device.device, device.transfer)
     shapes = comm.allgather(model_shape(model))  # every rank's: a model that differs would train on garbage
     agree(comm, lambda: check_same_model(shapes))
@@ -308,6 +310,7 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         # which values each central shard holds: contiguous blocks, striped with --partition-mb
         slices=Slices.plan(flat.size, flat.n_params, layout.n_servers, stripe),
         codec=make_codec(cfg.compress), steps=steps, facts=facts, devices=tuple(devices),
+        slice_devices=tuple(slice_devices),
         world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
         reseed=reseed, start_iteration=start_iteration)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
@@ -566,8 +569,7 @@ class Run:
             log.info("workers on %s", _devices_summary([plan.devices[r] for r in plan.layout.worker_ranks()]))
             if plan.cfg.server_device != "host":
                 log.info("server shards' slices, optimizer state and sums on %s",
-                         _devices_summary([plan.devices[r].split("; slice on ", 1)[-1]
-                                           for r in range(plan.layout.n_servers)], "shard"))
+                         _devices_summary([plan.slice_devices[r] for r in range(plan.layout.n_servers)], "shard"))
             # once per run, on rank 0: the options nothing in this run reads
             for line in no_effect(plan.cfg, plan.paradigm):
                 log.warning(line)

@@ -306,3 +306,16 @@ def test_a_diloco_job_killed_mid_run_resumes_from_its_newest_checkpoint_and_ends
     full, resumed = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
     assert full.keys() == resumed.keys()
     assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_the_log_and_the_run_file_say_where_the_shards_slices_are(tmp_path):
+    """``--server-device cpu``: one log line for every shard's slice, and each shard's ``devices`` entry in the
+    run file says it too (the workers' say only their own device)."""
+    out = tmp_path / "sd.h5"
+    proc = hpcps(4, "train", "--servers", "2", "--server-device", "cpu", "--steps", "5", "--out", str(out))
+    assert proc.returncode == 0, failure(proc.stderr)
+    assert ("server shards' slices, optimizer state and sums on cpu, pushes and publishes copied through host "
+            "memory (2 shards)") in proc.stderr, failure(proc.stderr)
+    with h5py.File(out) as f:
+        devices = json.loads(f.attrs["devices"])
+    assert devices == ["cpu; slice on cpu, pushes and publishes copied through host memory"] * 2 + ["cpu"] * 2

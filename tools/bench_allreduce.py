@@ -74,7 +74,7 @@ NO_FLAGS = "hpcps bsp, no flags (auto: S=N)"
 
 
 def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -> None:
-    """Run under mpiexec -n N: data-parallel SGD with ``kind`` in {mpi, ddp}; rank 0 prints the mean step (the
+    """Run under mpiexec -n N: data-parallel SGD with ``kind`` in {mpi, ddp, torchft}; rank 0 prints the mean step (the
     slowest rank's wall time over its steps) and the median step (the slowest rank's).
 
     The model, data and loss are those ``hpcps train`` would build from the same options (any
@@ -111,6 +111,17 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
         os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None)))
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+    manager = lighthouse = None
+    if kind == "torchft":  # torchft's fault-tolerant DDP: a replica group of one process per rank
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+        from torchft import DistributedDataParallel as TorchftDDP
+        from torchft_box import addresses, manager as torchft_manager, start_lighthouse
+
+        lighthouse = start_lighthouse(comm, addresses()[1])
+        manager, _pg, _store = torchft_manager(comm, state_dict=lambda: {"model": model.state_dict()},
+                                               load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+                                               timeout=60.0)
+        ddp = TorchftDDP(manager, model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     grads = torch.from_numpy(flat.grads[:flat.n_params])
     rng = np.random.default_rng([cfg.seed, comm.rank + 1, 7])
     times = []
@@ -119,6 +130,8 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
     for step in range(steps):
         t = time.perf_counter()
         batch = to_device(batches.batch(step), flat.device)
+        if manager is not None:
+            manager.start_quorum()  # (what torchft's Optimizer.zero_grad does first; async: during the forward)
         flat.zero_grad()
         if backward is not None:
             backward.begin()
@@ -130,7 +143,9 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
         if kind == "mpi":
             comm.Allreduce(MPI.IN_PLACE, flat.grads[:flat.n_params], op=MPI.SUM)
             grads /= comm.size
-        # (DDP averaged the gradients during backward already)
+        # (DDP averaged the gradients during backward already; torchft's too, over its quorum)
+        if manager is not None and not manager.should_commit():  # (torchft's Optimizer.step: a vote)
+            raise RuntimeError(f"torchft did not commit step {step}, with nothing killed")
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad, alpha=-cfg.lr)
@@ -143,9 +158,12 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
         print(f"MODEL_BYTES {flat.size * flat.params.itemsize}")
     for handle in hooks:
         handle.remove()
-    if ddp is not None:
+    if kind == "ddp":
         import torch.distributed as dist
         dist.destroy_process_group()
+    if manager is not None:
+        from torchft_box import leave
+        leave(comm, manager, lighthouse)
 
 
 def _box(nodes: int, a, ranks_per_node: int = 1) -> str | None:
@@ -200,6 +218,12 @@ def step_bounds(compute_s: float, forward: float, backward: float, model_bytes: 
             "allreduce": compute_s - b + max(b, 2 * phase)}
 
 
+def _torchft_version() -> str:
+    from importlib.metadata import version
+
+    return version("torchft")
+
+
 def median_step(it: np.ndarray) -> float:
     return float(np.median(it["t_end"] - it["t_start"]))
 
@@ -209,7 +233,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4, help="N workers / data-parallel ranks (default 4)")
     p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every method per seed (default 0)")
-    p.add_argument("--inner", choices=["mpi", "ddp"], help=argparse.SUPPRESS)
+    p.add_argument("--inner", choices=["mpi", "ddp", "torchft"], help=argparse.SUPPRESS)
+    p.add_argument("--torchft", action="store_true",
+                   help="a row of torchft's fault-tolerant DDP per --bucket-mb too (pip install '.[peers]')")
     p.add_argument("--link", metavar="RATE", help="run everything in a cluster in a box with links of RATE "
                                                   "(e.g. 1gbit): colocated and dedicated server nodes")
     p.add_argument("--buffer", default="512kb", help="with --link: the switch's queue per port (default 512kb)")
@@ -241,6 +267,10 @@ def main() -> None:
     for mb in a.bucket_mb:
         rows[f"DDP (gloo), {mb:g} MB buckets"] = (n, [_run_inner("ddp", n, a.steps, o, _box(n, a), mb)
                                                      for o in seeded])
+    if a.torchft:
+        for mb in a.bucket_mb:
+            rows[f"torchft {_torchft_version()} DDP (gloo), {mb:g} MB buckets"] = (
+                n, [_run_inner("torchft", n, a.steps, o, _box(n, a), mb) for o in seeded])
     # (name, shards (None: auto), ranks, emulate, --partition-mb, --shards-at-once, --pull): on one machine
     # S=1, 2, N; in a box, the defaults, the former ones, colocated and dedicated server nodes
     pair = _box(n, a, ranks_per_node=2) if a.link is not None else None  # a shard and a worker on each node
@@ -288,6 +318,12 @@ def main() -> None:
     ddp = min((name for name in rows if name.startswith("DDP")), key=mean)
     print(f"best hpcps bsp / best DDP ({ddp}), by the mean step: {mean(best) / mean(ddp):.2f} "
           f"(by the median: {mean(best, 1) / mean(ddp, 1):.2f})")
+    torchft = [name for name in rows if name.startswith("torchft")]
+    if torchft:
+        peer = min(torchft, key=mean)
+        print(f"best hpcps bsp / best torchft DDP ({peer}), by the mean step: {mean(best) / mean(peer):.2f}")
+        if NO_FLAGS in rows:
+            print(f"hpcps bsp with no flags / best torchft DDP, by the mean step: {mean(NO_FLAGS) / mean(peer):.2f}")
     if NO_FLAGS in rows:
         print(f"hpcps bsp with no flags / best DDP, by the mean step: {mean(NO_FLAGS) / mean(ddp):.2f}")
     if a.link is not None:

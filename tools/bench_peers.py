@@ -29,6 +29,11 @@ them in one invocation:
 
 Run it with the Python of an environment with Open MPI's mpi4py (ULFM) and torchft (``pip install
 torchft``). One machine for now; the box (4 nodes at 1 Gbit/s) is not wired in yet.
+
+torchft's other two comparisons live beside their hpcps rows: the step of its DDP against hpcps's bsp in
+``tools/bench_allreduce.py --torchft`` (in a box with ``--link``), its DiLoCo against hpcps's in
+``tools/bench_local.py --methods torchft-diloco``; both start torchft's replicas as the ranks of an MPI job
+(``tools/peers/torchft_box.py``), so they run under either MPI.
 """
 
 from __future__ import annotations

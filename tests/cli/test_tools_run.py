@@ -89,3 +89,19 @@ def test_the_tools_documented_command_runs_at_a_tiny_size(tool, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     # its results: a markdown table, or (bench_shard_apply) its ratio line
     assert re.search(r"^\|[-|]+\|$", proc.stdout, re.M) or "ratio vs copy:" in proc.stdout, proc.stdout[-2000:]
+
+
+@needs_mpiexec
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_allreduce_puts_torchfts_ddp_beside_hpcps_where_torchft_is_installed(tmp_path):
+    """``--torchft``: a row of torchft's fault-tolerant DDP (a lighthouse, a replica group per rank), every
+    step committed (the bench fails on one that is not), and hpcps's best against it."""
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (pip install '.[peers]')")
+    proc = run_bounded([sys.executable, str(TOOLS / "bench_allreduce.py"), "--workers", "2", "--steps", "5",
+                        "--seeds", "0", "--torchft"], timeout=360, cwd=str(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| torchft "))
+    assert "DDP (gloo), 25 MB buckets | 2 |" in row, row
+    assert re.search(r"^best hpcps bsp / best torchft DDP .*: \d+\.\d\d$", proc.stdout, re.M), proc.stdout[-2000:]

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import config_of, data_parallel_replica, fmt, train
+from benchlib import config_of, data_parallel_replica, fmt, torchft_version, train
 from hpcps.analysis.report import mean_step
 
 
@@ -115,9 +115,9 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
     if kind == "torchft":  # torchft's fault-tolerant DDP: a replica group of one process per rank
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
         from torchft import DistributedDataParallel as TorchftDDP
-        from torchft_box import addresses, manager as torchft_manager, start_lighthouse
+        from torchft_box import manager as torchft_manager, start_lighthouse
 
-        lighthouse = start_lighthouse(comm, addresses()[1])
+        lighthouse = start_lighthouse(comm)
         manager, _pg, _store = torchft_manager(comm, state_dict=lambda: {"model": model.state_dict()},
                                                load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
                                                timeout=60.0)
@@ -218,12 +218,6 @@ def step_bounds(compute_s: float, forward: float, backward: float, model_bytes: 
             "allreduce": compute_s - b + max(b, 2 * phase)}
 
 
-def _torchft_version() -> str:
-    from importlib.metadata import version
-
-    return version("torchft")
-
-
 def median_step(it: np.ndarray) -> float:
     return float(np.median(it["t_end"] - it["t_start"]))
 
@@ -269,7 +263,7 @@ def main() -> None:
                                                      for o in seeded])
     if a.torchft:
         for mb in a.bucket_mb:
-            rows[f"torchft {_torchft_version()} DDP (gloo), {mb:g} MB buckets"] = (
+            rows[f"torchft {torchft_version()} DDP (gloo), {mb:g} MB buckets"] = (
                 n, [_run_inner("torchft", n, a.steps, o, _box(n, a), mb) for o in seeded])
     # (name, shards (None: auto), ranks, emulate, --partition-mb, --shards-at-once, --pull): on one machine
     # S=1, 2, N; in a box, the defaults, the former ones, colocated and dedicated server nodes

@@ -204,15 +204,6 @@ def _common(a, seed: int) -> list[str]:
             "--compute-forward", "0.33", "--compute-backward", "0.67", "--threads", "1"]
 
 
-def _torchft_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torchft")
-    except PackageNotFoundError:
-        return "(not installed)"
-
-
 def time_to(evals: list[tuple[float, float]], target: float) -> float:
     return next((t for t, loss in evals if loss <= target), math.nan)
 
@@ -224,7 +215,7 @@ def loss_at(evals: list[tuple[float, float]], budget: float) -> float:
 
 
 def main() -> None:
-    from benchlib import fmt
+    from benchlib import fmt, torchft_version
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4, help="nodes, one worker each (default 4)")
@@ -272,7 +263,7 @@ def main() -> None:
                f"DDP (gloo), {a.bucket_mb:g} MB buckets": ("ddp", None),
                **{f"diloco H={h}": ("diloco", ["--paradigm", "diloco", "--local-steps", str(h), *outer])
                   for h in a.local_steps},
-               **{f"torchft {_torchft_version()} DiLoCo H={h}": ("torchft-diloco", [str(h)]) for h in a.local_steps},
+               **{f"torchft {torchft_version()} DiLoCo H={h}": ("torchft-diloco", [str(h)]) for h in a.local_steps},
                **{f"diloco H={h}, --overlap-steps {t}": ("overlap", ["--paradigm", "diloco", "--local-steps", str(h),
                                                                      "--overlap-steps", str(t), *outer])
                   for h in a.local_steps for t in a.overlap_steps if t < h},

@@ -170,6 +170,16 @@ def train_options(args: argparse.Namespace) -> list[str]:
     return [x for x in args.train_args if x != "--"]
 
 
+def torchft_version() -> str:
+    """torchft's version, for a row's name (the peer's version belongs beside its figure)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchft")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def fmt(values: list[float], digits: int) -> str:
     """mean ± standard deviation, ignoring NaN (runs that never got there), which are counted."""
     vals = [v for v in values if not math.isnan(v)]

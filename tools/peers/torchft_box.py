@@ -45,11 +45,12 @@ def _wait_listening(host: str, port: int, seconds: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def start_lighthouse(comm, head: str) -> subprocess.Popen | None:
+def start_lighthouse(comm) -> subprocess.Popen | None:
     """Collective: rank 0 starts torchft's lighthouse (every replica in each quorum, so a quorum is the whole
     job as a lock-step all-reduce's is) and waits until it listens; the process on rank 0, else None."""
     lighthouse = None
     if comm.rank == 0:
+        head = addresses()[1]
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
         lighthouse = subprocess.Popen([binary, "--min_replicas", str(comm.size), "--quorum_tick_ms", "100",
                                        "--join_timeout_ms", "60000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],

@@ -42,12 +42,12 @@ def main() -> None:
     from benchlib import Replica
     from hpcps.training.optim import builtin_optimizer
     from torchft.local_sgd import DiLoCo
-    from torchft_box import addresses, leave, manager, start_lighthouse
+    from torchft_box import leave, manager, start_lighthouse
 
     comm = MPI.COMM_WORLD
     replica = Replica(a.options, comm, DROPPED, target=a.target, budget=a.budget)
     cfg, model = replica.cfg, replica.model
-    lighthouse = start_lighthouse(comm, addresses()[1])
+    lighthouse = start_lighthouse(comm)
     inner = builtin_optimizer(cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)(
         list(model.parameters()))
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)

@@ -28,7 +28,14 @@ them in one invocation:
     /root/venvs/ompi/bin/python tools/bench_peers.py faults --seeds 0 1 2
 
 Run it with the Python of an environment with Open MPI's mpi4py (ULFM) and torchft (``pip install
-torchft``). One machine for now; the box (4 nodes at 1 Gbit/s) is not wired in yet.
+torchft``).
+
+With ``--box`` (root) each run is on emulated nodes linked at ``--link``, one process each: hpcps's through
+``hpcps emulate`` (its shard on node 0, a worker on each next node, the spare on the last), torchft's in a
+box built here (its lighthouse on node 0, replica ``r`` on node ``r + 1``, the relaunch on the dead one's
+node), each process started inside its node's namespace with gloo on the node's interface:
+
+    /root/venvs/ompi/bin/python tools/bench_peers.py faults --seeds 0 1 2 --box --link 1gbit
 
 torchft's other two comparisons live beside their hpcps rows: the step of its DDP against hpcps's bsp in
 ``tools/bench_allreduce.py --torchft`` (in a box with ``--link``), its DiLoCo against hpcps's in
@@ -80,28 +87,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """Where torchft's processes run: node ``k``'s address and the argv that starts a command there (in the
+    node's namespace, gloo on its interface), or everything on this machine at 127.0.0.1 (``cluster`` None)."""
+    cluster: object = None
+
+    def address(self, k: int) -> str:
+        return "127.0.0.1" if self.cluster is None else self.cluster.address(k)
+
+    def argv(self, k: int, command: list[str]) -> list[str]:
+        if self.cluster is None:
+            return command
+        from hpcps.box.spec import NODE_IFACE
+
+        return ["ip", "netns", "exec", self.cluster.namespace(k), "env", f"GLOO_SOCKET_IFNAME={NODE_IFACE}",
+                *command]
+
+
+@contextlib.contextmanager
+def torchft_nodes(args):
+    """:class:`Nodes` for one torchft job: with ``--box``, a box of ``args.workers + 1`` nodes at ``args.link``
+    built for it and removed after (whatever happens: a reaper removes it if this process dies). One box at a
+    time: ``hpcps emulate`` (hpcps's runs) removes a box whose owner is not an hpcps command as stale."""
+    if not args.box:
+        yield Nodes()
+        return
+    from hpcps.box import net
+    from hpcps.box.spec import make_cluster
+
+    net.check_host()
+    cluster = make_cluster(args.workers + 1, [args.link], buffer=args.buffer, prefix=f"hpcps{os.getpid()}-")
+    reaper = net.Reaper(cluster.prefix)
+    try:
+        net.build(cluster)
+        yield Nodes(cluster)
+    finally:
+        net.remove(cluster.prefix)
+        reaper.close()
+
+
 # -- torchft ------------------------------------------------------------------------------------------------
 
 def torchft_run(args, seed: int, *, kill_in: str | None, heartbeat_ms: int, fixed: bool, tmp: str) -> Outcome:
     """One torchft job: a lighthouse, ``args.workers`` replica groups started together, replica 2 killed
-    (``kill_in``: ``allreduce``, ``between`` or None) and relaunched at once."""
+    (``kill_in``: ``allreduce``, ``between`` or None) and relaunched at once (on its node, in a box)."""
+    with torchft_nodes(args) as nodes:
+        return _torchft_job(args, seed, nodes, kill_in=kill_in, heartbeat_ms=heartbeat_ms, fixed=fixed, tmp=tmp)
+
+
+def _torchft_job(args, seed: int, nodes: Nodes, *, kill_in: str | None, heartbeat_ms: int, fixed: bool,
+                 tmp: str) -> Outcome:
     log, go = os.path.join(tmp, f"tft-{time.monotonic_ns()}.jsonl"), os.path.join(tmp, f"go-{time.monotonic_ns()}")
     port = free_port()
-    lighthouse = subprocess.Popen([shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
-                                   or "torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
-                                   "--join_timeout_ms", str(args.join_timeout_ms),
-                                   "--heartbeat_timeout_ms", str(heartbeat_ms),
-                                   "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+    lighthouse = subprocess.Popen(nodes.argv(0, [shutil.which("torchft_lighthouse",
+                                                              path=os.path.dirname(sys.executable))
+                                                 or "torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms",
+                                                 "100", "--join_timeout_ms", str(args.join_timeout_ms),
+                                                 "--heartbeat_timeout_ms", str(heartbeat_ms),
+                                                 "--bind", f"[::]:{port}"]),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://{nodes.address(0)}:{port}"}
     killed = 2
 
     def replica(r: int, kill: bool) -> subprocess.Popen:
         cmd = [sys.executable, REPLICA, "--replica", str(r), "--replicas", str(args.workers), "--steps",
                str(args.steps), "--seed", str(seed), "--compute-time", str(args.compute_time), "--store-port",
-               str(free_port()), "--log", log, "--go", go] + (["--fixed-hook"] if fixed else [])
+               str(free_port()), "--address", nodes.address(r + 1), "--log", log, "--go", go] + \
+            (["--fixed-hook"] if fixed else [])
         if kill:
             cmd += ["--kill-at", str(args.kill_at), "--kill-in", kill_in]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{log}.{r}.err", "a"))
+        return subprocess.Popen(nodes.argv(r + 1, cmd), env=env, stdout=subprocess.DEVNULL,
+                                stderr=open(f"{log}.{r}.err", "a"))
 
     procs = {r: replica(r, kill_in is not None and r == killed) for r in range(args.workers)}
     out, relaunched, started = Outcome(), None, float("nan")
@@ -178,17 +235,26 @@ def train_argv(args, seed: int, paradigm: str, run_file: str, kill: bool) -> lis
     return argv + (["--fault", f"kill@3:{args.kill_at}"] if kill else [])
 
 
-def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: str) -> Outcome:
-    """One hpcps job under ``mpirun --with-ft ulfm``: a shard and four workers (and a spare), worker rank 3
-    killed at step ``args.kill_at`` where ``kill``."""
+def launcher(args, ranks: int, *, ulfm: bool) -> list[str]:
+    """The command that launches an hpcps job of ``ranks`` ranks: Open MPI's ``mpirun`` (with its fault
+    tolerance where ``ulfm``), or with ``--box`` ``hpcps emulate`` on one node a rank at ``args.link``."""
     from hpcps.cluster.launcher import find_mpiexec
 
+    if args.box:
+        return [sys.executable, "-m", "hpcps", "emulate", *(["--ulfm"] if ulfm else []), "--nodes", str(ranks),
+                "--link", args.link, "--buffer", args.buffer, "--"]
+    return [find_mpiexec(), *(["--with-ft", "ulfm"] if ulfm else []), "-n", str(ranks)]
+
+
+def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: str) -> Outcome:
+    """One hpcps job run through (ULFM): a shard and four workers (and a spare), worker rank 3 killed at step
+    ``args.kill_at`` where ``kill``."""
     run_file = os.path.join(tmp, f"hpcps-{time.monotonic_ns()}.h5")
     train = train_argv(args, seed, paradigm, run_file, kill)
     if spare:
         train += ["--spare-workers", "1"]
     env = openmpi_env()
-    proc = subprocess.run([find_mpiexec(), "--with-ft", "ulfm", "-n", str(1 + args.workers + spare), *train],
+    proc = subprocess.run([*launcher(args, 1 + args.workers + spare, ulfm=True), *train],
                           capture_output=True, text=True, timeout=args.timeout, env=env)
     out = Outcome()
     if proc.returncode != 0 or "done in" not in proc.stderr:
@@ -222,14 +288,12 @@ def hpcps_restart_run(args, seed: int, *, tmp: str) -> Outcome:
     every ``args.checkpoint_every`` steps, ``--resume auto``: worker rank 3 killed at step ``args.kill_at``,
     the job launched again at once and resumed. Times are read from the supervisor's output as it comes (the
     kill's line, the relaunch's line) and from the resumed run's file (its first step)."""
-    from hpcps.cluster.launcher import find_mpiexec
-
     where = os.path.join(tmp, f"restart-{time.monotonic_ns()}")
     os.makedirs(where)
     run_file = os.path.join(where, "run.h5")
     env = openmpi_env()
     proc = subprocess.Popen([sys.executable, "-m", "hpcps", "supervise", "--delay", "0", "--restarts", "2", "--",
-                             find_mpiexec(), "-n", str(1 + args.workers),
+                             *launcher(args, 1 + args.workers, ulfm=False),
                              *train_argv(args, seed, "bsp", run_file, kill=True), "--checkpoint-every",
                              str(args.checkpoint_every), "--resume", "auto"],
                             cwd=where, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -292,8 +356,10 @@ def faults(args) -> None:
                 ("hpcps ssp, run through with a spare (ULFM)", ("hpcps", "ssp", True)),
                 (f"hpcps bsp, restarted by `hpcps supervise` from its checkpoint (every {args.checkpoint_every} "
                  f"steps; Open MPI without ULFM)", ("restart",))]
+    where = f"in a box, a node a process at {args.link}" if args.box else "on one machine"
     print(f"faults: {args.workers} workers, {args.steps} steps of {args.compute_time * 1e3:g} ms, worker 2 (hpcps "
-          f"rank 3) SIGKILLed at step {args.kill_at}; seeds {args.seeds}; mean ± sd over the seeds", flush=True)
+          f"rank 3) SIGKILLed at step {args.kill_at}, {where}; seeds {args.seeds}; mean ± sd over the seeds",
+          flush=True)
     print("| method | clean step ms | kill to every survivor's next step ms | steps thrown away | "
           "replacement's first step ms | final loss, killed / clean | notes |")
     print("|---|---|---|---|---|---|---|")
@@ -340,6 +406,9 @@ def main() -> None:
                    help="how long torchft's lighthouse waits for a heartbeating replica to join a quorum before it "
                         "forms one without (default 1000; torchft's README shows 10000)")
     p.add_argument("--timeout", type=float, default=180, help="seconds a run may take before it is killed")
+    p.add_argument("--box", action="store_true", help="every process on an emulated node of its own (root)")
+    p.add_argument("--link", default="1gbit", help="the box's links (default 1gbit)")
+    p.add_argument("--buffer", default="512kb", help="the box's switch queue per port (default 512kb)")
     p.add_argument("--keep", help="keep every run's files (torchft's events, hpcps's run files) in this directory")
     args = p.parse_args()
     if importlib.util.find_spec("torchft") is None:

@@ -75,3 +75,28 @@ def test_bench_peers_reads_torchft_events_in_closed_form():
     assert out.loss == 0.5
     clean = bench_peers.torchft_figures(evs[:150], bench_peers.Outcome(), None, 100.0, None, steps=50)
     assert clean.step_s == pytest.approx(0.1) and np.isnan(clean.recovery_s) and np.isnan(clean.rejoin_s)
+
+
+def test_bench_peers_starts_torchfts_processes_on_their_nodes_in_a_box():
+    """With ``--box`` a torchft process runs inside its node's namespace, gloo on the node's interface, and
+    is reached at the node's address; without, as it is, at 127.0.0.1. The launcher of hpcps's runs is
+    ``hpcps emulate`` (with ``--ulfm`` for a run through), one node a rank."""
+    import argparse
+
+    from hpcps.box.spec import NODE_IFACE, make_cluster
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(TOOLS))
+    cluster = make_cluster(5, ["1gbit"], buffer="512kb", prefix="hpcps42-")
+    boxed, here = bench_peers.Nodes(cluster), bench_peers.Nodes()
+    assert boxed.argv(3, ["python", "r.py"]) == ["ip", "netns", "exec", "hpcps42-n3", "env",
+                                                 f"GLOO_SOCKET_IFNAME={NODE_IFACE}", "python", "r.py"]
+    assert boxed.address(3) == cluster.address(3) != boxed.address(0)
+    assert here.argv(3, ["python", "r.py"]) == ["python", "r.py"] and here.address(3) == "127.0.0.1"
+    args = argparse.Namespace(box=True, link="100mbit", buffer="1mb")
+    assert bench_peers.launcher(args, 6, ulfm=True)[2:] == ["hpcps", "emulate", "--ulfm", "--nodes", "6", "--link",
+                                                             "100mbit", "--buffer", "1mb", "--"]
+    assert "--ulfm" not in bench_peers.launcher(args, 5, ulfm=False)

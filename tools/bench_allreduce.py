@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import config_of, data_parallel_replica, fmt, torchft_version, train
+from benchlib import config_of, data_parallel_replica, fmt, init_gloo, torchft_version, train
 from hpcps.analysis.report import mean_step
 
 
@@ -103,13 +103,7 @@ def _inner(kind: str, steps: int, options: list[str], bucket_mb: float = 25.0) -
         if cfg.compute_backward else None
     ddp = None
     if kind == "ddp":
-        import torch.distributed as dist
-        if os.environ.get("HPCPS_NODE") is not None:  # in a box: node 0's address, the emulated interface
-            from hpcps.box.spec import NODE_IFACE, Cluster
-            os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"] = Cluster.address(0), NODE_IFACE
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None)))
-        dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+        init_gloo(comm)
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     manager = lighthouse = None
     if kind == "torchft":  # torchft's fault-tolerant DDP: a replica group of one process per rank

@@ -105,18 +105,13 @@ def _ddp(options: list[str], bucket_mb: float, budget: float, target: float) -> 
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from benchlib import Replica
-    from hpcps.box.spec import NODE_IFACE, Cluster
+    from benchlib import Replica, init_gloo
     from hpcps.training.optim import builtin_optimizer
 
     comm = MPI.COMM_WORLD
     replica = Replica(options, comm, DROPPED, target=target, budget=budget)
     cfg, model = replica.cfg, replica.model
-    if os.environ.get("HPCPS_NODE") is not None:
-        os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"] = Cluster.address(0), NODE_IFACE
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None))
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    init_gloo(comm)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     optimizer = builtin_optimizer(cfg.optimizer, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)(
         list(model.parameters()))

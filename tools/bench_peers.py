@@ -65,6 +65,8 @@ import h5py
 import numpy as np
 from benchlib import openmpi_env
 
+from hpcps.box.spec import NODE_IFACE, Cluster, make_cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPLICA = os.path.join(HERE, "peers", "torchft_ddp.py")
 KILL_LINE = re.compile(r"--fault kill@(\d+):(\d+): SIGKILL at t=([0-9.]+) s")
@@ -91,7 +93,7 @@ def free_port() -> int:
 class Nodes:
     """Where torchft's processes run: node ``k``'s address and the argv that starts a command there (in the
     node's namespace, gloo on its interface), or everything on this machine at 127.0.0.1 (``cluster`` None)."""
-    cluster: object = None
+    cluster: Cluster | None = None
 
     def address(self, k: int) -> str:
         return "127.0.0.1" if self.cluster is None else self.cluster.address(k)
@@ -99,8 +101,6 @@ class Nodes:
     def argv(self, k: int, command: list[str]) -> list[str]:
         if self.cluster is None:
             return command
-        from hpcps.box.spec import NODE_IFACE
-
         return ["ip", "netns", "exec", self.cluster.namespace(k), "env", f"GLOO_SOCKET_IFNAME={NODE_IFACE}",
                 *command]
 
@@ -114,17 +114,11 @@ def torchft_nodes(args):
         yield Nodes()
         return
     from hpcps.box import net
-    from hpcps.box.spec import make_cluster
 
     net.check_host()
     cluster = make_cluster(args.workers + 1, [args.link], buffer=args.buffer, prefix=f"hpcps{os.getpid()}-")
-    reaper = net.Reaper(cluster.prefix)
-    try:
-        net.build(cluster)
+    with net.built(cluster):
         yield Nodes(cluster)
-    finally:
-        net.remove(cluster.prefix)
-        reaper.close()
 
 
 # -- torchft ------------------------------------------------------------------------------------------------
@@ -140,13 +134,10 @@ def _torchft_job(args, seed: int, nodes: Nodes, *, kill_in: str | None, heartbea
                  tmp: str) -> Outcome:
     log, go = os.path.join(tmp, f"tft-{time.monotonic_ns()}.jsonl"), os.path.join(tmp, f"go-{time.monotonic_ns()}")
     port = free_port()
-    lighthouse = subprocess.Popen(nodes.argv(0, [shutil.which("torchft_lighthouse",
-                                                              path=os.path.dirname(sys.executable))
-                                                 or "torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms",
-                                                 "100", "--join_timeout_ms", str(args.join_timeout_ms),
-                                                 "--heartbeat_timeout_ms", str(heartbeat_ms),
-                                                 "--bind", f"[::]:{port}"]),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
+    serve = [binary, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", str(args.join_timeout_ms),
+             "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"]
+    lighthouse = subprocess.Popen(nodes.argv(0, serve), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://{nodes.address(0)}:{port}"}
     killed = 2
 

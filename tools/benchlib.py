@@ -73,6 +73,38 @@ def config_of(options: list[str], drop: tuple[str, ...] = ()):
     return make_config(flags)
 
 
+def box_node() -> int | None:
+    """The emulated node this process runs on (``hpcps emulate`` sets ``HPCPS_NODE``), or None outside a box."""
+    node = os.environ.get("HPCPS_NODE")
+    return None if node is None else int(node)
+
+
+def gloo_addresses() -> tuple[str, str]:
+    """(this process's address, node 0's), where gloo and torchft listen and meet. In a cluster in a box the
+    emulated nodes' addresses, and gloo set to the node's link (``GLOO_SOCKET_IFNAME``), which it would not
+    find alone; elsewhere 127.0.0.1 twice."""
+    node = box_node()
+    if node is None:
+        return "127.0.0.1", "127.0.0.1"
+    from hpcps.box.spec import NODE_IFACE, Cluster
+
+    os.environ["GLOO_SOCKET_IFNAME"] = NODE_IFACE
+    return Cluster.address(node), Cluster.address(0)
+
+
+def init_gloo(comm) -> None:
+    """Collective: torch.distributed's gloo group over ``comm``'s ranks, rank for rank, met at node 0 in a
+    box (elsewhere at ``MASTER_ADDR``, default 127.0.0.1) on ``MASTER_PORT`` or a port rank 0 picks."""
+    import torch.distributed as dist
+
+    first = gloo_addresses()[1]
+    if box_node() is not None:
+        os.environ["MASTER_ADDR"] = first
+    os.environ.setdefault("MASTER_ADDR", first)
+    os.environ.setdefault("MASTER_PORT", str(comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None)))
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+
+
 def data_parallel_replica(cfg, comm, steps: int):
     """A data-parallel rank's share of ``hpcps train``'s workload under ``cfg`` (collective over ``comm``):
     the workload, the model ``hpcps train`` would build and this rank's batches, on the CPU."""

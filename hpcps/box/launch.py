@@ -92,24 +92,21 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
     stale = net.cleanup_stale()
     if stale:
         log(f"hpcps emulate: removed a stale box left behind: {' '.join(stale)}")
-    reaper = net.Reaper(cluster.prefix)  # from here on the box goes, however this process ends
     scratch = tempfile.mkdtemp(prefix=cluster.prefix)  # Open MPI's agent script
     try:
-        net.build(cluster)
-        log(f"hpcps emulate: {describe(cluster)}")
-        agent = None
-        if family == "openmpi":
-            agent = os.path.join(scratch, "agent.sh")
-            with open(agent, "w") as f:
-                f.write(ssh_agent_script(cluster))
-            os.chmod(agent, 0o755)
-        env = clean_environ(**mpi_environment(cluster, family, agent))
-        options = ["--with-ft", "ulfm"] if ulfm else []
-        return _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
-                        lambda: _inflict(cluster, chaos, log) if chaos else None)
+        with net.built(cluster) as reaper:
+            log(f"hpcps emulate: {describe(cluster)}")
+            agent = None
+            if family == "openmpi":
+                agent = os.path.join(scratch, "agent.sh")
+                with open(agent, "w") as f:
+                    f.write(ssh_agent_script(cluster))
+                os.chmod(agent, 0o755)
+            env = clean_environ(**mpi_environment(cluster, family, agent))
+            options = ["--with-ft", "ulfm"] if ulfm else []
+            return _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
+                            lambda: _inflict(cluster, chaos, log) if chaos else None)
     finally:
-        net.remove(cluster.prefix)
-        reaper.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -14,11 +14,13 @@ deletes them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 from hpcps.box.spec import Cluster, box_pid, setup_commands
 from hpcps.errors import UserError
@@ -97,6 +99,20 @@ def build(cluster: Cluster) -> None:
     except BaseException:
         remove(cluster.prefix)
         raise
+
+
+@contextlib.contextmanager
+def built(cluster: Cluster) -> Iterator[Reaper]:
+    """The box's lifetime: ``cluster`` built on entry and removed on exit, however the block ends, and by a
+    :class:`Reaper` if this process dies inside it. Yields the reaper, to tell it of a job to kill with
+    the box (:meth:`Reaper.job`)."""
+    reaper = Reaper(cluster.prefix)  # from here on the box goes, however this process ends
+    try:
+        build(cluster)
+        yield reaper
+    finally:
+        remove(cluster.prefix)
+        reaper.close()
 
 
 def namespaces() -> list[str]:

@@ -79,8 +79,8 @@ def box_missing() -> str | None:
         if os.geteuid() != 0:
             return "hpcps emulate needs root (network namespaces, tc)"
         probe = make_cluster(1, ["1gbit"], buffer="64kb", prefix=f"hpcps{os.getpid()}-")
-        net.build(probe)
-        net.remove(probe.prefix)
+        with net.built(probe):
+            pass
     except Exception as exc:  # BoxError says what is missing
         return str(exc)
     return None

@@ -1,5 +1,6 @@
 """Every benchmark in tools/ starts and explains itself (``--help``), so a broken import shows in CI."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,23 @@ def test_bench_peers_starts_torchfts_processes_on_their_nodes_in_a_box():
     assert bench_peers.launcher(args, 6, ulfm=True)[2:] == ["hpcps", "emulate", "--ulfm", "--nodes", "6", "--link",
                                                              "100mbit", "--buffer", "1mb", "--"]
     assert "--ulfm" not in bench_peers.launcher(args, 5, ulfm=False)
+
+
+def test_gloo_meets_at_node_0_on_the_nodes_link_in_a_box_and_on_loopback_elsewhere(monkeypatch):
+    """benchlib.gloo_addresses, for every gloo group and torchft replica of the benchmarks: in a box each process
+    listens at its node's address with gloo on the node's interface (it would pick another alone)."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from benchlib import box_node, gloo_addresses
+    finally:
+        sys.path.remove(str(TOOLS))
+    from hpcps.box.spec import NODE_IFACE, Cluster
+
+    monkeypatch.delenv("HPCPS_NODE", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert box_node() is None and gloo_addresses() == ("127.0.0.1", "127.0.0.1")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("HPCPS_NODE", "3")
+    assert box_node() == 3 and gloo_addresses() == (Cluster.address(3), Cluster.address(0))
+    assert os.environ["GLOO_SOCKET_IFNAME"] == NODE_IFACE
+    assert Cluster.address(3) != Cluster.address(0)

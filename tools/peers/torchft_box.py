@@ -20,17 +20,9 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+from benchlib import box_node, gloo_addresses  # (tools/ is on the path of both callers)
+
 LIGHTHOUSE_PORT, STORE_PORT = 29510, 29520
-
-
-def addresses() -> tuple[str, str, bool]:
-    """(this replica's address, the lighthouse's, whether in a box); in a box, gloo set to the node's link."""
-    if os.environ.get("HPCPS_NODE") is None:
-        return "127.0.0.1", "127.0.0.1", False
-    from hpcps.box.spec import NODE_IFACE, Cluster
-
-    os.environ["GLOO_SOCKET_IFNAME"] = NODE_IFACE
-    return Cluster.address(int(os.environ["HPCPS_NODE"])), Cluster.address(0), True
 
 
 def _wait_listening(host: str, port: int, seconds: float = 30.0) -> None:
@@ -50,7 +42,7 @@ def start_lighthouse(comm) -> subprocess.Popen | None:
     job as a lock-step all-reduce's is) and waits until it listens; the process on rank 0, else None."""
     lighthouse = None
     if comm.rank == 0:
-        head = addresses()[1]
+        head = gloo_addresses()[1]
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
         lighthouse = subprocess.Popen([binary, "--min_replicas", str(comm.size), "--quorum_tick_ms", "100",
                                        "--join_timeout_ms", "60000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
@@ -70,8 +62,8 @@ def manager(comm, *, state_dict: Callable[[], dict], load_state_dict: Callable[[
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
-    me, head, boxed = addresses()
-    port = STORE_PORT + (0 if boxed else comm.rank)  # (one machine: every replica's store on one host)
+    me, head = gloo_addresses()
+    port = STORE_PORT + (comm.rank if box_node() is None else 0)  # (one machine: every replica's store on one host)
     store = TCPStore(me, port, is_master=True, wait_for_workers=False)
     wait = timedelta(seconds=timeout)
     pg = ProcessGroupGloo(timeout=wait)

@@ -51,7 +51,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -63,7 +62,7 @@ from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
-from benchlib import openmpi_env
+from benchlib import openmpi_env, torchft_lighthouse
 
 from hpcps.box.spec import NODE_IFACE, Cluster, make_cluster
 
@@ -134,8 +133,7 @@ def _torchft_job(args, seed: int, nodes: Nodes, *, kill_in: str | None, heartbea
                  tmp: str) -> Outcome:
     log, go = os.path.join(tmp, f"tft-{time.monotonic_ns()}.jsonl"), os.path.join(tmp, f"go-{time.monotonic_ns()}")
     port = free_port()
-    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
-    serve = [binary, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", str(args.join_timeout_ms),
+    serve = [torchft_lighthouse(), "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", str(args.join_timeout_ms),
              "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"]
     lighthouse = subprocess.Popen(nodes.argv(0, serve), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://{nodes.address(0)}:{port}"}

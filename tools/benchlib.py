@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -210,6 +211,12 @@ def torchft_version() -> str:
         return version("torchft")
     except PackageNotFoundError:
         return "(not installed)"
+
+
+def torchft_lighthouse() -> str:
+    """torchft's lighthouse program: the one installed beside this Python (the venv torchft came in), else
+    whichever ``torchft_lighthouse`` is on PATH."""
+    return shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
 
 
 def fmt(values: list[float], digits: int) -> str:

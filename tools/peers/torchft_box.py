@@ -12,7 +12,6 @@ its own. Needs torchft (``pip install '.[peers]'``).
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from benchlib import box_node, gloo_addresses  # (tools/ is on the path of both callers)
+from benchlib import box_node, gloo_addresses, torchft_lighthouse  # (tools/ is on the path of both callers)
 
 LIGHTHOUSE_PORT, STORE_PORT = 29510, 29520
 
@@ -43,8 +42,7 @@ def start_lighthouse(comm) -> subprocess.Popen | None:
     lighthouse = None
     if comm.rank == 0:
         head = gloo_addresses()[1]
-        binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
-        lighthouse = subprocess.Popen([binary, "--min_replicas", str(comm.size), "--quorum_tick_ms", "100",
+        lighthouse = subprocess.Popen([torchft_lighthouse(), "--min_replicas", str(comm.size), "--quorum_tick_ms", "100",
                                        "--join_timeout_ms", "60000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_listening(head, LIGHTHOUSE_PORT)

@@ -64,4 +64,7 @@ def test_an_asynchronous_run_with_the_slice_on_a_device_applies_every_gradient(w
     facts = share(world, facts)
     assert facts["applied"] == (world.size - 2) * 20
     assert facts["rows"] == 2 * facts["applied"]  # each gradient applied once on each shard
-    assert facts["accuracy"] > 0.5  # digits: 10 classes
+    # the run trains (digits: 10 classes, chance 0.1). Eager's staleness-aware rate trains least in 20 steps:
+    # over 50 runs here its accuracy was 0.44-0.77 (asp 0.74-0.88, ssp 0.65-0.85), so a bar at 0.5 failed one
+    # run in five; three times chance still fails a run that does not learn
+    assert facts["accuracy"] > 0.3

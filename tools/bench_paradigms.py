@@ -60,6 +60,7 @@ def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target:
     return {"acc": float(s["final_accuracy"]), "wall": before + float(s["wall_s"]),
             "ttt": before + time_to(r["ev"], target), "its": float(np.mean(per_worker)),
             "ttt_run": time_to(r["ev"], target),  # from the run's own t = 0
+            "workers": len(per_worker),  # the layout's (--servers auto puts a shard on every node of a box)
             "wait": float(it["wait_s"].mean() * 1e3), "chose": r["paradigm"],
             "stale": float(it["staleness"][it["staleness"] >= 0].mean())}  # of the gradients applied (-1: dropped)
 
@@ -107,12 +108,14 @@ def main() -> None:
                 thresholds = a.ssp_staleness if paradigm == "ssp" and a.ssp_staleness else [None]
                 for schedule, bound in ((x, b) for x in (a.lr_staleness if paradigm in SEES_STALENESS else [None])
                                         for b in thresholds):
-                    name, own = variant(paradigm, schedule, a, extra)
+                    own = variant_options(paradigm, schedule, a)
                     if bound is not None:
-                        name, own = f"{name}, s={bound}", own + ["--staleness", str(bound)]
+                        own += ["--staleness", str(bound)]
                     stem = paradigm.rpartition(":")[2] if is_plugin(paradigm) else paradigm
-                    rows[name] = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}-{s}.h5"),
-                                      extra + slow + own, a.target, box, a.from_launch) for s in a.seeds]
+                    rs = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}-{s}.h5"),
+                              extra + slow + own, a.target, box, a.from_launch) for s in a.seeds]
+                    name = variant_name(paradigm, schedule, a, extra, rs[0]["workers"])
+                    rows[name if bound is None else f"{name}, s={bound}"] = rs
                     print(f"  {scenario} {name}: done", file=sys.stderr)
         table(scenario, rows, a, extra)
     print(f"\n{verdict(rows, a.target)} ({a.scenarios[-1]})")
@@ -133,26 +136,25 @@ def verdict(rows: dict, target: float) -> str:
     return f"fastest to {target:.0%}: {best}, time ratio to bsp {times[best] / bsp:.2f}"
 
 
-def variant(paradigm: str, schedule: str | None, a, extra: list[str]) -> tuple[str, list[str]]:
-    """The row's name and the options of this paradigm's runs (groups, plug-in options, staleness schedule);
-    the name gives the rate per update that ``--lr-scaling`` makes of ``--lr``."""
-    if paradigm == "auto":
-        return "auto (the chosen one's rate; trials counted)", []
-    cls = policy_class(paradigm)
-    own, name = [], cls.name if is_plugin(paradigm) and cls.name else paradigm
-    workers = a.np - 1
-    if paradigm == "grouped":
-        own += ["--groups", str(a.groups)]
+def variant_options(paradigm: str, schedule: str | None, a) -> list[str]:
+    """The options of this paradigm's runs: groups, plug-in options, staleness schedule."""
+    own = ["--groups", str(a.groups)] if paradigm == "grouped" else []
     if is_plugin(paradigm):
         own += [arg for option in a.paradigm_option for arg in ("--paradigm-option", option)]
+    return own + (["--lr-staleness", schedule] if schedule is not None else [])
+
+
+def variant_name(paradigm: str, schedule: str | None, a, extra: list[str], workers: int) -> str:
+    """The row's name: the paradigm and the rate per update that ``--lr-scaling`` makes of ``--lr`` for the
+    run's ``workers`` (counted in its file: the layout decides them, not ``--np`` alone)."""
+    if paradigm == "auto":
+        return "auto (the chosen one's rate; trials counted)"
+    cls = policy_class(paradigm)
+    name = cls.name if is_plugin(paradigm) and cls.name else paradigm
     lr = float(extra[extra.index("--lr") + 1]) if "--lr" in extra else 0.1
     if "none" not in option_values(extra, "--lr-scaling"):
         lr *= cls.lr_scale(n_groups(a) if paradigm == "grouped" else workers)
-    name += f" (lr {lr:g})"
-    if schedule is not None:
-        own += ["--lr-staleness", schedule]
-        name += f", {schedule}"
-    return name, own
+    return f"{name} (lr {lr:g})" + (f", {schedule}" if schedule is not None else "")
 
 
 def option_values(args: list[str], option: str) -> list[str]:
@@ -168,7 +170,9 @@ def table(scenario: str, rows: dict, a, options: list[str]) -> None:
             "slow-link": f", the last worker's link at {a.slow_link}"}.get(scenario, "")
     slow += f", in a box: {a.emulate}" if a.emulate else ""
     launch = ", times from the launch" if a.from_launch else ""
-    print(f"\n{scenario}: {a.np - 1} workers{slow}, seeds {a.seeds}{launch}, options: {' '.join(options)}\n")
+    workers = sorted({r["workers"] for rs in rows.values() for r in rs})
+    print(f"\n{scenario}: {'/'.join(map(str, workers))} workers{slow}, seeds {a.seeds}{launch}, "
+          f"options: {' '.join(options)}\n")
     in_run = f" {a.target:.0%} in the run s |" if a.from_launch else ""  # (the time to target without start-up)
     print("| paradigm | final accuracy | wall s | time to {:.0%} s | vs BSP |{} iterations/s per worker | "
           "mean wait ms | mean staleness |".format(a.target, in_run))

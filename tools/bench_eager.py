@@ -29,10 +29,12 @@ VARIANTS = {
 }
 
 
-def measure(r: dict, target: float, n_workers: int) -> dict:
+def measure(r: dict, target: float) -> dict:
     it, ev = r["it"], r["ev"]
     hit = ev[ev["accuracy"] >= target]
-    per_version = n_workers if r["paradigm"] == "bsp" else 1  # a BSP version averages N gradients
+    # a BSP version averages N gradients: N the run's workers (the layout's, not --np - 1: in a box
+    # --servers auto puts a shard on every node)
+    per_version = len(np.unique(it["rank"])) if r["paradigm"] == "bsp" else 1
     return {"iter_ms": float(np.median(it["t_end"] - it["t_start"]) * 1e3),
             "grads": float(hit["version"][0] * per_version) if len(hit) else float("nan"),
             "ttt": time_to(ev, target), "acc": float(r["summary"]["final_accuracy"]),
@@ -51,7 +53,7 @@ def main() -> None:
         for name in a.variants:
             results[name] = [measure(train(a.np, Path(tmp) / f"{name}-{s}.h5",
                                            [*VARIANTS[name], "--seed", str(s), *extra], emulate=a.emulate),
-                                     a.target, a.np - 1)
+                                     a.target)
                              for s in a.seeds]
             print(f"  {name}: done", file=sys.stderr)
     base = {k: np.nanmean([m[k] for m in results["asp"]]) for k in ("iter_ms", "ttt")} if "asp" in results else {}

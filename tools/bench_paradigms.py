@@ -115,7 +115,8 @@ def main() -> None:
                     rs = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}-{s}.h5"),
                               extra + slow + own, a.target, box, a.from_launch) for s in a.seeds]
                     name = variant_name(paradigm, schedule, a, extra, rs[0]["workers"])
-                    rows[name if bound is None else f"{name}, s={bound}"] = rs
+                    name += f", s={bound}" if bound is not None else ""
+                    rows[name] = rs
                     print(f"  {scenario} {name}: done", file=sys.stderr)
         table(scenario, rows, a, extra)
     print(f"\n{verdict(rows, a.target)} ({a.scenarios[-1]})")

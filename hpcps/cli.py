@@ -280,6 +280,11 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                         "a spare takes a dead worker's place, its share of the data and its clock, and the run "
                         "trains its planned amount (asp, ssp, dssp, eager, with or without --local-steps; "
                         "default {default})")
+    g.add_argument("--respawn", action=argparse.BooleanOptionalAction,
+                   help="under Open MPI's fault tolerance (mpirun --with-ft ulfm), a worker's death stops the run at "
+                        "a checkpoint; the job spawns a process in the dead worker's place (its share of the data "
+                        "and its clock) and every rank resumes on the grown job, the next part's metrics in "
+                        "OUT-respawnK.h5 (asp, ssp, dssp, eager; default {default})")
     g.add_argument("--stall-warn", type=float, dest="stall_warn", metavar="SECONDS",
                    help="log which ranks a server or worker has waited on for this long, and in what state (default {default})")
     g.add_argument("--stall-abort", type=float, dest="stall_abort", metavar="SECONDS",
@@ -567,10 +572,12 @@ def _train(args: argparse.Namespace) -> int:
         # fit to the world size are known good: a mistyped option is answered at once
         nodes = node_ids(comm)
         agree(comm, lambda: resolve_each(cfg, comm.size, nodes))
+        from hpcps.runtime.respawn import respawning
         from hpcps.runtime.run import run_training
         from hpcps.runtime.tune import run_chosen
 
-        return run_chosen(cfg, comm, run_training)  # (--paradigm auto: its trials first)
+        # (--paradigm auto: its trials first; --respawn: the run again on a grown job after a death)
+        return run_chosen(cfg, comm, respawning(run_training), trial=run_training)
 
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))
     from hpcps.transport.failures import end_without_the_dead

@@ -14,7 +14,8 @@ killed beside it, for each seed. Per method it prints:
   lost or dropped (the dead worker's in flight; the survivors' are all applied);
 - **replacement's first step**: torchft's replica relaunched the moment the old one is seen dead, from its
   launch to its first committed step (Python and torch start-up, the quorum, the state fetched from a
-  peer); hpcps's spare (``--spare-workers 1``) was launched with the job, so from the kill;
+  peer); hpcps's spare (``--spare-workers 1``) was launched with the job, so from the kill; under
+  ``--respawn`` a process the survivors spawn after the death, from the spawn's call;
 - **final loss** on the held-out set, killed against clean.
 
 torchft's methods: DDP over gloo as shipped (0.2.0), and with its comm hook fixed
@@ -22,8 +23,10 @@ torchft's methods: DDP over gloo as shipped (0.2.0), and with its comm hook fixe
 all-reduce), each killed inside the all-reduce and between steps, at the lighthouse's heartbeat timeout of
 1 s and 5 s and its join timeout of 1 s (a quorum forms without a replica that has not joined it within
 that, heartbeat or not); one process per replica group, a lighthouse on the same machine. hpcps's: bsp run through
-(``mpirun --with-ft ulfm``, no spare: bsp takes none) and ssp with a spare. Each run is one launch; all of
-them in one invocation:
+(``mpirun --with-ft ulfm``, no spare: bsp takes none), ssp with a spare, and ssp under ``--respawn`` (the run
+stops at a checkpoint and resumes with a spawned process in the dead worker's place: kill to next step runs to
+the survivors' first step in the resumed part). Each run is one launch; all of them in one invocation
+(``--only TEXT``: the methods whose name holds it):
 
     /root/venvs/ompi/bin/python tools/bench_peers.py faults --seeds 0 1 2
 
@@ -227,12 +230,12 @@ def train_argv(args, seed: int, paradigm: str, run_file: str, kill: bool) -> lis
 def launcher(args, ranks: int, *, ulfm: bool) -> list[str]:
     """The command that launches an hpcps job of ``ranks`` ranks: Open MPI's ``mpirun`` (with its fault
     tolerance where ``ulfm``), or with ``--box`` ``hpcps emulate`` on one node a rank at ``args.link``."""
-    from hpcps.cluster.launcher import find_mpiexec
+    from hpcps.cluster.launcher import ULFM_LAUNCH, find_mpiexec
 
     if args.box:
         return [sys.executable, "-m", "hpcps", "emulate", *(["--ulfm"] if ulfm else []), "--nodes", str(ranks),
                 "--link", args.link, "--buffer", args.buffer, "--"]
-    return [find_mpiexec(), *(["--with-ft", "ulfm"] if ulfm else []), "-n", str(ranks)]
+    return [find_mpiexec(), *(ULFM_LAUNCH if ulfm else []), "-n", str(ranks)]
 
 
 def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: str) -> Outcome:
@@ -269,6 +272,36 @@ def hpcps_run(args, seed: int, *, paradigm: str, kill: bool, spare: bool, tmp: s
         if spare:
             mine = it["t_end"][it["rank"] == spare_rank]
             out.rejoin_s = float(mine.min()) - t if len(mine) else float("nan")
+    return out
+
+
+def hpcps_respawn_run(args, seed: int, *, paradigm: str, tmp: str) -> Outcome:
+    """One hpcps job under ``--respawn`` (ULFM, no spare launched): worker rank 3 killed at ``args.kill_at``;
+    the run stops at a checkpoint, the survivors spawn a process in its place and the job resumes, its second
+    part in ``<run>-respawn1.h5``. Times on the wall clock, from each part's ``clock_start``: the kill (its
+    line, on the first part's clock) to every survivor's first step in the resumed part, and the spawn's call
+    (the second file's ``respawn`` note) to the newcomer's first step."""
+    run_file = os.path.join(tmp, f"hpcps-{time.monotonic_ns()}.h5")
+    train = train_argv(args, seed, paradigm, run_file, kill=True) + ["--respawn"]
+    proc = subprocess.run([*launcher(args, 1 + args.workers, ulfm=True), *train],
+                          capture_output=True, text=True, timeout=args.timeout, env=openmpi_env())
+    out = Outcome()
+    second = os.path.splitext(run_file)[0] + "-respawn1.h5"
+    found = KILL_LINE.search(proc.stderr)
+    if proc.returncode != 0 or not os.path.exists(second) or found is None:
+        out.note.append(f"failed: {proc.stderr.strip().splitlines()[-1:]}")
+        return out
+    with h5py.File(run_file) as f:
+        s, start = f["summary"].attrs, float(f.attrs["clock_start"])
+        out.thrown = int(s["gradients_lost"]) + int(s["gradients_dropped"])
+    with h5py.File(second) as f:
+        s, it, again = f["summary"].attrs, f["workers/iterations"][()], float(f.attrs["clock_start"])
+        note = json.loads(f.attrs["respawn"])
+        out.loss = float(s["final_loss"])
+    killed = start + float(found.group(3))
+    firsts = {int(r): again + float(it["t_end"][it["rank"] == r].min()) for r in np.unique(it["rank"])}
+    out.recovery_s = max(t for r, t in firsts.items() if r != 3) - killed
+    out.rejoin_s = firsts[3] - note["spawned"] if 3 in firsts else float("nan")
     return out
 
 
@@ -343,8 +376,12 @@ def faults(args) -> None:
                 methods.append((name, ("torchft", heartbeat, fixed, where)))
     methods += [("hpcps bsp, run through (ULFM; bsp takes no spare)", ("hpcps", "bsp", False)),
                 ("hpcps ssp, run through with a spare (ULFM)", ("hpcps", "ssp", True)),
+                ("hpcps ssp, a process spawned in the dead one's place after the death (`--respawn`, ULFM)",
+                 ("respawn", "ssp")),
                 (f"hpcps bsp, restarted by `hpcps supervise` from its checkpoint (every {args.checkpoint_every} "
                  f"steps; Open MPI without ULFM)", ("restart",))]
+    if args.only:
+        methods = [(name, how) for name, how in methods if any(text in name for text in args.only)]
     where = f"in a box, a node a process at {args.link}" if args.box else "on one machine"
     print(f"faults: {args.workers} workers, {args.steps} steps of {args.compute_time * 1e3:g} ms, worker 2 (hpcps "
           f"rank 3) SIGKILLed at step {args.kill_at}, {where}; seeds {args.seeds}; mean ± sd over the seeds",
@@ -369,6 +406,8 @@ def faults(args) -> None:
                     killed = torchft_run(args, seed, kill_in=how[3], heartbeat_ms=how[1], fixed=how[2], tmp=tmp)
                 elif how[0] == "restart":
                     killed = hpcps_restart_run(args, seed, tmp=tmp)
+                elif how[0] == "respawn":
+                    killed = hpcps_respawn_run(args, seed, paradigm=how[1], tmp=tmp)
                 else:
                     killed = hpcps_run(args, seed, paradigm=how[1], kill=True, spare=how[2], tmp=tmp)
                 rows.append((clean[key], killed))
@@ -398,6 +437,8 @@ def main() -> None:
     p.add_argument("--box", action="store_true", help="every process on an emulated node of its own (root)")
     p.add_argument("--link", default="1gbit", help="the box's links (default 1gbit)")
     p.add_argument("--buffer", default="512kb", help="the box's switch queue per port (default 512kb)")
+    p.add_argument("--only", nargs="+", metavar="TEXT",
+                   help="run only the methods whose name holds one of these (e.g. --only torchft, --only respawn)")
     p.add_argument("--keep", help="keep every run's files (torchft's events, hpcps's run files) in this directory")
     args = p.parse_args()
     if importlib.util.find_spec("torchft") is None:

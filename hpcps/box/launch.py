@@ -19,7 +19,7 @@ from hpcps.box import net
 from hpcps.box.spec import (FAMILIES, NODE_IFACE, Cluster, describe_record, mpi_environment, mpmd_argv,
                             setup_commands, ssh_agent_script)
 from hpcps.errors import UserError
-from hpcps.cluster.launcher import clean_environ, find_mpiexec, launcher_family
+from hpcps.cluster.launcher import ULFM_LAUNCH, clean_environ, find_mpiexec, launcher_family
 
 #: signals passed on to the job (mpiexec hands them to every rank); hpcps train stops cleanly on each
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -55,7 +55,7 @@ def dry_run(cluster: Cluster, command: list[str], log=print, ulfm: bool = False)
         log(ssh_agent_script(cluster) + "EOF")
     for key, value in mpi_environment(cluster, family, agent).items():
         log(f"export {key}={shlex.quote(value)}")
-    log(shlex.join(mpmd_argv(cluster, mpiexec, command, family, ["--with-ft", "ulfm"] if ulfm else [])))
+    log(shlex.join(mpmd_argv(cluster, mpiexec, command, family, list(ULFM_LAUNCH) if ulfm else [])))
     return 0
 
 
@@ -103,7 +103,7 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
                     f.write(ssh_agent_script(cluster))
                 os.chmod(agent, 0o755)
             env = clean_environ(**mpi_environment(cluster, family, agent))
-            options = ["--with-ft", "ulfm"] if ulfm else []
+            options = list(ULFM_LAUNCH) if ulfm else []
             return _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
                             lambda: _inflict(cluster, chaos, log) if chaos else None)
     finally:

@@ -138,6 +138,12 @@ def _launchers(name: str) -> bool:
     return name.startswith(LAUNCHER_VAR_PREFIXES)
 
 
+#: how hpcps launches a job under Open MPI's fault tolerance: run-through (``--with-ft ulfm``), and every job of
+#: the launch recoverable, so that a process spawned in a dead worker's place (``--respawn``), which may have
+#: to end without ``MPI_Finalize`` as the living do, does not fail its job (:mod:`hpcps.runtime.respawn`)
+ULFM_LAUNCH = ("--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1")
+
+
 def clean_environ(**extra: str) -> dict[str, str]:
     """This process's environment without the launcher's variables of the job it is in, for starting a new
     job from inside one; the user's own MPI settings (``OMPI_MCA_*``, ``PRTE_MCA_*``...) stay."""

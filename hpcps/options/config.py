@@ -68,6 +68,7 @@ class TrainConfig(BaseModel):
     servers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     groups: int = Field(0, ge=0)  # "auto" on input: 2 groups by speed
     spare_workers: int = Field(0, ge=0)  # the last ranks: idle until a worker dies (run-through), then in its place
+    respawn: bool = False  # a worker's death (run-through) stops the run, which resumes with a spawned newcomer
     group_by: Literal["rank", "speed"] = "rank"
     placement: Literal["spread", "rank"] = "spread"
     model: str = "mlp"  # a built-in name, or a plug-in: pkg.mod:name, path/file.py:name

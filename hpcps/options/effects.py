@@ -181,6 +181,18 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(lambda cfg, cls: bool(cfg.spare_workers) and cfg.local_steps_by_speed,
             lambda cfg: "--spare-workers with --local-steps-by-speed: the workers time their first round "
                         "together, which a spare that joins later cannot"),
+    Refusal(lambda cfg, cls: cfg.respawn and not (cls.takes_spares and cls.runs_through),
+            lambda cfg: f"--respawn: --paradigm {cfg.paradigm} does not resume a dead worker's place with a "
+                        f"newcomer; the asynchronous paradigms do (asp, ssp, dssp, eager), as with --spare-workers"),
+    Refusal(lambda cfg, cls: cfg.respawn and bool(cfg.spare_workers),
+            lambda cfg: "--respawn with --spare-workers: a spare takes a dead worker's place without a stop, a "
+                        "respawn after one; give one or the other"),
+    Refusal(lambda cfg, cls: cfg.respawn and own_loop(cfg),
+            lambda cfg: "--respawn: the job resumes hpcps's own loop (hpcps train) with a newcomer; a loop of "
+                        "your own (hpcps.init) would have to be started on it"),
+    Refusal(lambda cfg, cls: cfg.respawn and cfg.local_steps_by_speed,
+            lambda cfg: "--respawn with --local-steps-by-speed: the workers time their first round together, "
+                        "which a resumed run does not do again"),
     Refusal(lambda cfg, cls: own_loop(cfg) and cfg.group_by == "speed",
             lambda cfg: "groups by speed time hpcps's own loop; under hpcps.init give groups by rank"),
 )

@@ -38,6 +38,7 @@ from hpcps.runtime.progress import Progress
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
 from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut
+from hpcps.runtime.respawn import DeathStop
 from hpcps.runtime.spares import SpareDesk
 from hpcps.runtime.worker import EagerWorker, HSPWorker, Worker
 from hpcps.training import rates
@@ -72,11 +73,13 @@ def sends_pulls(plan: RunPlan, state: RunState) -> bool:
 @dataclass(frozen=True)
 class ShardEnd:
     """What a central shard leaves for the run's end: its paradigm (whose state a stop's checkpoint keeps), its
-    final version, and (rank 0) the final evaluation."""
+    final version, (rank 0) the final evaluation, and each worker's gradients it received whole (a stop's
+    checkpoint takes a dead worker's clock from them)."""
 
     policy: Policy
     version: int
     metrics: dict[str, float]
+    clocks: list[int]
 
 
 def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, optimizer: ShardOptimizer,
@@ -105,6 +108,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
     pooled = rounds is not None or policy.applies_on_arrival or grouped
     spares = SpareDesk(topo.ps, shard=topo.rank, shards=plan.shards, spares=layout.spare_ranks(),
                        rounds=plan.rounds, dead=state.dead) if layout.n_spares else None  # (idle ones told to end)
+    if cfg.respawn and state.dead is not None:  # a death stops the run, which resumes with a newcomer
+        spares = DeathStop(shard=topo.rank, stop=window.request_stop, signals=state.signals, rounds=plan.rounds)
     # (a slice on a GPU uploads every gradient from the receive buffers: pinned, one DMA each)
     inbox_class = residence.PinnedPushInbox if home.pinned else PushInbox
     inbox = inbox_class(topo.ps, worker_ranks=workers, shard_len=plan.codec.push_len(len(master)),
@@ -190,7 +195,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         evaluator.pull = lambda out: window.pull(out, Backoff(), exact=True)  # the shards' fp32 masters
         evaluator.evaluate()  # also leaves the final global parameters and buffers in state.model
         bar.close()
-    return ShardEnd(policy, server.version, evaluator.metrics if evaluator is not None else {})
+    return ShardEnd(policy, server.version, evaluator.metrics if evaluator is not None else {},
+                    [int(c) for c in server.clocks])
 
 
 def reconcile_lost(plan: RunPlan, state: RunState, server: ShardServer, recorder) -> None:

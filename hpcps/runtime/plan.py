@@ -163,6 +163,7 @@ class RunState:
     ran: dict = field(default_factory=dict)  # rank 0: what ran (optimizer, schedule), for files and checkpoints
     final_version: int | None = None  # a shard: its version at the end
     final_clock: int | None = None  # a worker: the gradients it has pushed, resumed ones included
+    final_clocks: list[int] | None = None  # a central shard: each worker's gradients received whole
     final_metrics: dict[str, float] = field(default_factory=dict)  # rank 0: the final evaluation
     diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
     stopped_by: str | None = None  # every rank, once the run has ended: a signal's name, "diverged", a loop's stop

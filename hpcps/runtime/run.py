@@ -66,6 +66,7 @@ from hpcps.training.paramgroups import resolve_groups
 from hpcps.policies import Policy
 from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
+from hpcps.runtime import respawn
 from hpcps.runtime.spares import wait_for_place
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
@@ -489,6 +490,9 @@ class Run:
         if state.dead is not None and plan.cfg.pull == "send" and comm.rank == 0:
             log.warning("--pull send: Open MPI's fault tolerance (ULFM) is on, and a shard's send to a worker that "
                         "died would fail it; the workers read each round's parameters out of the window instead")
+        if plan.cfg.respawn and state.dead is None and comm.rank == 0:
+            log.warning("--respawn: a death ends the job under this MPI; a newcomer takes a dead worker's place "
+                        "under Open MPI's fault tolerance (mpirun --with-ft ulfm)")
         if plan.layout.n_spares and state.dead is None and comm.rank == 0:
             log.warning("--spare-workers %d: the spares stay idle, since a death ends the job under this MPI; "
                         "they take a dead worker's place under Open MPI's fault tolerance (mpirun --with-ft ulfm)",
@@ -598,6 +602,7 @@ class Run:
                                            state.optimizer, recorder)
                 state.policy, state.final_version, state.final_metrics = end.policy, end.version, \
                     end.metrics
+                state.final_clocks = end.clocks
             else:
                 assembly.serve_group(plan, state, state.window, state.group_window, recorder)
         except BaseException:
@@ -686,6 +691,9 @@ class Run:
                  f", model in {saved}" if saved else "")
         if stopped_by == "diverged":
             log.warning("stopped because the training diverged: %s", state.diverged)
+        elif stopped_by == respawn.STOPPED_BY:
+            log.warning("stopped by a worker's death before the end: checkpoint %s written, from which the job "
+                        "resumes with a process spawned in its place (--respawn)", saved_ckpt)
         elif stopped_by:
             log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
                         stopped_by, saved_ckpt)

@@ -37,7 +37,7 @@ log = logging.getLogger("hpcps")
 #: what a trial changes of the user's options: its length and its outputs (none kept), no stop but its steps
 TRIAL = {"epochs": None, "save": None, "tensorboard": None, "checkpoint_every": None, "checkpoint_interval": None,
          "target": None, "target_accuracy": None, "divergence": "ignore", "progress": False, "eval_interval": 1e6,
-         "eval_every": None}
+         "eval_every": None, "respawn": False}
 #: options a trial cannot honour
 REFUSED = ("resume", "fault")
 

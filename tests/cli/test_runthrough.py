@@ -9,9 +9,12 @@ asynchronous local-SGD form with and without overlap, N times each with the step
 is printed). With ``--spare-workers 1`` CI kills worker rank 3 at step 15 under asp, ssp, dssp, eager, ssp
 on two shards and ssp's rounds of local steps with overlap: a spare takes its place and the run trains its
 planned amount; also killed right after its push's headers, or between a payload and its verdict, a
-second death with the spare taken, a spare that dies in its place, and checkpoints after a join.
+second death with the spare taken, a spare that dies in its place, and checkpoints after a join. With
+``--respawn`` and no spare CI kills a worker at step 15 under asp, ssp on two shards and eager: the run stops,
+the survivors spawn a process in its place, and across the two run files every gradient is trained once.
 """
 
+import json
 import os
 import random
 import re
@@ -22,6 +25,7 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcps.cluster.launcher import ULFM_LAUNCH
 from launching import FAMILY, MPIEXEC, OVERSUBSCRIBE, failure, launch, needs_mpiexec, run_bounded
 
 pytestmark = [needs_mpiexec, pytest.mark.skipif(FAMILY != "openmpi", reason="run-through needs Open MPI's ULFM "
@@ -399,3 +403,49 @@ def test_a_process_spawned_after_a_death_joins_the_shrunk_job_and_forms_a_window
     assert proc.returncode == 0, proc.stdout[-2000:] + failure(proc.stderr)
     assert re.search(r"^\| spawn \| joined: allreduce and window over the merged group \| \d+\.\d\d \|$", proc.stdout,
                      re.M), proc.stdout[-2000:]
+
+
+def applied_clocks(path, shard: int = 0) -> dict[int, list[int]]:
+    """Each worker rank's clocks of the gradients shard ``shard`` applied in the run file ``path``."""
+    up = tables(path)["up"]
+    rows = up[(up["shard"] == shard) & (up["applied"] == 1)]
+    return {int(w): sorted(rows["worker_clock"][rows["worker"] == w].tolist()) for w in np.unique(rows["worker"])}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("paradigm", ["asp", "ssp-2shards", "eager"])
+def test_a_worker_killed_under_respawn_is_replaced_by_a_spawned_process_and_every_gradient_is_trained(tmp_path,
+                                                                                                      paradigm):
+    """--respawn: worker rank KILLED SIGKILLs itself at step 15 of 60. A shard stops the run at a checkpoint, the
+    survivors spawn a process in its place (MPI_Comm_spawn, after the death: no spare was launched), and the job
+    resumes on the grown communicator, the newcomer at the dead rank's number. Across the two run files every
+    shard applied each worker index's gradients 1..60 exactly once: the dead worker's up to its death, the
+    newcomer's from there; the second file names the respawn and its newcomer's first step comes after it. The
+    job, launched recoverable as docs/running.md says, ends by itself with exit status 0."""
+    name, _, form = paradigm.partition("-")
+    shards = 2 if form == "2shards" else 1
+    killed = KILLED + shards - 1
+    out = tmp_path / f"{name}.h5"
+    done = launch(4 + shards, *ULFM_LAUNCH, sys.executable, "-m", "hpcps", "train", "--steps", str(STEPS),
+                  "--no-progress", "--out", str(out), "--paradigm", name, "--staleness", "1", "--servers", str(shards),
+                  "--compute-time", "0.01", "--fault", f"kill@{killed}:15", "--respawn", timeout=150)
+    assert done.returncode == 0, failure(done.stderr)
+    assert f"rank(s) {killed} died: spawning 1 process(es) in their place" in done.stderr, failure(done.stderr)
+    second = tmp_path / f"{name}-respawn1.h5"
+    first_summary, second_summary = tables(out)["summary"], tables(second)["summary"]
+    assert first_summary["stopped_by"] == "respawn" and first_summary["workers_lost"] == 1
+    assert second_summary["stopped_by"] == "" and second_summary["workers_lost"] == 0
+    workers = range(shards, shards + 4)
+    for shard in range(shards):
+        before, after = applied_clocks(out, shard), applied_clocks(second, shard)
+        for w in workers:
+            both = before.get(w, []) + after.get(w, [])
+            assert sorted(both) == list(range(1, STEPS + 1)), (shard, w, before.get(w), after.get(w))
+        assert 1 <= len(before[killed]) <= 15 and after[killed][0] == len(before[killed]) + 1
+    with h5py.File(second) as f:
+        note, clock_start = json.loads(f.attrs["respawn"]), float(f.attrs["clock_start"])
+        it = f["workers/iterations"][()]
+    assert note["ranks"] == [killed] and note["spawned"] <= note["formed"] <= clock_start
+    mine = it[it["rank"] == killed]
+    assert int(mine["step"].min()) == len(applied_clocks(out)[killed])  # where the dead one's gradients stopped
+    assert float(mine["t_start"].min()) >= 0

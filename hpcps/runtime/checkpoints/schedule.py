@@ -152,10 +152,15 @@ def checkpoint_at_stop(plan: RunPlan, state: RunState, comm: MPI.Comm, loop: Loo
     Each shard writes its optimizer state and rank 0 the final parameters
     (which its final evaluation pulled), every shard's version and every
     worker's clock: the gradients it pushed, where its resumed run starts.
+    A worker that died (run-through) has none to give: its clock is the
+    gradients every shard received whole from it (the least over the
+    shards), so the resumed run pushes again a gradient the death cut off.
     Returns the path (on every rank).
     """
     shard_versions = [v for v in comm.allgather(state.final_version) if v is not None]
     clocks = comm.gather((state.index, state.final_clock), root=0)  # by worker index (a spare's: its place's)
+    received = [c for c in comm.gather(state.final_clocks, root=0) or []  # (grouped: the groups' clocks)
+                if c is not None and len(c) == plan.layout.n_workers]
     path = checkpoint_path(state.ckpt_dir, shard_versions[0])
     if state.optimizer is not None:
         write_optimizer_state(path, state.topo.rank, state.optimizer.state_dict(),
@@ -163,7 +168,8 @@ def checkpoint_at_stop(plan: RunPlan, state: RunState, comm: MPI.Comm, loop: Loo
     if loop:  # worker 0's loop: its fields, its optimizer's hyperparameters, its integer buffers
         write_user_state(path, loop)
     if comm.rank == 0:
-        worker_clocks = np.zeros(plan.layout.n_workers, np.int64)
+        worker_clocks = np.min(received, axis=0).astype(np.int64) if received else \
+            np.zeros(plan.layout.n_workers, np.int64)
         for index, clock in clocks:
             if clock is not None and index is not None:
                 worker_clocks[index] = clock

@@ -41,6 +41,15 @@ from hpcps.runtime.session import Session
 from hpcps.training.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
 
 
+
+def _no_respawn(cfg) -> None:
+    """``respawn=True`` is the command's: a process spawned in a dead worker's place runs ``hpcps train``'s
+    own entry (:mod:`hpcps.runtime.newcomer`), which cannot build the model or data your script passes."""
+    if cfg.respawn:
+        raise UserError("respawn=True: a process spawned in a dead worker's place runs hpcps train's own entry, "
+                        "which cannot rebuild what your script passes; use hpcps train --respawn, or "
+                        "spare_workers=K (spares launched with the job)")
+
 def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: Any = "digits", *,
           test_data: torch.utils.data.Dataset | Iterable[Any] | None = None,
           loss: LossFn | str | None = None, evaluate: EvalFn | None = None,
@@ -130,6 +139,7 @@ def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: A
 
     def run() -> RunResult | None:
         cfg = agree(comm, lambda: make_config(flags, config_file=config, python=True))
+        agree(comm, lambda: _no_respawn(cfg))
         work = agree(comm, lambda: workload(cfg))
 
         def trial(option, comm):  # (--paradigm auto's: a model the script built is trained in place, so a copy)

@@ -28,6 +28,20 @@ def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(world, mpi_
                               "(1.weight is [32, 64] on rank 0, 1.weight [31, 64] on rank 2)")
 
 
+@pytest.mark.timeout(60)
+def test_respawn_is_refused_where_a_newcomer_could_not_rebuild_the_scripts_model(world, mpi_tmp_path):
+    """hpcps.train(..., respawn=True): a process spawned in a dead worker's place runs hpcps train's own entry,
+    which cannot rebuild a model the script passes: one line on every rank, before any run starts (it would
+    have stopped at the first death, said "respawn", and trained no further)."""
+    with pytest.raises(UserError) as err:
+        hpcps.train(lambda in_shape, n_classes: torch.nn.Linear(int(np.prod(in_shape)), n_classes), paradigm="asp",
+                    respawn=True, out=str(mpi_tmp_path / "respawn.h5"), steps=5, progress=False, exit_on_error=False,
+                    comm=world)
+    said = world.allgather(str(err.value))
+    assert len(set(said)) == 1 and said[0].startswith("respawn=True: a process spawned in a dead worker's place")
+    assert not (mpi_tmp_path / "respawn.h5").exists()
+
+
 @pytest.mark.timeout(90)
 def test_a_periodic_checkpoint_records_the_clock_of_a_worker_that_left_early(world, mpi_tmp_path):
     """bsp under the step API, the loop of worker rank 1 stopping after 3 steps and the others going to 8:

@@ -41,7 +41,6 @@ from hpcps.runtime.session import Session
 from hpcps.training.workload import EvalFn, LossFn, Workload, data_source, resolve_dataset, resolve_loss, resolve_model
 
 
-
 def _no_respawn(cfg) -> None:
     """``respawn=True`` is the command's: a process spawned in a dead worker's place runs ``hpcps train``'s
     own entry (:mod:`hpcps.runtime.newcomer`), which cannot build the model or data your script passes."""
@@ -49,6 +48,7 @@ def _no_respawn(cfg) -> None:
         raise UserError("respawn=True: a process spawned in a dead worker's place runs hpcps train's own entry, "
                         "which cannot rebuild what your script passes; use hpcps train --respawn, or "
                         "spare_workers=K (spares launched with the job)")
+
 
 def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: Any = "digits", *,
           test_data: torch.utils.data.Dataset | Iterable[Any] | None = None,

@@ -577,7 +577,7 @@ def _train(args: argparse.Namespace) -> int:
         from hpcps.runtime.tune import run_chosen
 
         # (--paradigm auto: its trials first; --respawn: the run again on a grown job after a death)
-        return run_chosen(cfg, comm, respawning(run_training), trial=run_training)
+        return run_chosen(cfg, comm, respawning(run_training))  # (a trial never respawns: tune.TRIAL)
 
     value, status = run_or_end(comm, train, quiet=(InjectedFault,))
     from hpcps.transport.failures import end_without_the_dead

@@ -25,14 +25,15 @@ def join() -> int:
 
     comm, rank = joined()
     setup_logging(comm.rank)
-    cfg, part = comm.bcast(None, root=0)
+    cfg, part, first_out = comm.bcast(None, root=0)
     log.warning("rank %d: spawned in the place of the dead rank %d; in the job %.2f s after Python began",
                 rank, rank, time.time() - began)
     from hpcps.runtime.agree import run_or_end
     from hpcps.runtime.run import run_training  # (torch: before the others stop waiting for us)
 
     meet(comm, cfg, "the spawned process(es) starting")
-    _, status = run_or_end(comm, lambda: respawning(run_training)(cfg, comm, part=part))
+    resume = respawning(run_training)
+    _, status = run_or_end(comm, lambda: resume(cfg, comm, part=part, first_out=first_out))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -92,10 +92,7 @@ def grow(shrunk: MPI.Comm, before: MPI.Comm, gone: Sequence[int]) -> MPI.Comm:
     merged = inter.Merge(high=False)
     inter.Free()
     merged.bcast(list(gone), root=0)
-    grown = merged.Split(0, before.rank)
-    merged.Free()
-    grown.Set_errhandler(MPI.ERRORS_RETURN)
-    return grown
+    return _renumbered(merged, before.rank)
 
 
 def joined() -> tuple[MPI.Comm, int]:
@@ -105,10 +102,16 @@ def joined() -> tuple[MPI.Comm, int]:
     parent.Free()
     gone = merged.bcast(None, root=0)
     mine = gone[merged.rank - (merged.size - len(gone))]
-    grown = merged.Split(0, mine)
+    return _renumbered(merged, mine), mine
+
+
+def _renumbered(merged: MPI.Comm, rank: int) -> MPI.Comm:
+    """Collective over the living and the newcomers (``merged``, which it frees): the grown job, each process at
+    ``rank``, its number in the job before the death; errors returned, as run-through needs."""
+    grown = merged.Split(0, rank)
     merged.Free()
     grown.Set_errhandler(MPI.ERRORS_RETURN)
-    return grown, mine
+    return grown
 
 
 def resumed(cfg, checkpoint: str, n_servers: int, part: int, first_out: str):
@@ -129,7 +132,9 @@ def respawning(train: Callable):
     Each resumed part's run file says (attribute ``respawn``, JSON) which ranks were spawned and the wall
     times of the spawn's call and of the grown job's forming, against the file's ``clock_start``."""
 
-    def run(cfg, comm: MPI.Comm, *, part: int = 0):
+    def run(cfg, comm: MPI.Comm, *, part: int = 0, first_out: str | None = None):
+        """``part``, ``first_out``: a newcomer's, which joins at that part of a run whose first part wrote
+        ``first_out`` (each later part's file and checkpoints are named from it)."""
         from hpcps.transport.failures import left_out, ulfm_enabled
 
         result = train(cfg, comm)
@@ -137,7 +142,8 @@ def respawning(train: Callable):
             shrunk = comm.Shrink()
             gone = sorted(left_out(comm, shrunk))
             said = _what_stopped(result) if shrunk.rank == 0 else None
-            stopped_by, checkpoint, first_out, n_servers = shrunk.bcast(said, root=0)
+            stopped_by, checkpoint, path, n_servers = shrunk.bcast(said, root=0)
+            first_out = first_out or path
             if stopped_by != STOPPED_BY or not gone:
                 shrunk.Free()
                 return result
@@ -150,7 +156,7 @@ def respawning(train: Callable):
             shrunk.Free()
             formed = time.time()
             cfg = resumed(cfg, checkpoint, n_servers, part, first_out)
-            comm.bcast((cfg, part), root=0)
+            comm.bcast((cfg, part, first_out), root=0)
             meet(comm, cfg, "the spawned process(es) starting")
             if comm.rank == 0:
                 log.info("the job is whole again %.2f s after the spawn's call, %.2f s with the newcomers started: "
@@ -185,7 +191,7 @@ def _note(path: str, what: dict) -> None:
 
 
 def _what_stopped(result) -> tuple:
-    """Rank 0, after a part: what stopped it, its checkpoint, the first part's run file and the shards' count."""
+    """Rank 0, after a part: what stopped it, its checkpoint, its run file and the shards' count."""
     import h5py
 
     stopped_by, checkpoint = result.summary.get("stopped_by", ""), result.summary.get("checkpoint", "")
@@ -193,5 +199,4 @@ def _what_stopped(result) -> tuple:
     if stopped_by == STOPPED_BY and checkpoint:
         with h5py.File(checkpoint, "r") as f:
             n_servers = int(f.attrs["n_servers"])
-    stem, ext = os.path.splitext(result.path)
-    return stopped_by, checkpoint, stem.split("-respawn")[0] + ext, n_servers
+    return stopped_by, checkpoint, result.path, n_servers

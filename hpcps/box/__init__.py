@@ -6,6 +6,8 @@
   certain teardown.
 * :mod:`hpcps.box.launch`: ``hpcps emulate``, which builds a box, runs one MPI job in it and takes
   it down.
+* :mod:`hpcps.box.counters`: what the links did during the job (the switch's drops per port, the
+  nodes' TCP retransmissions), said at its end.
 
 A rank started by ``hpcps emulate`` finds the box's description in ``HPCPS_CLUSTER`` (JSON) and
 its node in ``HPCPS_NODE``; :func:`cluster_record` and :func:`node_label` read them.

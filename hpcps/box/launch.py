@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from hpcps.box import chaos as chaos_plan
+from hpcps.box import counters
 from hpcps.box import net
 from hpcps.box.spec import (FAMILIES, NODE_IFACE, Cluster, describe_record, mpi_environment, mpmd_argv,
                             setup_commands, ssh_agent_script)
@@ -104,10 +105,24 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
                 os.chmod(agent, 0o755)
             env = clean_environ(**mpi_environment(cluster, family, agent))
             options = list(ULFM_LAUNCH) if ulfm else []
-            return _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
-                            lambda: _inflict(cluster, chaos, log) if chaos else None)
+            before = _counters(cluster)
+            status = _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
+                              lambda: _inflict(cluster, chaos, log) if chaos else None)
+            after = _counters(cluster)
+            if before is not None and after is not None:
+                log(counters.describe(after - before, cluster.buffer_bytes))
+            return status
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _counters(cluster: Cluster) -> counters.Counters | None:
+    """The box's drop and retransmission counters now; None if they cannot be read (a tool missing: the
+    line is left out, the job is not the worse for it)."""
+    try:
+        return counters.read(cluster)
+    except (OSError, subprocess.SubprocessError, KeyError, ValueError):
+        return None
 
 
 class _Chaos(threading.Thread):

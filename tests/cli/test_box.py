@@ -127,6 +127,37 @@ def test_a_transfer_never_beats_its_links_rate(tmp_path):
         assert floor <= t, (kind, t, floor)
         if not (kind != "send" and FAMILY == "openmpi"):
             assert t <= 2 * (4 << 20) * 8 / 1e8, (kind, t, floor)
+    # one sender at a time, shaped at its own node to the port's rate: the switch never queues past its burst
+    assert "during the job the switch dropped no packets" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_job_end_says_what_the_switch_dropped_under_incast(tmp_path):
+    """Three nodes send 4 MiB each to node 0 at once through a switch port that queues 32 kB: the port
+    towards node 0 drops packets, TCP sends them again, and the line at the job's end says so, naming that
+    port alone (what goes back to the senders is acknowledgements, a trickle)."""
+    script = tmp_path / "incast.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "c = MPI.COMM_WORLD; n = 4 << 20\n"
+        "c.Barrier()\n"
+        "if c.rank == 0:\n"
+        "    bufs = [np.empty(n, np.uint8) for _ in range(1, c.size)]\n"
+        "    MPI.Request.Waitall([c.Irecv(b, source) for source, b in enumerate(bufs, 1)])\n"
+        "else:\n"
+        "    c.Send(np.ones(n, np.uint8), 0)\n"
+        "c.Barrier()\n")
+    proc = emulate("--nodes", "4", "--link", "100mbit", "--buffer", "32kb", "--", sys.executable, str(script),
+                   timeout=100)
+    assert proc.returncode == 0, failure(proc.stderr)
+    m = re.search(r"the switch dropped ([\d,]+) packets at the ports towards (.*?) \(their queue, --buffer ([\d,]+) "
+                  r"bytes, overflowed.*sent ([\d,]+) segments again", proc.stderr)
+    assert m, proc.stderr
+    dropped, ports, queue, again = m.groups()
+    assert re.fullmatch(r"node 0 [\d,]+", ports) and int(dropped.replace(",", "")) > 0, m.group(0)
+    assert queue == "32,000", m.group(0)
+    assert int(again.replace(",", "")) > 0, m.group(0)
 
 
 @pytest.mark.slow

@@ -142,11 +142,12 @@ def train(model: Callable[..., torch.nn.Module] | torch.nn.Module | str, data: A
         agree(comm, lambda: _no_respawn(cfg))
         work = agree(comm, lambda: workload(cfg))
 
-        def trial(option, comm):  # (--paradigm auto's: a model the script built is trained in place, so a copy)
+        def trial(option, comm, leg=None):  # (--paradigm auto's: a model the script built is trained in place,
+            # so a copy)
             given = dataclasses.replace(work, model=copy.deepcopy(work.model)) if work.given_model else work
-            return run_training(option, comm, given)
+            return run_training(option, comm, given, leg=leg)
 
-        return run_chosen(cfg, comm, lambda c, comm: run_training(c, comm, work), trial)[1]
+        return run_chosen(cfg, comm, lambda c, comm, leg=None: run_training(c, comm, work, leg=leg), trial)[1]
 
     return _collectively(comm, run, exit_on_error)
 

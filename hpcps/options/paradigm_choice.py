@@ -108,11 +108,14 @@ def table(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial) -> list[str]:
     return lines
 
 
-def record(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial, trial_steps: int, seconds: float) -> str:
+def record(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial, trial_steps: int, seconds: float,
+           trained: int = 0) -> str:
     """The choice as the run file keeps it (JSON): the trials, how long they took in all (``seconds``: the
-    wait before the run), the one chosen and what it predicts of the run (its batches a second and mean
-    step); the run's own measure is added at its end (:func:`with_measure`)."""
+    wait before the run), the steps per worker they trained that the run went on from (``trained``), the
+    one chosen and what it predicts of the run (its batches a second and mean step); the run's own measure
+    is added at its end (:func:`with_measure`)."""
     return json.dumps({"chosen": chosen.paradigm, "trial_steps": trial_steps, "trials_s": seconds,
+                       "trained_steps": trained,
                        "predicted": {"batches_per_s": chosen.batches_per_s, "mean_step_s": chosen.mean_step_s},
                        "trials": [asdict(t) for t in trials]}, sort_keys=True)
 
@@ -129,8 +132,9 @@ def describe(choice: dict) -> str:
     """One line for a run file's recorded choice (``hpcps report``): what it chose of what, the prediction
     and the run's measure."""
     tried = ", ".join(f"{t['paradigm']} {t['batches_per_s']:.1f}" for t in choice["trials"])
+    trained = f", the run going on from their {choice['trained_steps']} steps" if choice.get("trained_steps") else ""
     line = (f"auto: {choice['chosen']} (trials of {choice['trial_steps']} steps in {choice['trials_s']:.1f} s, "
-            f"batches/s: {tried}); "
+            f"batches/s: {tried}{trained}); "
             f"predicted {choice['predicted']['batches_per_s']:.1f} batches/s")
     if "measured" in choice:
         line += f", measured {choice['measured']['batches_per_s']:.1f}"

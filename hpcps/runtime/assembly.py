@@ -95,8 +95,9 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
                          staleness_max=cfg.s_hi)
     start_version = plan.shard_start(topo.rank)
     policy.resume_at(start_version)
-    if plan.ckpt is not None and not (plan.ckpt.resharded or plan.ckpt.redealt):
-        # what the paradigm kept of its own (clocks, a controller's intervals); another shape starts it afresh
+    if plan.ckpt is not None and not (plan.ckpt.resharded or plan.ckpt.redealt or plan.ckpt.written_paradigm):
+        # what the paradigm kept of its own (clocks, a controller's intervals); another shape, or another
+        # paradigm's checkpoint, starts it afresh
         policy.load_state_dict(read_policy_state(cfg.resume, topo.rank))
     # paradigms that hold rounds (bsp, hsp) sum each as it arrives (hpcps.runtime.rounds): bsp in worker
     # order (reproducible), hsp in the order its serial transfers come; those and the ones that apply
@@ -243,8 +244,9 @@ def lr_scale(plan: RunPlan, extra: bool = False) -> float:
 
 
 def horizon(plan: RunPlan) -> int:
-    """The updates a central shard applies over the run (:func:`hpcps.training.rates.horizon`)."""
-    return rates.horizon(plan.paradigm, plan.rounds, len(plan.clients))
+    """The updates a central shard applies over the run, or over the training a leg is part of
+    (:func:`hpcps.training.rates.horizon`)."""
+    return rates.horizon(plan.paradigm, plan.horizon_rounds, len(plan.clients))
 
 
 def serve_group(plan: RunPlan, state: RunState, central: ParamWindow, window: ParamWindow, recorder) -> None:

@@ -47,6 +47,21 @@ if TYPE_CHECKING:  # (annotations only: these import MPI or the runtime's roles)
 
 
 @dataclass(frozen=True)
+class Leg:
+    """A run that is one leg of a longer training: ``--paradigm auto``'s trials, each going on from the
+    last one's end, and the run after them (:func:`hpcps.runtime.tune.choose_paradigm`).
+
+    ``steps``: where each worker stops (its clock), short of the options' steps, which stay the
+    schedule's horizon (None: the options' end); ``keep_end``: the end writes a checkpoint, as a stop
+    does, from which the next leg goes on. A leg may go on from another paradigm's checkpoint
+    (:func:`hpcps.runtime.checkpoints.files.for_paradigm`), which a user's ``--resume`` may not.
+    """
+
+    steps: int | None = None
+    keep_end: bool = False
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A run as resolved before it starts, the same on every rank.
 
@@ -84,6 +99,10 @@ class RunPlan:
     slice_devices: tuple[str | None, ...] = ()
     reseed: bool = True
     start_iteration: int = 0
+    #: a leg of a longer training (:class:`Leg`): the whole training's steps, the schedule's horizon (None:
+    #: ``steps``), and whether the run's end writes a checkpoint for the next leg
+    horizon_steps: int | None = None
+    keep_end: bool = False
 
     def worker_start(self, index: int) -> int:
         """The gradients worker ``index`` had pushed when the run starts: its clock in the checkpoint resumed,
@@ -106,8 +125,16 @@ class RunPlan:
     @property
     def rounds(self) -> int:
         """Pushes each worker makes: its steps, or under ``--local-steps H`` its outer rounds (ceil(steps/H))."""
+        return self._rounds(self.steps)
+
+    @property
+    def horizon_rounds(self) -> int:
+        """:attr:`rounds` of the whole training this run is part of (a :class:`Leg`'s; else this run's)."""
+        return self._rounds(self.horizon_steps or self.steps)
+
+    def _rounds(self, steps: int) -> int:
         every = self.cfg.inner_steps
-        return self.steps if every is None else outer_rounds(self.steps, every)
+        return steps if every is None else outer_rounds(steps, every)
 
     @property
     def clients(self) -> list[int]:

@@ -132,12 +132,13 @@ def respawning(train: Callable):
     Each resumed part's run file says (attribute ``respawn``, JSON) which ranks were spawned and the wall
     times of the spawn's call and of the grown job's forming, against the file's ``clock_start``."""
 
-    def run(cfg, comm: MPI.Comm, *, part: int = 0, first_out: str | None = None):
+    def run(cfg, comm: MPI.Comm, *, part: int = 0, first_out: str | None = None, leg=None):
         """``part``, ``first_out``: a newcomer's, which joins at that part of a run whose first part wrote
-        ``first_out`` (each later part's file and checkpoints are named from it)."""
+        ``first_out`` (each later part's file and checkpoints are named from it); ``leg``: the first part's
+        (:class:`hpcps.runtime.plan.Leg`: ``--paradigm auto``'s run going on from its trials)."""
         from hpcps.transport.failures import left_out, ulfm_enabled
 
-        result = train(cfg, comm)
+        result = train(cfg, comm, leg=leg)
         while cfg.respawn and ulfm_enabled():
             shrunk = comm.Shrink()
             gone = sorted(left_out(comm, shrunk))

@@ -40,7 +40,7 @@ from hpcps.training import rates
 from hpcps.runtime.agree import agree
 from hpcps.data.batches import DataSource
 from hpcps.runtime.checkpoints.files import (Checkpoint, LoopState, check_compatible, check_same_optimizer,
-                                             read_checkpoint, reshaped, restore_int_buffers)
+                                             for_paradigm, read_checkpoint, reshaped, restore_int_buffers)
 from hpcps.options.config import TrainConfig, steps_for
 from hpcps.data.sharding import Redeal, batches_per_epoch
 from hpcps.cluster.device import DevicePlan, detect_cuda_aware, plan_device
@@ -64,6 +64,7 @@ from hpcps.metrics.schema import RANK, summarize
 from hpcps.training.optim import describe_optimizer, warm_optimizers
 from hpcps.training.paramgroups import resolve_groups
 from hpcps.policies import Policy
+from hpcps.policies.registry import policy_class
 from hpcps.runtime.faults import mark_launch
 from hpcps.runtime.signals import StopSignals, announce
 from hpcps.runtime import respawn
@@ -75,7 +76,7 @@ from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import shares_clock_with_rank0, sync_clock
 from hpcps.transport.poll import Backoff, StallWatch, clear_signal, polite_barrier, watch_every_wait
 from hpcps.transport.window import ParamWindow
-from hpcps.runtime.plan import RunPlan, RunState
+from hpcps.runtime.plan import Leg, RunPlan, RunState
 from hpcps.runtime.warmup import gather_pass_times, measure_pass_time
 from hpcps.training.workload import Workload, data_shape, workload_from_config
 
@@ -159,16 +160,17 @@ def default_out(paradigm: str) -> str:
     return os.path.join("runs", f"{paradigm}-{time.strftime('%Y%m%d-%H%M%S')}.h5")
 
 
-def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None) -> RunResult | None:
+def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None, *,
+                 leg: Leg | None = None) -> RunResult | None:
     """Collective: train ``workload`` (default: the one ``cfg`` names) as ``cfg`` says on ``comm``;
-    rank 0 returns the result, others None.
+    rank 0 returns the result, others None. ``leg``: the run is one leg of a longer training (:class:`Leg`).
 
     Workers run the built-in loop (:meth:`hpcps.runtime.session.Session.train_on`), a client of the step
     API like the user's own loop; servers serve.
     """
     from hpcps.runtime.session import Session
 
-    with open_run(cfg, comm, workload) as run:
+    with open_run(cfg, comm, workload, leg=leg) as run:
         run.start()
         if run.topo.role is Role.SPARE and not run.wait_for_place():
             return run.end()  # the run needed no spare
@@ -178,8 +180,6 @@ def run_training(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = N
                 return session.close()
         run.serve()
         return run.end()
-
-
 
 
 def model_shape(model: torch.nn.Module) -> tuple:
@@ -206,12 +206,13 @@ def check_same_model(shapes: list[tuple]) -> None:
 
 
 def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None, *, reseed: bool = True,
-             start_iteration: int = 0) -> "Run":
+             start_iteration: int = 0, leg: Leg | None = None) -> "Run":
     """Collective: everything a run needs before it starts (roles, model, data, device, checkpoint to
     resume), as a :class:`Run` to use in a ``with`` block (which frees what it holds). ``reseed``: each
     worker's torch random stream its own after the model is built (:func:`worker_seed`); False keeps the
     stream the script's seeding gives (said where every worker would draw alike: :func:`_same_streams`).
-    ``start_iteration``: where a loop that resumes itself starts (:attr:`RunPlan.start_iteration`).
+    ``start_iteration``: where a loop that resumes itself starts (:attr:`RunPlan.start_iteration`);
+    ``leg``: the run is one leg of a longer training (:class:`~hpcps.runtime.plan.Leg`).
 
     The run happens on a renumbered copy of ``comm`` (``--placement``, :mod:`hpcps.cluster.placement`): its
     ranks, in the metrics and the options that name ranks, are the run's; its rank 0 is ``comm``'s.
@@ -229,7 +230,7 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     try:
         return _prepare(cfg, run_comm, workload, world_ranks, stack, paradigm, layout, reseed=reseed,
                         start_iteration=start_iteration, spans_nodes=len(set(nodes)) > 1, link_bps=link_bps,
-                        given=given)
+                        given=given, leg=leg)
     except BaseException:
         stack.close()
         raise
@@ -238,7 +239,7 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
 def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_ranks: list[int],
              stack: ExitStack, paradigm: type[Policy], layout: Layout, *, reseed: bool = True,
              start_iteration: int = 0, spans_nodes: bool = False, link_bps: float | None = None,
-             given: TrainConfig | None = None) -> "Run":
+             given: TrainConfig | None = None, leg: Leg | None = None) -> "Run":
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     setup_logging(comm.rank, layout.role(comm.rank).value)
@@ -258,7 +259,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     facts = comm.bcast(agree(comm, lambda: _data_facts(source) if comm.rank == 0 else None), root=0)
     model = agree(comm, lambda: workload.build_model(seed=cfg.seed, in_shape=facts["in_shape"],
                                                      n_classes=facts["n_classes"], hidden=cfg.hidden))
-    steps = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, facts["n_train"], layout)))
+    total = steps_for(cfg, agree(comm, lambda: _per_epoch(cfg, facts["n_train"], layout)))
+    steps = min(leg.steps, total) if leg is not None and leg.steps is not None else total  # (a leg stops short)
     agree(comm, lambda: _check_start(cfg, steps, start_iteration))
     if cfg.tensorboard:
         agree(comm, lambda: check_installed() if comm.rank == 0 else None)
@@ -282,7 +284,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
     if workload.given_model:  # built by each rank's script, as DDP takes it: rank 0's parameters start the run
         comm.Bcast(flat.params, root=0)
         flat.upload()
-    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout, stripe)) if cfg.resume else None
+    ckpt = agree(comm, lambda: _load_checkpoint(cfg, flat.size, layout, stripe, paradigm if leg else None)) \
+        if cfg.resume else None
     if ckpt is not None:
         flat.params[:] = ckpt.params
         flat.upload()
@@ -313,7 +316,8 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         codec=make_codec(cfg.compress), steps=steps, facts=facts, devices=tuple(devices),
         slice_devices=tuple(slice_devices),
         world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
-        reseed=reseed, start_iteration=start_iteration)
+        reseed=reseed, start_iteration=start_iteration, horizon_steps=total if steps != total else None,
+        keep_end=leg is not None and leg.keep_end)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
                      stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "", slice_device=slice_device)
     return Run(run_plan, state)
@@ -391,12 +395,19 @@ def _devices_summary(devices: list[str], what: str = "worker") -> str:
     return "; ".join(f"{d} ({n} {what}{'s' if n > 1 else ''})" for d, n in counts.items())
 
 
-def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout, stripe: int | None) -> Checkpoint:
+def _load_checkpoint(cfg: TrainConfig, n_params: int, layout: Layout, stripe: int | None,
+                     leg_paradigm: type[Policy] | None = None) -> Checkpoint:
+    """The checkpoint ``--resume`` names, as this run goes on from it; ``leg_paradigm``: a leg's paradigm
+    (:class:`~hpcps.runtime.plan.Leg`), which goes on from another paradigm's checkpoint too."""
     ckpt = read_checkpoint(cfg.resume, complete=True)
-    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params)
+    check_compatible(ckpt, cfg.resume, cfg.as_json_dict(), n_params=n_params, any_paradigm=leg_paradigm is not None)
     if layout.n_workers != len(ckpt.worker_clocks) and layout.n_groups:
         raise UserError(f"--resume {cfg.resume}: grouped runs resume on their checkpoint's worker count "
                         f"({len(ckpt.worker_clocks)}), not {layout.n_workers}")
+    if leg_paradigm is not None and ckpt.config["paradigm"] != cfg.paradigm:
+        clients = layout.n_groups or layout.n_workers
+        ckpt = for_paradigm(ckpt, written_per_step=policy_class(ckpt.config["paradigm"]).updates_per_step(clients),
+                            per_step=leg_paradigm.updates_per_step(clients))
     return reshaped(ckpt, n_servers=layout.n_servers, n_workers=layout.n_workers, stripe=stripe)
 
 
@@ -613,8 +624,8 @@ class Run:
             raise
 
     def end(self, loop: LoopState | None = None) -> RunResult | None:
-        """Collective, once every rank's part is over: recorders closed, a checkpoint if a signal
-        stopped the run (with ``loop``, worker 0's loop state), the summary; the result on rank 0."""
+        """Collective, once every rank's part is over: recorders closed, a checkpoint if a signal stopped
+        the run or at a leg's end (with ``loop``, worker 0's loop state), the summary; the result on rank 0."""
         plan, state = self.plan, self.state
         comm, recorder, runfile, window, group_window = (state.topo.comm, state.recorder, state.runfile, state.window,
                                                          state.group_window)
@@ -627,10 +638,11 @@ class Run:
         polite_barrier(comm, state.backoff, watched=False)
         # a signal that a loop acted on; one that came after the last step (the final evaluation) stopped nothing
         stopped_by = next((s for s in comm.allgather(state.signals.acted) if s), None)
-        saved_ckpt = checkpointing.checkpoint_at_stop(plan, state, comm, loop) if stopped_by else None
-        if stopped_by is None and comm.bcast(state.diverged is not None if comm.rank == 0 else None, root=0):
-            stopped_by = "diverged"  # no checkpoint: nothing worth resuming
-        state.stopped_by = stopped_by
+        diverged = stopped_by is None and comm.bcast(state.diverged is not None if comm.rank == 0 else None, root=0)
+        # a checkpoint at a stop, and at a leg's end (the next leg goes on from it); none after a divergence
+        saved_ckpt = checkpointing.checkpoint_at_stop(plan, state, comm, loop) \
+            if stopped_by is not None or (plan.keep_end and not diverged) else None
+        state.stopped_by = stopped_by = "diverged" if diverged else stopped_by
         ranks = comm.gather(records.rank_row(plan, state), root=0)  # after the barrier: nobody waits long
         # worker 0's integer buffers (BatchNorm's num_batches_tracked, counted on each rank) into the model saved
         ints = [i for i in comm.gather(loop.int_buffers if loop is not None else None, root=0) or [] if i]
@@ -701,16 +713,10 @@ class Run:
                          state.final_metrics, saved)
 
 
-
-
-
-
 def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state on the CPU as plain ``load_state_dict`` takes it into the model's uncompiled
     class: ``torch.compile`` puts ``_orig_mod.`` in the keys of what it compiled, which is dropped."""
     return {k.replace("_orig_mod.", ""): v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-
 
 
 def save_model(state: dict[str, torch.Tensor], path: str) -> str | None:

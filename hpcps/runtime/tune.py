@@ -31,6 +31,7 @@ from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
 from hpcps.options.paradigm_choice import ParadigmTrial
 from hpcps.options.tuning import TUNED, Trial, candidates, command, flags, ranked, table
+from hpcps.runtime.plan import Leg
 
 log = logging.getLogger("hpcps")
 
@@ -126,7 +127,7 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
 def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Sequence[str], train) \
         -> list[ParadigmTrial] | None:
     """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
-    _, trials, _ = _paradigm_trials(cfg, comm, train)
+    trials = _paradigm_trials(cfg, paradigm_choice.candidates(cfg), comm, train)
     chosen = paradigm_choice.choose(trials)
     if comm.rank != 0:
         return None
@@ -157,37 +158,91 @@ def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
 
 def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[TrainConfig, Any]:
     """Collective: ``train(cfg, comm)`` (a run, its result on rank 0); under ``--paradigm auto`` the trials first
-    (``trial(cfg, comm)``, default ``train``), then the run under the paradigm chosen, its choice kept in its
-    run file. Returns the options the run ran with, and its result."""
+    (``trial(cfg, comm, leg=...)``, default ``train``), then the run under the paradigm chosen, going on from
+    where the trials left the model (:func:`choose_paradigm`), its choice kept in its run file. Returns the
+    options the run ran with (as typed: the paradigm chosen in place of auto), and its result."""
     if cfg.paradigm != paradigm_choice.AUTO:
         return cfg, train(cfg, comm)
-    chosen, choice = choose_paradigm(cfg, comm, trial or train)
-    result = train(chosen, comm)
+    folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
+    try:
+        chosen, choice, start = choose_paradigm(cfg, comm, trial or train, folder)
+        if start is None:
+            result = train(chosen, comm)
+        else:  # the trials' checkpoint, read at the run's start; the folder goes once every rank has started
+            result = train(chosen.model_copy(update={"resume": start}), comm, leg=Leg())
+        comm.Barrier()
+    finally:
+        if comm.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
     if result is not None:
         keep_choice(result.path, choice, chosen)
     return chosen, result
 
 
-def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train) -> tuple[TrainConfig, str]:
+def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None = None) \
+        -> tuple[TrainConfig, str, str | None]:
     """Collective, for ``--paradigm auto``: a trial of ``--trial-steps`` steps under each paradigm of
-    ``--paradigms`` (``train(cfg, comm)``: a run, its result on rank 0), then ``cfg`` under the one chosen
-    (:func:`hpcps.options.paradigm_choice.choose`) and the choice as the run file keeps it (JSON). Rank 0
-    logs the trials' table."""
-    options, trials, seconds = _paradigm_trials(cfg, comm, train)
-    chosen = paradigm_choice.choose(trials)  # (the same trials on every rank: the same answer, or error)
-    if comm.rank == 0:
-        log.info("--paradigm auto: %s, the most batches a second (or within %.0f%% of it and less stale); the "
-                 "trials took %.1f s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds,
-                 "\n".join(paradigm_choice.table(trials, chosen)))
-    return options[trials.index(chosen)], paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds)
+    ``--paradigms`` (``train(cfg, comm, leg=...)``: a run, its result on rank 0), then ``cfg`` under the one
+    chosen (:func:`hpcps.options.paradigm_choice.choose`), the choice as the run file keeps it (JSON), and
+    the checkpoint the run goes on from (None: from the start). Rank 0 logs the trials' table.
 
-
-def _paradigm_trials(cfg: TrainConfig, comm: MPI.Comm, train) \
-        -> tuple[list[TrainConfig], list[ParadigmTrial], float]:
-    """Collective: each paradigm's options (as typed), its trial's measure (every rank alike) and the
-    trials' time in all (s). Trials write their run files in a temporary folder, removed at the end."""
+    With a ``folder`` for their files and ``--steps`` to spare, the trials train: each goes on from where
+    the last one ended (:class:`~hpcps.runtime.plan.Leg`), on the run's own data schedule and learning-rate
+    horizon, and the run goes on from the last one's end, so the trials' steps are steps of the training
+    (:func:`_trials_that_train`). Otherwise each trial starts from the model's start and the run does too."""
     options = paradigm_choice.candidates(cfg)
     began = time.monotonic()
+    if folder is not None and _trains(cfg, len(options)):
+        trials, start, trained = _trials_that_train(cfg, options, comm, train, folder)
+    else:
+        if folder is not None and comm.rank == 0:
+            log.info("--paradigm auto: the trials do not train (they start from the model's start, and so does the "
+                     "run): %s", "the run's steps are not known before it starts (--epochs)" if cfg.steps is None
+                     else f"--steps {cfg.steps} leave none to the run after {len(options)} trials of "
+                          f"{cfg.trial_steps} steps")
+        trials, start, trained = _paradigm_trials(cfg, options, comm, train), None, 0
+    seconds = time.monotonic() - began
+    chosen = paradigm_choice.choose(trials)  # (the same trials on every rank: the same answer, or error)
+    if comm.rank == 0:
+        went_on = f"; the run goes on from the {trained} steps they trained" if trained else ""
+        log.info("--paradigm auto: %s, the most batches a second (or within %.0f%% of it and less stale); the "
+                 "trials took %.1f s%s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds, went_on,
+                 "\n".join(paradigm_choice.table(trials, chosen)))
+    return (options[trials.index(chosen)], paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds, trained),
+            start)
+
+
+def _trains(cfg: TrainConfig, n_trials: int) -> bool:
+    """Whether ``cfg``'s trials can train: its steps known before the run (``--steps``), with some left to
+    the run after every trial's."""
+    return cfg.steps is not None and cfg.steps > n_trials * cfg.trial_steps
+
+
+def _trials_that_train(cfg: TrainConfig, options: list[TrainConfig], comm: MPI.Comm, train, folder: Path) \
+        -> tuple[list[ParadigmTrial], str | None, int]:
+    """Collective: each paradigm's trial as a leg of the training, going on from the last one's end (a
+    trial that diverged leaves none: the next goes on from the one before). Returns the measures (every
+    rank alike), the last end's checkpoint and the steps per worker trained up to it."""
+    trials, start, done = [], None, 0
+    for k, option in enumerate(options, 1):
+        if comm.rank == 0:
+            log.info("--paradigm auto: trial %d of %d: %s, steps %d-%d of the training", k, len(options),
+                     option.paradigm, done + 1, done + cfg.trial_steps)
+        trial = option.model_copy(update={**TRIAL, "divergence": option.divergence, "fault": [], "steps": cfg.steps,
+                                          "resume": start, "out": str(folder / f"{option.paradigm}.h5"),
+                                          "checkpoint_dir": str(folder / option.paradigm)})
+        result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True))
+        measure = _measure(result, option, comm)
+        if not measure.stopped_by:  # it ended at its steps, its checkpoint written
+            start = comm.bcast(result.summary["checkpoint"] if comm.rank == 0 else None, root=0)
+            done += cfg.trial_steps
+        trials.append(measure)
+    return trials, start, done
+
+
+def _paradigm_trials(cfg: TrainConfig, options: list[TrainConfig], comm: MPI.Comm, train) -> list[ParadigmTrial]:
+    """Collective: each paradigm's trial from the model's start, its measure (every rank alike). Trials
+    write their run files in a temporary folder, removed at the end."""
     folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
     trials = []
     try:
@@ -197,19 +252,23 @@ def _paradigm_trials(cfg: TrainConfig, comm: MPI.Comm, train) \
                          cfg.trial_steps)
             trial = option.model_copy(update={**TRIAL, "divergence": option.divergence, "fault": [],
                                               "steps": cfg.trial_steps, "out": str(folder / f"{option.paradigm}.h5")})
-            result = train(trial, comm)
-            measure = paradigm_trial(result.path, option.paradigm, option.inner_steps or 1) if comm.rank == 0 \
-                else None
-            measure = comm.bcast(measure, root=0)
-            if measure.stopped_by not in ("", "diverged"):  # a signal, the loop: the job ends here
-                raise UserError(f"--paradigm auto: stopped in the trial of {option.paradigm} "
-                                f"({measure.stopped_by}); nothing was trained")
-            trials.append(measure)
+            trials.append(_measure(train(trial, comm), option, comm))
         comm.Barrier()  # (every rank done with the trials' files)
     finally:
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-    return options, trials, time.monotonic() - began
+    return trials
+
+
+def _measure(result, option: TrainConfig, comm: MPI.Comm) -> ParadigmTrial:
+    """Collective: a trial's measure from its run file (rank 0's ``result``), on every rank; a trial a
+    signal or the loop stopped ends the job."""
+    measure = paradigm_trial(result.path, option.paradigm, option.inner_steps or 1) if comm.rank == 0 else None
+    measure = comm.bcast(measure, root=0)
+    if measure.stopped_by not in ("", "diverged"):  # a signal, the loop: the job ends here
+        raise UserError(f"--paradigm auto: stopped in the trial of {option.paradigm} "
+                        f"({measure.stopped_by}); nothing was trained")
+    return measure
 
 
 def keep_choice(path: str, choice: str, cfg: TrainConfig) -> None:

@@ -59,8 +59,10 @@ def test_train_under_paradigm_auto_runs_the_trials_then_the_paradigm_chosen_and_
     proc = launch(5, sys.executable, "-m", "hpcps", "train", "--paradigm", "auto", *STRAGGLED, "--steps", "40",
                   "--out", "run.h5", "--no-progress", timeout=150, cwd=str(tmp_path))
     assert proc.returncode == 0, failure(proc.stderr)
-    assert "--paradigm auto: trial 1 of 2: bsp, 10 steps" in proc.stderr
+    assert "--paradigm auto: trial 1 of 2: bsp, steps 1-10 of the training" in proc.stderr
+    assert "--paradigm auto: trial 2 of 2: asp, steps 11-20 of the training" in proc.stderr
     assert "--paradigm auto: asp, the most batches a second" in proc.stderr
+    assert "the run goes on from the 20 steps they trained" in proc.stderr
     rows = [AUTO_ROW.match(line) for line in proc.stderr.splitlines() if AUTO_ROW.match(line)]
     assert [(r[1], r[6].strip()) for r in rows] == [("asp", "chosen"), ("bsp", "")], proc.stderr
     with h5py.File(tmp_path / "run.h5") as f:
@@ -68,8 +70,10 @@ def test_train_under_paradigm_auto_runs_the_trials_then_the_paradigm_chosen_and_
         record = json.loads(f.attrs["paradigm_choice"])
         steps = f["workers/iterations"]["step"]
     assert record["chosen"] == "asp" and record["measured"]["batches_per_s"] > record["trials"][0]["batches_per_s"]
-    assert len(steps) == 4 * 40  # the run's own steps, not the trials'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5", "run.pt"]
+    assert record["trained_steps"] == 20
+    # the run's own steps, going on from the trials' 20: each of the other 20 once, on each worker
+    assert sorted(steps.tolist()) == sorted(list(range(20, 40)) * 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5", "run.pt"]  # (the trials' files gone)
 
 
 @pytest.mark.timeout(180)

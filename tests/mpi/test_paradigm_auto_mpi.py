@@ -1,5 +1,5 @@
 """``--paradigm auto`` on five ranks: trials of each paradigm, then the run as if the user had typed the one
-chosen."""
+chosen, going on from where the trials left the model."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def test_with_a_3x_straggler_asp_trains_the_most_batches_a_second_and_is_chosen(
     run on (3 per 10 ms and 1 per 30: 2.5x bsp's), so asp is chosen, and its trial says why."""
     cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "asp"], "trial_steps": 12, "compute_time": 0.01,
                        "slowdown": {4: 3.0}, "progress": False, "out": str(mpi_tmp_path / "unused.h5")})
-    chosen, choice = choose_paradigm(cfg, world, run_training)
-    assert chosen.paradigm == "asp"
+    chosen, choice, start = choose_paradigm(cfg, world, run_training)  # (no folder: trials from the start)
+    assert chosen.paradigm == "asp" and start is None
     assert chosen == make_config({"paradigm": "asp", "compute_time": 0.01, "slowdown": {4: 3.0}, "progress": False,
                                   "out": str(mpi_tmp_path / "unused.h5")})  # as if typed, --trial-steps gone
     record = json.loads(choice)
@@ -47,24 +47,63 @@ def _net():
 
 
 @pytest.mark.timeout(120)
-def test_a_run_chosen_from_bsp_alone_is_the_bsp_run_bit_for_bit_though_the_trial_trained_the_scripts_model(
-        world, mpi_tmp_path):
-    """hpcps.train with a model the script built: the trial trains a copy, and the run starts from the
-    script's parameters as a plain bsp run does (bsp is the same run bit for bit), the choice in its file."""
-    options = {"steps": 30, "lr": 0.1, "progress": False, "exit_on_error": False}
+def test_a_run_chosen_from_bsp_alone_goes_on_from_its_trial_and_is_the_bsp_run_bit_for_bit(world, mpi_tmp_path):
+    """hpcps.train with a model the script built, a cosine schedule and momentum: the trial trains its first
+    8 steps (a copy of the script's model), the run goes on from there with the shards' momentum, and ends
+    where a plain bsp run of the same 30 steps does, bit for bit (the schedule's horizon is the run's 30
+    steps in the trial too), the choice in its file."""
+    options = {"steps": 30, "lr": 0.1, "momentum": 0.9, "lr_schedule": "cosine", "progress": False,
+               "exit_on_error": False}
     plain = hpcps.train(_net(), paradigm="bsp", out=str(mpi_tmp_path / "plain.h5"), **options)
     auto = hpcps.train(_net(), paradigm="auto", paradigms=["bsp"], trial_steps=8,
                        out=str(mpi_tmp_path / "auto.h5"), **options)
-    # the trial's run file went with its folder; only the two runs' files are left
+    # the trial's run file and checkpoint went with its folder; only the two runs' files are left
     assert share(world, sorted(p.name for p in mpi_tmp_path.glob("*.h5"))) == ["auto.h5", "plain.h5"]
     if world.rank == 0:
         np.testing.assert_array_equal(auto.params, plain.params)
         with h5py.File(auto.path) as f:
             assert f.attrs["paradigm"] == "bsp"
             record = json.loads(f.attrs["paradigm_choice"])
+            steps = f["workers/iterations"]["step"]
             # the run's t = 0 on the wall clock: after the file's creation, before its first row ended
             created = datetime.datetime.fromisoformat(f.attrs["start_time"]).timestamp()
             first_end = float(f["workers/iterations"]["t_end"].min())
             assert created <= f.attrs["clock_start"] <= created + 60 and first_end > 0
+        assert sorted(set(steps.tolist())) == list(range(8, 30)) and len(steps) == 4 * 22  # the rest, once each
         assert record["chosen"] == "bsp" and [t["paradigm"] for t in record["trials"]] == ["bsp"]
         assert record["measured"]["batches_per_s"] > 0 and record["trial_steps"] == 8
+        assert record["trained_steps"] == 8
+
+
+class _Bias(torch.nn.Module):
+    """Logits that are one parameter vector whatever the input: under ``_sum`` each gradient is all ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.zeros(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b.expand(x.shape[0], 10)
+
+
+def _sum(model: torch.nn.Module, batch) -> torch.Tensor:
+    """The logits' batch mean, summed: d/db is all ones, whatever the batch."""
+    return model(batch[0]).mean(0).sum()
+
+
+@pytest.mark.timeout(120)
+def test_trials_of_two_paradigms_train_each_step_once_and_the_run_goes_on_from_them(world, mpi_tmp_path):
+    """Every gradient is all ones, so a step of the 4 workers moves each logit by -lr under either paradigm
+    (bsp: a round's mean at lr; asp: each gradient at lr/4): after 20 steps in all, of which the two trials
+    trained 6 each (bsp, then asp going on from bsp's end), every logit is -20 lr, exactly (lr = 1/8), whichever
+    paradigm the run took. A step the trials dropped or the run took again would be off by lr."""
+    result = hpcps.train(_Bias(), loss=_sum, paradigm="auto", paradigms=["bsp", "asp"], trial_steps=6, steps=20,
+                         lr=0.125, progress=False, exit_on_error=False, out=str(mpi_tmp_path / "auto.h5"))
+    if world.rank == 0:
+        np.testing.assert_array_equal(result.params, np.full(10, -20 * 0.125, np.float32))
+        with h5py.File(result.path) as f:
+            record = json.loads(f.attrs["paradigm_choice"])
+            steps = f["workers/iterations"]["step"]
+            applied = int(f["summary"].attrs["gradients_applied"])
+        assert record["trained_steps"] == 12 and [t["paradigm"] for t in record["trials"]] == ["bsp", "asp"]
+        assert sorted(set(steps.tolist())) == list(range(12, 20)) and len(steps) == 4 * 8 and applied == 4 * 8

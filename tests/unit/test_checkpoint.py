@@ -1,5 +1,7 @@
 """Checkpoint files: round trip, atomic write, and clear errors when one does not fit (no MPI)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,23 @@ def test_missing_and_foreign_files(tmp_path):
     junk.write_text("x")
     with pytest.raises(UserError, match=r"not an hpcps checkpoint"):
         read_checkpoint(str(junk))
+
+
+def test_another_paradigms_checkpoint_fits_a_leg_only_and_its_versions_count_the_same_steps(tmp_path):
+    """A user's --resume of another paradigm's checkpoint is refused; --paradigm auto's legs go on from one.
+    bsp's version 20 is 20 rounds of the 4 workers' steps; asp applies each of the 4 gradients of a step
+    as an update, so asp goes on at 80 (and back), every shard alike; the worker clocks are kept."""
+    from hpcps.runtime.checkpoints.files import for_paradigm
+
+    ck = read_checkpoint(_write(tmp_path))  # bsp: 4 workers at 20, version 20
+    asp = make_config({"paradigm": "asp"}).as_json_dict()
+    with pytest.raises(UserError, match=r"paradigm is 'asp' here but 'bsp' in the checkpoint"):
+        check_compatible(ck, "x.h5", asp, n_params=6)
+    check_compatible(ck, "x.h5", asp, n_params=6, any_paradigm=True)
+    mapped = for_paradigm(ck, written_per_step=1, per_step=4)
+    assert mapped.version == 80 and mapped.written_paradigm == "bsp" and mapped.worker_clocks.tolist() == [20] * 4
+    assert mapped.describe_shape() == "written by bsp, its versions counted in this paradigm's updates"
+    stopped = for_paradigm(dataclasses.replace(mapped, shard_versions=np.array([80, 81])), written_per_step=4,
+                           per_step=1)
+    assert stopped.version == 20 and stopped.shard_versions.tolist() == [20, 20]
+    assert np.array_equal(stopped.params, ck.params)

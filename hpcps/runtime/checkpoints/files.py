@@ -82,6 +82,9 @@ class Checkpoint:
     written_clocks: np.ndarray | None = None
     #: and the stripe its shards' slices were dealt in (None: contiguous; see hpcps.cluster.slices)
     written_stripe: int | None = None
+    #: a checkpoint another paradigm wrote, which this run goes on from (:func:`for_paradigm`): that
+    #: paradigm's name (None: this run's own)
+    written_paradigm: str | None = None
 
     def shard_version(self, shard: int) -> int:
         """The version shard ``shard`` resumes at."""
@@ -105,7 +108,31 @@ class Checkpoint:
         if self.redealt:
             changes.append(f"{len(self.written_clocks)} worker(s) at clocks {self.written_clocks.tolist()} -> "
                            f"{len(self.worker_clocks)} at clock {int(self.worker_clocks[0])}")
+        if self.written_paradigm is not None:
+            changes.append(f"written by {self.written_paradigm}, its versions counted in this paradigm's updates")
         return "; ".join(changes)
+
+
+def for_paradigm(ckpt: Checkpoint, *, written_per_step: int, per_step: int) -> Checkpoint:
+    """``ckpt``, written under another paradigm, as a run under this one goes on from it (``--paradigm
+    auto``'s trials, each from the last, and the run after them).
+
+    A version counts updates, and paradigms apply a different number of them per step of every worker
+    (``written_per_step`` and ``per_step``: :meth:`hpcps.policies.base.Policy.updates_per_step`: 1 for a
+    round bsp averages, one per worker where each gradient is an update). Each shard's version becomes
+    the one this paradigm is at after as many steps, so a schedule over the run's horizon (``cosine``,
+    ``step``: the version's share of it) goes on where it was; a warm-up's ``--warmup-steps`` count each
+    paradigm's own versions, as they do in a run of it. Exact where every worker
+    stopped at one clock (a trial's end: each ran its steps); the paradigm's own state (clocks, bounds)
+    starts afresh. The parameters, the optimizer's state and each worker's clock are kept.
+    """
+    def mapped(version: int) -> int:
+        return int(version) // written_per_step * per_step
+
+    shard_versions = None if ckpt.shard_versions is None else \
+        np.array([mapped(v) for v in ckpt.shard_versions], np.int64)
+    return dataclasses.replace(ckpt, version=mapped(ckpt.version), shard_versions=shard_versions,
+                               written_paradigm=ckpt.config["paradigm"])
 
 
 def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int, stripe: int | None = None) -> Checkpoint:
@@ -307,12 +334,14 @@ def read_checkpoint(path: str, complete: bool = False) -> Checkpoint:
     return ckpt
 
 
-def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int) -> None:
-    """UserError naming every way ``ckpt`` does not fit this run."""
+def check_compatible(ckpt: Checkpoint, path: str, config: dict, *, n_params: int, any_paradigm: bool = False) -> None:
+    """UserError naming every way ``ckpt`` does not fit this run; ``any_paradigm``: another paradigm's
+    checkpoint fits too (:func:`for_paradigm`)."""
     from hpcps.options.config import TrainConfig, local_steps_of
 
     defaults = TrainConfig().as_json_dict()  # options an older checkpoint predates had their defaults
-    keys = [k for k in MUST_MATCH if "optimizer_ran" not in ckpt.config or k not in OPTIMIZER_KEYS]
+    keys = [k for k in MUST_MATCH if ("optimizer_ran" not in ckpt.config or k not in OPTIMIZER_KEYS)
+            and not (any_paradigm and k == "paradigm")]
     theirs = {key: ckpt.config.get(key, defaults.get(key)) for key in keys}
     problems = [f"{key} is {config.get(key)!r} here but {theirs[key]!r} in the checkpoint"
                 for key in keys if config.get(key) != theirs[key]]
@@ -346,7 +375,8 @@ def check_same_optimizer(ckpt: Checkpoint, path: str, optimizer: dict, schedule)
     if optimizer.get("param_groups") != theirs.get("param_groups"):
         problems.append(f"the param groups are {optimizer.get('param_groups')} here but "
                         f"{theirs.get('param_groups')} in the checkpoint")
-    recorded = ckpt.config.get("lr_schedule_values", [])
+    # (another paradigm's samples are at its versions: its schedule is this one's by construction, the same options)
+    recorded = ckpt.config.get("lr_schedule_values", []) if ckpt.written_paradigm is None else []
     differ = [(int(v), m, float(schedule(int(v)))) for v, m in recorded if float(schedule(int(v))) != m]
     if differ:
         problems.append("the learning-rate schedule differs: " + ", ".join(

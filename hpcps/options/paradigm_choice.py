@@ -1,8 +1,9 @@
 """``--paradigm auto``: the paradigms a job may be given, and which one its trials choose (pure: no MPI).
 
 A run under ``--paradigm auto`` first runs ``--trial-steps`` steps of each paradigm of ``--paradigms``
-on the job's own model, data and ranks (:func:`hpcps.runtime.tune.choose_paradigm`), then trains
-under the one that trained the most batches a second, as if the user had typed it.
+on the job's own model, data and ranks, each going on from the last (:func:`hpcps.runtime.tune.choose_paradigm`),
+then trains under the one that trained the most batches a second, as if the user had typed it, going
+on from the trials' steps.
 
 Why batches a second is time to a loss here: under ``--lr-scaling auto`` (the default) every paradigm
 takes the same step per training sample (bsp's ``--lr`` over a round, each asynchronous gradient its

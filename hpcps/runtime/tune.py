@@ -228,9 +228,8 @@ def _trials_that_train(cfg: TrainConfig, options: list[TrainConfig], comm: MPI.C
         if comm.rank == 0:
             log.info("--paradigm auto: trial %d of %d: %s, steps %d-%d of the training", k, len(options),
                      option.paradigm, done + 1, done + cfg.trial_steps)
-        trial = option.model_copy(update={**TRIAL, "divergence": option.divergence, "fault": [], "steps": cfg.steps,
-                                          "resume": start, "out": str(folder / f"{option.paradigm}.h5"),
-                                          "checkpoint_dir": str(folder / option.paradigm)})
+        trial = _trial_options(option, folder, steps=cfg.steps, resume=start,
+                               checkpoint_dir=str(folder / option.paradigm))
         result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True))
         measure = _measure(result, option, comm)
         if not measure.stopped_by:  # it ended at its steps, its checkpoint written
@@ -250,14 +249,20 @@ def _paradigm_trials(cfg: TrainConfig, options: list[TrainConfig], comm: MPI.Com
             if comm.rank == 0:
                 log.info("--paradigm auto: trial %d of %d: %s, %d steps", k, len(options), option.paradigm,
                          cfg.trial_steps)
-            trial = option.model_copy(update={**TRIAL, "divergence": option.divergence, "fault": [],
-                                              "steps": cfg.trial_steps, "out": str(folder / f"{option.paradigm}.h5")})
+            trial = _trial_options(option, folder, steps=cfg.trial_steps)
             trials.append(_measure(train(trial, comm), option, comm))
         comm.Barrier()  # (every rank done with the trials' files)
     finally:
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return trials
+
+
+def _trial_options(option: TrainConfig, folder: Path, **update: Any) -> TrainConfig:
+    """A paradigm's trial of ``option`` (:data:`TRIAL`, its own divergence watch, no faults), its run file in
+    ``folder``, with ``update`` (its steps; a leg's checkpoints)."""
+    return option.model_copy(update={**TRIAL, "divergence": option.divergence, "fault": [],
+                                      "out": str(folder / f"{option.paradigm}.h5"), **update})
 
 
 def _measure(result, option: TrainConfig, comm: MPI.Comm) -> ParadigmTrial:

@@ -123,6 +123,16 @@ def step_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
     return means
 
 
+def compute_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
+    """Each worker's mean compute a step (s: ``compute_s``, no waits), its steps as :func:`step_means` times
+    them."""
+    means = {}
+    for r in np.unique(iterations["rank"]):
+        mine = np.sort(iterations[iterations["rank"] == r], order="step")
+        means[int(r)] = float(mine[min(warmup, len(mine) // 4):]["compute_s"].mean())
+    return means
+
+
 def applied_updates(updates: np.ndarray) -> np.ndarray:
     """The rows of ``servers/updates`` of the gradients applied, each once (shard 0's; a dropped gradient
     is not in the model, nor is its staleness)."""

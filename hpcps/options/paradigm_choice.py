@@ -38,13 +38,19 @@ AUTO_OPTIONS = frozenset({"paradigms", "trial_steps"})
 #: a paradigm is chosen over a less stale one only with this many more batches a second (a share): two
 #: trials of one layout fell 1-9% apart in the box (docs/results.md, *No flags against every layout*)
 MARGIN = 0.05
+#: the paradigms that keep every worker within a bound of the slowest one's clock (a round; a staleness bound)
+BOUNDED = ("bsp", "ssp", "dssp")
+#: the paradigms that are asp with waits added: each worker's step is asp's or longer
+WAITING_ASP = ("ssp", "dssp")
 
 
 @dataclass(frozen=True)
 class ParadigmTrial:
     """One paradigm's trial: its worker count, their mean steps (s, each worker's wall time over its timed
     steps), the mean staleness of the gradients applied, and whether it stopped on its own
-    (``stopped_by``: diverged, not learning)."""
+    (``stopped_by``: diverged, not learning), and the slowest worker's mean compute a step (s: its
+    forward, backward and any ``--compute-time``, no waits; 0: not measured), which bounds what a
+    bounded paradigm can reach on these workers (:func:`ceiling`)."""
 
     paradigm: str
     workers: int
@@ -52,6 +58,7 @@ class ParadigmTrial:
     mean_step_s: float  # the slowest worker's
     staleness: float
     stopped_by: str = ""
+    slowest_compute_s: float = 0.0
 
 
 def check_auto(cfg: TrainConfig) -> None:
@@ -98,6 +105,47 @@ def choose(trials: Sequence[ParadigmTrial]) -> ParadigmTrial:
     return min(close, key=lambda t: (t.staleness, CHOOSABLE.index(t.paradigm)))
 
 
+def trial_order(paradigms: Sequence[str]) -> list[str]:
+    """The order the trials run in: asp first (its trial bounds what the others can reach), then the others
+    as given."""
+    return sorted(paradigms, key=lambda p: p in BOUNDED)
+
+
+def ceiling(trial: ParadigmTrial) -> float:
+    """The most batches a second a paradigm of :data:`BOUNDED` can train on ``trial``'s workers in a long run:
+    each of them at the slowest one's pace, at most one step per its compute (inf: compute not measured)."""
+    return trial.workers / trial.slowest_compute_s if trial.slowest_compute_s > 0 else float("inf")
+
+
+def skip(paradigm: str, trials: Sequence[ParadigmTrial]) -> str | None:
+    """Why ``paradigm``'s trial need not run after ``trials`` (None: it must run): it could not be chosen,
+    since :func:`choose` takes the most batches a second or a less stale one within :data:`MARGIN` of it.
+
+    - A :data:`BOUNDED` paradigm whose :func:`ceiling`, at the highest any trial measured, is below the
+      fastest trial's batches a second less the margin.
+    - ssp or dssp (asp with waits: at most asp's batches a second) where asp's trial ran and bsp's, the
+      least stale, is within the margin of the fastest: bsp is chosen whatever their trials say.
+    """
+    live = [t for t in trials if not t.stopped_by]
+    if not live or paradigm not in BOUNDED:
+        return None
+    fastest = max(live, key=lambda t: t.batches_per_s)
+    bar = (1 - MARGIN) * fastest.batches_per_s
+    top = max(live, key=ceiling)
+    if ceiling(top) < bar:
+        return (f"at most {ceiling(top):.1f} batches/s, its workers at the slowest one's pace "
+                f"({top.slowest_compute_s * 1e3:.1f} ms of compute a step in {top.paradigm}'s trial), more than "
+                f"{MARGIN:.0%} short of {fastest.paradigm}'s {fastest.batches_per_s:.1f}")
+    tried = {t.paradigm: t for t in live}
+    if paradigm in WAITING_ASP and "asp" in tried and "bsp" in tried and tried["bsp"].batches_per_s >= bar:
+        bsp = f"bsp's {tried['bsp'].batches_per_s:.1f} batches/s " + (
+            "are the most" if fastest is tried["bsp"] else
+            f"are within {MARGIN:.0%} of {fastest.paradigm}'s {fastest.batches_per_s:.1f}")
+        return (f"{bsp}, and {paradigm}, asp with waits, would be no faster than asp's "
+                f"{tried['asp'].batches_per_s:.1f}: bsp, the least stale, is chosen")
+    return None
+
+
 def table(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial) -> list[str]:
     """The trials as a Markdown table, most batches a second first, the chosen one marked."""
     lines = ["| paradigm | workers | batches/s | slowest worker's mean step ms | mean staleness | |",
@@ -110,13 +158,13 @@ def table(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial) -> list[str]:
 
 
 def record(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial, trial_steps: int, seconds: float,
-           trained: int = 0) -> str:
+           trained: int = 0, skipped: dict[str, str] | None = None) -> str:
     """The choice as the run file keeps it (JSON): the trials, how long they took in all (``seconds``: the
     wait before the run), the steps per worker they trained that the run went on from (``trained``), the
-    one chosen and what it predicts of the run (its batches a second and mean step); the run's own measure
-    is added at its end (:func:`with_measure`)."""
+    paradigms not tried and why (``skipped``: :func:`skip`), the one chosen and what it predicts of the run
+    (its batches a second and mean step); the run's own measure is added at its end (:func:`with_measure`)."""
     return json.dumps({"chosen": chosen.paradigm, "trial_steps": trial_steps, "trials_s": seconds,
-                       "trained_steps": trained,
+                       "trained_steps": trained, "skipped": skipped or {},
                        "predicted": {"batches_per_s": chosen.batches_per_s, "mean_step_s": chosen.mean_step_s},
                        "trials": [asdict(t) for t in trials]}, sort_keys=True)
 
@@ -134,8 +182,9 @@ def describe(choice: dict) -> str:
     and the run's measure."""
     tried = ", ".join(f"{t['paradigm']} {t['batches_per_s']:.1f}" for t in choice["trials"])
     trained = f", the run going on from their {choice['trained_steps']} steps" if choice.get("trained_steps") else ""
+    untried = f", not tried: {', '.join(choice['skipped'])}" if choice.get("skipped") else ""
     line = (f"auto: {choice['chosen']} (trials of {choice['trial_steps']} steps in {choice['trials_s']:.1f} s, "
-            f"batches/s: {tried}{trained}); "
+            f"batches/s: {tried}{untried}{trained}); "
             f"predicted {choice['predicted']['batches_per_s']:.1f} batches/s")
     if "measured" in choice:
         line += f", measured {choice['measured']['batches_per_s']:.1f}"

@@ -53,12 +53,15 @@ class Leg:
 
     ``steps``: where each worker stops (its clock), short of the options' steps, which stay the
     schedule's horizon (None: the options' end); ``keep_end``: the end writes a checkpoint, as a stop
-    does, from which the next leg goes on. A leg may go on from another paradigm's checkpoint
-    (:func:`hpcps.runtime.checkpoints.files.for_paradigm`), which a user's ``--resume`` may not.
+    does, from which the next leg goes on; ``link_bps``: the link between nodes as measured once for
+    every leg (None: the leg measures it, where its defaults read it). A leg may go on from another
+    paradigm's checkpoint (:func:`hpcps.runtime.checkpoints.files.for_paradigm`), which a user's
+    ``--resume`` may not.
     """
 
     steps: int | None = None
     keep_end: bool = False
+    link_bps: float | None = None
 
 
 @dataclass(frozen=True)

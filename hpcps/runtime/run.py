@@ -223,7 +223,8 @@ def open_run(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None = None,
     cfg = agree(comm, lambda: settle_layout(cfg, nodes))
     # bad options fail before any placement (or the link's probe); the run's copy of comm has its size
     paradigm, layout = agree(comm, lambda: resolve(cfg, comm.size))
-    link_bps = link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
+    measured = leg.link_bps if leg is not None else None  # (once for every leg of a training)
+    link_bps = (measured or link_between_nodes(comm, nodes)) if needs_link(cfg, nodes) else None
     stack = ExitStack()
     run_comm, world_ranks = place(comm, cfg.servers, cfg.placement, nodes)
     stack.callback(run_comm.Free)

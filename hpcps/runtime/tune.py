@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import h5py
 from mpi4py import MPI
 
-from hpcps.analysis.report import applied_updates, step_means
+from hpcps.analysis.report import applied_updates, compute_means, step_means
 from hpcps.errors import UserError
 from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
@@ -127,13 +127,16 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
 def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Sequence[str], train) \
         -> list[ParadigmTrial] | None:
     """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
-    trials = _paradigm_trials(cfg, paradigm_choice.candidates(cfg), comm, train)
+    options = paradigm_choice.candidates(cfg)
+    trials, skipped = _paradigm_trials(cfg, {o.paradigm: o for o in options}, comm, train)
     chosen = paradigm_choice.choose(trials)
     if comm.rank != 0:
         return None
-    print(f"hpcps tune: {len(trials)} paradigms on {comm.size} ranks, {cfg.trial_steps} steps each, ranked by "
-          f"batches a second (--paradigm auto trains as the one marked chosen):")
+    print(f"hpcps tune: {len(trials)} of {len(options)} paradigms tried on {comm.size} ranks, {cfg.trial_steps} "
+          f"steps each, ranked by batches a second (--paradigm auto trains as the one marked chosen):")
     print("\n".join(paradigm_choice.table(trials, chosen)))
+    for paradigm, why in skipped.items():
+        print(f"not tried: {paradigm}: {why}")
     print(f"\nthe best {min(top, len(trials))} (batches/s; your launcher's words in place of mpiexec's):")
     words = paradigm_choice.without_auto(train_words)
     order = [chosen] + [t for t in sorted(trials, key=lambda t: -t.batches_per_s) if t is not chosen]
@@ -153,7 +156,8 @@ def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
     means = step_means(it, WARMUP_STEPS)
     applied = applied_updates(up)["staleness"]
     return ParadigmTrial(paradigm, len(means), sum(every / m for m in means.values()),
-                         max(means.values()) / every, float(applied.mean()) if len(applied) else 0.0, stopped)
+                         max(means.values()) / every, float(applied.mean()) if len(applied) else 0.0, stopped,
+                         max(compute_means(it, WARMUP_STEPS).values()) / every)
 
 
 def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[TrainConfig, Any]:
@@ -163,13 +167,14 @@ def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[Tra
     options the run ran with (as typed: the paradigm chosen in place of auto), and its result."""
     if cfg.paradigm != paradigm_choice.AUTO:
         return cfg, train(cfg, comm)
+    link_bps = _link(cfg, comm)  # (once for every leg)
     folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
     try:
-        chosen, choice, start = choose_paradigm(cfg, comm, trial or train, folder)
+        chosen, choice, start = choose_paradigm(cfg, comm, trial or train, folder, link_bps=link_bps)
         if start is None:
-            result = train(chosen, comm)
+            result = train(chosen, comm, leg=Leg(link_bps=link_bps))
         else:  # the trials' checkpoint, read at the run's start; the folder goes once every rank has started
-            result = train(chosen.model_copy(update={"resume": start}), comm, leg=Leg())
+            result = train(chosen.model_copy(update={"resume": start}), comm, leg=Leg(link_bps=link_bps))
         comm.Barrier()
     finally:
         if comm.rank == 0:
@@ -179,37 +184,51 @@ def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[Tra
     return chosen, result
 
 
-def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None = None) \
-        -> tuple[TrainConfig, str, str | None]:
+def _link(cfg: TrainConfig, comm: MPI.Comm) -> float | None:
+    """Collective: the link between nodes, where the job spans nodes and the defaults read it
+    (:func:`hpcps.check.probe.link_between_nodes`); else None."""
+    from hpcps.check.probe import link_between_nodes
+    from hpcps.cluster.placement import node_ids
+    from hpcps.options.defaults import needs_link
+
+    nodes = node_ids(comm)
+    return link_between_nodes(comm, nodes) if needs_link(cfg, nodes) else None
+
+
+def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None = None, *,
+                    link_bps: float | None = None) -> tuple[TrainConfig, str, str | None]:
     """Collective, for ``--paradigm auto``: a trial of ``--trial-steps`` steps under each paradigm of
-    ``--paradigms`` (``train(cfg, comm, leg=...)``: a run, its result on rank 0), then ``cfg`` under the one
-    chosen (:func:`hpcps.options.paradigm_choice.choose`), the choice as the run file keeps it (JSON), and
-    the checkpoint the run goes on from (None: from the start). Rank 0 logs the trials' table.
+    ``--paradigms`` that could be chosen (:func:`hpcps.options.paradigm_choice.skip`; ``train(cfg, comm,
+    leg=...)``: a run, its result on rank 0), then ``cfg`` under the one chosen
+    (:func:`hpcps.options.paradigm_choice.choose`), the choice as the run file keeps it (JSON), and the
+    checkpoint the run goes on from (None: from the start). Rank 0 logs the trials' table. ``link_bps``:
+    the link between nodes, measured once for every trial (None: each measures it where it needs it).
 
     With a ``folder`` for their files and ``--steps`` to spare, the trials train: each goes on from where
     the last one ended (:class:`~hpcps.runtime.plan.Leg`), on the run's own data schedule and learning-rate
     horizon, and the run goes on from the last one's end, so the trials' steps are steps of the training
     (:func:`_trials_that_train`). Otherwise each trial starts from the model's start and the run does too."""
-    options = paradigm_choice.candidates(cfg)
+    options = {o.paradigm: o for o in paradigm_choice.candidates(cfg)}
     began = time.monotonic()
     if folder is not None and _trains(cfg, len(options)):
-        trials, start, trained = _trials_that_train(cfg, options, comm, train, folder)
+        trials, skipped, start, trained = _trials_that_train(cfg, options, comm, train, folder, link_bps)
     else:
         if folder is not None and comm.rank == 0:
             log.info("--paradigm auto: the trials do not train (they start from the model's start, and so does the "
                      "run): %s", "the run's steps are not known before it starts (--epochs)" if cfg.steps is None
                      else f"--steps {cfg.steps} leave none to the run after {len(options)} trials of "
                           f"{cfg.trial_steps} steps")
-        trials, start, trained = _paradigm_trials(cfg, options, comm, train), None, 0
+        (trials, skipped), start, trained = _paradigm_trials(cfg, options, comm, train, folder, link_bps), None, 0
     seconds = time.monotonic() - began
     chosen = paradigm_choice.choose(trials)  # (the same trials on every rank: the same answer, or error)
     if comm.rank == 0:
         went_on = f"; the run goes on from the {trained} steps they trained" if trained else ""
+        untried = f" (not tried: {', '.join(skipped)})" if skipped else ""
         log.info("--paradigm auto: %s, the most batches a second (or within %.0f%% of it and less stale); the "
-                 "trials took %.1f s%s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds, went_on,
-                 "\n".join(paradigm_choice.table(trials, chosen)))
-    return (options[trials.index(chosen)], paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds, trained),
-            start)
+                 "trials took %.1f s%s%s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds, untried,
+                 went_on, "\n".join(paradigm_choice.table(trials, chosen)))
+    return (options[chosen.paradigm],
+            paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds, trained, skipped), start)
 
 
 def _trains(cfg: TrainConfig, n_trials: int) -> bool:
@@ -218,42 +237,71 @@ def _trains(cfg: TrainConfig, n_trials: int) -> bool:
     return cfg.steps is not None and cfg.steps > n_trials * cfg.trial_steps
 
 
-def _trials_that_train(cfg: TrainConfig, options: list[TrainConfig], comm: MPI.Comm, train, folder: Path) \
-        -> tuple[list[ParadigmTrial], str | None, int]:
-    """Collective: each paradigm's trial as a leg of the training, going on from the last one's end (a
-    trial that diverged leaves none: the next goes on from the one before). Returns the measures (every
-    rank alike), the last end's checkpoint and the steps per worker trained up to it."""
-    trials, start, done = [], None, 0
-    for k, option in enumerate(options, 1):
+def _each_trial(options: dict[str, TrainConfig], comm: MPI.Comm, run_one) \
+        -> tuple[list[ParadigmTrial], dict[str, str]]:
+    """Collective: ``run_one(k, n, option)``, the ``k``-th trial of at most ``n`` (its measure, every rank
+    alike), for each paradigm of ``options`` in :func:`~hpcps.options.paradigm_choice.trial_order`, but
+    those that could not be chosen after the trials before (:func:`~hpcps.options.paradigm_choice.skip`),
+    each said in one line. Returns the measures, and the paradigms not tried with why."""
+    trials, skipped = [], {}
+    for paradigm in paradigm_choice.trial_order(list(options)):
+        why = paradigm_choice.skip(paradigm, trials)  # (the same trials on every rank: the same answer)
+        if why is None:
+            trials.append(run_one(len(trials) + 1, len(options) - len(skipped), options[paradigm]))
+            continue
+        skipped[paradigm] = why
         if comm.rank == 0:
-            log.info("--paradigm auto: trial %d of %d: %s, steps %d-%d of the training", k, len(options),
+            log.info("--paradigm auto: no trial of %s: %s", paradigm, why)
+    return trials, skipped
+
+
+def _trials_that_train(cfg: TrainConfig, options: dict[str, TrainConfig], comm: MPI.Comm, train, folder: Path,
+                       link_bps: float | None) -> tuple[list[ParadigmTrial], dict[str, str], str | None, int]:
+    """Collective: each paradigm's trial (:func:`_each_trial`) as a leg of the training, going on from the last
+    one's end (a trial that diverged leaves none: the next goes on from the one before). Returns the
+    measures (every rank alike), the paradigms not tried, the last end's checkpoint and the steps per
+    worker trained up to it."""
+    start, done = None, 0
+
+    def leg(k: int, n: int, option: TrainConfig) -> ParadigmTrial:
+        nonlocal start, done
+        if comm.rank == 0:
+            log.info("--paradigm auto: trial %d of up to %d: %s, steps %d-%d of the training", k, n,
                      option.paradigm, done + 1, done + cfg.trial_steps)
         trial = _trial_options(option, folder, steps=cfg.steps, resume=start,
                                checkpoint_dir=str(folder / option.paradigm))
-        result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True))
+        result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True, link_bps=link_bps))
         measure = _measure(result, option, comm)
         if not measure.stopped_by:  # it ended at its steps, its checkpoint written
             start = comm.bcast(result.summary["checkpoint"] if comm.rank == 0 else None, root=0)
             done += cfg.trial_steps
-        trials.append(measure)
-    return trials, start, done
+        return measure
+
+    trials, skipped = _each_trial(options, comm, leg)
+    return trials, skipped, start, done
 
 
-def _paradigm_trials(cfg: TrainConfig, options: list[TrainConfig], comm: MPI.Comm, train) -> list[ParadigmTrial]:
-    """Collective: each paradigm's trial from the model's start, its measure (every rank alike). Trials
-    write their run files in a temporary folder, removed at the end."""
-    folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
-    trials = []
+def _paradigm_trials(cfg: TrainConfig, options: dict[str, TrainConfig], comm: MPI.Comm, train,
+                     folder: Path | None = None, link_bps: float | None = None) \
+        -> tuple[list[ParadigmTrial], dict[str, str]]:
+    """Collective: each paradigm's trial from the model's start (:func:`_each_trial`), its measure (every rank
+    alike), and the paradigms not tried. Trials write their run files in ``folder`` (None: a temporary one
+    of their own, removed at the end)."""
+    own = folder is None
+    if own:
+        folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
+
+    def from_start(k: int, n: int, option: TrainConfig) -> ParadigmTrial:
+        if comm.rank == 0:
+            log.info("--paradigm auto: trial %d of up to %d: %s, %d steps", k, n, option.paradigm, cfg.trial_steps)
+        trial = _trial_options(option, folder, steps=cfg.trial_steps)
+        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps)), option, comm)
+
     try:
-        for k, option in enumerate(options, 1):
-            if comm.rank == 0:
-                log.info("--paradigm auto: trial %d of %d: %s, %d steps", k, len(options), option.paradigm,
-                         cfg.trial_steps)
-            trial = _trial_options(option, folder, steps=cfg.trial_steps)
-            trials.append(_measure(train(trial, comm), option, comm))
+        trials = _each_trial(options, comm, from_start)
         comm.Barrier()  # (every rank done with the trials' files)
     finally:
-        if comm.rank == 0:
+        if own and comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return trials
 

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from hpcps.cli import build_parser
 from hpcps.errors import UserError
@@ -53,6 +53,73 @@ def test_the_choice_is_never_slower_than_the_margin_allows_nor_staler_than_one_w
     fastest = max(t.batches_per_s for t in live)
     assert not chosen.stopped_by and chosen.batches_per_s >= (1 - pc.MARGIN) * fastest
     assert all(chosen.staleness <= t.staleness for t in live if t.batches_per_s >= (1 - pc.MARGIN) * fastest)
+
+
+def measured(paradigm, rate, staleness, compute_s):
+    return pc.ParadigmTrial(paradigm, 4, rate, 4 / rate, staleness, "", compute_s)
+
+
+def test_asp_is_tried_first_and_the_others_keep_their_order():
+    assert pc.trial_order(["bsp", "ssp", "dssp", "asp"]) == ["asp", "bsp", "ssp", "dssp"]
+    assert pc.trial_order(["dssp", "bsp"]) == ["dssp", "bsp"]
+
+
+def test_a_straggler_whose_pace_bounds_every_bounded_paradigm_below_asp_leaves_them_untried():
+    # a worker at 60 ms of compute a step: bsp, ssp, dssp train at most 4 / 0.06 = 66.7 batches a second
+    asp = measured("asp", 95.0, 2.5, 0.060)
+    assert pc.ceiling(asp) == pytest.approx(4 / 0.06)
+    for paradigm in pc.BOUNDED:
+        assert pc.skip(paradigm, [asp]) == ("at most 66.7 batches/s, its workers at the slowest one's pace (60.0 ms "
+                                            "of compute a step in asp's trial), more than 5% short of asp's 95.0")
+    # at 70.0 batches a second, 66.7 is within 5% (0.95 x 70 = 66.5): bsp might be chosen, so it is tried
+    assert pc.skip("bsp", [measured("asp", 70.0, 2.5, 0.060)]) is None
+    # the highest ceiling any trial measured stands (compute a step is the model's, not the paradigm's)
+    assert pc.skip("ssp", [asp, measured("bsp", 60.0, 0.0, 0.040)]) is None
+    # nothing is left out on a trial that stopped on its own, or one whose compute was not measured
+    assert pc.skip("bsp", [pc.ParadigmTrial("asp", 4, 95.0, 0.04, 2.5, "diverged", 0.06)]) is None
+    assert pc.skip("bsp", [measured("asp", 95.0, 2.5, 0.0)]) is None
+    assert pc.skip("asp", [measured("bsp", 10.0, 0.0, 0.5)]) is None  # (asp is never left out)
+
+
+def test_where_bsp_is_within_the_margin_of_asp_ssp_and_dssp_are_left_untried():
+    asp, bsp = measured("asp", 110.0, 2.6, 0.022), measured("bsp", 122.0, 0.0, 0.021)
+    for paradigm in pc.WAITING_ASP:
+        assert pc.skip(paradigm, [asp, bsp]) == (f"bsp's 122.0 batches/s are the most, and {paradigm}, asp with "
+                                                 f"waits, would be no faster than asp's 110.0: bsp, the least "
+                                                 f"stale, is chosen")
+        assert pc.skip(paradigm, [asp, measured("bsp", 105.0, 0.0, 0.021)]).startswith(
+            "bsp's 105.0 batches/s are within 5% of asp's 110.0, and ")  # 105 >= 0.95 x 110
+        assert pc.skip(paradigm, [asp, measured("bsp", 104.4, 0.0, 0.021)]) is None  # 104.4 < 0.95 x 110
+        assert pc.skip(paradigm, [bsp]) is None  # (without asp's trial, nothing bounds theirs)
+        assert pc.skip(paradigm, [asp]) is None
+
+
+#: a share drawn near the margin's edge as often as anywhere
+SHARE = st.one_of(st.floats(0.05, 1.0), st.floats(0.93, 1.0))
+
+
+@settings(max_examples=500)
+@given(st.floats(10, 1000), st.one_of(st.floats(0.2, 3.0), st.floats(0.9, 1.1)),
+       st.lists(SHARE, min_size=3, max_size=3), st.lists(st.floats(0.0, 1.0), min_size=2, max_size=2),
+       st.floats(0.01, 5), st.permutations(CHOOSABLE), st.integers(1, 4))
+def test_leaving_out_the_trials_skip_names_never_changes_the_choice(asp_rate, reach, shares, stale, asp_stale,
+                                                                     given_order, n):
+    """Any of the four paradigms in any order, as the rule's model has them: asp at ``asp_rate``, the slowest
+    worker's compute a step the same in every trial, what a bounded paradigm may reach (the workers over
+    that compute) ``reach`` times asp's rate, each bounded paradigm at a share of it (ssp and dssp no
+    faster than asp either). Trying them in :func:`trial_order`, less those :func:`skip` names, chooses
+    what trying all would."""
+    ceiling = reach * asp_rate
+    rates = {"asp": asp_rate, "bsp": shares[0] * ceiling, "ssp": shares[1] * min(ceiling, asp_rate),
+             "dssp": shares[2] * min(ceiling, asp_rate)}
+    stales = {"asp": asp_stale, "bsp": 0.0, "ssp": stale[0] * asp_stale, "dssp": stale[1] * asp_stale}
+    truth = {p: measured(p, rates[p], stales[p], 4 / ceiling) for p in CHOOSABLE}
+    paradigms = list(given_order)[:n]
+    tried = []
+    for p in pc.trial_order(paradigms):
+        if pc.skip(p, tried) is None:
+            tried.append(truth[p])
+    assert pc.choose(tried).paradigm == pc.choose([truth[p] for p in paradigms]).paradigm
 
 
 def test_the_run_is_the_same_command_with_the_paradigm_typed():
@@ -131,6 +198,10 @@ def test_the_record_keeps_the_trials_the_prediction_and_the_runs_measure_and_rea
     assert [pc.ParadigmTrial(**t) for t in record["trials"]] == trials
     assert pc.describe(record) == ("auto: asp (trials of 30 steps in 12.2 s, batches/s: bsp 100.0, asp 250.0); "
                                    "predicted 250.0 batches/s, measured 240.5")
+    skipped = json.loads(pc.record(trials, chosen, 30, 12.25, 60, {"ssp": "why"}))
+    assert skipped["skipped"] == {"ssp": "why"} and record["skipped"] == {}
+    assert pc.describe(skipped).startswith("auto: asp (trials of 30 steps in 12.2 s, batches/s: bsp 100.0, asp 250.0, "
+                                           "not tried: ssp, the run going on from their 60 steps); ")
     table = pc.table(trials, chosen)
     assert table[2].startswith("| asp | 4 | 250.0 | 16.0 | 1.80 | chosen |") and table[3].startswith("| bsp |")
     assert np.isclose(chosen.mean_step_s, 0.016)

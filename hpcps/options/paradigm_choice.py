@@ -16,6 +16,16 @@ measured: dssp, ssp, asp, bsp without a straggler (156, 141, 138, 112 iterations
 (:data:`MARGIN`), the less stale one is chosen: fewer stale gradients, less to lose on a model no one
 tuned.
 
+Not every trial need run (:func:`trial_order`, :func:`skip`): asp's goes first, and a paradigm that holds
+its workers near the slowest one's clock (:data:`BOUNDED`) is not tried where it cannot be chosen. In a
+long run each of its workers goes at most at the slowest one's pace, one step per that worker's compute,
+so its batches a second are at most the workers over the slowest one's compute a step
+(:func:`ceiling`); below the fastest trial's less the margin, it could not be chosen. And ssp and dssp are
+asp with waits added, no faster than asp: where bsp is within the margin of the fastest, bsp (the least
+stale) is chosen whatever their trials would say. With a 3x straggler in the box, asp's trial alone
+settled it (bsp, ssp, dssp at most 0.65-0.68x of asp); with workers alike, asp's and bsp's did
+(docs/results.md, *Choosing the paradigm by trial*).
+
 Not among the choices: the local-SGD family and ``--local-steps`` presets (a push is worth H steps),
 eager (its staleness-scaled rates end lower at the same flags: 0.79 against bsp's 0.92 there), hsp
 (its extra gradients are updates beyond bsp's), grouped (it changes the ranks' roles) and plug-ins

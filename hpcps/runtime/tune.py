@@ -128,7 +128,8 @@ def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Seq
         -> list[ParadigmTrial] | None:
     """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
     options = paradigm_choice.candidates(cfg)
-    trials, skipped = _paradigm_trials(cfg, {o.paradigm: o for o in options}, comm, train)
+    trials, skipped = _paradigm_trials(cfg, {o.paradigm: o for o in options}, comm, train,
+                                       link_bps=_link(cfg, comm))
     chosen = paradigm_choice.choose(trials)
     if comm.rank != 0:
         return None
@@ -180,7 +181,7 @@ def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[Tra
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     if result is not None:
-        keep_choice(result.path, choice, chosen)
+        keep_choice(result.path, choice, chosen, went_on=start is not None)
     return chosen, result
 
 
@@ -324,9 +325,20 @@ def _measure(result, option: TrainConfig, comm: MPI.Comm) -> ParadigmTrial:
     return measure
 
 
-def keep_choice(path: str, choice: str, cfg: TrainConfig) -> None:
+#: a run file's ``resumed_from`` where the run went on from ``--paradigm auto``'s trials
+FROM_TRIALS = "the trials of --paradigm auto (their checkpoint removed with them)"
+
+
+def keep_choice(path: str, choice: str, cfg: TrainConfig, *, went_on: bool = False) -> None:
     """Rank 0, after a run under ``--paradigm auto``: ``choice`` in the run file (attribute
-    ``paradigm_choice``), with the run's own batches a second and mean step beside the prediction."""
+    ``paradigm_choice``), with the run's own batches a second and mean step beside the prediction.
+    ``went_on``: the run went on from the trials' checkpoint, which is gone with their folder: its file
+    says so (``resumed_from``), and its config resumes nothing (the same command trains from the start)."""
     run = paradigm_trial(path, cfg.paradigm, cfg.inner_steps or 1)
     with h5py.File(path, "a") as f:
         f.attrs["paradigm_choice"] = paradigm_choice.with_measure(choice, run.batches_per_s, run.mean_step_s)
+        if went_on:
+            config = json.loads(f.attrs["config"])
+            config["resume"] = None
+            f.attrs["config"] = json.dumps(config, sort_keys=True)
+            f.attrs["resumed_from"] = FROM_TRIALS

@@ -11,6 +11,7 @@ import sys
 import h5py
 import pytest
 
+from hpcps.runtime.tune import FROM_TRIALS
 from launching import failure, launch, needs_mpiexec
 
 pytestmark = needs_mpiexec
@@ -66,7 +67,10 @@ def test_train_under_paradigm_auto_runs_the_trials_then_the_paradigm_chosen_and_
     rows = [AUTO_ROW.match(line) for line in proc.stderr.splitlines() if AUTO_ROW.match(line)]
     assert [(r[1], r[6].strip()) for r in rows] == [("asp", "chosen")], proc.stderr
     with h5py.File(tmp_path / "run.h5") as f:
-        assert f.attrs["paradigm"] == "asp" and json.loads(f.attrs["config"])["paradigm"] == "asp"
+        config = json.loads(f.attrs["config"])
+        assert f.attrs["paradigm"] == "asp" and config["paradigm"] == "asp"
+        # it went on from the trials, whose checkpoint went with them: the same command trains from the start
+        assert f.attrs["resumed_from"] == FROM_TRIALS and config["resume"] is None
         record = json.loads(f.attrs["paradigm_choice"])
         steps = f["workers/iterations"]["step"]
     # the run trained faster than bsp could have: the skip was right

@@ -111,26 +111,26 @@ def worker_rates(iterations: np.ndarray, places: dict[int, int] | None = None) -
     return {int(r): float((owner == r).sum() / it["t_end"][owner == r].max()) for r in np.unique(owner)}
 
 
+def _timed(iterations: np.ndarray, warmup: int):
+    """Each worker's rank and its timed rows, in step order: all but the first ``warmup`` (at most a quarter
+    of its steps)."""
+    for r in np.unique(iterations["rank"]):
+        mine = np.sort(iterations[iterations["rank"] == r], order="step")
+        yield int(r), mine[min(warmup, len(mine) // 4):]
+
+
 def step_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
     """Each worker's mean step (s): its wall time over its steps, the start of its first timed step to the end
     of its last. ``warmup``: steps left out at each worker's start, at most a quarter of its steps (start-up
     and torch's first passes)."""
-    means = {}
-    for r in np.unique(iterations["rank"]):
-        mine = np.sort(iterations[iterations["rank"] == r], order="step")
-        timed = mine[min(warmup, len(mine) // 4):]
-        means[int(r)] = float(timed["t_end"].max() - timed["t_start"].min()) / len(timed)
-    return means
+    return {r: float(timed["t_end"].max() - timed["t_start"].min()) / len(timed)
+            for r, timed in _timed(iterations, warmup)}
 
 
 def compute_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
-    """Each worker's mean compute a step (s: ``compute_s``, no waits), its steps as :func:`step_means` times
-    them."""
-    means = {}
-    for r in np.unique(iterations["rank"]):
-        mine = np.sort(iterations[iterations["rank"] == r], order="step")
-        means[int(r)] = float(mine[min(warmup, len(mine) // 4):]["compute_s"].mean())
-    return means
+    """Each worker's mean compute a step (s: ``compute_s``, no waits), over the steps :func:`step_means`
+    times."""
+    return {r: float(timed["compute_s"].mean()) for r, timed in _timed(iterations, warmup)}
 
 
 def applied_updates(updates: np.ndarray) -> np.ndarray:

@@ -172,10 +172,10 @@ def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[Tra
     folder = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcps-auto-") if comm.rank == 0 else None, root=0))
     try:
         chosen, choice, start = choose_paradigm(cfg, comm, trial or train, folder, link_bps=link_bps)
-        if start is None:
-            result = train(chosen, comm, leg=Leg(link_bps=link_bps))
-        else:  # the trials' checkpoint, read at the run's start; the folder goes once every rank has started
-            result = train(chosen.model_copy(update={"resume": start}), comm, leg=Leg(link_bps=link_bps))
+        # from the trials' checkpoint, if they trained, read at the run's start: the folder goes once every
+        # rank has started
+        run = chosen if start is None else chosen.model_copy(update={"resume": start})
+        result = train(run, comm, leg=Leg(link_bps=link_bps))
         comm.Barrier()
     finally:
         if comm.rank == 0:

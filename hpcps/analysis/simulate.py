@@ -47,11 +47,14 @@ workers are granted, and the group server handles nothing meanwhile, as
 
 It does not
 model contention for cores or the network: workers are independent
-machines and the server one core, as on a real cluster.
+machines and the server one core, as on a real cluster. A shard on every
+node beside its workers (``hpcps simulate --nodes``, the layout the defaults
+pick across nodes) is :mod:`hpcps.analysis.simulate_shards`'s.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -205,7 +208,8 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     tick = itertools.count()
 
     def at(t: float, kind: str, who, generation: int = 0) -> None:
-        heapq.heappush(events, (t, next(tick), kind, who, generation))
+        # a grant and a leave come out of a decision that ended at t: before anything else that happens then
+        heapq.heappush(events, (t, kind not in ("grant", "leave"), next(tick), kind, who, generation))
 
     def transfer(link: FairLink, t: float, key: tuple) -> None:
         link.add(t, key, nbytes, cap[key[1]])
@@ -213,6 +217,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         at(done[0], "link", link, link.generation)
 
     version = 0
+    published: list[float] = []  # when each version came out (its update applied)
     computed_on = [0] * n_workers  # version each worker's current gradient is computed on
     pushed_on = [deque() for _ in range(n_workers)]  # versions each worker's pushes in flight were computed on
     applied: list[list[float]] = [[] for _ in range(n_workers)]  # when each of a worker's gradients was handled
@@ -232,7 +237,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             gone.add(w)
             at(t, "leave", w)
             return
-        computed_on[w] = version  # the pull reads the version published when it starts
+        computed_on[w] = bisect.bisect_right(published, t)  # the pull reads the version out when it starts
         if policy.eager_pull:  # eager's pull hides behind the computation
             at(t + compute(w), "computed", w)
         else:
@@ -273,7 +278,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         start_iteration(w, 0.0)
 
     while events:
-        t, _, kind, who, generation = heapq.heappop(events)
+        t, _, _, kind, who, generation = heapq.heappop(events)
         if kind == "link":
             if generation != who.generation:
                 continue  # the transfers on that link changed since: a newer event stands
@@ -292,6 +297,10 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             continue
         if kind == "paced":
             push(who, t, held.pop(who))
+            continue
+        if kind == "grant":
+            waits.append(max(0.0, t - blocked_since.pop(who)))
+            start_iteration(who, t)
             continue
         w = who
         begin = max(t, server_free)
@@ -315,14 +324,15 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         for g in decision.drops:  # discarded by the paradigm: no update, no staleness
             pending.pop(g)
         server_free = begin + cost
+        published.extend([server_free] * len(decision.updates))  # (the updates come out once applied)
         for g in handled + list(decision.drops):
             applied[g].append(server_free)
             if g in held and len(applied[g]) == needed(g):  # what its push waited for
                 at(server_free, "paced", g)
         for g in decision.grants:
             if g in blocked_since and g not in gone:
-                waits.append(max(0.0, server_free - blocked_since.pop(g)))
-                start_iteration(g, server_free)
+                at(server_free, "grant", g)  # (as an event: a pull begun now, at a time to come, would
+                # move the link's clock past transfers that end before it)
     return _prediction(paradigm, batches, finished, waits, stale, pushes=steps)
 
 

@@ -389,9 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Discrete-event model of a job driving the real policy objects: per-worker "
                                    "compute times, link latency and bandwidth, server costs. Prints a table; "
                                    "--out writes simulate.csv and simulated_throughput.png.")
-    m.add_argument("--paradigm", nargs="+", default=["bsp", "asp", "ssp", "dssp", "eager", "grouped"], metavar="NAME",
-                   help="paradigms to model (default bsp asp ssp dssp eager grouped; hsp is not modelled), "
-                        "or your own as path/file.py:Class or pkg.mod:Class")
+    m.add_argument("--paradigm", nargs="+", metavar="NAME",
+                   help="paradigms to model (default bsp asp ssp dssp eager grouped, with --nodes bsp asp ssp dssp; "
+                        "hsp is not modelled), or your own as path/file.py:Class or pkg.mod:Class")
     m.add_argument("--paradigm-option", action="append", default=[], dest="paradigm_option", metavar="NAME=VALUE",
                    help="an option of your own paradigm (repeatable), as hpcps train takes it")
     m.add_argument("--workers", nargs="+", type=int, default=[4, 16, 64, 256, 1024, 4096], metavar="N",
@@ -418,6 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-node links, as hpcps emulate takes them (node 0: the server, node k: worker k-1; "
                         "e.g. --link 1gbit --link 0=4gbit): transfers then share the server's link; replaces "
                         "--bandwidth (repeatable)")
+    m.add_argument("--nodes", type=int, metavar="N",
+                   help="a shard beside the workers on each of N nodes (the layout --servers auto picks when a job "
+                        "spans nodes), the workers spread evenly over them: --workers counts them all, and --link "
+                        "names the N nodes' links (node k: shard k and its workers)")
+    m.add_argument("--pull", choices=["get", "send"], default="get",
+                   help="with --nodes: the workers read every shard once all have granted them (get, default), or "
+                        "each shard sends its part as it grants (send), as hpcps train's --pull")
+    m.add_argument("--partitioned", action="store_true",
+                   help="with --nodes: pulls in partitions, the forward pass running as they come (--partition-mb)")
+    m.add_argument("--compute-forward", dest="compute_forward", type=float, default=0.0, metavar="SHARE",
+                   help="with --nodes: the share of the compute in the forward pass (default 0), as hpcps train's")
+    m.add_argument("--compute-backward", dest="compute_backward", type=float, default=0.0, metavar="SHARE",
+                   help="with --nodes: the share of the compute in the backward pass, where the push leaves "
+                        "(default 0), as hpcps train's")
     m.add_argument("--server-s", dest="server_s", type=float, default=20e-6,
                    help="server seconds per push handled (default 20e-6)")
     m.add_argument("--apply-rate", dest="apply_rate", type=float, default=5e9,
@@ -662,15 +676,29 @@ def _simulate(args: argparse.Namespace) -> int:
     from hpcps.analysis.simulate import Machine, sweep, write_outputs
     from hpcps.options.config import parse_paradigm_option
 
+    layout = {"pull": "get", "partitioned": False, "compute_forward": 0.0, "compute_backward": 0.0}
+    given = [name for name, default in layout.items() if getattr(args, name) != default]
+    if args.nodes is None and given:
+        raise UserError(f"simulate: --{given[0].replace('_', '-')} models a shard per node: give --nodes too")
+    if args.nodes is not None and (args.local_steps or args.overlap_steps):
+        raise UserError("simulate: --nodes models no local steps: leave out --local-steps and --overlap-steps")
     try:
         options = dict(parse_paradigm_option(spec) for spec in args.paradigm_option)
-        predictions = sweep(args.paradigm, args.workers, straggler=args.straggler, steps=args.steps,
-                            progress=sys.stderr.isatty(), links=args.link or None,
-                            nbytes=4 * args.params, compute_time=args.compute_time, jitter=args.jitter,
-                            jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed, groups=args.groups,
-                            options=options, local_steps=args.local_steps, overlap_steps=args.overlap_steps,
-                            machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,
-                                            args.update_s))
+        common = dict(straggler=args.straggler, steps=args.steps, progress=sys.stderr.isatty(),
+                      links=args.link or None, nbytes=4 * args.params, compute_time=args.compute_time,
+                      jitter=args.jitter, jitter_cv=args.jitter_cv, staleness=args.staleness, seed=args.seed,
+                      options=options, machine=Machine(args.latency, args.bandwidth, args.server_s, args.apply_rate,
+                                                       args.update_s))
+        if args.nodes is None:
+            predictions = sweep(args.paradigm or ["bsp", "asp", "ssp", "dssp", "eager", "grouped"], args.workers,
+                                groups=args.groups, local_steps=args.local_steps, overlap_steps=args.overlap_steps,
+                                **common)
+        else:
+            from hpcps.analysis.simulate_shards import sweep_shards
+
+            predictions = sweep_shards(args.paradigm or ["bsp", "asp", "ssp", "dssp"], args.workers, args.nodes,
+                                       pull=args.pull, partitioned=args.partitioned, forward=args.compute_forward,
+                                       backward=args.compute_backward, **common)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print("| paradigm | workers | iterations/s | mean wait ms | mean staleness |")
@@ -679,7 +707,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"| {r.paradigm} | {r.workers} | {r.throughput:.1f} | {r.mean_wait_s * 1e3:.2f} | "
               f"{r.mean_staleness:.2f} |")
     if args.out:
-        settings = (f"{args.params:,} parameters, compute {args.compute_time * 1e3:g} ms, jitter {args.jitter}, "
+        settings = ((f"a shard on each of {args.nodes} nodes, pull {args.pull}, " if args.nodes else "")
+                    + f"{args.params:,} parameters, compute {args.compute_time * 1e3:g} ms, jitter {args.jitter}, "
                     f"straggler {args.straggler:g}x, staleness {args.staleness}, {args.steps} steps"
                     + (f", {args.local_steps} local steps" if args.local_steps else "")
                     + (f", {args.overlap_steps} overlapped" if args.overlap_steps else ""))

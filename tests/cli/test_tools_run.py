@@ -54,6 +54,7 @@ TINY: dict[str, tuple[list[str], str | None, bool]] = {
     "bench_shards": (["--seeds", "0", "--shards", "1", "2", "--workers", "2", "--", "--steps", "4"], None, True),
     "bench_stream_memory": (["--seeds", "0", "--gigabytes", "0.01", "--workers", "2"], None, True),
     "bench_transport": (["--sizes", "1000", "--reps", "2"], None, False),
+    "validate_layout": (["--nodes", "2", "--steps", "8", "--", "--compute-time", "0.01"], "box", False),
     "validate_simulator": (["--workers", "2", "--paradigms", "bsp", "--steps", "5"], None, False),
 }
 

@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a shard beside the workers on each of N nodes (the layout --servers auto picks when a job "
                         "spans nodes), the workers spread evenly over them: --workers counts them all, and --link "
                         "names the N nodes' links (node k: shard k and its workers)")
-    m.add_argument("--pull", choices=["get", "send"], default="get",
+    m.add_argument("--pull", choices=["get", "send"],
                    help="with --nodes: the workers read every shard once all have granted them (get, default), or "
                         "each shard sends its part as it grants (send), as hpcps train's --pull")
     m.add_argument("--partitioned", action="store_true",
@@ -676,12 +676,15 @@ def _simulate(args: argparse.Namespace) -> int:
     from hpcps.analysis.simulate import Machine, sweep, write_outputs
     from hpcps.options.config import parse_paradigm_option
 
-    layout = {"pull": "get", "partitioned": False, "compute_forward": 0.0, "compute_backward": 0.0}
+    layout = {"pull": None, "partitioned": False, "compute_forward": 0.0, "compute_backward": 0.0}
     given = [name for name, default in layout.items() if getattr(args, name) != default]
     if args.nodes is None and given:
         raise UserError(f"simulate: --{given[0].replace('_', '-')} models a shard per node: give --nodes too")
     if args.nodes is not None and (args.local_steps or args.overlap_steps):
         raise UserError("simulate: --nodes models no local steps: leave out --local-steps and --overlap-steps")
+    if args.nodes is not None and args.groups != 2:
+        raise UserError("simulate: --groups: grouped is not modelled with --nodes (its group servers are a layout "
+                        "of their own)")
     try:
         options = dict(parse_paradigm_option(spec) for spec in args.paradigm_option)
         common = dict(straggler=args.straggler, steps=args.steps, progress=sys.stderr.isatty(),
@@ -697,7 +700,7 @@ def _simulate(args: argparse.Namespace) -> int:
             from hpcps.analysis.simulate_shards import sweep_shards
 
             predictions = sweep_shards(args.paradigm or ["bsp", "asp", "ssp", "dssp"], args.workers, args.nodes,
-                                       pull=args.pull, partitioned=args.partitioned, forward=args.compute_forward,
+                                       pull=args.pull or "get", partitioned=args.partitioned, forward=args.compute_forward,
                                        backward=args.compute_backward, **common)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -707,7 +710,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"| {r.paradigm} | {r.workers} | {r.throughput:.1f} | {r.mean_wait_s * 1e3:.2f} | "
               f"{r.mean_staleness:.2f} |")
     if args.out:
-        settings = ((f"a shard on each of {args.nodes} nodes, pull {args.pull}, " if args.nodes else "")
+        settings = ((f"a shard on each of {args.nodes} nodes, pull {args.pull or 'get'}, " if args.nodes else "")
                     + f"{args.params:,} parameters, compute {args.compute_time * 1e3:g} ms, jitter {args.jitter}, "
                     f"straggler {args.straggler:g}x, staleness {args.staleness}, {args.steps} steps"
                     + (f", {args.local_steps} local steps" if args.local_steps else "")

@@ -154,6 +154,9 @@ def test_cli_models_a_shard_per_node_with_the_runs_own_options(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--pull", "send"], "--pull models a shard per node: give --nodes too"),
+    (["--pull", "get"], "--pull models a shard per node: give --nodes too"),
+    (["--partitioned"], "--partitioned models a shard per node"),
+    (["--nodes", "2", "--groups", "3"], "grouped is not modelled with --nodes"),
     (["--nodes", "3"], "--workers 4 is not a multiple of --nodes 3"),
     (["--nodes", "2", "--local-steps", "4"], "--nodes models no local steps"),
     (["--nodes", "2", "--paradigm", "eager"], "not modelled with a shard per node"),

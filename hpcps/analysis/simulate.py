@@ -132,6 +132,18 @@ class Links:
         return cls(rates[0], tuple(rates[1:]))
 
 
+def check_job(steps: int, compute_time: float, nbytes: int, slowdown: dict[int, float] | None) -> None:
+    """ValueError, naming the option, where these settings cannot describe a job (every model's checks)."""
+    if steps < 1:
+        raise ValueError(f"simulate: --steps must be 1 or more; got {steps}")
+    if not compute_time > 0:
+        raise ValueError(f"simulate: --compute-time must be above 0 seconds; got {compute_time:g}")
+    if nbytes < 0:
+        raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
+    if any(not f >= 1 for f in (slowdown or {}).values()):
+        raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
+
+
 def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_time: float,
              slowdown: dict[int, float] | None = None, jitter: str = "none", jitter_cv: float = 0.1,
              machine: Machine = Machine(), staleness: int = 2, staleness_max: int | None = None,
@@ -150,16 +162,9 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     ``local_steps``: H computations per push (None: 1; 8 under localsgd and diloco, as ``hpcps train``);
     ``overlap_steps``: of them, those a round computes before its pull (``--overlap-steps``; less than H).
     """
-    if steps < 1:
-        raise ValueError(f"simulate: --steps must be 1 or more; got {steps}")
-    if not compute_time > 0:
-        raise ValueError(f"simulate: --compute-time must be above 0 seconds; got {compute_time:g}")
     if n_workers < 1:
         raise ValueError(f"simulate: --workers must be 1 or more; got {n_workers}")
-    if nbytes < 0:
-        raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
-    if any(not f >= 1 for f in (slowdown or {}).values()):
-        raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max((slowdown or {}).values())}")
+    check_job(steps, compute_time, nbytes, slowdown)
     from hpcps.options.config import local_steps_of, outer_rounds
 
     every = local_steps_of(paradigm, local_steps)

@@ -39,7 +39,7 @@ import sys
 import numpy as np
 
 from hpcps.analysis.fairshare import FairNetwork
-from hpcps.analysis.simulate import Machine, Prediction, _prediction
+from hpcps.analysis.simulate import Machine, Prediction, _prediction, check_job
 from hpcps.cluster.emulation import ComputeTime
 from hpcps.policies import make_policy
 
@@ -79,12 +79,7 @@ def simulate_shards(paradigm: str, nodes: int, workers_per_node: int = 1, *, ste
     if nodes < 1 or workers_per_node < 1:
         raise ValueError(f"simulate: --nodes and workers per node must be 1 or more; got {nodes} and "
                          f"{workers_per_node}")
-    if steps < 1:
-        raise ValueError(f"simulate: --steps must be 1 or more; got {steps}")
-    if not compute_time > 0:
-        raise ValueError(f"simulate: --compute-time must be above 0 seconds; got {compute_time:g}")
-    if nbytes < 0:
-        raise ValueError(f"simulate: --params must be 0 or more; got {nbytes // 4}")
+    check_job(steps, compute_time, nbytes, slowdown)
     if not (0 <= forward and 0 <= backward and forward + backward <= 1):
         raise ValueError(f"simulate: --compute-forward and --compute-backward are shares of the compute, "
                          f"0 or more and together at most 1; got {forward:g} and {backward:g}")
@@ -93,8 +88,6 @@ def simulate_shards(paradigm: str, nodes: int, workers_per_node: int = 1, *, ste
     if rates is not None and len(rates) != nodes:
         raise ValueError(f"simulate: link rates for {len(rates)} nodes, not {nodes}")
     slowdown = slowdown or {}
-    if any(not f >= 1 for f in slowdown.values()):
-        raise ValueError(f"simulate: --straggler must be 1 or more (times slower); got {max(slowdown.values())}")
     n_workers, shards = nodes * workers_per_node, nodes
     policies = [make_policy(paradigm, n_workers, options, staleness=staleness, staleness_max=staleness_max)
                 for _ in range(shards)]

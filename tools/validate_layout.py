@@ -68,17 +68,14 @@ def main() -> None:
     measured = mean_step(it, WARMUP)
     timed = it[it["step"] >= WARMUP]
     phases = " / ".join(f"{np.mean(timed[k]) * 1e3:.1f}" for k in ("compute_s", "push_s", "wait_s", "pull_s"))
-    model = simulate_shards(a.paradigm, a.nodes, steps=a.steps - WARMUP, nbytes=nbytes, compute_time=fastest,
-                                forward=forward, backward=backward, partitioned=partition > 0, pull=pull,
-                                rates=node_rates([a.link], a.nodes), machine=Machine(latency=a.latency),
-                                slowdown={k: compute[r] / fastest for k, r in enumerate(workers)},
-                                seed=a.seed)
-    predicted = model.wall_s / (a.steps - WARMUP)
-    serial = simulate_shards(a.paradigm, a.nodes, steps=a.steps - WARMUP, nbytes=nbytes, compute_time=fastest,
-                             pull=pull, rates=node_rates([a.link], a.nodes), machine=Machine(latency=a.latency),
-                             slowdown={k: compute[r] / fastest for k, r in enumerate(workers)},
-                             seed=a.seed).wall_s / (a.steps - WARMUP)
-    bound = step_bounds(max(compute.values()), forward, backward, nbytes, a.nodes, node_rates([a.link], 1)[0] * 8)
+    steps = a.steps - WARMUP
+    job = dict(steps=steps, nbytes=nbytes, compute_time=fastest, pull=pull, rates=node_rates([a.link], a.nodes),
+               machine=Machine(latency=a.latency), slowdown={k: compute[r] / fastest for k, r in enumerate(workers)},
+               seed=a.seed)
+    model = simulate_shards(a.paradigm, a.nodes, forward=forward, backward=backward, partitioned=partition > 0, **job)
+    predicted = model.wall_s / steps
+    serial = simulate_shards(a.paradigm, a.nodes, **job).wall_s / steps  # no share of the compute in the passes
+    bound = step_bounds(max(compute.values()), forward, backward, nbytes, a.nodes, job["rates"][0] * 8)
     print(f"{a.paradigm}, {a.nodes} nodes at {a.link}, {a.steps} steps (the first {WARMUP} left out), "
           f"options: {' '.join(a.options) or '(defaults)'}")
     print(f"chosen: {shards} shards, pull {pull}, " + (f"partitions of {partition:g} MB" if partition else "whole")

@@ -29,6 +29,7 @@ under the table names what auto chose in each run.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import sys
@@ -42,13 +43,35 @@ from benchlib import fmt, parser, train, train_options
 from hpcps.options.config import AUTO_GROUPS
 from hpcps.policies import policy_class
 from hpcps.plugins import is_plugin
-from hpcps.analysis.report import time_to, worker_rates
+from hpcps.analysis.report import worker_rates
+from hpcps.options.targets import Target
 
 #: paradigms whose workers can know a gradient's staleness (bsp's, hsp's rounds and grouped's groups never are)
 SEES_STALENESS = ("asp", "ssp", "dssp", "eager")
 
 
-def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: float,
+def goal(spec: str) -> Target:
+    """``--target``: an accuracy to reach (``0.9``), or ``loss<=VALUE`` / ``accuracy>=VALUE`` (a language
+    model's evaluation gives a loss and no accuracy)."""
+    try:
+        target = Target("accuracy", ">=", float(spec))
+    except ValueError:
+        try:
+            target = Target.parse(spec)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if target.name not in ("loss", "accuracy"):
+        raise argparse.ArgumentTypeError(f"{spec}: the bench reads the evaluation's loss or accuracy, "
+                                         f"not {target.name}")
+    return target
+
+
+def label(target: Target) -> str:
+    """How the tables name the target: ``85%`` for an accuracy, ``loss 2.5`` for a loss."""
+    return f"{target.value:.0%}" if target.name == "accuracy" else f"{target.name} {target.value:g}"
+
+
+def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: Target,
         emulate: str | None = None, from_launch: bool = False) -> dict:
     launched = time.time()
     r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra], emulate=emulate)
@@ -57,9 +80,10 @@ def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target:
     # the run's t = 0 after the launch (start-up, --paradigm auto's trials too); a file without it, its creation
     started = r["clock_start"] or datetime.datetime.fromisoformat(r["start_time"]).timestamp()
     before = started - launched if from_launch else 0.0
-    return {"acc": float(s["final_accuracy"]), "wall": before + float(s["wall_s"]),
-            "ttt": before + time_to(r["ev"], target), "its": float(np.mean(per_worker)),
-            "ttt_run": time_to(r["ev"], target),  # from the run's own t = 0
+    reached = target.first_time(r["ev"]["t"], r["ev"][target.name])
+    return {"final": float(s[f"final_{target.name}"]), "wall": before + float(s["wall_s"]),
+            "ttt": before + reached, "its": float(np.mean(per_worker)),
+            "ttt_run": reached,  # from the run's own t = 0
             "workers": len(per_worker),  # the layout's (--servers auto puts a shard on every node of a box)
             "wait": float(it["wait_s"].mean() * 1e3), "chose": r["paradigm"],
             "stale": float(it["staleness"][it["staleness"] >= 0].mean())}  # of the gradients applied (-1: dropped)
@@ -75,8 +99,9 @@ def main() -> None:
                    help="slow-link scenario (with --emulate): the last worker's node's link runs at RATE "
                         "(a network straggler; default 250mbit)")
     p.add_argument("--straggler", type=float, default=3.0, help="slowdown of the last worker when heterogeneous")
-    p.add_argument("--target", type=float, default=0.9,
-                   help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there)")
+    p.add_argument("--target", type=goal, default=goal("0.9"),
+                   help="accuracy whose first evaluation counts as time-to-target (runs are not stopped there), "
+                        "or loss<=VALUE (a language model's)")
     p.add_argument("--paradigm-option", action="append", default=[], dest="paradigm_option", metavar="NAME=VALUE",
                    help="an option of the plug-in paradigms (repeatable), as hpcps train takes it")
     p.add_argument("--lr-staleness", nargs="+", default=[None], metavar="SCHEDULE",
@@ -126,15 +151,15 @@ def n_groups(a) -> int:
     return AUTO_GROUPS if a.groups == "auto" else int(a.groups)
 
 
-def verdict(rows: dict, target: float) -> str:
+def verdict(rows: dict, target: Target) -> str:
     """The last line: which paradigm reached the target first, as a ratio of BSP's time."""
     times = {name: np.mean([r["ttt"] for r in rs]) for name, rs in rows.items()
              if all(not np.isnan(r["ttt"]) for r in rs)}
     if not times:
-        return f"no paradigm reached {target:.0%} in every run"
+        return f"no paradigm reached {label(target)} in every run"
     best = min(times, key=times.get)
     bsp = next((t for name, t in times.items() if name.startswith("bsp")), float("nan"))
-    return f"fastest to {target:.0%}: {best}, time ratio to bsp {times[best] / bsp:.2f}"
+    return f"fastest to {label(target)}: {best}, time ratio to bsp {times[best] / bsp:.2f}"
 
 
 def variant_options(paradigm: str, schedule: str | None, a) -> list[str]:
@@ -174,14 +199,15 @@ def table(scenario: str, rows: dict, a, options: list[str]) -> None:
     workers = sorted({r["workers"] for rs in rows.values() for r in rs})
     print(f"\n{scenario}: {'/'.join(map(str, workers))} workers{slow}, seeds {a.seeds}{launch}, "
           f"options: {' '.join(options)}\n")
-    in_run = f" {a.target:.0%} in the run s |" if a.from_launch else ""  # (the time to target without start-up)
-    print("| paradigm | final accuracy | wall s | time to {:.0%} s | vs BSP |{} iterations/s per worker | "
-          "mean wait ms | mean staleness |".format(a.target, in_run))
+    goal_ = label(a.target)
+    in_run = f" {goal_} in the run s |" if a.from_launch else ""  # (the time to target without start-up)
+    print(f"| paradigm | final {a.target.name} | wall s | time to {goal_} s | vs BSP |{in_run} iterations/s per worker | "
+          "mean wait ms | mean staleness |")
     print("|---|---|---|---|---|" + ("---|" if in_run else "") + "---|---|---|")
     for paradigm, rs in rows.items():
         ttt = np.nanmean([r["ttt"] for r in rs])
         run_cell = f" {fmt([r['ttt_run'] for r in rs], 2)} |" if in_run else ""
-        print(f"| {paradigm} | {fmt([r['acc'] for r in rs], 3)} | {fmt([r['wall'] for r in rs], 2)} | "
+        print(f"| {paradigm} | {fmt([r['final'] for r in rs], 3)} | {fmt([r['wall'] for r in rs], 2)} | "
               f"{fmt([r['ttt'] for r in rs], 2)} | {ttt / base:.2f} |{run_cell} {fmt([r['its'] for r in rs], 0)} | "
               f"{fmt([r['wait'] for r in rs], 2)} | {fmt([r['stale'] for r in rs], 2)} |", flush=True)
     for paradigm, rs in rows.items():

@@ -51,6 +51,26 @@ def test_the_bound_of_a_step_is_compute_plus_what_cannot_overlap_it():
     assert step_bounds(1.0, 0.3, 0.6, 4_000_000, 4, 1e9)["bsp"] == pytest.approx(1.0)
 
 
+def test_bench_paradigms_takes_an_accuracy_or_a_loss_as_its_target():
+    """A number is an accuracy to reach; ``loss<=V`` a loss (a language model's evaluation has no accuracy);
+    a metric the evaluation's table lacks is refused by name."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from bench_paradigms import goal, label
+    finally:
+        sys.path.remove(str(TOOLS))
+    import argparse
+    accuracy, loss = goal("0.85"), goal("loss<=2.5")
+    assert (label(accuracy), label(loss)) == ("85%", "loss 2.5")
+    t = np.array([1.0, 2.0, 3.0])
+    assert loss.first_time(t, np.array([3.1, 2.5, 2.4])) == 2.0
+    assert accuracy.first_time(t, np.array([0.5, 0.84, 0.86])) == 3.0
+    with pytest.raises(argparse.ArgumentTypeError, match="val_bpc"):
+        goal("val_bpc<=1.2")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected METRIC"):
+        goal("loss=2")
+
+
 def test_bench_peers_reads_torchft_events_in_closed_form():
     """bench_peers' torchft figures from a synthetic job: 3 replicas let go at t=100, a step every 0.1 s;
     replica 2 killed at 105.05; replicas 0 and 1 throw away one step each and commit again at 106.2 and 106.3;

@@ -31,11 +31,13 @@ import numpy as np
 
 from bench_allreduce import step_bounds
 from benchlib import train
-from hpcps.analysis.report import compute_means, mean_step
+from hpcps.analysis.report import compute_means, mean_step, timed_rows
 from hpcps.analysis.simulate import Machine
 from hpcps.analysis.simulate_shards import node_rates, simulate_shards
 
-#: steps left out of the measured means at each worker's start (start-up, torch's first passes)
+#: steps left out of the measured means at each worker's start (start-up, torch's first passes), at most a
+#: quarter of them: the cut of :func:`hpcps.analysis.report.timed_rows`, the same for the step, the compute and
+#: the phases
 WARMUP = 5
 
 
@@ -66,9 +68,9 @@ def main() -> None:
     forward, backward = config.get("compute_forward") or 0.0, config.get("compute_backward") or 0.0
     partition = config.get("partition_mb") or 0.0
     measured = mean_step(it, WARMUP)
-    timed = it[it["step"] >= WARMUP]
+    timed = np.concatenate([rows for _, rows in timed_rows(it, WARMUP)])  # the steps the means above time
     phases = " / ".join(f"{np.mean(timed[k]) * 1e3:.1f}" for k in ("compute_s", "push_s", "wait_s", "pull_s"))
-    steps = a.steps - WARMUP
+    steps = a.steps - min(WARMUP, a.steps // 4)
     job = dict(steps=steps, nbytes=nbytes, compute_time=fastest, pull=pull, rates=node_rates([a.link], a.nodes),
                machine=Machine(latency=a.latency), slowdown={k: compute[r] / fastest for k, r in enumerate(workers)},
                seed=a.seed)
@@ -76,7 +78,7 @@ def main() -> None:
     predicted = model.wall_s / steps
     serial = simulate_shards(a.paradigm, a.nodes, **job).wall_s / steps  # no share of the compute in the passes
     bound = step_bounds(max(compute.values()), forward, backward, nbytes, a.nodes, job["rates"][0] * 8)
-    print(f"{a.paradigm}, {a.nodes} nodes at {a.link}, {a.steps} steps (the first {WARMUP} left out), "
+    print(f"{a.paradigm}, {a.nodes} nodes at {a.link}, {a.steps} steps (the first {a.steps - steps} left out), "
           f"options: {' '.join(a.options) or '(defaults)'}")
     print(f"chosen: {shards} shards, pull {pull}, " + (f"partitions of {partition:g} MB" if partition else "whole")
           + f"; the model {nbytes / 1e6:.2f} MB; compute measured {fastest * 1e3:.1f}-"

@@ -111,9 +111,10 @@ def worker_rates(iterations: np.ndarray, places: dict[int, int] | None = None) -
     return {int(r): float((owner == r).sum() / it["t_end"][owner == r].max()) for r in np.unique(owner)}
 
 
-def _timed(iterations: np.ndarray, warmup: int):
+def timed_rows(iterations: np.ndarray, warmup: int):
     """Each worker's rank and its timed rows, in step order: all but the first ``warmup`` (at most a quarter
-    of its steps)."""
+    of its steps). The one cut that every mean of a run's steps takes (:func:`step_means`,
+    :func:`compute_means`, a tool's means of the phases)."""
     for r in np.unique(iterations["rank"]):
         mine = np.sort(iterations[iterations["rank"] == r], order="step")
         yield int(r), mine[min(warmup, len(mine) // 4):]
@@ -124,13 +125,13 @@ def step_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
     of its last. ``warmup``: steps left out at each worker's start, at most a quarter of its steps (start-up
     and torch's first passes)."""
     return {r: float(timed["t_end"].max() - timed["t_start"].min()) / len(timed)
-            for r, timed in _timed(iterations, warmup)}
+            for r, timed in timed_rows(iterations, warmup)}
 
 
 def compute_means(iterations: np.ndarray, warmup: int = 0) -> dict[int, float]:
     """Each worker's mean compute a step (s: ``compute_s``, no waits), over the steps :func:`step_means`
     times."""
-    return {r: float(timed["compute_s"].mean()) for r, timed in _timed(iterations, warmup)}
+    return {r: float(timed["compute_s"].mean()) for r, timed in timed_rows(iterations, warmup)}
 
 
 def applied_updates(updates: np.ndarray) -> np.ndarray:

@@ -55,8 +55,6 @@ pick across nodes) is :mod:`hpcps.analysis.simulate_shards`'s.
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 import math
 import sys
 from collections import deque
@@ -65,7 +63,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcps.cluster.emulation import ComputeTime
-from hpcps.analysis.fairshare import FairLink
+from hpcps.analysis.events import Events
+from hpcps.analysis.fairshare import FairNetwork
 from hpcps.cluster.layout import shard_bounds
 from hpcps.policies import make_policy
 from hpcps.policies.base import UNAPPLIED_AT_MOST
@@ -157,7 +156,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
     ``groups``: group servers, for the paradigms that have them (ignored by the others).
     ``links``: per-node link rates (a cluster in a box, or a real one); every transfer is then a flow
     on the server's link, shared max-min fairly with the others in its direction
-    (:class:`hpcps.analysis.fairshare.FairLink`) and capped by its worker's link; without, a transfer takes
+    (:class:`hpcps.analysis.fairshare.FairNetwork`, one link) and capped by its worker's link; without, a transfer takes
     ``machine.transfer(nbytes)`` whatever else moves.
     ``local_steps``: H computations per push (None: 1; 8 under localsgd and diloco, as ``hpcps train``);
     ``overlap_steps``: of them, those a round computes before its pull (``--overlap-steps``; less than H).
@@ -192,8 +191,9 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
                                  machine=machine)
     if links is not None and len(links.workers) != n_workers:
         raise ValueError(f"simulate: links for {len(links.workers)} workers, not {n_workers}")
-    # one link per direction of the server's: pulls go up, pushes come down
-    up, down = (FairLink(links.server), FairLink(links.server)) if links else (FairLink(), FairLink())
+    # one link per direction of the server's: pulls go up, pushes come down (each a network of its own: a
+    # transfer on one never changes the other's rates)
+    up, down = (FairNetwork({"link": links.server if links else math.inf}) for _ in range(2))
     cap = list(links.workers) if links else [machine.bandwidth] * n_workers
     apply_s = machine.update_s + nbytes / machine.apply_rate
     batches, steps = steps, outer_rounds(steps, every)  # a worker's pushes: one per round of ``every`` batches
@@ -209,15 +209,13 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
             return draw(w, rest.pop(w))
         return draw(w, min(every, batches - every * (started[w])))
 
-    events: list[tuple] = []  # (time, tie-break, kind, worker or link, link generation)
-    tick = itertools.count()
+    events = Events(first=("grant", "leave"))  # (time, kind, worker or link, link generation)
 
     def at(t: float, kind: str, who, generation: int = 0) -> None:
-        # a grant and a leave come out of a decision that ended at t: before anything else that happens then
-        heapq.heappush(events, (t, kind not in ("grant", "leave"), next(tick), kind, who, generation))
+        events.at(t, kind, who, generation)
 
-    def transfer(link: FairLink, t: float, key: tuple) -> None:
-        link.add(t, key, nbytes, cap[key[1]])
+    def transfer(link: FairNetwork, t: float, key: tuple) -> None:
+        link.add(t, key, nbytes, ("link",), cap[key[1]])
         done = link.next_done()
         at(done[0], "link", link, link.generation)
 
@@ -283,7 +281,7 @@ def simulate(paradigm: str, n_workers: int, *, steps: int, nbytes: int, compute_
         start_iteration(w, 0.0)
 
     while events:
-        t, _, _, kind, who, generation = heapq.heappop(events)
+        t, kind, who, generation = events.pop()
         if kind == "link":
             if generation != who.generation:
                 continue  # the transfers on that link changed since: a newer event stands
@@ -363,11 +361,8 @@ def _simulate_grouped(paradigm: str, n_workers: int, groups: int, *, steps: int,
     transfer = machine.transfer(nbytes)
     close_s = machine.update_s + nbytes / machine.apply_rate  # per gradient of a closing update
 
-    events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, worker or group)
-    tick = itertools.count()
-
-    def at(t: float, kind: str, who: int) -> None:
-        heapq.heappush(events, (t, next(tick), kind, who))
+    events = Events()  # (time, kind, worker or group)
+    at = events.at
 
     version, clock, finished = 0, [0] * n_workers, [0.0] * n_workers
     rounds, pulled = [0] * groups, [0] * groups  # per group: updates sent; central version it last pulled
@@ -394,7 +389,7 @@ def _simulate_grouped(paradigm: str, n_workers: int, groups: int, *, steps: int,
     for w in range(n_workers):
         start_iteration(w, 0.0)
     while events:
-        t, _, kind, who = heapq.heappop(events)
+        t, kind, who = events.pop()
         if kind == "central":  # group ``who``'s update reaches the central server
             begin = max(t, central_free)
             decision = central.on_push(who, rounds[who], pulled[who], begin)

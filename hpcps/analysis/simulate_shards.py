@@ -31,13 +31,12 @@ for cores, no losses: workers and shards have a core each, and the links are flu
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 import math
 import sys
 
 import numpy as np
 
+from hpcps.analysis.events import Events
 from hpcps.analysis.fairshare import FairNetwork
 from hpcps.analysis.simulate import Machine, Prediction, _prediction, check_job
 from hpcps.cluster.emulation import ComputeTime
@@ -110,12 +109,9 @@ def simulate_shards(paradigm: str, nodes: int, workers_per_node: int = 1, *, ste
             return (), machine.bandwidth
         return (("up", src), ("down", dst)), math.inf
 
-    events: list[tuple] = []
-    tick = itertools.count()
-
-    def at(t: float, kind: str, who) -> None:
-        # a shard's grants and a worker's leave come out of a decision that ended at t: before what arrives then
-        heapq.heappush(events, (t, kind not in ("grant", "leave"), next(tick), kind, who))
+    # a shard's grants and a worker's leave come out of a decision that ended at t: before what arrives then
+    events = Events(first=("grant", "leave"))
+    at = events.at
 
     def send(t: float, key: tuple, src: int, dst: int, cap: float = math.inf) -> None:
         path, most = route(src, dst)
@@ -179,7 +175,7 @@ def simulate_shards(paradigm: str, nodes: int, workers_per_node: int = 1, *, ste
     for w in range(n_workers):
         start_step(w, 0.0)
     while events:
-        t, _, _, kind, who = heapq.heappop(events)
+        t, kind, who = events.pop()
         if kind == "net":
             if who != net.generation:
                 continue  # the transfers in flight changed since: a newer event stands

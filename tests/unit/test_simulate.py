@@ -183,12 +183,12 @@ def test_links_come_from_the_words_hpcps_emulate_takes():
         Links.from_words(["7=1gbit"], 3)
 
 
-def test_fair_link_splits_its_capacity_and_gives_what_a_capped_transfer_leaves_to_the_others():
-    from hpcps.analysis.fairshare import FairLink
+def test_one_fair_link_splits_its_capacity_and_gives_what_a_capped_transfer_leaves_to_the_others():
+    from hpcps.analysis.fairshare import FairNetwork
 
-    link = FairLink(100.0)
-    link.add(0.0, "a", 100.0, 100.0)
-    link.add(0.0, "b", 100.0, 30.0)
+    link = FairNetwork({"link": 100.0})
+    link.add(0.0, "a", 100.0, ("link",), 100.0)
+    link.add(0.0, "b", 100.0, ("link",), 30.0)
     assert link.rates() == {"a": 70.0, "b": 30.0}
     t, key = link.next_done()
     assert key == "a" and t == pytest.approx(100 / 70)

@@ -222,12 +222,13 @@ def shard_optimizer(plan: RunPlan, state: RunState, params: torch.Tensor, shard:
                                groups=groups, indices=shard_group_indices(plan.groups, plan.slices.pieces[shard]))
     # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
     optimizer.schedule = schedule(plan, optimizer.default_lr or cfg.lr)
+    restored = plan.ckpt is not None and not plan.ckpt.optimizer_afresh  # (another batch's statistics: afresh)
     if cfg.stale_momentum == "auto" and cfg.momentum_period == 1:  # (Delayed Nesterov's momentum is its own cure)
         # resumed: the ramp goes on from the shard's version, as its restored momentum buffers do
-        optimizer.stale = StaleMomentum(updates=plan.shard_start(shard) if plan.ckpt is not None else 0)
-    if plan.ckpt is not None and plan.ckpt.resharded:
+        optimizer.stale = StaleMomentum(updates=plan.shard_start(shard) if restored else 0)
+    if restored and plan.ckpt.resharded:
         optimizer.load_state_dict(checkpointing.resliced_optimizer_state(plan, state, optimizer, shard))
-    elif plan.ckpt is not None:
+    elif restored:
         optimizer.load_state_dict(read_optimizer_state(cfg.resume, state.topo.rank))
     return optimizer
 

@@ -110,3 +110,28 @@ def test_trials_of_two_paradigms_train_each_step_once_and_the_run_goes_on_from_t
             applied = int(f["summary"].attrs["gradients_applied"])
         assert record["trained_steps"] == 12 and [t["paradigm"] for t in record["trials"]] == ["asp", "bsp"]
         assert sorted(set(steps.tolist())) == list(range(12, 20)) and len(steps) == 4 * 8 and applied == 4 * 8
+
+
+@pytest.mark.timeout(120)
+def test_adams_state_goes_on_only_between_paradigms_whose_updates_are_of_one_batch(world, mpi_tmp_path):
+    """Adam on the shards, every gradient all ones: each update moves each logit by its rate (m and v are 1
+    after bias correction), so 20 steps leave -20 lr whatever the paradigms. An asp update is one worker's
+    gradient and a bsp update the mean of 4: Adam's second moments of one are not the other's, so where the
+    trials hand over between them the optimizer starts afresh, and its step count says so in closed form.
+    asp's trial (6 steps, 24 updates), then bsp's going on from it afresh (6 rounds), then the run's 8 steps:
+    bsp going on from its own trial (kept: 6 + 8 = 14 updates counted), or asp from bsp's (afresh: 8 x 4 = 32).
+    Kept all along they would count 38 and 62."""
+    from hpcps.runtime.checkpoints.files import checkpoint_path, read_optimizer_state
+
+    folder = share(world, str(mpi_tmp_path / "ckpt"))
+    result = hpcps.train(_Bias(), loss=_sum, paradigm="auto", paradigms=["bsp", "asp"], trial_steps=6, steps=20,
+                         optimizer="adam", lr=0.125, checkpoint_every=1, checkpoint_dir=folder, progress=False,
+                         exit_on_error=False, out=str(mpi_tmp_path / "auto.h5"))
+    if world.rank == 0:
+        np.testing.assert_allclose(result.params, np.full(10, -20 * 0.125, np.float32), rtol=1e-6)
+        with h5py.File(result.path) as f:
+            chosen, shape = str(f.attrs["paradigm"]), str(f.attrs["resumed_shape"])
+        assert ("left behind" in shape) == (chosen == "asp")  # (bsp goes on from bsp's trial: kept)
+        last = checkpoint_path(folder, 20 if chosen == "bsp" else 80)
+        steps = [float(entry["step"]) for entry in read_optimizer_state(last, 0)["state"].values()]
+        assert steps and set(steps) == {14.0 if chosen == "bsp" else 32.0}

@@ -83,7 +83,12 @@ def test_another_paradigms_checkpoint_fits_a_leg_only_and_its_versions_count_the
     check_compatible(ck, "x.h5", asp, n_params=6, any_paradigm=True)
     mapped = for_paradigm(ck, written_per_step=1, per_step=4)
     assert mapped.version == 80 and mapped.written_paradigm == "bsp" and mapped.worker_clocks.tolist() == [20] * 4
-    assert mapped.describe_shape() == "written by bsp, its versions counted in this paradigm's updates"
+    # a round's mean against single gradients: the optimizer's statistics were of another batch
+    assert mapped.optimizer_afresh
+    assert mapped.describe_shape() == ("written by bsp, its versions counted in this paradigm's updates; the "
+                                       "optimizer's state left behind (it was of updates from another batch "
+                                       "of gradients)")
+    assert not for_paradigm(ck, written_per_step=4, per_step=4).optimizer_afresh  # asp to ssp: the same updates
     stopped = for_paradigm(dataclasses.replace(mapped, shard_versions=np.array([80, 81])), written_per_step=4,
                            per_step=1)
     assert stopped.version == 20 and stopped.shard_versions.tolist() == [20, 20]

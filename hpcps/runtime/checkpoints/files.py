@@ -85,6 +85,9 @@ class Checkpoint:
     #: a checkpoint another paradigm wrote, which this run goes on from (:func:`for_paradigm`): that
     #: paradigm's name (None: this run's own)
     written_paradigm: str | None = None
+    #: whether the shards' optimizers start afresh, their written state left behind: it was of updates of
+    #: another batch of gradients (:func:`for_paradigm`)
+    optimizer_afresh: bool = False
 
     def shard_version(self, shard: int) -> int:
         """The version shard ``shard`` resumes at."""
@@ -110,6 +113,8 @@ class Checkpoint:
                            f"{len(self.worker_clocks)} at clock {int(self.worker_clocks[0])}")
         if self.written_paradigm is not None:
             changes.append(f"written by {self.written_paradigm}, its versions counted in this paradigm's updates")
+        if self.optimizer_afresh:
+            changes.append("the optimizer's state left behind (it was of updates from another batch of gradients)")
         return "; ".join(changes)
 
 
@@ -124,7 +129,14 @@ def for_paradigm(ckpt: Checkpoint, *, written_per_step: int, per_step: int) -> C
     ``step``: the version's share of it) goes on where it was; a warm-up's ``--warmup-steps`` count each
     paradigm's own versions, as they do in a run of it. Exact where every worker
     stopped at one clock (a trial's end: each ran its steps); the paradigm's own state (clocks, bounds)
-    starts afresh. The parameters, the optimizer's state and each worker's clock are kept.
+    starts afresh. The parameters and each worker's clock are kept.
+
+    The optimizer's state is kept where both paradigms apply updates of the same batch (``written_per_step ==
+    per_step``), and left behind where they do not: an update of asp's is one worker's gradient, bsp's the
+    mean of N, and an adaptive optimizer's statistics of one are wrong for the other. Adam's second moments
+    of single gradients are about N times those of their mean where noise dominates them, and with
+    ``beta2 = 0.999`` they fade over a thousand updates: every step of the run after an asp trial was a
+    fraction of its rate (a language model on AdamW sat on its start's plateau for 275 of the run's steps).
     """
     def mapped(version: int) -> int:
         return int(version) // written_per_step * per_step
@@ -132,7 +144,7 @@ def for_paradigm(ckpt: Checkpoint, *, written_per_step: int, per_step: int) -> C
     shard_versions = None if ckpt.shard_versions is None else \
         np.array([mapped(v) for v in ckpt.shard_versions], np.int64)
     return dataclasses.replace(ckpt, version=mapped(ckpt.version), shard_versions=shard_versions,
-                               written_paradigm=ckpt.config["paradigm"])
+                               written_paradigm=ckpt.config["paradigm"], optimizer_afresh=written_per_step != per_step)
 
 
 def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int, stripe: int | None = None) -> Checkpoint:

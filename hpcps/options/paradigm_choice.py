@@ -83,6 +83,24 @@ def check_auto(cfg: TrainConfig) -> None:
         raise UserError("--paradigm-option is for a paradigm of your own, which --paradigm auto does not choose")
 
 
+#: the paradigms whose update is one worker's gradient (bsp's is the mean of every worker's)
+SINGLE_GRADIENT = ("asp", "ssp", "dssp")
+
+
+def caution(cfg: TrainConfig) -> str | None:
+    """What to say where the rule's ground is not measured to hold (None: nothing): an adaptive optimizer
+    on the shards with bsp and a paradigm of single gradients among the choices. On a language model on
+    AdamW the asynchronous paradigms trained less per sample than bsp at every rate tried, so a trial's
+    batches a second overrated them (docs/results.md, *A third workload*)."""
+    single = [p for p in cfg.paradigms if p in SINGLE_GRADIENT]
+    if cfg.optimizer == "sgd" or "bsp" not in cfg.paradigms or not single:
+        return None
+    return (f"--paradigm auto with --optimizer {cfg.optimizer}: batches a second rank time to a loss where each "
+            f"paradigm trains as much per sample; with Adam a language model trained less per sample under "
+            f"{', '.join(single)} than under bsp, and auto then chose a slower one. If yours is such a model, "
+            f"give --paradigms bsp (or the ones you trust)")
+
+
 def candidates(cfg: TrainConfig) -> list[TrainConfig]:
     """``cfg`` under each paradigm of ``--paradigms``, as if the user had typed it (:func:`as_chosen`)."""
     check_auto(cfg)

@@ -153,6 +153,21 @@ def test_options_under_which_the_rule_does_not_hold_are_refused_before_a_trial(o
         resolve_each(cfg, 5)
 
 
+@pytest.mark.parametrize("options, warned", [
+    ({}, False),  # sgd: the rule measured to hold
+    ({"optimizer": "adamw"}, True),
+    ({"optimizer": "adam", "paradigms": ["bsp", "ssp"]}, True),
+    ({"optimizer": "adamw", "paradigms": ["bsp"]}, False),  # nothing else to choose
+    ({"optimizer": "adamw", "paradigms": ["asp", "ssp"]}, False),  # all of single gradients: alike
+])
+def test_auto_with_adam_between_bsp_and_single_gradients_is_cautioned_naming_them(options, warned):
+    said = pc.caution(make_config({"paradigm": "auto", **options}))
+    assert (said is not None) == warned
+    if warned:
+        single = [p for p in make_config(options).paradigms if p != "bsp"]
+        assert f"under {', '.join(single)} than under bsp" in said and "--paradigms bsp" in said
+
+
 def test_auto_is_planned_as_each_paradigm_and_refused_where_one_plan_is_wanted():
     cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "dssp"]})
     each = resolve_each(cfg, 5)

@@ -68,9 +68,10 @@ def main() -> None:
     forward, backward = config.get("compute_forward") or 0.0, config.get("compute_backward") or 0.0
     partition = config.get("partition_mb") or 0.0
     measured = mean_step(it, WARMUP)
-    timed = np.concatenate([rows for _, rows in timed_rows(it, WARMUP)])  # the steps the means above time
-    phases = " / ".join(f"{np.mean(timed[k]) * 1e3:.1f}" for k in ("compute_s", "push_s", "wait_s", "pull_s"))
-    steps = a.steps - min(WARMUP, a.steps // 4)
+    timed = dict(timed_rows(it, WARMUP))  # each worker's rows that the means above time
+    rows = np.concatenate(list(timed.values()))
+    phases = " / ".join(f"{np.mean(rows[k]) * 1e3:.1f}" for k in ("compute_s", "push_s", "wait_s", "pull_s"))
+    steps = min(len(mine) for mine in timed.values())  # the steps the model runs: those timed
     job = dict(steps=steps, nbytes=nbytes, compute_time=fastest, pull=pull, rates=node_rates([a.link], a.nodes),
                machine=Machine(latency=a.latency), slowdown={k: compute[r] / fastest for k, r in enumerate(workers)},
                seed=a.seed)

@@ -41,6 +41,7 @@ from typing import Sequence
 from hpcps.errors import UserError
 from hpcps.options.config import CHOOSABLE, TrainConfig
 from hpcps.options.words import without_options
+from hpcps.policies import policy_class
 
 AUTO = "auto"
 #: options read only by ``--paradigm auto`` (and ``--trial-steps`` by ``hpcps tune``)
@@ -83,16 +84,15 @@ def check_auto(cfg: TrainConfig) -> None:
         raise UserError("--paradigm-option is for a paradigm of your own, which --paradigm auto does not choose")
 
 
-#: the paradigms whose update is one worker's gradient (bsp's is the mean of every worker's)
-SINGLE_GRADIENT = ("asp", "ssp", "dssp")
-
-
 def caution(cfg: TrainConfig) -> str | None:
     """What to say where the rule's ground is not measured to hold (None: nothing): an adaptive optimizer
     on the shards with bsp and a paradigm of single gradients among the choices. On a language model on
     AdamW the asynchronous paradigms trained less per sample than bsp at every rate tried, so a trial's
     batches a second overrated them (docs/results.md, *A third workload*)."""
-    single = [p for p in cfg.paradigms if p in SINGLE_GRADIENT]
+    # those whose update is one worker's gradient, not a round's mean: where the trials hand over between them
+    # and bsp the shards' optimizer starts afresh (hpcps.runtime.checkpoints.files.for_paradigm's test)
+    bsp = policy_class("bsp").updates_per_step(2)
+    single = [p for p in cfg.paradigms if policy_class(p).updates_per_step(2) != bsp]
     if cfg.optimizer == "sgd" or "bsp" not in cfg.paradigms or not single:
         return None
     return (f"--paradigm auto with --optimizer {cfg.optimizer}: batches a second rank time to a loss where each "

@@ -1,5 +1,6 @@
 """Errors that end a run with one clear message instead of a traceback."""
 
+import re
 import sys
 
 
@@ -29,3 +30,21 @@ class RunAborted(RuntimeError):
     The rank that raises it prints one line and calls ``MPI_Abort``; the
     metrics recorded so far stay in the run file.
     """
+
+
+#: torch's words when a batch and the model sit on two devices (a tensor op, a module's check, a conv's types)
+_TWO_DEVICES = re.compile(r"Expected all tensors to be on the same device|is not on the expected device"
+                          r"|Input type \([^)]*cuda[^)]*\) and weight type|and weight type \([^)]*cuda[^)]*\)")
+
+
+def hint(exc: BaseException) -> str:
+    """What the user can do about ``exc``, where hpcps knows (else ""): appended to a failing rank's line.
+
+    A loop written for the CPU, or one that put its batches on ``cuda:LOCAL_RANK`` as under DDP, meets a
+    model hpcps placed on the worker's own device (``ps.device``, the log's "workers on" line) and fails
+    in torch with a message about two devices that does not say where the model went or why.
+    """
+    if isinstance(exc, RuntimeError) and _TWO_DEVICES.search(str(exc)):
+        return (" (hpcps put the model on ps.device, the worker's device: put each batch there, "
+                "x.to(ps.device), or train on the CPU with device='cpu')")
+    return ""

@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 from mpi4py import MPI
 
-from hpcps.errors import RunAborted, UserError, print_error
+from hpcps.errors import RunAborted, UserError, hint, print_error
 from hpcps.transport.poll import SIGNAL_GRACE as POLL_SIGNAL_GRACE
 
 T = TypeVar("T")
@@ -130,7 +130,7 @@ FORWARD_S = 0.5
 def end_job(comm: MPI.Comm, exc: BaseException, *, quiet: tuple[type[BaseException], ...] = ()) -> None:
     """One line naming this rank and ``exc`` (the traceback in the log, unless the error's message says
     it all), its :data:`last_words`, then ``MPI_Abort``: every rank ends, none is left waiting for this one."""
-    print_error(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}; ending the job on every rank")
+    print_error(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}{hint(exc)}; ending the job on every rank")
     if not isinstance(exc, (RunAborted, *quiet)):
         log.error("rank %d failed", comm.rank, exc_info=exc)
     while last_words:

@@ -17,7 +17,7 @@ AFTER_THE_LOOP = textwrap.dedent("""
                     progress=False, out=sys.argv[1])
     while ps.running:  # a DDP script's loop: no `with ps:`, no close
         ps.optimizer.zero_grad()
-        loss = ps.model(torch.randn(8, 4)).pow(2).mean()
+        loss = ps.model(torch.randn(8, 4).to(ps.device)).pow(2).mean()
         loss.backward()
         ps.optimizer.step(loss=loss)
     # a DDP script's tail, unguarded (no `if rank == 0`): on a server rank the process ended in init

@@ -312,7 +312,8 @@ def test_the_log_and_the_run_file_say_where_the_shards_slices_are(tmp_path):
     """``--server-device cpu``: one log line for every shard's slice, and each shard's ``devices`` entry in the
     run file says it too (the workers' say only their own device)."""
     out = tmp_path / "sd.h5"
-    proc = hpcps(4, "train", "--servers", "2", "--server-device", "cpu", "--steps", "5", "--out", str(out))
+    proc = hpcps(4, "train", "--servers", "2", "--server-device", "cpu", "--device", "cpu", "--steps", "5",
+                 "--out", str(out))
     assert proc.returncode == 0, failure(proc.stderr)
     assert ("server shards' slices, optimizer state and sums on cpu, pushes and publishes copied through host "
             "memory (2 shards)") in proc.stderr, failure(proc.stderr)

@@ -20,7 +20,7 @@ def make():
 
 extra = {"overlap_pull": True} if sys.argv[2] == "overlap" else {}
 ps = hpcps.init(make, optimizer="sgd", lr=0.01, paradigm="asp", steps=12, servers=2, partition_mb=0.25,
-                out=sys.argv[1], seed=1, **extra)
+                out=sys.argv[1], seed=1, device="cpu", **extra)  # the premise is the host path's
 torn, steps = 0, 0
 g = torch.Generator().manual_seed(ps.rank)
 with ps:

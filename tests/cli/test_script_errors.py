@@ -25,7 +25,9 @@ SCRIPT = textwrap.dedent("""
     if ps.is_worker and ps.worker_index == 1 and how == "raise":
         open("/nonexistent/train.bin")  # the loop's data, before the `with`
     while ps.running:
-        ps.model(torch.randn(8, 4)).pow(2).mean().backward()
+        if how == "device" and ps.is_worker and ps.worker_index == 1:
+            torch.randn(8, 4, device="meta") + torch.randn(8, 4)  # a batch on a device the model is not on
+        ps.model(torch.randn(8, 4).to(ps.device)).pow(2).mean().backward()
         ps.step()
         if how == "exit" and ps.is_worker and ps.worker_index == 0 and ps.iteration == 3:
             sys.exit(3)
@@ -57,6 +59,17 @@ def test_an_exception_after_init_outside_the_with_block_ends_the_job_naming_the_
     assert "done" not in proc.stdout
 
 
+def test_a_batch_on_another_device_than_the_model_ends_the_job_saying_where_the_model_is(tmp_path):
+    """A loop written for the CPU, or for DDP's ``cuda:LOCAL_RANK``, on a model hpcps put on the worker's
+    device: torch's error about two devices, and what to do (made here with the meta device, no GPU)."""
+    proc, _ = _run(tmp_path, "device")
+    assert proc.returncode != 0
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1, failure(proc.stderr)
+    assert "rank 2 failed: RuntimeError: Tensor on device cpu is not on the expected device meta!" in errors[0]
+    assert "put each batch there, x.to(ps.device)" in errors[0]
+
+
 def test_a_worker_that_exits_mid_run_ends_the_job_saying_its_session_was_open(tmp_path):
     proc, _ = _run(tmp_path, "exit")
     assert proc.returncode != 0
@@ -86,7 +99,7 @@ EARLY = textwrap.dedent("""
                     out=sys.argv[2])
     with ps:
         while ps.running:
-            ps.model(torch.randn(8, 4)).pow(2).mean().backward()
+            ps.model(torch.randn(8, 4).to(ps.device)).pow(2).mean().backward()
             ps.step()
 """)
 

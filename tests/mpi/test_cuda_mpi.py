@@ -49,6 +49,20 @@ def test_bsp_on_the_gpu_ends_as_on_the_cpu_within_rounding(world, mpi_tmp_path, 
     assert facts["devices"][:servers] == ["cpu"] * servers
 
 
+@pytest.mark.parametrize("extra", [dict(servers=2, momentum=0.9), dict(servers=2, optimizer="adamw", lr=0.01)],
+                         ids=["momentum-2-shards", "adamw-2-shards"])
+def test_shards_stepping_on_the_gpu_end_as_in_host_memory_within_rounding(world, mpi_tmp_path, extra):
+    """``--server-device cuda``: the shards' slices, optimizer state and sums on the GPU, pushes copied up
+    from pinned receive buffers and each update copied down to the window's master."""
+    common = {**COMMON, **extra}
+    cpu, _ = train(mpi_tmp_path / "cpu.h5", device="cpu", server_device="host", **common)
+    gpu, t = train(mpi_tmp_path / "gpu.h5", device="cuda", server_device="cuda", **common)
+    facts = _facts(world, cpu, gpu, t)
+    assert facts["counts"] == (45, 45, 0)
+    assert facts["max_diff"] < 1e-4, facts
+    assert all("slice on cuda:" in d for d in facts["devices"][:2]), facts["devices"]
+
+
 def test_partitioned_pulls_and_pushes_on_the_gpu_end_as_whole_ones_on_the_cpu(world, mpi_tmp_path):
     cpu, _ = train(mpi_tmp_path / "cpu.h5", device="cpu", **COMMON)
     gpu, t = train(mpi_tmp_path / "gpu.h5", device="cuda", partition_mb=0.004, **COMMON)

@@ -331,7 +331,7 @@ def net():
 ps = hpcps.init(net, optimizer="sgd", lr=0.05, paradigm="asp", steps=40, out=sys.argv[1])
 if ps.is_worker:
     g = torch.Generator().manual_seed(ps.worker_index)
-    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g)
+    x, y = torch.randn(64, 8, generator=g).to(ps.device), torch.randint(0, 2, (64,), generator=g).to(ps.device)
     step = 0
     while ps.running:
         loss = F.cross_entropy(ps.model(x), y)

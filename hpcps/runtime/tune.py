@@ -210,9 +210,11 @@ def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None
     horizon, and the run goes on from the last one's end, so the trials' steps are steps of the training
     (:func:`_trials_that_train`). Otherwise each trial starts from the model's start and the run does too."""
     options = {o.paradigm: o for o in paradigm_choice.candidates(cfg)}
-    said = paradigm_choice.caution(cfg)
+    said, narrowed = paradigm_choice.caution(cfg), paradigm_choice.narrowing(cfg)
     if said and comm.rank == 0:
         log.warning("%s", said)
+    if narrowed and comm.rank == 0:
+        log.info("%s", narrowed)
     began = time.monotonic()
     if folder is not None and _trains(cfg, len(options)):
         trials, skipped, start, trained = _trials_that_train(cfg, options, comm, train, folder, link_bps)

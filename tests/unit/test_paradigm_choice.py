@@ -153,9 +153,29 @@ def test_options_under_which_the_rule_does_not_hold_are_refused_before_a_trial(o
         resolve_each(cfg, 5)
 
 
+@pytest.mark.parametrize("options, chosen_from", [
+    ({}, CHOOSABLE),  # sgd: the rule measured to hold
+    ({"optimizer": "adamw"}, ("bsp",)),  # the ones of single gradients left out, unasked
+    ({"optimizer": "adam"}, ("bsp",)),
+    ({"optimizer": "adamw", "paradigms": ["asp", "bsp"]}, ("asp", "bsp")),  # asked: tried
+    ({"optimizer": "adamw", "paradigms": ["asp"]}, ("asp",)),
+])
+def test_auto_with_adam_chooses_from_bsp_alone_unless_told_and_says_so(options, chosen_from):
+    cfg = make_config({"paradigm": "auto", **options})
+    assert pc.choices(cfg) == chosen_from
+    assert [c.paradigm for c in pc.candidates(cfg)] == list(chosen_from)
+    said = pc.narrowing(cfg)
+    if chosen_from == cfg.paradigms:
+        assert said is None
+    else:
+        assert said.startswith(f"--paradigm auto with --optimizer {cfg.optimizer}: bsp alone;")
+        assert "under ssp, dssp, asp" in said and "--paradigms bsp ssp dssp asp to try them too" in said
+
+
 @pytest.mark.parametrize("options, warned", [
     ({}, False),  # sgd: the rule measured to hold
-    ({"optimizer": "adamw"}, True),
+    ({"optimizer": "adamw"}, False),  # bsp alone (above)
+    ({"optimizer": "adamw", "paradigms": ["bsp", "asp"]}, True),
     ({"optimizer": "adam", "paradigms": ["bsp", "ssp"]}, True),
     ({"optimizer": "adamw", "paradigms": ["bsp"]}, False),  # nothing else to choose
     ({"optimizer": "adamw", "paradigms": ["asp", "ssp"]}, False),  # all of single gradients: alike

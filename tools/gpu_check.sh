@@ -169,7 +169,8 @@ step resnets 200 "$mpich/python" tools/bench_gpu.py ${BENCH_GPU:---steps 30 --wa
 export PATH="$mpich:$PATH"  # the hpcps command of the CLI tests
 step cli 400 "$mpich/python" -m pytest -v -p no:cacheprovider -n 6 ${CLI_TESTS:-tests/cli \
   --deselect tests/cli/test_mpi_suite.py} &
-step mpi-mpich 300 "$mpich/mpiexec" -n 5 "$mpich/python" -m pytest --with-mpi -q -rfE -p no:cacheprovider \
+# (-v: a test's name on its outcome's line, so a step cut by its limit still names what failed)
+step mpi-mpich 300 "$mpich/mpiexec" -n 5 "$mpich/python" -m pytest --with-mpi -v -rfE -p no:cacheprovider \
   ${MPI_TESTS:-tests/mpi}
 step mpi-openmpi-cuda 90 "$ompi/mpiexec" -n 5 "$ompi/python" -m pytest --with-mpi -q -p no:cacheprovider \
   tests/mpi/test_cuda_mpi.py tests/mpi/test_devices.py

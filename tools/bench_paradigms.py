@@ -189,9 +189,16 @@ def option_values(args: list[str], option: str) -> list[str]:
         [arg.split("=", 1)[1] for arg in args if arg.startswith(option + "=")]
 
 
+
+def _mean_reached(times: list[float]) -> float:
+    """The mean time to the target of the runs that reached it (nan where none did: no ratio, no warning)."""
+    reached = [t for t in times if np.isfinite(t)]
+    return float(np.mean(reached)) if reached else float("nan")
+
+
 def table(scenario: str, rows: dict, a, options: list[str]) -> None:
     bsp = next((rs for name, rs in rows.items() if name.startswith("bsp")), None)
-    base = np.nanmean([r["ttt"] for r in bsp]) if bsp else float("nan")
+    base = _mean_reached([r["ttt"] for r in bsp]) if bsp else float("nan")
     slow = {"heterogeneous": f", the last worker {a.straggler:g}x slower",
             "slow-link": f", the last worker's link at {a.slow_link}"}.get(scenario, "")
     slow += f", in a box: {a.emulate}" if a.emulate else ""
@@ -205,7 +212,7 @@ def table(scenario: str, rows: dict, a, options: list[str]) -> None:
           "mean wait ms | mean staleness |")
     print("|---|---|---|---|---|" + ("---|" if in_run else "") + "---|---|---|")
     for paradigm, rs in rows.items():
-        ttt = np.nanmean([r["ttt"] for r in rs])
+        ttt = _mean_reached([r["ttt"] for r in rs])
         run_cell = f" {fmt([r['ttt_run'] for r in rs], 2)} |" if in_run else ""
         print(f"| {paradigm} | {fmt([r['final'] for r in rs], 3)} | {fmt([r['wall'] for r in rs], 2)} | "
               f"{fmt([r['ttt'] for r in rs], 2)} | {ttt / base:.2f} |{run_cell} {fmt([r['its'] for r in rs], 0)} | "

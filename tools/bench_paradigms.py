@@ -189,7 +189,6 @@ def option_values(args: list[str], option: str) -> list[str]:
         [arg.split("=", 1)[1] for arg in args if arg.startswith(option + "=")]
 
 
-
 def _mean_reached(times: list[float]) -> float:
     """The mean time to the target of the runs that reached it (nan where none did: no ratio, no warning)."""
     reached = [t for t in times if np.isfinite(t)]

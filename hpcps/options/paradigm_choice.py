@@ -99,19 +99,21 @@ def choices(cfg: TrainConfig) -> tuple[str, ...]:
     """The paradigms ``cfg``'s trials choose from: ``--paradigms`` where the user gave them or the shards run
     sgd, else (Adam, AdamW) bsp's kind alone. On a language model on AdamW the asynchronous paradigms
     trained less per sample than bsp at every rate tried, so a trial's batches a second overrated them and
-    auto chose one 1.76x slower to the target (docs/results.md, *A third workload*): where the rule is not
+    auto chose one 1.78x slower to the target (docs/results.md, *A third workload*): where the rule is not
     measured to hold, auto does not bet on it unasked."""
     if cfg.optimizer == "sgd" or "paradigms" in cfg.model_fields_set:
         return cfg.paradigms
-    return tuple(p for p in cfg.paradigms if p not in _single(cfg.paradigms)) or cfg.paradigms
+    single = _single(cfg.paradigms)
+    return tuple(p for p in cfg.paradigms if p not in single) or cfg.paradigms
 
 
 def narrowing(cfg: TrainConfig) -> str | None:
     """The line that says which default choices :func:`choices` left out and why (None: none left out)."""
-    left_out = [p for p in cfg.paradigms if p not in choices(cfg)]
+    chosen = choices(cfg)
+    left_out = [p for p in cfg.paradigms if p not in chosen]
     if not left_out:
         return None
-    return (f"--paradigm auto with --optimizer {cfg.optimizer}: {', '.join(choices(cfg))} alone; with Adam a "
+    return (f"--paradigm auto with --optimizer {cfg.optimizer}: {', '.join(chosen)} alone; with Adam a "
             f"language model trained less per sample under {', '.join(left_out)}, which a trial's batches a "
             f"second do not see (--paradigms {' '.join(cfg.paradigms)} to try them too)")
 
@@ -119,8 +121,9 @@ def narrowing(cfg: TrainConfig) -> str | None:
 def caution(cfg: TrainConfig) -> str | None:
     """What to warn of where the rule's ground is not measured to hold (None: nothing): an adaptive
     optimizer on the shards with bsp and a paradigm of single gradients among the choices the user gave."""
-    single = _single(choices(cfg))
-    if cfg.optimizer == "sgd" or "bsp" not in choices(cfg) or not single:
+    chosen = choices(cfg)
+    single = _single(chosen)
+    if cfg.optimizer == "sgd" or "bsp" not in chosen or not single:
         return None
     return (f"--paradigm auto with --optimizer {cfg.optimizer}: batches a second rank time to a loss where each "
             f"paradigm trains as much per sample; with Adam a language model trained less per sample under "

@@ -107,14 +107,21 @@ def choices(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(p for p in cfg.paradigms if p not in single) or cfg.paradigms
 
 
+def left_out(cfg: TrainConfig) -> dict[str, str]:
+    """The default choices :func:`choices` left out, each with why in a few words (empty: none), as the run
+    file keeps them beside the trials (:func:`record`)."""
+    chosen = choices(cfg)
+    return {p: f"--optimizer {cfg.optimizer}: trains less per sample than bsp on a language model, which a "
+               f"trial's batches a second do not see; --paradigms to try it" for p in cfg.paradigms if p not in chosen}
+
+
 def narrowing(cfg: TrainConfig) -> str | None:
     """The line that says which default choices :func:`choices` left out and why (None: none left out)."""
-    chosen = choices(cfg)
-    left_out = [p for p in cfg.paradigms if p not in chosen]
-    if not left_out:
+    out = list(left_out(cfg))
+    if not out:
         return None
-    return (f"--paradigm auto with --optimizer {cfg.optimizer}: {', '.join(chosen)} alone; with Adam a "
-            f"language model trained less per sample under {', '.join(left_out)}, which a trial's batches a "
+    return (f"--paradigm auto with --optimizer {cfg.optimizer}: {', '.join(choices(cfg))} alone; with Adam a "
+            f"language model trained less per sample under {', '.join(out)}, which a trial's batches a "
             f"second do not see (--paradigms {' '.join(cfg.paradigms)} to try them too)")
 
 
@@ -216,13 +223,14 @@ def table(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial) -> list[str]:
 
 
 def record(trials: Sequence[ParadigmTrial], chosen: ParadigmTrial, trial_steps: int, seconds: float,
-           trained: int = 0, skipped: dict[str, str] | None = None) -> str:
+           trained: int = 0, skipped: dict[str, str] | None = None, left: dict[str, str] | None = None) -> str:
     """The choice as the run file keeps it (JSON): the trials, how long they took in all (``seconds``: the
     wait before the run), the steps per worker they trained that the run went on from (``trained``), the
-    paradigms not tried and why (``skipped``: :func:`skip`), the one chosen and what it predicts of the run
-    (its batches a second and mean step); the run's own measure is added at its end (:func:`with_measure`)."""
+    paradigms not tried and why (``skipped``: :func:`skip`, after the trials before; ``left``: :func:`left_out`,
+    before any), the one chosen and what it predicts of the run (its batches a second and mean step); the
+    run's own measure is added at its end (:func:`with_measure`)."""
     return json.dumps({"chosen": chosen.paradigm, "trial_steps": trial_steps, "trials_s": seconds,
-                       "trained_steps": trained, "skipped": skipped or {},
+                       "trained_steps": trained, "skipped": skipped or {}, "left_out": left or {},
                        "predicted": {"batches_per_s": chosen.batches_per_s, "mean_step_s": chosen.mean_step_s},
                        "trials": [asdict(t) for t in trials]}, sort_keys=True)
 
@@ -241,8 +249,9 @@ def describe(choice: dict) -> str:
     tried = ", ".join(f"{t['paradigm']} {t['batches_per_s']:.1f}" for t in choice["trials"])
     trained = f", the run going on from their {choice['trained_steps']} steps" if choice.get("trained_steps") else ""
     untried = f", not tried: {', '.join(choice['skipped'])}" if choice.get("skipped") else ""
+    left = f", left out: {', '.join(choice['left_out'])}" if choice.get("left_out") else ""
     line = (f"auto: {choice['chosen']} (trials of {choice['trial_steps']} steps in {choice['trials_s']:.1f} s, "
-            f"batches/s: {tried}{untried}{trained}); "
+            f"batches/s: {tried}{untried}{left}{trained}); "
             f"predicted {choice['predicted']['batches_per_s']:.1f} batches/s")
     if "measured" in choice:
         line += f", measured {choice['measured']['batches_per_s']:.1f}"

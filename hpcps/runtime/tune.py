@@ -234,7 +234,8 @@ def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None
                  "trials took %.1f s%s%s:\n%s", chosen.paradigm, paradigm_choice.MARGIN * 100, seconds, untried,
                  went_on, "\n".join(paradigm_choice.table(trials, chosen)))
     return (options[chosen.paradigm],
-            paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds, trained, skipped), start)
+            paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds, trained, skipped,
+                                   paradigm_choice.left_out(cfg)), start)
 
 
 def _trains(cfg: TrainConfig, n_trials: int) -> bool:

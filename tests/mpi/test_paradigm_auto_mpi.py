@@ -135,3 +135,24 @@ def test_adams_state_goes_on_only_between_paradigms_whose_updates_are_of_one_bat
         last = checkpoint_path(folder, 20 if chosen == "bsp" else 80)
         steps = [float(entry["step"]) for entry in read_optimizer_state(last, 0)["state"].values()]
         assert steps and set(steps) == {14.0 if chosen == "bsp" else 32.0}
+
+
+@pytest.mark.timeout(120)
+def test_with_adam_and_no_paradigms_given_auto_tries_bsp_alone_and_the_file_keeps_what_it_left_out(world,
+                                                                                                  mpi_tmp_path):
+    """Adam on the shards and ``--paradigms`` left at its default: the paradigms of single gradients are left
+    out before any trial (hpcps.options.paradigm_choice.choices), so bsp's is the one trial, the run goes on
+    from it (-20 lr on every logit after 20 steps, as in the test above), and the run file names what was left
+    out and why, where ``hpcps report`` reads it."""
+    from hpcps.analysis.report import load_run
+
+    result = hpcps.train(_Bias(), loss=_sum, paradigm="auto", trial_steps=6, steps=20, optimizer="adam", lr=0.125,
+                         progress=False, exit_on_error=False, out=str(mpi_tmp_path / "auto.h5"))
+    if world.rank == 0:
+        np.testing.assert_allclose(result.params, np.full(10, -20 * 0.125, np.float32), rtol=1e-6)
+        with h5py.File(result.path) as f:
+            record = json.loads(f.attrs["paradigm_choice"])
+        assert record["chosen"] == "bsp" and [t["paradigm"] for t in record["trials"]] == ["bsp"]
+        assert sorted(record["left_out"]) == ["asp", "dssp", "ssp"] and record["skipped"] == {}
+        assert all(why.startswith("--optimizer adam: trains less per sample") for why in record["left_out"].values())
+        assert load_run(result.path).choice == record

@@ -170,6 +170,9 @@ def test_auto_with_adam_chooses_from_bsp_alone_unless_told_and_says_so(options, 
     else:
         assert said.startswith(f"--paradigm auto with --optimizer {cfg.optimizer}: bsp alone;")
         assert "under ssp, dssp, asp" in said and "--paradigms bsp ssp dssp asp to try them too" in said
+    left = pc.left_out(cfg)
+    assert list(left) == [p for p in cfg.paradigms if p not in chosen_from]
+    assert all(why.startswith(f"--optimizer {cfg.optimizer}: trains less per sample") for why in left.values())
 
 
 @pytest.mark.parametrize("options, warned", [
@@ -237,6 +240,11 @@ def test_the_record_keeps_the_trials_the_prediction_and_the_runs_measure_and_rea
     assert skipped["skipped"] == {"ssp": "why"} and record["skipped"] == {}
     assert pc.describe(skipped).startswith("auto: asp (trials of 30 steps in 12.2 s, batches/s: bsp 100.0, asp 250.0, "
                                            "not tried: ssp, the run going on from their 60 steps); ")
+    assert record["left_out"] == {}
+    adam = json.loads(pc.record(trials[:1], trials[0], 30, 5.0, left=pc.left_out(make_config({"optimizer": "adam"}))))
+    assert sorted(adam["left_out"]) == ["asp", "dssp", "ssp"]  # (the JSON's keys sorted)
+    assert pc.describe(adam).startswith("auto: bsp (trials of 30 steps in 5.0 s, batches/s: bsp 100.0, "
+                                        "left out: asp, dssp, ssp); ")
     table = pc.table(trials, chosen)
     assert table[2].startswith("| asp | 4 | 250.0 | 16.0 | 1.80 | chosen |") and table[3].startswith("| bsp |")
     assert np.isclose(chosen.mean_step_s, 0.016)

@@ -128,6 +128,9 @@ def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Seq
         -> list[ParadigmTrial] | None:
     """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
     options = paradigm_choice.candidates(cfg)
+    said = paradigm_choice.caution(cfg)
+    if said and comm.rank == 0:
+        log.warning("%s", said)
     trials, skipped = _paradigm_trials(cfg, {o.paradigm: o for o in options}, comm, train,
                                        link_bps=_link(cfg, comm))
     chosen = paradigm_choice.choose(trials)
@@ -138,6 +141,8 @@ def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Seq
     print("\n".join(paradigm_choice.table(trials, chosen)))
     for paradigm, why in skipped.items():
         print(f"not tried: {paradigm}: {why}")
+    for paradigm, why in paradigm_choice.left_out(cfg).items():
+        print(f"left out: {paradigm}: {why}")
     print(f"\nthe best {min(top, len(trials))} (batches/s; your launcher's words in place of mpiexec's):")
     words = paradigm_choice.without_auto(train_words)
     order = [chosen] + [t for t in sorted(trials, key=lambda t: -t.batches_per_s) if t is not chosen]

@@ -83,6 +83,20 @@ def test_train_under_paradigm_auto_runs_the_trials_then_the_paradigm_chosen_and_
 
 
 @pytest.mark.timeout(180)
+def test_tune_under_paradigm_auto_with_adam_tries_bsp_alone_and_prints_what_it_left_out_and_why(tmp_path):
+    """``--optimizer adam`` and no ``--paradigms``: the paradigms of single gradients are left out before any
+    trial (hpcps.options.paradigm_choice.choices); tune's table says so, one line each, not only the log."""
+    proc = launch(5, sys.executable, "-m", "hpcps", "tune", "--paradigm", "auto", "--optimizer", "adam",
+                  "--compute-time", "0.01", "--trial-steps", "6", timeout=150, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + failure(proc.stderr)
+    assert "hpcps tune: 1 of 1 paradigms tried on 5 ranks" in proc.stdout
+    assert [AUTO_ROW.match(line)[1] for line in proc.stdout.splitlines() if AUTO_ROW.match(line)] == ["bsp"]
+    left = [line for line in proc.stdout.splitlines() if line.startswith("left out: ")]
+    assert [line.split(":")[1].strip() for line in left] == ["ssp", "dssp", "asp"], proc.stdout
+    assert all("--optimizer adam: trains less per sample than bsp" in line for line in left)
+
+
+@pytest.mark.timeout(180)
 def test_tune_under_paradigm_auto_ranks_the_paradigms_and_prints_each_command_with_the_paradigm_typed(tmp_path):
     alike = ["--paradigms", "bsp", "asp", "--compute-time", "0.01", "--trial-steps", "10"]
     proc = launch(5, sys.executable, "-m", "hpcps", "tune", "--paradigm", "auto", *alike, "--steps", "99",

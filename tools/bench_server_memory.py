@@ -18,13 +18,13 @@ and stay resident when freed, so the peak depends on the timing of allocations (
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import h5py
 
+from benchlib import run_quietly
 from hpcps.cluster.launcher import clean_environ, find_mpiexec
 
 
@@ -34,8 +34,7 @@ def shard0_peak(n_workers: int, paradigm: str, out: Path, extra: list[str], env:
            "--paradigm", paradigm, "--hidden", "65536", "--compute-time", "0.05", "--steps", "20",
            "--no-progress", "--divergence", "ignore",  # the memory is measured, not the training (asp on 2
            "--out", str(out), *extra]                   # workers at this width diverged and ended the tool)
-    subprocess.run(cmd, check=True, env=clean_environ(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                   timeout=900)
+    run_quietly(cmd, clean_environ(**env), 900)
     with h5py.File(out) as f:
         ranks = f["ranks"][()]
         return float(ranks[ranks["rank"] == 0]["peak_rss_bytes"][0])

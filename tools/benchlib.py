@@ -39,14 +39,31 @@ def openmpi_env(oversubscribe: bool = True) -> dict[str, str]:
     return env
 
 
+class RunFailed(subprocess.CalledProcessError):
+    """A benchmark's job that ended non-zero, said with the last lines of what it wrote to stderr (the job's
+    own one-line error among them), so a failed row says why instead of only its exit status."""
+
+    def __str__(self) -> str:
+        lines = (self.stderr or b"").decode(errors="replace").strip().splitlines()
+        return super().__str__() + (" Its last lines on stderr:\n" + "\n".join(lines[-20:]) if lines else
+                                    " It wrote nothing to stderr.")
+
+
+def run_quietly(cmd: list[str], env: dict[str, str], timeout: float) -> None:
+    """Run a benchmark's job ``cmd``, its stdout dropped and its stderr kept for :class:`RunFailed`."""
+    try:
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    except subprocess.CalledProcessError as e:
+        raise RunFailed(e.returncode, e.cmd, e.output, e.stderr) from None
+
+
 def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: dict[str, str] | None = None,
           emulate: str | None = None) -> dict:
     """Run ``hpcps train --out OUT OPTIONS`` on ``np_`` ranks (with ``env`` added to a clean environment),
     under mpiexec or in a box (``emulate``); return the run's tables and summary."""
     cmd = launch_argv(np_, [sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress", *options],
                       emulate)
-    subprocess.run(cmd, check=True, env=clean_environ(**(env or {})), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                   timeout=timeout)
+    run_quietly(cmd, clean_environ(**(env or {})), timeout)
     with h5py.File(out) as f:
         if int(f.attrs["world_size"]) != np_:
             raise SystemExit(f"the job ran on {int(f.attrs['world_size'])} ranks, not --np {np_}: "

@@ -141,3 +141,23 @@ def test_gloo_meets_at_node_0_on_the_nodes_link_in_a_box_and_on_loopback_elsewhe
     assert box_node() == 3 and gloo_addresses() == (Cluster.address(3), Cluster.address(0))
     assert os.environ["GLOO_SOCKET_IFNAME"] == NODE_IFACE
     assert Cluster.address(3) != Cluster.address(0)
+
+
+def test_a_benchmarks_failed_job_says_its_last_lines_on_stderr_not_only_its_exit_status():
+    """benchlib.run_quietly: a job that ends non-zero raises RunFailed (still a CalledProcessError, which
+    bench_gpu catches), and its message carries the job's last lines on stderr, its own error among them."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from benchlib import RunFailed, run_quietly
+    finally:
+        sys.path.remove(str(TOOLS))
+    script = "import sys; print('ignored'); [print(f'line {i}', file=sys.stderr) for i in range(30)]; sys.exit(3)"
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        run_quietly([sys.executable, "-c", script], dict(os.environ), 60)
+    said = str(failed.value)
+    assert isinstance(failed.value, RunFailed) and failed.value.returncode == 3
+    status, tail = said.split(" Its last lines on stderr:\n")
+    assert status.endswith("exit status 3.") and tail == "\n".join(f"line {i}" for i in range(10, 30))
+    with pytest.raises(RunFailed, match="It wrote nothing to stderr"):
+        run_quietly([sys.executable, "-c", "raise SystemExit(2)"], dict(os.environ), 60)
+    run_quietly([sys.executable, "-c", "pass"], dict(os.environ), 60)  # (a job that ends well: no error)

@@ -49,7 +49,7 @@ def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
 
 
 def flat_loss_watch(plan: RunPlan, state: RunState, window: ParamWindow):
-    """Rank 0: the workers' rows as they arrive; once the loss has stayed at its start over a quarter of the
+    """Rank 0: the workers' rows as they arrive; once the loss has stayed at its start over half of the
     run (hpcps.training.divergence.FlatLoss), one line saying what to try, and every shard's stop flag up.
     Not for a resumed run, whose start is no untrained loss (a late plateau is no fault)."""
     watch, cfg = FlatLoss(plan.rounds), plan.cfg

@@ -120,7 +120,8 @@ def narrowing(cfg: TrainConfig) -> str | None:
     out = list(left_out(cfg))
     if not out:
         return None
-    return (f"--paradigm auto with --optimizer {cfg.optimizer}: {', '.join(choices(cfg))} alone; with Adam a "
+    chosen = [p for p in cfg.paradigms if p not in out]  # (choices(cfg), once something is left out)
+    return (f"--paradigm auto with --optimizer {cfg.optimizer}: {', '.join(chosen)} alone; with Adam a "
             f"language model trained less per sample under {', '.join(out)}, which a trial's batches a "
             f"second do not see (--paradigms {' '.join(cfg.paradigms)} to try them too)")
 

@@ -74,7 +74,7 @@ def label(target: Target) -> str:
 def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target: Target,
         emulate: str | None = None, from_launch: bool = False) -> dict:
     launched = time.time()
-    r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra], emulate=emulate)
+    r = train(np_, out, ["--paradigm", paradigm, "--seed", str(seed), *extra], emulate=emulate, diverged_ok=True)
     it, s = r["it"], r["summary"]
     per_worker = list(worker_rates(it).values())
     # the run's t = 0 after the launch (start-up, --paradigm auto's trials too); a file without it, its creation
@@ -86,6 +86,7 @@ def run(np_: int, paradigm: str, seed: int, out: Path, extra: list[str], target:
             "ttt_run": reached,  # from the run's own t = 0
             "workers": len(per_worker),  # the layout's (--servers auto puts a shard on every node of a box)
             "wait": float(it["wait_s"].mean() * 1e3), "chose": r["paradigm"],
+            "stopped": str(s.get("stopped_by", "")),  # "diverged": its watch ended it (a row says so)
             "stale": float(it["staleness"][it["staleness"] >= 0].mean())}  # of the gradients applied (-1: dropped)
 
 
@@ -195,6 +196,13 @@ def _mean_reached(times: list[float]) -> float:
     return float(np.mean(reached)) if reached else float("nan")
 
 
+def stopped_note(rs: list[dict], seeds: list[int]) -> str:
+    """What a row's final cell adds for the runs their divergence watch ended (their final figures left
+    out of the mean: a diverged model's), e.g. `` (diverged: seeds 0, 1)``; empty where none was."""
+    stopped = [str(seed) for seed, r in zip(seeds, rs) if r["stopped"]]
+    return f" (diverged: seed{'s' if len(stopped) > 1 else ''} {', '.join(stopped)})" if stopped else ""
+
+
 def table(scenario: str, rows: dict, a, options: list[str]) -> None:
     bsp = next((rs for name, rs in rows.items() if name.startswith("bsp")), None)
     base = _mean_reached([r["ttt"] for r in bsp]) if bsp else float("nan")
@@ -213,7 +221,9 @@ def table(scenario: str, rows: dict, a, options: list[str]) -> None:
     for paradigm, rs in rows.items():
         ttt = _mean_reached([r["ttt"] for r in rs])
         run_cell = f" {fmt([r['ttt_run'] for r in rs], 2)} |" if in_run else ""
-        print(f"| {paradigm} | {fmt([r['final'] for r in rs], 3)} | {fmt([r['wall'] for r in rs], 2)} | "
+        kept = [r["final"] for r in rs if not r["stopped"]]
+        final = (fmt(kept, 3) if kept else "-") + stopped_note(rs, a.seeds)
+        print(f"| {paradigm} | {final} | {fmt([r['wall'] for r in rs], 2)} | "
               f"{fmt([r['ttt'] for r in rs], 2)} | {ttt / base:.2f} |{run_cell} {fmt([r['its'] for r in rs], 0)} | "
               f"{fmt([r['wait'] for r in rs], 2)} | {fmt([r['stale'] for r in rs], 2)} |", flush=True)
     for paradigm, rs in rows.items():

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from hpcps.cluster.launcher import clean_environ, find_mpiexec
+from hpcps.errors import DIVERGED_STATUS
 
 
 def launch_argv(np_: int, argv: list[str], emulate: str | None = None) -> list[str]:
@@ -58,12 +59,18 @@ def run_quietly(cmd: list[str], env: dict[str, str], timeout: float) -> None:
 
 
 def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: dict[str, str] | None = None,
-          emulate: str | None = None) -> dict:
+          emulate: str | None = None, diverged_ok: bool = False) -> dict:
     """Run ``hpcps train --out OUT OPTIONS`` on ``np_`` ranks (with ``env`` added to a clean environment),
-    under mpiexec or in a box (``emulate``); return the run's tables and summary."""
+    under mpiexec or in a box (``emulate``); return the run's tables and summary. With ``diverged_ok`` a run
+    its divergence watch stopped (exit 3, its file complete and saying so in ``stopped_by``) is returned
+    as the others are, for a row that says so, where otherwise it ends the benchmark."""
     cmd = launch_argv(np_, [sys.executable, "-m", "hpcps", "train", "--out", str(out), "--no-progress", *options],
                       emulate)
-    run_quietly(cmd, clean_environ(**(env or {})), timeout)
+    try:
+        run_quietly(cmd, clean_environ(**(env or {})), timeout)
+    except RunFailed as e:
+        if not (diverged_ok and e.returncode == DIVERGED_STATUS and _stopped_by(out) == "diverged"):
+            raise
     with h5py.File(out) as f:
         if int(f.attrs["world_size"]) != np_:
             raise SystemExit(f"the job ran on {int(f.attrs['world_size'])} ranks, not --np {np_}: "
@@ -73,6 +80,15 @@ def train(np_: int, out: Path, options: list[str], timeout: float = 900, env: di
                 "cluster": str(f.attrs.get("cluster", "{}")),
                 "choice": json.loads(f.attrs.get("paradigm_choice", "{}")),  # --paradigm auto's
                 "start_time": str(f.attrs["start_time"]), "clock_start": f.attrs.get("clock_start")}
+
+
+def _stopped_by(out: Path) -> str | None:
+    """What the run file ``out`` says stopped its run ("" for nothing; None: no complete file)."""
+    try:
+        with h5py.File(out, "r") as f:
+            return str(f["summary"].attrs["stopped_by"])
+    except (OSError, KeyError):
+        return None
 
 
 def flags_of(options: list[str]) -> dict[str, str]:

@@ -161,3 +161,42 @@ def test_a_benchmarks_failed_job_says_its_last_lines_on_stderr_not_only_its_exit
     with pytest.raises(RunFailed, match="It wrote nothing to stderr"):
         run_quietly([sys.executable, "-c", "raise SystemExit(2)"], dict(os.environ), 60)
     run_quietly([sys.executable, "-c", "pass"], dict(os.environ), 60)  # (a job that ends well: no error)
+
+
+def test_a_diverged_run_is_a_row_of_bench_paradigms_and_any_other_failure_ends_it(tmp_path, monkeypatch):
+    """benchlib.train(diverged_ok=True): a job that exits 3 with a run file saying ``stopped_by = diverged``
+    is read as the others are (bench_paradigms' row then says which seeds diverged, their final figures
+    left out); exit 3 without that file, or another exit status, or without ``diverged_ok``, still raises."""
+    import h5py
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import benchlib
+        from bench_paradigms import stopped_note
+    finally:
+        sys.path.remove(str(TOOLS))
+    out = tmp_path / "run.h5"
+    with h5py.File(out, "w") as f:
+        f.attrs.update(world_size=3, paradigm="ssp", start_time="2026-12-04T20:40:00")
+        f["workers/iterations"] = np.zeros(2, [("step", "i8")])
+        f["servers/updates"] = np.zeros(2, [("version", "i8")])
+        f["eval"] = np.zeros(1, [("t", "f8"), ("loss", "f8")])
+        f.create_group("summary").attrs["stopped_by"] = "diverged"
+
+    def exits(status):
+        def run_quietly(cmd, env, timeout):
+            raise benchlib.RunFailed(status, cmd, None, b"training diverged")
+        monkeypatch.setattr(benchlib, "run_quietly", run_quietly)
+
+    exits(3)
+    assert benchlib.train(3, out, [], diverged_ok=True)["summary"]["stopped_by"] == "diverged"
+    with pytest.raises(benchlib.RunFailed):
+        benchlib.train(3, out, [])  # (not asked for)
+    with pytest.raises(benchlib.RunFailed):
+        benchlib.train(3, tmp_path / "none.h5", [], diverged_ok=True)  # (no file says why)
+    exits(1)
+    with pytest.raises(benchlib.RunFailed):
+        benchlib.train(3, out, [], diverged_ok=True)
+    runs = [{"stopped": ""}, {"stopped": "diverged"}, {"stopped": "diverged"}]
+    assert stopped_note(runs, [0, 1, 2]) == " (diverged: seeds 1, 2)"
+    assert stopped_note(runs[:2], [4, 5]) == " (diverged: seed 5)" and stopped_note(runs[:1], [0]) == ""

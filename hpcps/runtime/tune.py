@@ -128,6 +128,7 @@ def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Seq
         -> list[ParadigmTrial] | None:
     """``hpcps tune --paradigm auto``: the paradigms' trials, ranked, and the command of the best ``top``."""
     options = paradigm_choice.candidates(cfg)
+    cfg = _with_trial_steps(cfg, len(options), comm)
     said = paradigm_choice.caution(cfg)
     if said and comm.rank == 0:
         log.warning("%s", said)
@@ -215,6 +216,7 @@ def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None
     horizon, and the run goes on from the last one's end, so the trials' steps are steps of the training
     (:func:`_trials_that_train`). Otherwise each trial starts from the model's start and the run does too."""
     options = {o.paradigm: o for o in paradigm_choice.candidates(cfg)}
+    cfg = _with_trial_steps(cfg, len(options), comm)
     said, narrowed = paradigm_choice.caution(cfg), paradigm_choice.narrowing(cfg)
     if said and comm.rank == 0:
         log.warning("%s", said)
@@ -241,6 +243,15 @@ def choose_paradigm(cfg: TrainConfig, comm: MPI.Comm, train, folder: Path | None
     return (options[chosen.paradigm],
             paradigm_choice.record(trials, chosen, cfg.trial_steps, seconds, trained, skipped,
                                    paradigm_choice.left_out(cfg)), start)
+
+
+def _with_trial_steps(cfg: TrainConfig, n_trials: int, comm: MPI.Comm) -> TrainConfig:
+    """``cfg`` with the steps of each of up to ``n_trials`` trials (:func:`~hpcps.options.paradigm_choice.trial_steps`),
+    rank 0 saying where they are fewer than the default."""
+    steps, why = paradigm_choice.trial_steps(cfg, n_trials)
+    if why and comm.rank == 0:
+        log.info("%s", why)
+    return cfg.model_copy(update={"trial_steps": steps})
 
 
 def _trains(cfg: TrainConfig, n_trials: int) -> bool:

@@ -113,6 +113,22 @@ def test_trials_of_two_paradigms_train_each_step_once_and_the_run_goes_on_from_t
 
 
 @pytest.mark.timeout(120)
+def test_in_a_short_run_the_trials_are_shortened_to_a_quarter_of_it_and_still_train(world, mpi_tmp_path):
+    """``--steps 44`` and no ``--trial-steps``: two trials of the default 30 would outlast the run (and train
+    nothing, the run starting over after them); shortened to 10 each (a quarter of 44 over 2 trials, at least
+    10), they train 20 steps and the run the other 24, every logit at -44 lr in the end, as in the test above."""
+    result = hpcps.train(_Bias(), loss=_sum, paradigm="auto", paradigms=["bsp", "asp"], steps=44, lr=0.125,
+                         progress=False, exit_on_error=False, out=str(mpi_tmp_path / "auto.h5"))
+    if world.rank == 0:
+        np.testing.assert_array_equal(result.params, np.full(10, -44 * 0.125, np.float32))
+        with h5py.File(result.path) as f:
+            record = json.loads(f.attrs["paradigm_choice"])
+            steps = f["workers/iterations"]["step"]
+        assert record["trial_steps"] == 10 and record["trained_steps"] == 20
+        assert sorted(set(steps.tolist())) == list(range(20, 44)) and len(steps) == 4 * 24
+
+
+@pytest.mark.timeout(120)
 def test_adams_state_goes_on_only_between_paradigms_whose_updates_are_of_one_batch(world, mpi_tmp_path):
     """Adam on the shards, every gradient all ones: each update moves each logit by its rate (m and v are 1
     after bias correction), so 20 steps leave -20 lr whatever the paradigms. An asp update is one worker's

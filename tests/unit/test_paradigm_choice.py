@@ -212,6 +212,30 @@ def test_paradigms_and_trial_steps_set_without_auto_are_said_to_have_no_effect()
         assert no_effect(chosen, paradigm) == []
 
 
+@pytest.mark.parametrize("steps,n_trials,expected", [
+    (None, 4, 30),  # --epochs: the run's steps not known, the default's 30
+    (1000, 4, 30),  # 120 of 1000 steps: within a quarter
+    (480, 4, 30),  # 120 of 480: a quarter exactly
+    (200, 4, 12),  # a quarter of 200 over 4 trials
+    (80, 4, 10),  # ResNet-18's 80 steps: 4 trials of 30 would outlast the run; 10 each, the shortest
+    (80, 1, 20),  # bsp alone (Adam): a quarter of 80
+    (20, 4, 10),  # shorter still: 10, and the trials then do not train (choose_paradigm says so)
+])
+def test_unless_given_the_trials_take_at_most_a_quarter_of_the_steps_and_10_steps_each_at_least(
+        steps, n_trials, expected):
+    cfg = make_config({"paradigm": "auto"} if steps is None else {"paradigm": "auto", "steps": steps})
+    got, why = pc.trial_steps(cfg, n_trials)
+    assert got == expected
+    assert (why is None) == (expected == 30)
+    if why:
+        assert why.startswith(f"--paradigm auto: trials of {expected} steps, not 30: {n_trials} trial(s)")
+
+
+def test_trial_steps_given_are_kept_however_long_the_run():
+    for steps in (20, 80, 1000):
+        assert pc.trial_steps(make_config({"paradigm": "auto", "steps": steps, "trial_steps": 40}), 4) == (40, None)
+
+
 def test_the_command_line_takes_paradigms_and_trial_steps():
     args = build_parser().parse_args(["train", "--paradigm", "auto", "--paradigms", "bsp", "asp",
                                       "--trial-steps", "20"])

@@ -196,6 +196,8 @@ class RunState:
     final_clocks: list[int] | None = None  # a central shard: each worker's gradients received whole
     final_metrics: dict[str, float] = field(default_factory=dict)  # rank 0: the final evaluation
     diverged: str | None = None  # rank 0: why the run was found diverged (--divergence stop)
+    #: rank 0: the untrained loss its divergence watch compares with, once known (carried in checkpoints)
+    loss_start: Callable[[], float | None] | None = None
     stopped_by: str | None = None  # every rank, once the run has ended: a signal's name, "diverged", a loop's stop
 
     def clock(self) -> float:
@@ -211,6 +213,15 @@ def start_clock(plan: RunPlan, state: RunState) -> int:
     return plan.worker_start(state.index) if state.index is not None else 0
 
 
+#: the key of a checkpoint's config that carries the run's untrained loss (hpcps.training.divergence)
+LOSS_START = "loss_start"
+
+
 def ran_config(plan: RunPlan, state: RunState) -> dict:
-    """What checkpoints record of the run (rank 0): its options and what ran (the optimizer, the schedule)."""
-    return {**plan.cfg.as_json_dict(), **state.ran}
+    """What checkpoints record of the run (rank 0): its options, what ran (the optimizer, the schedule),
+    and the untrained loss the divergence watch compares with, so that a run resumed from it does too
+    (known once the first losses came; else the one the run's own checkpoint carried)."""
+    start = state.loss_start() if state.loss_start is not None else None
+    if start is None and plan.ckpt is not None:
+        start = plan.ckpt.config.get(LOSS_START)
+    return {**plan.cfg.as_json_dict(), **state.ran, **({LOSS_START: float(start)} if start is not None else {})}

@@ -10,15 +10,17 @@ import numpy as np
 from hpcps.training import rates
 from hpcps.training.divergence import DivergenceWatch, FlatLoss, NonFiniteStart
 from hpcps.transport.window import ParamWindow
-from hpcps.runtime.plan import RunPlan, RunState
+from hpcps.runtime.plan import LOSS_START, RunPlan, RunState
 
 log = logging.getLogger("hpcps")
 
 
 def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
     """Rank 0: the workers' rows as they arrive, checked for divergence (hpcps.training.divergence); once
-    diverged, one line saying what to try, and every shard's stop flag up."""
-    watch, cfg = DivergenceWatch(), plan.cfg
+    diverged, one line saying what to try, and every shard's stop flag up. A resumed run compares with
+    the start its checkpoint carries (``state.loss_start``, written into this run's checkpoints in turn)."""
+    watch, cfg = DivergenceWatch(start=carried_loss_start(plan)), plan.cfg
+    state.loss_start = lambda: watch.start
     n_clients = len(plan.clients)  # who pushes to a central shard
     per_step = plan.paradigm.updates_per_step(n_clients)
     rate = cfg.lr * rates.lr_scale(cfg, plan.paradigm, n_clients)
@@ -46,6 +48,13 @@ def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
                   cfg.paradigm, reason, how)
         window.set_stop()
     return on_rows
+
+
+def carried_loss_start(plan: RunPlan) -> float | None:
+    """The untrained loss the checkpoint this run goes on from carries (None: a run from the start, or a
+    checkpoint that carries none)."""
+    carried = plan.ckpt.config.get(LOSS_START) if plan.ckpt is not None else None
+    return float(carried) if carried is not None else None
 
 
 def flat_loss_watch(plan: RunPlan, state: RunState, window: ParamWindow):

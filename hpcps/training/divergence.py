@@ -10,7 +10,11 @@ reach the metrics file:
   the mean of the last :data:`WINDOW` is more than :data:`FACTOR` times the start: the mean of
   each worker's first finite loss. A worker's first step computes on the run's first
   parameters, before any update of the run, so the start is the untrained loss even where an
-  asynchronous run blows up within its first few updates.
+  asynchronous run blows up within its first few updates. A run that goes on from a checkpoint
+  (``--resume``, ``--paradigm auto``'s trials) compares with the start of the run that wrote it,
+  which its checkpoints carry: its own first losses are of a trained model, and three times a
+  trained loss is noise (ResNet-18 going on from a trial at 0.06 was stopped at 0.3-1.0 while it
+  trained on).
 
 A loss that stays at its start is not a divergence by this rule; :class:`FlatLoss` watches for it
 apart: a run whose loss stays at its start over a long stretch (an asynchronous run whose first
@@ -34,10 +38,13 @@ NONFINITE_ROWS = 3
 
 
 class DivergenceWatch:
-    """Feed it the ``workers/iterations`` rows as they arrive; :attr:`reason` says why, once diverged."""
+    """Feed it the ``workers/iterations`` rows as they arrive; :attr:`reason` says why, once diverged.
+    ``start``: the untrained loss of the run a resumed one goes on from (None: this run's own start)."""
 
-    def __init__(self, window: int = WINDOW, factor: float = FACTOR, nonfinite_rows: int = NONFINITE_ROWS) -> None:
+    def __init__(self, window: int = WINDOW, factor: float = FACTOR, nonfinite_rows: int = NONFINITE_ROWS,
+                 start: float | None = None) -> None:
         self.window, self.factor, self.nonfinite_rows = window, factor, nonfinite_rows
+        self.given_start = start
         self.first: dict[int, float] = {}  # each worker's first finite loss
         self.recent: deque[float] = deque(maxlen=window)
         self.seen = 0
@@ -64,12 +71,20 @@ class DivergenceWatch:
                                    f"in a row (up to its step {step})")
                     return self.reason
         if self.seen >= 2 * self.window:
-            start, now = float(np.mean(list(self.first.values()))), float(np.mean(self.recent))
-            if start > 0 and now > self.factor * start:
+            start, now = self.start, float(np.mean(self.recent))
+            if start is not None and start > 0 and now > self.factor * start:
                 self.reason = (f"the training loss rose to {now:.4g} (mean of the last {self.window}) from "
                                f"{start:.4g} at the start (each worker's first), more than {self.factor:g} times")
                 return self.reason
         return None
+
+    @property
+    def start(self) -> float | None:
+        """The loss the rule compares with: the given one, else the mean of each worker's first finite loss
+        (None before any)."""
+        if self.given_start is not None:
+            return self.given_start
+        return float(np.mean(list(self.first.values()))) if self.first else None
 
 
 #: the stretch a loss must stay at its start to be said flat: a share of the planned steps, and at least as many.

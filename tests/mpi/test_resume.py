@@ -100,6 +100,31 @@ def test_a_periodic_checkpoint_is_a_consistent_cut_and_resumes_with_the_accounti
                              facts["clocks"], **{**common, "checkpoint_dir": str(ckdir / "again")})
 
 
+@pytest.mark.timeout(120)
+def test_a_checkpoint_carries_the_untrained_loss_and_the_run_resumed_from_it_compares_with_it(world, mpi_tmp_path):
+    """bsp, a checkpoint every 20 rounds: the last one (round 60) carries the run's start, the mean of each
+    worker's first loss in its file, where the divergence watch of a run resumed from it looks (hpcps.training.
+    divergence). The resumed run's own first losses are a trained model's, below it; its own checkpoint
+    (round 80) carries the first run's start again, not them: three times a trained loss is noise."""
+    common = dict(paradigm="bsp", seed=4, compute_time=0.01, checkpoint_every=20)
+    first, t1 = train(mpi_tmp_path / "first.h5", steps=60, checkpoint_dir=str(mpi_tmp_path / "ck1"), **common)
+    last = share(world, str(mpi_tmp_path / "ck1" / "step-000060.h5"))
+    _, t2 = train(mpi_tmp_path / "second.h5", steps=80, resume=last, checkpoint_dir=str(mpi_tmp_path / "ck2"), **common)
+    facts = None
+    if world.rank == 0:
+        def starts(it):
+            return float(np.mean([it["loss"][it["rank"] == r][0] for r in sorted(set(it["rank"].tolist()))]))
+
+        facts = {"untrained": starts(t1["workers/iterations"]), "resumed_own": starts(t2["workers/iterations"]),
+                 "carried": read_checkpoint(last).config.get("loss_start"),
+                 "again": read_checkpoint(str(mpi_tmp_path / "ck2" / "step-000080.h5")).config.get("loss_start"),
+                 "stopped": t2["summary"]["stopped_by"]}
+    facts = share(world, facts)
+    assert facts["carried"] == pytest.approx(facts["untrained"], rel=1e-12)
+    assert facts["again"] == facts["carried"] and facts["resumed_own"] < 0.8 * facts["untrained"]
+    assert facts["stopped"] == ""
+
+
 def _resumed_pushes_the_rest(world, out, checkpoint: str, clocks: list[int], **options) -> None:
     """The run resumed from a periodic ``checkpoint`` (workers ranks 2-4 at ``clocks`` in its cut) loses
     nothing and pushes exactly the rest, each worker from its clock in the cut."""

@@ -32,6 +32,21 @@ def test_the_start_is_each_workers_first_loss_so_a_blow_up_in_the_first_updates_
     assert reason is not None and "from 2 at the start" in reason
 
 
+def test_a_resumed_run_compares_with_the_untrained_start_its_checkpoint_carries():
+    """ResNet-18 going on from a trial: its workers' first losses 0.06 (a trained model), then 0.3-1.0 as it
+    trained on. Against its own first losses that is more than 3x, and it was stopped; against the start the
+    checkpoint carries (2.3, the untrained loss) it is not, while a real blow-up past 3 x 2.3 still is."""
+    trained = np.concatenate([_rows([0.06], rank=r) for r in (1, 2, 3, 4)] +
+                             [_rows([0.3, 1.0] * WINDOW, rank=1, first_step=1)])
+    own = DivergenceWatch()
+    assert own.observe(trained) is not None and own.start == pytest.approx(0.06)  # (the false stop)
+    carried = DivergenceWatch(start=2.3)
+    assert carried.observe(trained) is None and carried.start == 2.3
+    reason = carried.observe(_rows([7.5] * WINDOW, rank=2, first_step=1))
+    assert reason is not None and "from 2.3 at the start" in reason
+    assert DivergenceWatch().start is None  # (before any loss: nothing to carry)
+
+
 def test_nothing_is_judged_before_two_windows_of_losses():
     watch = DivergenceWatch()
     assert watch.observe(_rows([1.0] * WINDOW + [50.0] * (WINDOW - 1))) is None

@@ -73,6 +73,9 @@ class ParadigmTrial:
     staleness: float
     stopped_by: str = ""
     slowest_compute_s: float = 0.0
+    #: the most gradients a worker was ahead of the slowest one (hpcps.analysis.report.clock_lead; -1: not
+    #: measured), which ssp's and dssp's waits would have compared with their bound
+    max_lead: int = -1
 
 
 def check_auto(cfg: TrainConfig) -> None:
@@ -207,15 +210,28 @@ def ceiling(trial: ParadigmTrial) -> float:
     return trial.workers / trial.slowest_compute_s if trial.slowest_compute_s > 0 else float("inf")
 
 
-def skip(paradigm: str, trials: Sequence[ParadigmTrial]) -> str | None:
+def skip(paradigm: str, trials: Sequence[ParadigmTrial], bound: int | None = None) -> str | None:
     """Why ``paradigm``'s trial need not run after ``trials`` (None: it must run): it could not be chosen,
-    since :func:`choose` takes the most batches a second or a less stale one within :data:`MARGIN` of it.
+    since :func:`choose` takes the most batches a second or a less stale one within :data:`MARGIN` of it,
+    or it would replay a trial that diverged.
+
+    - ssp or dssp (``bound``: their clock-gap bound, dssp's lower one) where asp's trial diverged with no
+      worker more than ``bound`` gradients ahead of the slowest: their waits would not have come into
+      play, and their updates would have been asp's. ResNet-18 at bsp's settings in the box: asp's
+      trials diverged with its workers at most 2 ahead, and ssp's and dssp's after them did too (about
+      20 s each, for nothing), as did their own runs, at most 1-2 ahead.
 
     - A :data:`BOUNDED` paradigm whose :func:`ceiling`, at the highest any trial measured, is below the
       fastest trial's batches a second less the margin.
     - ssp or dssp (asp with waits: at most asp's batches a second) where asp's trial ran and bsp's, the
       least stale, is within the margin of the fastest: bsp is chosen whatever their trials say.
     """
+    asp = next((t for t in trials if t.paradigm == "asp"), None)
+    if paradigm in WAITING_ASP and asp is not None and asp.stopped_by == "diverged" and bound is not None \
+            and 0 <= asp.max_lead <= bound:
+        return (f"asp's trial diverged with no worker more than {asp.max_lead} gradient(s) ahead of the slowest, "
+                f"within {paradigm}'s bound of {bound}: its waits would not have come into play, and its updates "
+                f"would have been asp's")
     live = [t for t in trials if not t.stopped_by]
     if not live or paradigm not in BOUNDED:
         return None

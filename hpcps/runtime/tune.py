@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import h5py
 from mpi4py import MPI
 
-from hpcps.analysis.report import applied_updates, compute_means, step_means
+from hpcps.analysis.report import applied_updates, clock_lead, compute_means, step_means
 from hpcps.errors import UserError
 from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
@@ -164,7 +164,7 @@ def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
     applied = applied_updates(up)["staleness"]
     return ParadigmTrial(paradigm, len(means), sum(every / m for m in means.values()),
                          max(means.values()) / every, float(applied.mean()) if len(applied) else 0.0, stopped,
-                         max(compute_means(it, WARMUP_STEPS).values()) / every)
+                         max(compute_means(it, WARMUP_STEPS).values()) / every, clock_lead(up))
 
 
 def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[TrainConfig, Any]:
@@ -268,7 +268,7 @@ def _each_trial(options: dict[str, TrainConfig], comm: MPI.Comm, run_one) \
     each said in one line. Returns the measures, and the paradigms not tried with why."""
     trials, skipped = [], {}
     for paradigm in paradigm_choice.trial_order(list(options)):
-        why = paradigm_choice.skip(paradigm, trials)  # (the same trials on every rank: the same answer)
+        why = paradigm_choice.skip(paradigm, trials, bound=options[paradigm].s_lo)  # (every rank alike)
         if why is None:
             trials.append(run_one(len(trials) + 1, len(options) - len(skipped), options[paradigm]))
             continue

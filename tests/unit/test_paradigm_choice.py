@@ -94,6 +94,46 @@ def test_where_bsp_is_within_the_margin_of_asp_ssp_and_dssp_are_left_untried():
         assert pc.skip(paradigm, [asp]) is None
 
 
+def test_where_asps_trial_diverged_within_their_bound_ssp_and_dssp_would_replay_it_and_are_not_tried():
+    """ssp's waits compare a worker's lead over the slowest with its bound (dssp's with its lower one first):
+    where asp's trial diverged and no worker led by more, theirs would have been asp's updates."""
+    def asp(lead, stopped="diverged"):
+        return pc.ParadigmTrial("asp", 4, 2.4, 1.7, 2.7, stopped, 1.36, lead)
+
+    for paradigm in pc.WAITING_ASP:
+        assert pc.skip(paradigm, [asp(2)], bound=2) == (
+            f"asp's trial diverged with no worker more than 2 gradient(s) ahead of the slowest, within "
+            f"{paradigm}'s bound of 2: its waits would not have come into play, and its updates would have "
+            f"been asp's")
+        assert pc.skip(paradigm, [asp(0)], bound=0) is not None
+        assert pc.skip(paradigm, [asp(3)], bound=2) is None  # (a worker led by more: its waits would bind)
+        assert pc.skip(paradigm, [asp(-1)], bound=2) is None  # (lead not measured)
+        assert pc.skip(paradigm, [asp(1, stopped="")], bound=2) is None  # (asp trained: the rules above)
+        assert pc.skip(paradigm, [asp(1, stopped="not learning")], bound=2) is None
+        assert pc.skip(paradigm, [asp(1)]) is None  # (no bound given)
+    assert pc.skip("bsp", [asp(1)], bound=2) is None  # (bsp's rounds are no asp with waits)
+
+
+def test_the_clock_lead_is_the_most_a_worker_was_ahead_of_the_slowest_as_its_gradient_arrived():
+    from hpcps.analysis.report import clock_lead
+    from hpcps.metrics.schema import UPDATE
+
+    def rows(arrivals, shard=0):
+        up = np.zeros(len(arrivals), UPDATE)
+        up["t"] = np.arange(len(arrivals), dtype=float)
+        up["worker"], up["worker_clock"] = np.array(arrivals).T
+        up["shard"] = shard
+        return up
+
+    # three workers from clock 10 (a leg going on): worker 1 pushes 11, 12, 13 before worker 3's first
+    leg = rows([(1, 11), (1, 12), (2, 11), (1, 13), (3, 11)])
+    assert clock_lead(leg) == 3 and clock_lead(leg[::-1]) == 3  # (read in the order of t, not of the rows)
+    assert clock_lead(rows([(1, 0), (2, 0), (1, 1), (2, 1)])) == 1  # (bsp-like: one ahead within a round)
+    other_shard = rows([(1, 1), (1, 2), (1, 3)], shard=1)  # (shard 0's rows alone are read)
+    assert clock_lead(np.concatenate([rows([(1, 0), (2, 0)]), other_shard])) == 1
+    assert clock_lead(np.zeros(0, UPDATE)) == -1
+
+
 #: a share drawn near the margin's edge as often as anywhere
 SHARE = st.one_of(st.floats(0.05, 1.0), st.floats(0.93, 1.0))
 

@@ -140,22 +140,6 @@ def applied_updates(updates: np.ndarray) -> np.ndarray:
     return updates[(updates["shard"] == 0) & (updates["applied"] == 1)]
 
 
-def clock_lead(updates: np.ndarray) -> int:
-    """The most gradients a worker was ahead of the slowest one when its gradient reached shard 0, over the run
-    (-1: no gradient): what ssp's waits compare with their bound. Every worker starts at the clock before
-    the run's first gradient (a run's own start, or a leg going on from a checkpoint where all stood alike)."""
-    rows = updates[updates["shard"] == 0]
-    if not len(rows):
-        return -1
-    rows = rows[np.argsort(rows["t"], kind="stable")]
-    latest = dict.fromkeys(np.unique(rows["worker"]).tolist(), int(rows["worker_clock"].min()) - 1)
-    lead = 0
-    for worker, clock in zip(rows["worker"].tolist(), rows["worker_clock"].tolist()):
-        latest[worker] = max(latest[worker], clock)
-        lead = max(lead, clock - min(latest.values()))
-    return lead
-
-
 def mean_step(iterations: np.ndarray, warmup: int = 0) -> float:
     """A run's mean step (s), what a user waits for: the slowest worker's (:func:`step_means`)."""
     return max(step_means(iterations, warmup).values(), default=0.0)

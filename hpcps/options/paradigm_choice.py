@@ -73,7 +73,7 @@ class ParadigmTrial:
     staleness: float
     stopped_by: str = ""
     slowest_compute_s: float = 0.0
-    #: the most gradients a worker was ahead of the slowest one (hpcps.analysis.report.clock_lead; -1: not
+    #: the most gradients a worker was ahead of the slowest one (hpcps.runtime.tune.trial_lead; -1: not
     #: measured), which ssp's and dssp's waits would have compared with their bound
     max_lead: int = -1
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import h5py
+import numpy as np
 from mpi4py import MPI
 
-from hpcps.analysis.report import applied_updates, clock_lead, compute_means, step_means
+from hpcps.analysis.report import applied_updates, compute_means, max_clock_gap, step_means
 from hpcps.errors import UserError
 from hpcps.options import paradigm_choice
 from hpcps.options.config import TrainConfig
@@ -164,7 +165,18 @@ def paradigm_trial(path: str, paradigm: str, every: int) -> ParadigmTrial:
     applied = applied_updates(up)["staleness"]
     return ParadigmTrial(paradigm, len(means), sum(every / m for m in means.values()),
                          max(means.values()) / every, float(applied.mean()) if len(applied) else 0.0, stopped,
-                         max(compute_means(it, WARMUP_STEPS).values()) / every, clock_lead(up))
+                         max(compute_means(it, WARMUP_STEPS).values()) / every, trial_lead(it, up))
+
+
+def trial_lead(iterations: np.ndarray, updates: np.ndarray) -> int:
+    """The largest lead of a worker over the slowest one still running in a trial (-1: no rows), the measure
+    ssp's and dssp's bounds hold for (:func:`~hpcps.analysis.report.max_clock_gap`), its steps counted from
+    the trial's first: a leg going on from the trial before starts every worker at that one's end."""
+    if not len(iterations):
+        return -1
+    rows = iterations.copy()
+    rows["step"] -= rows["step"].min()
+    return max_clock_gap(rows, updates, steps=int(rows["step"].max()) + 1)
 
 
 def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[TrainConfig, Any]:

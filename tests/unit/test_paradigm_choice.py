@@ -114,24 +114,24 @@ def test_where_asps_trial_diverged_within_their_bound_ssp_and_dssp_would_replay_
     assert pc.skip("bsp", [asp(1)], bound=2) is None  # (bsp's rounds are no asp with waits)
 
 
-def test_the_clock_lead_is_the_most_a_worker_was_ahead_of_the_slowest_as_its_gradient_arrived():
-    from hpcps.analysis.report import clock_lead
-    from hpcps.metrics.schema import UPDATE
+def test_a_trials_lead_counts_its_steps_from_its_first_as_a_leg_going_on_from_another_starts_them():
+    """Worker 1 computes three steps while worker 2 computes one (each applied as it ends): at its third step's
+    start worker 1 is 2 ahead of worker 2, whose first gradient is not yet applied. The same trial as a leg
+    going on from step 10 (its rows' steps 10-12) has the same lead, not 12."""
+    from hpcps.metrics.schema import ITERATION, UPDATE
+    from hpcps.runtime.tune import trial_lead
 
-    def rows(arrivals, shard=0):
-        up = np.zeros(len(arrivals), UPDATE)
-        up["t"] = np.arange(len(arrivals), dtype=float)
-        up["worker"], up["worker_clock"] = np.array(arrivals).T
-        up["shard"] = shard
-        return up
+    def trial(first):
+        it = np.zeros(4, ITERATION)
+        it["rank"], it["step"] = [1, 1, 1, 2], [first, first + 1, first + 2, first]
+        it["t_start"] = [0.0, 1.0, 2.0, 0.0]
+        up = np.zeros(4, UPDATE)
+        up["worker"], up["worker_clock"], up["t"] = [1, 1, 1, 2], [first + 1, first + 2, first + 3, first + 1], \
+            [0.9, 1.9, 2.9, 3.0]
+        return it, up
 
-    # three workers from clock 10 (a leg going on): worker 1 pushes 11, 12, 13 before worker 3's first
-    leg = rows([(1, 11), (1, 12), (2, 11), (1, 13), (3, 11)])
-    assert clock_lead(leg) == 3 and clock_lead(leg[::-1]) == 3  # (read in the order of t, not of the rows)
-    assert clock_lead(rows([(1, 0), (2, 0), (1, 1), (2, 1)])) == 1  # (bsp-like: one ahead within a round)
-    other_shard = rows([(1, 1), (1, 2), (1, 3)], shard=1)  # (shard 0's rows alone are read)
-    assert clock_lead(np.concatenate([rows([(1, 0), (2, 0)]), other_shard])) == 1
-    assert clock_lead(np.zeros(0, UPDATE)) == -1
+    assert trial_lead(*trial(0)) == 2 and trial_lead(*trial(10)) == 2
+    assert trial_lead(np.zeros(0, ITERATION), np.zeros(0, UPDATE)) == -1
 
 
 #: a share drawn near the margin's edge as often as anywhere

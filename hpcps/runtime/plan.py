@@ -222,6 +222,13 @@ def ran_config(plan: RunPlan, state: RunState) -> dict:
     and the untrained loss the divergence watch compares with, so that a run resumed from it does too
     (known once the first losses came; else the one the run's own checkpoint carried)."""
     start = state.loss_start() if state.loss_start is not None else None
-    if start is None and plan.ckpt is not None:
-        start = plan.ckpt.config.get(LOSS_START)
+    if start is None:
+        start = carried_loss_start(plan)
     return {**plan.cfg.as_json_dict(), **state.ran, **({LOSS_START: float(start)} if start is not None else {})}
+
+
+def carried_loss_start(plan: RunPlan) -> float | None:
+    """The untrained loss the checkpoint this run goes on from carries (None: a run from the start, or a
+    checkpoint that carries none)."""
+    carried = plan.ckpt.config.get(LOSS_START) if plan.ckpt is not None else None
+    return float(carried) if carried is not None else None

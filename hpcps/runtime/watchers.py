@@ -10,7 +10,7 @@ import numpy as np
 from hpcps.training import rates
 from hpcps.training.divergence import DivergenceWatch, FlatLoss, NonFiniteStart
 from hpcps.transport.window import ParamWindow
-from hpcps.runtime.plan import LOSS_START, RunPlan, RunState
+from hpcps.runtime.plan import RunPlan, RunState, carried_loss_start
 
 log = logging.getLogger("hpcps")
 
@@ -48,13 +48,6 @@ def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
                   cfg.paradigm, reason, how)
         window.set_stop()
     return on_rows
-
-
-def carried_loss_start(plan: RunPlan) -> float | None:
-    """The untrained loss the checkpoint this run goes on from carries (None: a run from the start, or a
-    checkpoint that carries none)."""
-    carried = plan.ckpt.config.get(LOSS_START) if plan.ckpt is not None else None
-    return float(carried) if carried is not None else None
 
 
 def flat_loss_watch(plan: RunPlan, state: RunState, window: ParamWindow):

@@ -128,7 +128,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
         background = (window.protocol == "pinned" and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
                       and os.environ.get("HPCPS_EVAL_BACKGROUND", "1") != "0")
         evaluator = Evaluator(model=state.model, flat=state.flat,
-                              batches=state.source.test_batches(cfg.eval_batch_size) if state.source else None,
+                              batches=state.source.test_batches(cfg.eval_batch_size)
+                              if state.source and plan.evaluates else None,
                               evaluate=plan.workload.evaluation(),
                               pull=lambda out: window.pull(out, Backoff()), records=Records(recorder, state.clock),
                               plan=EvalPlan(cfg.eval_interval, every=cfg.eval_every, target=cfg.stop_target,

@@ -56,12 +56,15 @@ class Leg:
     does, from which the next leg goes on; ``link_bps``: the link between nodes as measured once for
     every leg (None: the leg measures it, where its defaults read it). A leg may go on from another
     paradigm's checkpoint (:func:`hpcps.runtime.checkpoints.files.for_paradigm`), which a user's
-    ``--resume`` may not.
+    ``--resume`` may not. ``evaluate``: rank 0 evaluates the held-out set (False: a trial, which no one
+    reads an accuracy of; its end still pulls the final parameters, as the next leg's checkpoint and a
+    saved model need, but skips the pass over the held-out set, seconds a trial on ResNet-18).
     """
 
     steps: int | None = None
     keep_end: bool = False
     link_bps: float | None = None
+    evaluate: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,10 @@ class RunPlan:
     reseed: bool = True
     start_iteration: int = 0
     #: a leg of a longer training (:class:`Leg`): the whole training's steps, the schedule's horizon (None:
-    #: ``steps``), and whether the run's end writes a checkpoint for the next leg
+    #: ``steps``), whether the run's end writes a checkpoint for the next leg, and whether rank 0 evaluates
     horizon_steps: int | None = None
     keep_end: bool = False
+    evaluates: bool = True
 
     def worker_start(self, index: int) -> int:
         """The gradients worker ``index`` had pushed when the run starts: its clock in the checkpoint resumed,

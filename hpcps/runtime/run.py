@@ -318,7 +318,7 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         slice_devices=tuple(slice_devices),
         world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
         reseed=reseed, start_iteration=start_iteration, horizon_steps=total if steps != total else None,
-        keep_end=leg is not None and leg.keep_end)
+        keep_end=leg is not None and leg.keep_end, evaluates=leg is None or leg.evaluate)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
                      stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "", slice_device=slice_device)
     return Run(run_plan, state)

@@ -305,7 +305,8 @@ def _trials_that_train(cfg: TrainConfig, options: dict[str, TrainConfig], comm: 
                      option.paradigm, done + 1, done + cfg.trial_steps)
         trial = _trial_options(option, folder, steps=cfg.steps, resume=start,
                                checkpoint_dir=str(folder / option.paradigm))
-        result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True, link_bps=link_bps))
+        result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True,
+                                                 link_bps=link_bps, evaluate=False))
         measure = _measure(result, option, comm)
         if not measure.stopped_by:  # it ended at its steps, its checkpoint written
             start = comm.bcast(result.summary["checkpoint"] if comm.rank == 0 else None, root=0)
@@ -330,7 +331,7 @@ def _paradigm_trials(cfg: TrainConfig, options: dict[str, TrainConfig], comm: MP
         if comm.rank == 0:
             log.info("--paradigm auto: trial %d of up to %d: %s, %d steps", k, n, option.paradigm, cfg.trial_steps)
         trial = _trial_options(option, folder, steps=cfg.trial_steps)
-        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps)), option, comm)
+        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps, evaluate=False)), option, comm)
 
     try:
         trials = _each_trial(options, comm, from_start)

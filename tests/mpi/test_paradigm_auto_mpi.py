@@ -172,3 +172,29 @@ def test_with_adam_and_no_paradigms_given_auto_tries_bsp_alone_and_the_file_keep
         assert sorted(record["left_out"]) == ["asp", "dssp", "ssp"] and record["skipped"] == {}
         assert all(why.startswith("--optimizer adam: trains less per sample") for why in record["left_out"].values())
         assert load_run(result.path).choice == record
+
+
+@pytest.mark.timeout(120)
+def test_trials_skip_the_held_out_evaluation_that_the_run_takes(world, mpi_tmp_path):
+    """A trial's accuracy is read by no one: its end pulls the final parameters (the next leg goes on from
+    them) but evaluates nothing, where the run after it evaluates as its options say (on ResNet-18 a final
+    evaluation is seconds a trial). Each trial's run file has no evaluation row; the run's has them."""
+    from hpcps.runtime.tune import run_chosen
+
+    rows = []
+
+    def trial(cfg, comm, leg=None):
+        result = run_training(cfg, comm, leg=leg)
+        assert leg is not None and not leg.evaluate
+        if comm.rank == 0:
+            with h5py.File(result.path) as f:
+                rows.append(len(f["eval"]))
+        return result
+
+    cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "asp"], "trial_steps": 6, "steps": 20,
+                       "eval_every": 2, "progress": False, "out": str(mpi_tmp_path / "auto.h5")})
+    _, result = run_chosen(cfg, world, run_training, trial)
+    if world.rank == 0:
+        with h5py.File(result.path) as f:
+            evaluated = len(f["eval"])
+        assert rows == [0, 0] and evaluated >= 2  # (every 2 versions, and the final one)

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from hpcps.training import rates
-from hpcps.training.divergence import DivergenceWatch, FlatLoss, NonFiniteStart
+from hpcps.training.divergence import DivergenceWatch, FlatLoss, NonFiniteStart, window_for
 from hpcps.transport.window import ParamWindow
 from hpcps.runtime.plan import RunPlan, RunState, carried_loss_start
 
@@ -18,8 +18,9 @@ log = logging.getLogger("hpcps")
 def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
     """Rank 0: the workers' rows as they arrive, checked for divergence (hpcps.training.divergence); once
     diverged, one line saying what to try, and every shard's stop flag up. A resumed run compares with
-    the start its checkpoint carries (``state.loss_start``, written into this run's checkpoints in turn)."""
-    watch, cfg = DivergenceWatch(start=carried_loss_start(plan)), plan.cfg
+    the start its checkpoint carries (``state.loss_start``, written into this run's checkpoints in turn), over
+    a window of two losses a worker (hpcps.training.divergence.window_for)."""
+    watch, cfg = DivergenceWatch(window_for(plan.layout.n_workers), start=carried_loss_start(plan)), plan.cfg
     state.loss_start = lambda: watch.start
     n_clients = len(plan.clients)  # who pushes to a central shard
     per_step = plan.paradigm.updates_per_step(n_clients)

@@ -6,15 +6,19 @@ reach the metrics file:
 * **non-finite**: a worker that has reported a finite loss reports :data:`NONFINITE_ROWS`
   non-finite ones in a row (one bad batch is dropped by ``--nonfinite skip`` and is not a
   divergence; a NaN loss from the first row on is a loss the loop does not report, and ignored);
-* **far above its start**: once :data:`WINDOW` x 2 finite losses have come (all workers together),
-  the mean of the last :data:`WINDOW` is more than :data:`FACTOR` times the start: the mean of
+* **far above its start**: once two windows of finite losses have come (all workers together), the
+  mean of the last window is more than :data:`FACTOR` times the start: the mean of
   each worker's first finite loss. A worker's first step computes on the run's first
   parameters, before any update of the run, so the start is the untrained loss even where an
   asynchronous run blows up within its first few updates. A run that goes on from a checkpoint
   (``--resume``, ``--paradigm auto``'s trials) compares with the start of the run that wrote it,
   which its checkpoints carry: its own first losses are of a trained model, and three times a
   trained loss is noise (ResNet-18 going on from a trial at 0.06 was stopped at 0.3-1.0 while it
-  trained on).
+  trained on). The window is :data:`WINDOW` losses, or two a worker where that is fewer
+  (:func:`window_for`, at least :data:`MIN_WINDOW`): 20 losses of 4 workers are 5 steps each, so the
+  rule judged at the tenth step at the earliest, the end of a 10-step trial of ``--paradigm auto``.
+  ResNet-18 under asp at bsp's settings (4 workers, the box) rose from 2.3 to a mean of 7.7 over its
+  last 8 losses by the fifth step, and to 12-35 by the sixth: with two a worker it is stopped there.
 
 A loss that stays at its start is not a divergence by this rule; :class:`FlatLoss` watches for it
 apart: a run whose loss stays at its start over a long stretch (an asynchronous run whose first
@@ -35,6 +39,15 @@ WINDOW = 20
 FACTOR = 3.0
 #: non-finite losses in a row, from one worker, that mean the run diverged
 NONFINITE_ROWS = 3
+#: the fewest losses a window averages, however few the workers (one loss of a batch is noise)
+MIN_WINDOW = 8
+
+
+def window_for(workers: int) -> int:
+    """The losses :class:`DivergenceWatch`'s window averages for a run of ``workers`` workers: two a worker, at
+    least :data:`MIN_WINDOW`, at most :data:`WINDOW`, so the rule judges once every worker has had its
+    fourth step or so (a window of 20 losses of 4 workers waited for their tenth)."""
+    return min(WINDOW, max(MIN_WINDOW, 2 * workers))
 
 
 class DivergenceWatch:

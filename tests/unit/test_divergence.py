@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hpcps.metrics.schema import ITERATION
-from hpcps.training.divergence import FACTOR, FLAT_MIN_STEPS, NONFINITE_ROWS, WINDOW, DivergenceWatch, FlatLoss
+from hpcps.training.divergence import (FACTOR, FLAT_MIN_STEPS, MIN_WINDOW, NONFINITE_ROWS, WINDOW, DivergenceWatch,
+                                      FlatLoss, window_for)
 
 
 def _rows(losses, rank=1, first_step=0):
@@ -51,6 +52,30 @@ def test_nothing_is_judged_before_two_windows_of_losses():
     watch = DivergenceWatch()
     assert watch.observe(_rows([1.0] * WINDOW + [50.0] * (WINDOW - 1))) is None
     assert watch.observe(_rows([50.0])) is not None
+
+
+def test_the_window_is_two_losses_a_worker_between_eight_and_twenty():
+    assert [window_for(n) for n in (1, 2, 4, 5, 7, 10, 64)] == [MIN_WINDOW, 8, 8, 10, 14, WINDOW, WINDOW]
+
+
+#: ResNet-18 under asp at bsp's settings, 4 workers in the box (seed 0): each worker's rank and training loss
+#: in the order the rows came, its first 24 (6 steps each)
+RESNET_ASP_RANKS = [4, 5, 7, 6, 5, 4, 7, 6, 5, 4, 7, 6, 4, 5, 7, 6, 4, 7, 5, 6, 4, 5, 6, 7]
+RESNET_ASP_LOSSES = [2.3, 2.4, 2.3, 2.3, 5.2, 2.9, 2.6, 5.2, 4.1, 2.8, 3.6, 3.0, 9.2, 7.0, 13.2, 9.7, 13.2, 14.7,
+                     11.1, 15.8, 13.3, 17.3, 32.4, 9.0]
+
+
+def test_resnet18_under_asp_with_4_workers_is_stopped_at_its_17th_loss_not_its_40th():
+    """The start is 2.325 (each worker's first), 3x is 6.975. With a window of 8 (two a worker) the last 8
+    at the 16th loss average 6.575, at the 17th 7.7125: diverged at the 17th, the fifth step's first. A
+    window of 20 judges nothing before 40 losses, the tenth step: the end of a 10-step trial."""
+    rows = np.zeros(len(RESNET_ASP_LOSSES), ITERATION)
+    rows["rank"], rows["loss"] = RESNET_ASP_RANKS, RESNET_ASP_LOSSES
+    watch = DivergenceWatch(window_for(4))
+    assert watch.observe(rows[:16]) is None
+    reason = watch.observe(rows[16:17])
+    assert reason is not None and "rose to 7.712 (mean of the last 8) from 2.325" in reason
+    assert DivergenceWatch().observe(rows) is None  # (the window of 20: 24 losses judge nothing)
 
 
 def test_a_run_at_chance_or_learning_is_never_divergence():

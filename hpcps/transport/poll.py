@@ -11,9 +11,9 @@ naming what it waits for) keeps it; while a run lasts, every other wait gets
 the run's (:func:`watch_every_wait`: a warning, then the job's end, naming
 the function that waits and where). And once a SIGTERM or SIGINT has come
 (:func:`note_signal`, from the run's handlers), a watched wait that lasts
-:data:`SIGNAL_GRACE` seconds beyond it ends the job: the step the signal
-asked to finish will never end, and a batch system kills 30 s after its
-SIGTERM anyway.
+:data:`SIGNAL_GRACE` seconds beyond it ends the job (``HPCPS_SIGNAL_GRACE``, default 30):
+the step the signal asked to finish will never end, and a batch system kills
+30 s after its SIGTERM anyway.
 """
 
 from __future__ import annotations
@@ -23,9 +23,31 @@ import sys
 import time
 from typing import Callable
 
-#: after SIGTERM or SIGINT, how long a wait goes on before the job ends (a batch system kills 30 s after its
-#: SIGTERM; a node that died, or a box taken down, never comes)
-SIGNAL_GRACE = 30.0
+#: after SIGTERM or SIGINT, how long a wait goes on before the job ends, where ``HPCPS_SIGNAL_GRACE`` does not
+#: say (a batch system kills 30 s after its SIGTERM, Slurm's default KillWait; a node that died, or a box taken
+#: down, never comes)
+DEFAULT_SIGNAL_GRACE = 30.0
+
+
+def signal_grace(environ=os.environ) -> float:
+    """The grace after a stop signal: ``HPCPS_SIGNAL_GRACE`` seconds (a site whose batch system kills later or
+    sooner than 30 s after its SIGTERM), else :data:`DEFAULT_SIGNAL_GRACE`; a value that is no number of seconds
+    above 0 is said on stderr and the default kept."""
+    given = environ.get("HPCPS_SIGNAL_GRACE")
+    if given is None:
+        return DEFAULT_SIGNAL_GRACE
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        print(f"hpcps: HPCPS_SIGNAL_GRACE={given!r} is no number of seconds above 0: the grace after a stop "
+              f"signal stays {DEFAULT_SIGNAL_GRACE:g} s", file=sys.stderr)
+        return DEFAULT_SIGNAL_GRACE
+    return seconds
+
+
+SIGNAL_GRACE = signal_grace()
 
 #: the stop signal that came (its name, and when on the monotonic clock), set by the run's handlers
 _signalled: list[tuple[str, float]] = []
@@ -137,7 +159,8 @@ class StallWatch:
             since = time.monotonic() - at
             if since >= SIGNAL_GRACE and waited >= SIGNAL_GRACE:
                 raise self.error(f"{name} received {since:.0f} s ago, and {self.describe()} for {waited:.0f} s: "
-                                 f"the step under way will not end; ending the job")
+                                 f"the step under way will not end; ending the job (HPCPS_SIGNAL_GRACE "
+                                 f"{SIGNAL_GRACE:g} s)")
         if waited >= self.warn * (self.warned + 1):
             self.warned += 1
             self.log.warning("stall: %s for %.0f s", self.describe(), waited)

@@ -129,7 +129,7 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
                       and os.environ.get("HPCPS_EVAL_BACKGROUND", "1") != "0")
         evaluator = Evaluator(model=state.model, flat=state.flat,
                               batches=state.source.test_batches(cfg.eval_batch_size)
-                              if state.source and plan.evaluates else None,
+                              if state.source and not plan.trial else None,
                               evaluate=plan.workload.evaluation(),
                               pull=lambda out: window.pull(out, Backoff()), records=Records(recorder, state.clock),
                               plan=EvalPlan(cfg.eval_interval, every=cfg.eval_every, target=cfg.stop_target,

@@ -56,15 +56,17 @@ class Leg:
     does, from which the next leg goes on; ``link_bps``: the link between nodes as measured once for
     every leg (None: the leg measures it, where its defaults read it). A leg may go on from another
     paradigm's checkpoint (:func:`hpcps.runtime.checkpoints.files.for_paradigm`), which a user's
-    ``--resume`` may not. ``evaluate``: rank 0 evaluates the held-out set (False: a trial, which no one
-    reads an accuracy of; its end still pulls the final parameters, as the next leg's checkpoint and a
-    saved model need, but skips the pass over the held-out set, seconds a trial on ResNet-18).
+    ``--resume`` may not. ``trial``: the leg is a trial (``--paradigm auto``'s, ``hpcps tune``'s), which
+    no one reads an accuracy of: rank 0 evaluates nothing on the held-out set (its end still pulls the
+    final parameters, as the next leg's checkpoint and a saved model need, but skips the pass, seconds a
+    trial on ResNet-18) and saves no model (the next leg goes on from its checkpoint), and a divergence
+    ends it with a warning that it is not chosen, not with advice for a run.
     """
 
     steps: int | None = None
     keep_end: bool = False
     link_bps: float | None = None
-    evaluate: bool = True
+    trial: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,10 @@ class RunPlan:
     reseed: bool = True
     start_iteration: int = 0
     #: a leg of a longer training (:class:`Leg`): the whole training's steps, the schedule's horizon (None:
-    #: ``steps``), whether the run's end writes a checkpoint for the next leg, and whether rank 0 evaluates
+    #: ``steps``), whether the run's end writes a checkpoint for the next leg, and whether it is a trial
     horizon_steps: int | None = None
     keep_end: bool = False
-    evaluates: bool = True
+    trial: bool = False
 
     def worker_start(self, index: int) -> int:
         """The gradients worker ``index`` had pushed when the run starts: its clock in the checkpoint resumed,

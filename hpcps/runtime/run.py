@@ -318,7 +318,7 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         slice_devices=tuple(slice_devices),
         world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
         reseed=reseed, start_iteration=start_iteration, horizon_steps=total if steps != total else None,
-        keep_end=leg is not None and leg.keep_end, evaluates=leg is None or leg.evaluate)
+        keep_end=leg is not None and leg.keep_end, trial=leg is not None and leg.trial)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,
                      stack=stack, index=index, deal=deal, ckpt_dir=cfg.checkpoint_dir or "", slice_device=slice_device)
     return Run(run_plan, state)
@@ -691,7 +691,7 @@ class Run:
         runfile.write_summary(summary)
         state.model.eval()  # as evaluated and saved, also when there was nothing to evaluate on
         state_dict = plain_state_dict(state.model)
-        saved = save_model(state_dict, records.save_path(plan, path))
+        saved = None if plan.trial else save_model(state_dict, records.save_path(plan, path))  # (a trial's: unread)
         runfile.set_attrs(saved_model=saved or "")
         runfile.close()
         final = ", ".join(f"{k} {v:.4f}" for k, v in state.final_metrics.items() if not math.isnan(v))
@@ -702,7 +702,7 @@ class Run:
                  summary["wall_s"], reached, plan.rounds, what, f"final evaluation {final}; " if final else "",
                  summary["gradients_applied"], summary["gradients_pushed"], runfile.path,
                  f", model in {saved}" if saved else "")
-        if stopped_by == "diverged":
+        if stopped_by == "diverged" and not plan.trial:  # (a trial's watch said so as the trial's end)
             log.warning("stopped because the training diverged: %s", state.diverged)
         elif stopped_by == respawn.STOPPED_BY:
             log.warning("stopped by a worker's death before the end: checkpoint %s written, from which the job "

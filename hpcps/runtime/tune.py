@@ -58,7 +58,8 @@ def settled(path: str) -> dict[str, Any]:
 def run_tune(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, *, top: int, train_words: Sequence[str],
              train) -> list | None:
     """Collective: the trials of ``cfg``'s layouts on ``comm`` (``given``: the options the user set, kept;
-    ``train(cfg, comm)``: a run, returning its result on rank 0), of ``--trial-steps`` steps each; under
+    ``train(cfg, comm, leg=...)``: a run, returning its result on rank 0), of ``--trial-steps`` steps each
+    (trials: no held-out evaluation, :class:`~hpcps.runtime.plan.Leg`); under
     ``--paradigm auto``, of its paradigms instead (:func:`choose_paradigm`). Rank 0 prints the ranking and
     returns the trials; the others return None."""
     for name in REFUSED:
@@ -100,7 +101,7 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     base = cfg.model_copy(update={**TRIAL, "steps": steps})
     if comm.rank == 0:
         log.info("hpcps tune: trial 1: the options as given, %d steps", steps)
-    result = train(base.model_copy(update={"out": str(folder / "trial-0.h5")}), comm)
+    result = train(base.model_copy(update={"out": str(folder / "trial-0.h5")}), comm, leg=Leg(trial=True))
     first = None
     if comm.rank == 0:
         run = paradigm_trial(result.path, cfg.paradigm, 1)  # (a layout's trial: its rows' mean, one a row)
@@ -114,7 +115,8 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     for k, values in enumerate(todo, 1):
         if comm.rank == 0:
             log.info("hpcps tune: trial %d of %d: %s", k + 1, len(todo) + 1, " ".join(flags(values)))
-        result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm)
+        result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm,
+                       leg=Leg(trial=True))
         if comm.rank == 0:
             run = paradigm_trial(result.path, cfg.paradigm, 1)
             trials.append(Trial(values, run.workers, run.mean_step_s))
@@ -306,7 +308,7 @@ def _trials_that_train(cfg: TrainConfig, options: dict[str, TrainConfig], comm: 
         trial = _trial_options(option, folder, steps=cfg.steps, resume=start,
                                checkpoint_dir=str(folder / option.paradigm))
         result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True,
-                                                 link_bps=link_bps, evaluate=False))
+                                                 link_bps=link_bps, trial=True))
         measure = _measure(result, option, comm)
         if not measure.stopped_by:  # it ended at its steps, its checkpoint written
             start = comm.bcast(result.summary["checkpoint"] if comm.rank == 0 else None, root=0)
@@ -331,7 +333,7 @@ def _paradigm_trials(cfg: TrainConfig, options: dict[str, TrainConfig], comm: MP
         if comm.rank == 0:
             log.info("--paradigm auto: trial %d of up to %d: %s, %d steps", k, n, option.paradigm, cfg.trial_steps)
         trial = _trial_options(option, folder, steps=cfg.trial_steps)
-        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps, evaluate=False)), option, comm)
+        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps, trial=True)), option, comm)
 
     try:
         trials = _each_trial(options, comm, from_start)

@@ -45,8 +45,9 @@ def divergence_watch(plan: RunPlan, state: RunState, window: ParamWindow):
                    f"{per_step}): try a smaller --lr, --clip-norm, or a bounded paradigm (ssp, dssp)")
         else:
             how = f"one update per round at {rate:g} (--lr {cfg.lr:g}): try a smaller --lr, or --clip-norm"
-        log.error("training diverged under %s: %s; %s, or --divergence ignore to train on; stopping",
-                  cfg.paradigm, reason, how)
+        if not _trial_said(plan, "diverged", reason):
+            log.error("training diverged under %s: %s; %s, or --divergence ignore to train on; stopping",
+                      cfg.paradigm, reason, how)
         window.set_stop()
     return on_rows
 
@@ -67,8 +68,9 @@ def flat_loss_watch(plan: RunPlan, state: RunState, window: ParamWindow):
                    "smaller --lr or --momentum, --warmup-steps, a bounded paradigm (ssp, dssp) or bsp")
         else:
             how = "try a larger --lr, another --optimizer, or check that the labels match the data"
-        log.error("training is not learning under %s: %s; %s, or --divergence ignore to train on; stopping",
-                  cfg.paradigm, reason, how)
+        if not _trial_said(plan, "is not learning", reason):
+            log.error("training is not learning under %s: %s; %s, or --divergence ignore to train on; stopping",
+                      cfg.paradigm, reason, how)
         window.set_stop()
     return on_rows if plan.ckpt is None and plan.start_iteration == 0 else None
 
@@ -83,10 +85,21 @@ def nonfinite_start_watch(plan: RunPlan, state: RunState, window: ParamWindow):
         if reason is None or state.diverged is not None:
             return
         state.diverged = reason
-        log.error("training cannot start under %s: %s; stopping (--divergence ignore trains on)",
-                  plan.cfg.paradigm, reason)
+        if not _trial_said(plan, "cannot start", reason):
+            log.error("training cannot start under %s: %s; stopping (--divergence ignore trains on)",
+                      plan.cfg.paradigm, reason)
         window.set_stop()
     return on_rows
+
+
+def _trial_said(plan: RunPlan, what: str, reason: str) -> bool:
+    """In a trial (:class:`~hpcps.runtime.plan.Leg`), the stop said as the trial's end, a warning: the trials
+    go on without it, and a run's advice (a smaller rate, ``--divergence ignore``) is not the user's to take.
+    False in a run, whose watch says what to try."""
+    if plan.trial:
+        log.warning("--paradigm auto: %s's trial %s: %s; stopping it (it is not chosen)", plan.cfg.paradigm,
+                    what, reason)
+    return plan.trial
 
 
 def spread_signal(plan: RunPlan, state: RunState, window: ParamWindow, own: ParamWindow | None = None):

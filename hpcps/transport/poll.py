@@ -18,10 +18,13 @@ the step the signal asked to finish will never end, and a batch system kills
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 from typing import Callable
+
+from hpcps.cluster.launcher import launcher_rank
 
 #: after SIGTERM or SIGINT, how long a wait goes on before the job ends, where ``HPCPS_SIGNAL_GRACE`` does not
 #: say (a batch system kills 30 s after its SIGTERM, Slurm's default KillWait; a node that died, or a box taken
@@ -32,17 +35,18 @@ DEFAULT_SIGNAL_GRACE = 30.0
 def signal_grace(environ=os.environ) -> float:
     """The grace after a stop signal: ``HPCPS_SIGNAL_GRACE`` seconds (a site whose batch system kills later or
     sooner than 30 s after its SIGTERM), else :data:`DEFAULT_SIGNAL_GRACE`; a value that is no number of seconds
-    above 0 is said on stderr and the default kept."""
+    above 0 is said on stderr (by the launcher's rank 0) and the default kept."""
     given = environ.get("HPCPS_SIGNAL_GRACE")
     if given is None:
         return DEFAULT_SIGNAL_GRACE
     try:
         seconds = float(given)
     except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        print(f"hpcps: HPCPS_SIGNAL_GRACE={given!r} is no number of seconds above 0: the grace after a stop "
-              f"signal stays {DEFAULT_SIGNAL_GRACE:g} s", file=sys.stderr)
+        seconds = math.nan
+    if not 0 < seconds < math.inf:  # (NaN too)
+        if launcher_rank(environ) == 0:  # (read at import, before any communicator: one line, not one a rank)
+            print(f"hpcps: HPCPS_SIGNAL_GRACE={given!r} is no number of seconds above 0: the grace after a stop "
+                  f"signal stays {DEFAULT_SIGNAL_GRACE:g} s", file=sys.stderr)
         return DEFAULT_SIGNAL_GRACE
     return seconds
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 
 import h5py
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import hpcps
+from hpcps.errors import UserError
 from hpcps.options.config import make_config
 from hpcps.runtime.run import run_training
 from hpcps.runtime.tune import choose_paradigm
@@ -176,19 +178,21 @@ def test_with_adam_and_no_paradigms_given_auto_tries_bsp_alone_and_the_file_keep
 
 @pytest.mark.timeout(120)
 def test_trials_skip_the_held_out_evaluation_that_the_run_takes(world, mpi_tmp_path):
-    """A trial's accuracy is read by no one: its end pulls the final parameters (the next leg goes on from
-    them) but evaluates nothing, where the run after it evaluates as its options say (on ResNet-18 a final
-    evaluation is seconds a trial). Each trial's run file has no evaluation row; the run's has them."""
+    """A trial's accuracy and model are read by no one: its end pulls the final parameters (the next leg goes
+    on from them) but evaluates nothing and saves no model, where the run after it evaluates as its options
+    say (on ResNet-18 a final evaluation is seconds a trial). Each trial's run file has no evaluation row and
+    no model beside it; the run's has them."""
     from hpcps.runtime.tune import run_chosen
 
     rows = []
 
     def trial(cfg, comm, leg=None):
         result = run_training(cfg, comm, leg=leg)
-        assert leg is not None and not leg.evaluate
+        assert leg is not None and leg.trial
         if comm.rank == 0:
             with h5py.File(result.path) as f:
                 rows.append(len(f["eval"]))
+            assert result.saved is None and not os.path.exists(result.path[:-3] + ".pt")  # nor a model saved
         return result
 
     cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "asp"], "trial_steps": 6, "steps": 20,
@@ -198,3 +202,22 @@ def test_trials_skip_the_held_out_evaluation_that_the_run_takes(world, mpi_tmp_p
         with h5py.File(result.path) as f:
             evaluated = len(f["eval"])
         assert rows == [0, 0] and evaluated >= 2  # (every 2 versions, and the final one)
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_that_diverges_ends_with_a_warning_of_the_trial_not_a_runs_error_and_advice(world, mpi_tmp_path,
+                                                                                            capsys):
+    """At a rate no paradigm survives, each trial's divergence watch stops it, and rank 0 says so as the
+    trial's end (a warning: the trials go on without it), not as a run's error with advice the user is not
+    to take (a smaller --lr, --divergence ignore). With every trial stopped, the job ends before the run."""
+    cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "asp"], "trial_steps": 40, "steps": 400,
+                       "lr": 50.0, "progress": False, "out": str(mpi_tmp_path / "auto.h5")})
+    with pytest.raises(UserError, match="every paradigm's trial stopped on its own"):
+        choose_paradigm(cfg, world, run_training)
+    err = capsys.readouterr().err
+    facts = share(world, {"trial": [x for x in err.splitlines() if "'s trial diverged: " in x],
+                          "run": [x for x in err.splitlines() if "training diverged" in x]} if world.rank == 0
+                  else None)
+    assert [x.split("--paradigm auto: ")[1].split("'s")[0] for x in facts["trial"]] == ["asp", "bsp"], facts
+    assert all("WARNING" in x and "it is not chosen" in x for x in facts["trial"]), facts
+    assert facts["run"] == [], facts

@@ -17,6 +17,14 @@ def test_the_grace_is_30_s_unless_the_environment_gives_seconds_above_zero(capsy
         assert f"HPCPS_SIGNAL_GRACE={bad!r} is no number of seconds above 0" in capsys.readouterr().err
 
 
+def test_a_bad_grace_is_said_once_for_the_job_by_the_launchers_rank_0_not_by_every_rank(capsys):
+    for rank_var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        assert poll.signal_grace({"HPCPS_SIGNAL_GRACE": "soon", rank_var: "3"}) == 30.0
+        assert capsys.readouterr().err == ""
+        assert poll.signal_grace({"HPCPS_SIGNAL_GRACE": "soon", rank_var: "0"}) == 30.0
+        assert "HPCPS_SIGNAL_GRACE='soon'" in capsys.readouterr().err
+
+
 class _Ended(Exception):
     pass
 

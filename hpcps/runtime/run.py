@@ -702,16 +702,24 @@ class Run:
                  summary["wall_s"], reached, plan.rounds, what, f"final evaluation {final}; " if final else "",
                  summary["gradients_applied"], summary["gradients_pushed"], runfile.path,
                  f", model in {saved}" if saved else "")
-        if stopped_by == "diverged" and not plan.trial:  # (a trial's watch said so as the trial's end)
-            log.warning("stopped because the training diverged: %s", state.diverged)
-        elif stopped_by == respawn.STOPPED_BY:
-            log.warning("stopped by a worker's death before the end: checkpoint %s written, from which the job "
-                        "resumes with a process spawned in its place (--respawn)", saved_ckpt)
-        elif stopped_by:
-            log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
-                        stopped_by, saved_ckpt)
+        say_stop(stopped_by, saved_ckpt, diverged=state.diverged, trial=plan.trial)
         return RunResult(runfile.path, summary, plan.steps, state.flat.params.copy(), state.model.cpu(), state_dict,
                          state.final_metrics, saved)
+
+
+def say_stop(stopped_by: str | None, saved_ckpt: str | None, *, diverged: object, trial: bool) -> None:
+    """Rank 0's last line of a run that stopped before its last step (``stopped_by``), if any: why, and what
+    to resume from. A trial that diverged says nothing more: its watch said so as the trial's end, and there
+    is nothing to resume (the next trial goes on from the one before)."""
+    if stopped_by == "diverged":
+        if not trial:
+            log.warning("stopped because the training diverged: %s", diverged)
+    elif stopped_by == respawn.STOPPED_BY:
+        log.warning("stopped by a worker's death before the end: checkpoint %s written, from which the job "
+                    "resumes with a process spawned in its place (--respawn)", saved_ckpt)
+    elif stopped_by:
+        log.warning("stopped by %s before the end: checkpoint written, continue with --resume %s",
+                    stopped_by, saved_ckpt)
 
 
 def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

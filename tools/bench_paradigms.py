@@ -17,7 +17,10 @@ training sample; each row names the rate per update. A paradigm of your own
 ``--paradigm-option NAME=VALUE`` (given to plug-ins only). ``--lr-staleness none inverse`` runs the
 paradigms that can see staleness both ways. The last line is the ratio of
 the fastest paradigm's time to target to BSP's, in the last scenario.
-``--ssp-staleness 0 1 2 3 4`` runs ssp at each fixed threshold; ``--emulate`` runs every job in a
+``--ssp-staleness 0 1 2 3 4`` runs ssp at each fixed threshold; ``--layout NAME=OPTIONS`` (repeatable)
+runs every paradigm but auto once more with OPTIONS added (a layout: ``--pull``, ``--partition-mb``,
+``--servers``...), its rows named ``paradigm [NAME]``: a grid of paradigms by layouts, against which auto,
+which chooses the paradigm and leaves the layout to its defaults, is measured. ``--emulate`` runs every job in a
 cluster in a box (``{np}``: the job's ranks, ``{last}``: its last rank, the straggler's). ``auto``
 (``--paradigm auto``) runs as a paradigm, with ``--from-launch``: every row's wall time and time to target
 then count from the command's launch (start-up, and auto's trials: what its user waits for), and a line
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import shlex
 import sys
 import time
 import tempfile
@@ -113,6 +117,9 @@ def main() -> None:
                         "--target); default: a temporary directory")
     p.add_argument("--ssp-staleness", nargs="+", type=int, default=[], metavar="S", dest="ssp_staleness",
                    help="run ssp once per threshold S (e.g. 0 1 2 3 4: every fixed threshold DSSP's range covers)")
+    p.add_argument("--layout", action="append", default=[], type=layout, metavar="NAME=OPTIONS",
+                   help="run every paradigm but auto once more with OPTIONS added, its rows named "
+                        "'paradigm [NAME]' (repeatable), e.g. 'reads 1 MB=--pull get --partition-mb 1'")
     p.add_argument("--from-launch", action="store_true", dest="from_launch",
                    help="wall time and time to target from the command's launch (needed with auto)")
     p.add_argument("--run-timeout", type=float, default=900, metavar="SECONDS", dest="run_timeout",
@@ -136,20 +143,34 @@ def main() -> None:
                 slow = ["--slowdown", f"{np_ - 1}={a.straggler:g}"] if scenario == "heterogeneous" else []
                 box = a.emulate + f" --link {{last}}={a.slow_link}" if scenario == "slow-link" else a.emulate
                 thresholds = a.ssp_staleness if paradigm == "ssp" and a.ssp_staleness else [None]
-                for schedule, bound in ((x, b) for x in (a.lr_staleness if paradigm in SEES_STALENESS else [None])
-                                        for b in thresholds):
-                    own = variant_options(paradigm, schedule, a)
+                layouts = [("", [])] + (a.layout if paradigm != "auto" else [])
+                for (schedule, bound), (where, laid) in ((v, l) for v in (
+                        (x, b) for x in (a.lr_staleness if paradigm in SEES_STALENESS else [None])
+                        for b in thresholds) for l in layouts):
+                    own = variant_options(paradigm, schedule, a) + laid
                     if bound is not None:
                         own += ["--staleness", str(bound)]
                     stem = paradigm.rpartition(":")[2] if is_plugin(paradigm) else paradigm
-                    rs = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}-{s}.h5"),
+                    at = f"-{layouts.index((where, laid))}" if where else ""
+                    rs = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}{at}-{s}.h5"),
                               extra + slow + own, a.target, box, a.from_launch, a.run_timeout) for s in a.seeds]
-                    name = variant_name(paradigm, schedule, a, extra, rs[0]["workers"])
+                    name = variant_name(paradigm, schedule, a, extra + laid, rs[0]["workers"])
                     name += f", s={bound}" if bound is not None else ""
+                    name += f" [{where}]" if where else ""
                     rows[name] = rs
                     print(f"  {scenario} {name}: done", file=sys.stderr)
         table(scenario, rows, a, extra)
     print(f"\n{verdict(rows, a.target)} ({a.scenarios[-1]})")
+
+
+def layout(spec: str) -> tuple[str, list[str]]:
+    """``--layout NAME=OPTIONS``: the row's name and the options (shell words) its runs add."""
+    name, eq, options = spec.partition("=")
+    words = shlex.split(options)
+    if not eq or not name.strip() or not words:
+        raise argparse.ArgumentTypeError(f"{spec!r}: give NAME=OPTIONS, e.g. 'reads 1 MB=--pull get "
+                                         "--partition-mb 1'")
+    return name.strip(), words
 
 
 def n_groups(a) -> int:

@@ -36,7 +36,8 @@ TINY: dict[str, tuple[list[str], str | None, bool]] = {
     "bench_mpis": (["--python", f"{FAMILY}={sys.executable}", "--seeds", "0", "--steps", "3", "--reps", "2"], "box",
                    False),
     "bench_paradigms": (["--paradigms", "bsp", "asp", "--np", "3", "--seeds", "0", "--scenarios", "homogeneous",
-                         "--target", "loss<=9", "--", "--steps", "4"], None, True),
+                         "--target", "loss<=9", "--layout", "reads=--pull get --partition-mb 1", "--",
+                         "--steps", "4"], None, True),
     "bench_partitions": (["--seeds", "0", "--np", "3", "--", "--steps", "4"], None, True),
     "bench_patterns": (["--nodes", "3", "--link", "1gbit", "--mb", "0.1", "--reps", "1"], "box", True),
     "bench_piecewise": (["--workers", "2", "--steps", "3", "--seeds", "0", "--link", "1gbit"], "box", False),
@@ -90,6 +91,10 @@ def test_the_tools_documented_command_runs_at_a_tiny_size(tool, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     # its results: a markdown table, or (bench_shard_apply) its ratio line
     assert re.search(r"^\|[-|]+\|$", proc.stdout, re.M) or "ratio vs copy:" in proc.stdout, proc.stdout[-2000:]
+    if tool == "bench_paradigms":  # a row per paradigm and layout: as given, then --layout's
+        rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| bsp")
+                or line.startswith("| asp")]
+        assert [r.endswith(" [reads]") for r in rows] == [False, True, False, True], rows
 
 
 @needs_mpiexec

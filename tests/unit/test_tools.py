@@ -71,6 +71,22 @@ def test_bench_paradigms_takes_an_accuracy_or_a_loss_as_its_target():
         goal("loss=2")
 
 
+def test_bench_paradigms_layout_is_a_name_and_the_options_its_runs_add():
+    """``--layout NAME=OPTIONS``: the options split as a shell splits them; a spec without a name or options is
+    refused with an example."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from bench_paradigms import layout
+    finally:
+        sys.path.remove(str(TOOLS))
+    import argparse
+    assert layout("reads 1 MB=--pull get --partition-mb 1") == ("reads 1 MB", ["--pull", "get", "--partition-mb", "1"])
+    assert layout("a=--x 'b=c d'") == ("a", ["--x", "b=c d"])
+    for bad in ("--pull get", "=--pull get", "reads=", "reads=  "):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME=OPTIONS"):
+            layout(bad)
+
+
 def test_bench_peers_reads_torchft_events_in_closed_form():
     """bench_peers' torchft figures from a synthetic job: 3 replicas let go at t=100, a step every 0.1 s;
     replica 2 killed at 105.05; replicas 0 and 1 throw away one step each and commit again at 106.2 and 106.3;

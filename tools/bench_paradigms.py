@@ -151,7 +151,7 @@ def main() -> None:
                     if bound is not None:
                         own += ["--staleness", str(bound)]
                     stem = paradigm.rpartition(":")[2] if is_plugin(paradigm) else paradigm
-                    at = f"-{layouts.index((where, laid))}" if where else ""
+                    at = f"-layout{layouts.index((where, laid))}" if where else ""
                     rs = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}{at}-{s}.h5"),
                               extra + slow + own, a.target, box, a.from_launch, a.run_timeout) for s in a.seeds]
                     name = variant_name(paradigm, schedule, a, extra + laid, rs[0]["workers"])

@@ -46,6 +46,12 @@ log = logging.getLogger("hpcps")
 
 #: the helper thread's nice value: where cores are short, the server's thread runs first
 NICE = 19
+#: rank 0 says so (once) where the evaluations' pulls took more than this share of the run's time, after
+#: :data:`PULLS_BEFORE_SAYING` of them: each pulls the whole model over rank 0's link, beside the transfers of
+#: the workers on its node, and a bsp round waits for the slowest worker (ResNet-18 at 100 Mbit/s in the box:
+#: 8 steps took 1.31x as long with an evaluation every 5 s as with none, docs/results.md)
+PULL_SHARE = 0.1
+PULLS_BEFORE_SAYING = 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class Evaluator:
         self.background = background and batches is not None
         self._thread: threading.Thread | None = None
         self._result: tuple | BaseException | None = None  # the helper's last evaluation, or its error
+        self.pulls, self.pulled_s, self.said_pulls = 0, 0.0, False  # the evaluations' pulls, and their seconds
 
     def tick(self) -> bool:
         """Record a finished background evaluation; start one (or, in the foreground, run one) if
@@ -137,20 +144,39 @@ class Evaluator:
         self._record(*result)
         return True
 
-    def _measure(self) -> tuple[float, int, dict[str, float]]:
+    def _measure(self) -> tuple[float, int, dict[str, float], float]:
         t = self.clock()
         versions, _ = self.pull(self.flat.params)
+        pulled = self.clock() - t
         self.flat.upload()
         if self.batches is None:
-            return t, int(versions.min()), {}
+            return t, int(versions.min()), {}, pulled
         self.model.eval()
         with torch.no_grad():
             metrics = {k: float(v) for k, v in self.evaluate_fn(self.model, self.batches).items()}
-        return t, int(versions.min()), metrics
+        return t, int(versions.min()), metrics, pulled
 
-    def _record(self, t: float, version: int, metrics: dict[str, float]) -> None:
+    def _weigh_pull(self, pulled: float) -> None:
+        """Count an evaluation's pull (``pulled`` seconds); say once where the pulls took more than
+        :data:`PULL_SHARE` of the run's time so far (the user chose how often to evaluate: the line says what
+        it costs the workers, where a link is slow for the model's size)."""
+        self.pulls, self.pulled_s = self.pulls + 1, self.pulled_s + pulled
+        elapsed = self.clock()
+        if self.said_pulls or self.pulls < PULLS_BEFORE_SAYING or not self.pulled_s > PULL_SHARE * elapsed > 0:
+            return
+        self.said_pulls = True
+        how = (f"every {self.every} versions (--eval-every)" if self.every is not None else
+               f"{self.interval:g} s after the last one ended (--eval-interval)")
+        log.warning("the held-out evaluations' pulls took %.0f%% of the run's %.0f s so far (%.2f s each, an "
+                    "evaluation %s): each brings the whole model (%.1f MB) to rank 0 over its node's link, beside "
+                    "the transfers of the workers there, whose steps then wait; evaluate less often to give "
+                    "the workers the link", 100 * self.pulled_s / elapsed, elapsed, self.pulled_s / self.pulls,
+                    how, self.flat.params.nbytes / 1e6)
+
+    def _record(self, t: float, version: int, metrics: dict[str, float], pulled: float = 0.0) -> None:
         if self.batches is None:
             return
+        self._weigh_pull(pulled)
         loss, accuracy = metrics.get("loss", math.nan), metrics.get("accuracy", math.nan)
         self.recorder.add("eval", (t, version, loss, accuracy))
         for name, value in metrics.items():

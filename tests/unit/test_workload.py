@@ -191,6 +191,36 @@ def test_a_background_evaluation_leaves_the_loop_free_and_reports_back_on_the_lo
     assert targets == [threading.current_thread().name]  # on_target ran on the loop's thread, once
 
 
+@pytest.mark.parametrize("pull_s, said", [(0.5, True), (0.05, False)])
+def test_rank_0_says_once_what_share_of_the_run_the_evaluations_pulls_took(caplog, pull_s, said):
+    """Each evaluation's pull takes ``pull_s`` on the run's clock, one a second after the last: 0.5 s is a quarter of the run
+    (above PULL_SHARE): one warning, after PULLS_BEFORE_SAYING evaluations, naming the share, the seconds a pull
+    and the model's size; 0.05 s (under 5%) says nothing."""
+    import logging
+    from hpcps.runtime import evaluator
+
+    model = nn.Sequential(nn.Linear(64, 10))
+    flat = FlatParameters(model)
+    now = [0.0]
+
+    def pull(out):
+        now[0] += pull_s
+        return np.array([1]), False
+
+    ev = Evaluator(model=model, flat=flat, batches=[(torch.zeros(2, 64), torch.zeros(2, dtype=torch.long))],
+                   evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, records=Records(_Rows(),
+                   lambda: now[0]), plan=EvalPlan(1.0))
+    with caplog.at_level(logging.WARNING, logger="hpcps"):
+        for k in range(8):
+            now[0] += 1.0 + pull_s  # (the interval counts from the last evaluation's end)
+            assert ev.tick()
+            lines = [r.getMessage() for r in caplog.records if "evaluations' pulls" in r.getMessage()]
+            assert len(lines) == (1 if said and k + 1 >= evaluator.PULLS_BEFORE_SAYING else 0), lines
+    if said:  # after the third: 1.5 s of pulls in 6 s
+        assert "took 25% of the run's 6 s so far (0.50 s each, an evaluation 1 s after the last one ended " \
+               "(--eval-interval))" in lines[0] and f"({flat.params.nbytes / 1e6:.1f} MB)" in lines[0], lines
+
+
 def test_a_failed_background_evaluation_is_raised_in_the_loop():
     model = nn.Sequential(nn.Linear(4, 2))
     flat = FlatParameters(model)

@@ -52,6 +52,9 @@ NICE = 19
 #: 8 steps took 1.31x as long with an evaluation every 5 s as with none, docs/results.md)
 PULL_SHARE = 0.1
 PULLS_BEFORE_SAYING = 3
+#: ...and where a pull took this many seconds on average: a model crossing a slow link, not the ms a pull of a
+#: small model waits for a descheduled shard on a busy node (frequent evaluations there are cheap, and wanted)
+PULL_SLOW_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -158,11 +161,12 @@ class Evaluator:
 
     def _weigh_pull(self, pulled: float) -> None:
         """Count an evaluation's pull (``pulled`` seconds); say once where the pulls took more than
-        :data:`PULL_SHARE` of the run's time so far (the user chose how often to evaluate: the line says what
+        :data:`PULL_SHARE` of the run's time so far and :data:`PULL_SLOW_S` each (the user chose how often to evaluate: the line says what
         it costs the workers, where a link is slow for the model's size)."""
         self.pulls, self.pulled_s = self.pulls + 1, self.pulled_s + pulled
         elapsed = self.clock()
-        if self.said_pulls or self.pulls < PULLS_BEFORE_SAYING or not self.pulled_s > PULL_SHARE * elapsed > 0:
+        if (self.said_pulls or self.pulls < PULLS_BEFORE_SAYING or self.pulled_s < PULL_SLOW_S * self.pulls
+                or not self.pulled_s > PULL_SHARE * elapsed > 0):
             return
         self.said_pulls = True
         how = (f"every {self.every} versions (--eval-every)" if self.every is not None else

@@ -191,11 +191,12 @@ def test_a_background_evaluation_leaves_the_loop_free_and_reports_back_on_the_lo
     assert targets == [threading.current_thread().name]  # on_target ran on the loop's thread, once
 
 
-@pytest.mark.parametrize("pull_s, said", [(0.5, True), (0.05, False)])
-def test_rank_0_says_once_what_share_of_the_run_the_evaluations_pulls_took(caplog, pull_s, said):
-    """Each evaluation's pull takes ``pull_s`` on the run's clock, one a second after the last: 0.5 s is a quarter of the run
-    (above PULL_SHARE): one warning, after PULLS_BEFORE_SAYING evaluations, naming the share, the seconds a pull
-    and the model's size; 0.05 s (under 5%) says nothing."""
+@pytest.mark.parametrize("pull_s, interval, said", [(0.5, 1.0, True), (0.05, 1.0, False), (0.08, 0.1, False)])
+def test_rank_0_says_once_what_share_of_the_run_the_evaluations_pulls_took(caplog, pull_s, interval, said):
+    """Each evaluation's pull takes ``pull_s`` on the run's clock, one ``interval`` after the last: 0.5 s a
+    second is a quarter of the run (above PULL_SHARE): one warning, after PULLS_BEFORE_SAYING evaluations,
+    naming the share, the seconds a pull and the model's size; 0.05 s a second (under 5%) says nothing, nor
+    do pulls of 0.08 s every 0.1 s (44%, but each under PULL_SLOW_S: a busy node's wait, not a link's)."""
     import logging
     from hpcps.runtime import evaluator
 
@@ -209,10 +210,10 @@ def test_rank_0_says_once_what_share_of_the_run_the_evaluations_pulls_took(caplo
 
     ev = Evaluator(model=model, flat=flat, batches=[(torch.zeros(2, 64), torch.zeros(2, dtype=torch.long))],
                    evaluate=lambda m, b: {"accuracy": 0.5, "loss": 1.0}, pull=pull, records=Records(_Rows(),
-                   lambda: now[0]), plan=EvalPlan(1.0))
+                   lambda: now[0]), plan=EvalPlan(interval))
     with caplog.at_level(logging.WARNING, logger="hpcps"):
         for k in range(8):
-            now[0] += 1.0 + pull_s  # (the interval counts from the last evaluation's end)
+            now[0] += interval + pull_s  # (the interval counts from the last evaluation's end)
             assert ev.tick()
             lines = [r.getMessage() for r in caplog.records if "evaluations' pulls" in r.getMessage()]
             assert len(lines) == (1 if said and k + 1 >= evaluator.PULLS_BEFORE_SAYING else 0), lines

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import shlex
 import sys
 import time
@@ -143,15 +144,15 @@ def main() -> None:
                 slow = ["--slowdown", f"{np_ - 1}={a.straggler:g}"] if scenario == "heterogeneous" else []
                 box = a.emulate + f" --link {{last}}={a.slow_link}" if scenario == "slow-link" else a.emulate
                 thresholds = a.ssp_staleness if paradigm == "ssp" and a.ssp_staleness else [None]
+                variants = [(x, b) for x in (a.lr_staleness if paradigm in SEES_STALENESS else [None])
+                            for b in thresholds]
                 layouts = [("", [])] + (a.layout if paradigm != "auto" else [])
-                for (schedule, bound), (where, laid) in ((v, l) for v in (
-                        (x, b) for x in (a.lr_staleness if paradigm in SEES_STALENESS else [None])
-                        for b in thresholds) for l in layouts):
+                for (schedule, bound), (k, (where, laid)) in itertools.product(variants, enumerate(layouts)):
                     own = variant_options(paradigm, schedule, a) + laid
                     if bound is not None:
                         own += ["--staleness", str(bound)]
                     stem = paradigm.rpartition(":")[2] if is_plugin(paradigm) else paradigm
-                    at = f"-layout{layouts.index((where, laid))}" if where else ""
+                    at = f"-layout{k}" if k else ""
                     rs = [run(np_, paradigm, s, Path(tmp, scenario, f"{stem}-{schedule}-{bound}{at}-{s}.h5"),
                               extra + slow + own, a.target, box, a.from_launch, a.run_timeout) for s in a.seeds]
                     name = variant_name(paradigm, schedule, a, extra + laid, rs[0]["workers"])

@@ -49,7 +49,7 @@ NICE = 19
 #: rank 0 says so (once) where the evaluations' pulls took more than this share of the run's time, after
 #: :data:`PULLS_BEFORE_SAYING` of them: each pulls the whole model over rank 0's link, beside the transfers of
 #: the workers on its node, and a bsp round waits for the slowest worker (ResNet-18 at 100 Mbit/s in the box:
-#: 8 steps took 1.31x as long with an evaluation every 5 s as with none, docs/results.md)
+#: 8 steps took 1.23-1.31x as long with an evaluation every 5 s as with none, docs/results.md)
 PULL_SHARE = 0.1
 PULLS_BEFORE_SAYING = 3
 #: ...and where a pull took this many seconds on average: a model crossing a slow link, not the ms a pull of a
@@ -161,8 +161,8 @@ class Evaluator:
 
     def _weigh_pull(self, pulled: float) -> None:
         """Count an evaluation's pull (``pulled`` seconds); say once where the pulls took more than
-        :data:`PULL_SHARE` of the run's time so far and :data:`PULL_SLOW_S` each (the user chose how often to evaluate: the line says what
-        it costs the workers, where a link is slow for the model's size)."""
+        :data:`PULL_SHARE` of the run's time so far and :data:`PULL_SLOW_S` each (the user chose how often to
+        evaluate: the line says what it costs the workers, where a link is slow for the model's size)."""
         self.pulls, self.pulled_s = self.pulls + 1, self.pulled_s + pulled
         elapsed = self.clock()
         if (self.said_pulls or self.pulls < PULLS_BEFORE_SAYING or self.pulled_s < PULL_SLOW_S * self.pulls

@@ -133,6 +133,9 @@ def main() -> None:
         p.error("the slow-link scenario needs --emulate (a cluster in a box)")
     if "auto" in a.paradigms and not a.from_launch:
         p.error("auto's trials come before its run's clock: give --from-launch, to time every row from its launch")
+    names = [name for name, _ in a.layout]
+    if len(set(names)) < len(names):
+        p.error(f"--layout names {sorted({n for n in names if names.count(n) > 1})} twice: each names its rows")
     extra = train_options(a)
     rows = {}
     for scenario in a.scenarios:

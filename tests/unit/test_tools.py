@@ -85,6 +85,11 @@ def test_bench_paradigms_layout_is_a_name_and_the_options_its_runs_add():
     for bad in ("--pull get", "=--pull get", "reads=", "reads=  "):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME=OPTIONS"):
             layout(bad)
+    # two layouts of one name would write one row over the other: refused before any run
+    twice = subprocess.run([sys.executable, str(TOOLS / "bench_paradigms.py"), "--paradigms", "bsp",
+                            "--layout", "a=--pull get", "--layout", "a=--pull send", "--layout", "b=--servers 1"],
+                           capture_output=True, text=True, timeout=120)
+    assert twice.returncode == 2 and "--layout names ['a'] twice" in twice.stderr, twice.stderr
 
 
 def test_bench_peers_reads_torchft_events_in_closed_form():

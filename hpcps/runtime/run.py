@@ -37,7 +37,7 @@ from hpcps.runtime import agree as agree_module
 from hpcps.runtime import assembly, records
 from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.training import rates
-from hpcps.runtime.agree import agree
+from hpcps.runtime.agree import agree, meet
 from hpcps.data.batches import DataSource
 from hpcps.runtime.checkpoints.files import (Checkpoint, LoopState, check_compatible, check_same_optimizer,
                                              for_paradigm, read_checkpoint, reshaped, restore_int_buffers)
@@ -553,6 +553,9 @@ class Run:
             # likewise a worker's inner optimizer under --local-steps, built with its session after the start:
             # the import counted in the run's clock (2.5 s of a 2.7 s run of 10 rounds here)
             warm_optimizers()
+        # the others wait for it polling, not in the broadcast below: MPICH's blocking collectives spin, and on
+        # a node with more ranks than cores the spinning ranks took the cores the import needed
+        meet(comm, "build the shards' optimizers", warn=plan.cfg.stall_warn, abort=plan.cfg.stall_limit)
         # the rate the servers' optimizer has of its own (a factory's, or --lr): rows record rates applied
         state.rate = comm.bcast(optimizer.default_lr if comm.rank == 0 else None, root=0)
         if comm.rank == 0:

@@ -18,6 +18,11 @@ order; the pulls copy each piece from its shard straight into place (:meth:`Slic
 
 The float buffers (BatchNorm's statistics, ``[n_params, size)``) are never striped: they are cut into
 ``S`` contiguous blocks, one at the end of each shard's local vector.
+
+Every cut through the trainable values falls on a multiple of :data:`ALIGN` values from the start of
+the param group it cuts (:func:`aligned`), so that torch's fused optimizers step each value on the same
+path however the shards are sliced: bsp ends with the same model to the last bit on one shard or four,
+whole or in partitions.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ from hpcps.cluster.layout import shard_bounds
 #: partition on a large model would make thousands, and their cost per message would outweigh the gain)
 MAX_CHUNKS = 64
 
+#: cuts through the trainable values fall on multiples of this many values from the start of the param
+#: group they cut: 16 float32 values, a cache line, the unit torch's fused CPU optimizers deal to their
+#: threads and the widest vector (AVX-512's). Those kernels step a tensor's last values short of a whole
+#: vector on a scalar path that rounds otherwise than the vector body (1 ulp, a few values in ten
+#: thousand a step), so a cut elsewhere moved values between the paths and the same bsp run on another
+#: slicing ended a few ulp apart, then as far as chaos takes a model apart. On this grid a value is on
+#: the scalar path only at the end of its group, on every slicing. A cut moves by 15 values at most.
+ALIGN = 16
+
 
 def stripe_elements(partition_mb: float | None) -> int | None:
     """The stripe (float32 values) that ``--partition-mb`` asks for: None for contiguous slices."""
@@ -54,15 +68,18 @@ class Slices:
         return cls(tuple(((int(lo), int(hi)),) for lo, hi in bounds))
 
     @classmethod
-    def plan(cls, size: int, n_params: int, n_shards: int, stripe: int | None = None) -> "Slices":
+    def plan(cls, size: int, n_params: int, n_shards: int, stripe: int | None = None, *,
+             breaks: Sequence[int] = (), align: int = ALIGN) -> "Slices":
         """The slices of a ``size``-value vector whose first ``n_params`` are trainable over ``n_shards``
         shards: contiguous blocks, or (``stripe`` values) the trainable values striped. One shard holds its
         chunks in the flat order: its slice is the whole vector, as without a stripe, in pieces (each
-        pushed as it is ready, see :meth:`send_order`)."""
+        pushed as it is ready, see :meth:`send_order`). The cuts through the trainable values are
+        :func:`aligned` to ``align`` from the param groups' ``breaks`` (``align=1``: where they fall, as
+        before :data:`ALIGN`, for a checkpoint's slices that were cut so)."""
         if not stripe:
-            return cls.contiguous(shard_bounds(size, n_shards))
+            return cls.contiguous(aligned(shard_bounds(size, n_shards), n_params, breaks, align))
         rounds = min(-(-n_params // (n_shards * stripe)), MAX_CHUNKS)
-        chunks = shard_bounds(n_params, n_shards * max(1, rounds))
+        chunks = aligned(shard_bounds(n_params, n_shards * max(1, rounds)), n_params, breaks, align)
         tails = shard_bounds(size - n_params, n_shards)
         return cls(tuple(tuple((lo, hi) for lo, hi in chunks[s::n_shards] if hi > lo)
                          + (((n_params + tails[s][0], n_params + tails[s][1]),) if tails[s][1] > tails[s][0] else ())
@@ -158,6 +175,32 @@ class Slices:
         for s, (w, _) in enumerate(self.wire_bounds):
             for at, lo, hi in self.local_ranges(s):
                 dst[w + at:w + at + hi - lo].copy_(src[lo:hi])
+
+
+def aligned(bounds: Sequence[tuple[int, int]], n_params: int, breaks: Sequence[int] = (),
+            align: int = ALIGN) -> list[tuple[int, int]]:
+    """Consecutive ``bounds`` with each cut inside the trainable values ``[0, n_params)`` moved to the
+    nearest multiple of ``align`` from the start of the run of one param group it falls in (``breaks``:
+    where the flat vector passes from one group to the next, :func:`hpcps.training.paramgroups.group_breaks`),
+    or to that run's end if nearer. Left as they are where a block is shorter than ``2 * align`` (a cut
+    moves by less than ``align``, so no block empties and the order holds) or ``align`` is 1."""
+    bounds = [(int(lo), int(hi)) for lo, hi in bounds]
+    if align <= 1 or len(bounds) < 2 or min(hi - lo for lo, hi in bounds) < 2 * align:
+        return bounds
+    starts = sorted({0, *(int(b) for b in breaks if 0 < b < n_params)})
+
+    def snap(cut: int) -> int:
+        if cut <= 0 or cut >= n_params:
+            return cut
+        k = bisect.bisect_right(starts, cut) - 1
+        start, end = starts[k], starts[k + 1] if k + 1 < len(starts) else n_params
+        below = start + (cut - start) // align * align
+        above = min(below + align, end)
+        return below if cut - below <= above - cut else above
+
+    cuts = [snap(hi) for _, hi in bounds[:-1]]
+    edges = [bounds[0][0], *cuts, bounds[-1][1]]
+    return list(zip(edges, edges[1:]))
 
 
 def _tensor(x) -> torch.Tensor:

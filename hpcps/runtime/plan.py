@@ -27,7 +27,8 @@ import torch
 
 from hpcps.options.config import TrainConfig, outer_rounds
 from hpcps.cluster.layout import Layout
-from hpcps.cluster.slices import Slices
+from hpcps.cluster.slices import ALIGN, Slices
+from hpcps.runtime.checkpoints.files import SLICE_ALIGN
 from hpcps.policies.base import Policy
 from hpcps.transport.clocksync import RunClock
 from hpcps.transport.compress import Codec
@@ -230,7 +231,8 @@ def ran_config(plan: RunPlan, state: RunState) -> dict:
     start = state.loss_start() if state.loss_start is not None else None
     if start is None:
         start = carried_loss_start(plan)
-    return {**plan.cfg.as_json_dict(), **state.ran, **({LOSS_START: float(start)} if start is not None else {})}
+    return {**plan.cfg.as_json_dict(), **state.ran, SLICE_ALIGN: ALIGN,
+            **({LOSS_START: float(start)} if start is not None else {})}
 
 
 def carried_loss_start(plan: RunPlan) -> float | None:

@@ -62,7 +62,7 @@ from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
 from hpcps.metrics.runfile import RunFile
 from hpcps.metrics.schema import RANK, summarize
 from hpcps.training.optim import describe_optimizer, warm_optimizers
-from hpcps.training.paramgroups import resolve_groups
+from hpcps.training.paramgroups import group_breaks, resolve_groups
 from hpcps.policies import Policy
 from hpcps.policies.registry import policy_class
 from hpcps.runtime.faults import mark_launch
@@ -309,14 +309,15 @@ def _prepare(cfg: TrainConfig, comm: MPI.Comm, workload: Workload | None, world_
         layout = _group_by_speed(cfg, comm, layout, model, flat, batches, workload)
     topo = stack.enter_context(Topology(comm, layout))
     signals = stack.enter_context(StopSignals(announce(comm.rank)))
+    groups = tuple(resolve_groups(model, workload.param_groups))
     run_plan = RunPlan(
         cfg=cfg, layout=layout, paradigm=paradigm, workload=workload, size=flat.size, n_params=flat.n_params,
         stripe=stripe,
         # which values each central shard holds: contiguous blocks, striped with --partition-mb
-        slices=Slices.plan(flat.size, flat.n_params, layout.n_servers, stripe),
+        slices=Slices.plan(flat.size, flat.n_params, layout.n_servers, stripe, breaks=group_breaks(groups)),
         codec=make_codec(cfg.compress), steps=steps, facts=facts, devices=tuple(devices),
         slice_devices=tuple(slice_devices),
-        world_ranks=tuple(world_ranks), groups=tuple(resolve_groups(model, workload.param_groups)), ckpt=ckpt,
+        world_ranks=tuple(world_ranks), groups=groups, ckpt=ckpt,
         reseed=reseed, start_iteration=start_iteration, horizon_steps=total if steps != total else None,
         keep_end=leg is not None and leg.keep_end, trial=leg is not None and leg.trial)
     state = RunState(topo=topo, model=model, flat=flat, source=source, batches=batches, signals=signals,

@@ -85,10 +85,10 @@ def make_schedule(name: str, *, horizon: int, warmup: int = 0, step_every: int |
 #: the built-in optimizers take torch's fused kernels where torch has them. Their rounding depends on where
 #: an element sits in its tensor: on an AVX-512 CPU (torch 2.13) the fused sgd with momentum, adam and adamw
 #: compute a tensor's last elements, short of a whole vector, on a path that rounds otherwise than the vector
-#: body (1 ulp, a few elements in ten thousand a step). A run is still reproducible on one shape; the same
-#: run on another slicing of the shards' chunks (other shard counts, ``--partition-mb``'s stripes) ends a
-#: few ulp apart. False: torch's default kernels, whose rounding does not depend on the position (3x slower
-#: for adamw here), for a run that must end bit for bit across slicings.
+#: body (1 ulp, a few elements in ten thousand a step). The shards' cuts fall on a grid that keeps every value
+#: on one path on every slicing (:data:`hpcps.cluster.slices.ALIGN`), so bsp ends alike on any shard count
+#: and ``--partition-mb``; a plain torch loop over the model's own tensors ends a few ulp apart. False:
+#: torch's default kernels (3x slower for adamw here), whose rounding a plain ``torch.optim`` loop shares.
 FUSED = True
 
 
@@ -281,8 +281,21 @@ class ShardOptimizer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self.optimizer is not None and state:
-            self.optimizer.load_state_dict(state)
+        """torch.optim's ``load_state_dict``, after checking that every tensor of the state is the shape of
+        the chunk it belongs to: torch loads a momentum of another length without a word, and the fused
+        kernels then read past it (a checkpoint's state cut otherwise than these chunks ended in values
+        of 1e15)."""
+        if self.optimizer is None or not state:
+            return
+        for index, entry in state.get("state", {}).items():
+            chunk = self.chunks[int(index)] if int(index) < len(self.chunks) else None
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and (
+                        chunk is None or value.shape != chunk.shape):
+                    raise ValueError(f"optimizer state {name!r} of chunk {index} has shape {tuple(value.shape)}, "
+                                     f"the chunk {tuple(chunk.shape) if chunk is not None else 'none'}: "
+                                     "the state was cut for other slices")
+        self.optimizer.load_state_dict(state)
 
 
 def describe_optimizer(optimizer: ShardOptimizer, groups: Sequence[Any] = ()) -> dict[str, Any]:

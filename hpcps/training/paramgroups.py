@@ -83,6 +83,13 @@ def resolve_groups(model: torch.nn.Module, spec: GroupsSpec | None) -> list[Grou
             for options, names in groups]
 
 
+def group_breaks(groups: Sequence[Group]) -> tuple[int, ...]:
+    """Where the flat vector passes from one group's parameters to another's (each such run's start but
+    the first): where a shard's optimizer tensors end whatever the slicing (:func:`hpcps.cluster.slices.aligned`)."""
+    owned = sorted((lo, k) for k, group in enumerate(groups) for _, lo, _ in group.ranges)
+    return tuple(lo for (lo, k), (_, before) in zip(owned[1:], owned) if k != before)
+
+
 def shard_groups(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> list[
         tuple[dict[str, Any], list[tuple[int, int]], list[tuple[str, int, int]]]]:
     """The groups' pieces in a shard's slice, which holds the flat vector's ranges ``pieces`` one after

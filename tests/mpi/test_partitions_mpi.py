@@ -24,15 +24,16 @@ pytestmark = pytest.mark.mpi(min_size=5)
     ("mlp", "digits", 2, "none", {"paradigm": "grouped", "groups": 1}),
     # pulls reading one shard at a time, each worker from its own shard on (both runs: whole pulls too)
     ("mlp", "digits", 3, "none", {"shards_at_once": 1}),
-], ids=["mlp-1", "resnet18-2", "bf16-2", "adamw-3", "grouped-2", "fanin-3"])
-def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, monkeypatch, model, dataset,
+    ("mlp", "digits", 3, "none", {"momentum": 0.9, "steps": 12}),
+    ("mlp", "digits", 2, "none", {"optimizer": "adam", "lr": 0.01, "steps": 12}),
+], ids=["mlp-1", "resnet18-2", "bf16-2", "adamw-3", "grouped-2", "fanin-3", "mom-3", "adam-2"])
+def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_path, model, dataset,
                                                                 servers, compress, extra):
     """With several shards, partitions also stripe the shards' slices (hpcps.cluster.slices): the same values
-    are stepped the same way, only held elsewhere. (adamw with torch's default kernels: its fused one rounds a
-    tensor's last elements otherwise than the rest on AVX-512 CPUs, so striped chunks, ending elsewhere,
-    ended 1 ulp apart there; hpcps.training.optim.FUSED)"""
-    if extra.get("optimizer") == "adamw":
-        monkeypatch.setattr("hpcps.training.optim.FUSED", False)
+    are stepped the same way, only held elsewhere. With torch's fused kernels too (the default): they round
+    a tensor's last values otherwise than the rest on AVX-512 CPUs, and the cuts on the grid of
+    hpcps.cluster.slices.ALIGN end every tensor where the whole pull's would (striped adamw chunks ended
+    1 ulp apart before)."""
     # on the CPU, a visible GPU too: bit for bit needs deterministic kernels, and CUDA's defaults (cuDNN's
     # convolutions) are not; test_cuda_mpi.py holds partitions on the GPU to the GPU's own run-to-run spread
     common = {"paradigm": "bsp", "model": model, "dataset": dataset, "servers": servers, "compress": compress,
@@ -49,7 +50,7 @@ def test_bsp_with_partitioned_pulls_ends_bit_for_bit_as_without(world, mpi_tmp_p
     facts = share(world, facts)
     assert facts["same"], facts
     workers = 5 - servers - extra.get("groups", 0)
-    assert facts["pushed"] == facts["applied"] == workers * 6
+    assert facts["pushed"] == facts["applied"] == workers * common["steps"]
 
 
 @pytest.mark.timeout(180)

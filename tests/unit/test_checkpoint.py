@@ -61,6 +61,27 @@ def test_a_checkpoint_takes_the_shape_of_the_run_that_resumes_it(tmp_path):
     assert other.describe_shape() == "1 shard(s) -> 3; 4 worker(s) at clocks [20, 20, 20, 20] -> 2 at clock 20"
 
 
+def test_a_checkpoint_whose_shards_were_cut_off_the_grid_is_cut_again_and_one_on_it_is_not(tmp_path):
+    """Checkpoints record the grid their shards' cuts were aligned to (hpcps.cluster.slices.ALIGN); one
+    written before it records none, and its several shards' optimizer state is cut again from where their
+    slices fell (align 1), never read as if the pieces were today's."""
+    from hpcps.cluster.slices import ALIGN
+    from hpcps.runtime.checkpoints.files import SLICE_ALIGN, reshaped
+
+    cfg = make_config({"paradigm": "bsp", "servers": 2, "partition_mb": 0}).as_json_dict()
+    for name, extra, resliced in [("old", {}, True), ("new", {SLICE_ALIGN: ALIGN}, False)]:
+        path = write_checkpoint(checkpoint_path(str(tmp_path / name), 20), np.arange(6, dtype=np.float32),
+                                version=20, worker_clocks=[20] * 3, config={**cfg, **extra}, n_servers=2)
+        ck = read_checkpoint(path)
+        same = reshaped(ck, n_servers=2, n_workers=3)
+        assert same.resharded == resliced and (same is ck) == (not resliced)
+        if resliced:
+            assert same.written_align == 1 and same.written_servers == 2
+            assert same.describe_shape() == ("the shards' slices cut again (written by an hpcps that cut them "
+                                             "elsewhere)")
+    assert not reshaped(read_checkpoint(_write(tmp_path / "one")), n_servers=1, n_workers=4).resharded  # 1 shard
+
+
 def test_missing_and_foreign_files(tmp_path):
     with pytest.raises(UserError, match=r"--resume .*nope.h5: no such file"):
         read_checkpoint(str(tmp_path / "nope.h5"))

@@ -90,3 +90,16 @@ def test_state_round_trips_and_progress_is_poked_per_chunk():
 def test_a_factory_that_returns_no_optimizer_is_refused():
     with pytest.raises(TypeError, match="not a torch.optim.Optimizer"):
         ShardOptimizer(torch.zeros(3), lambda params: object(), lambda v: 1.0)
+
+
+def test_optimizer_state_of_another_length_is_refused_not_loaded():
+    """torch loads a momentum of another length without a word; a shard's optimizer names the mismatch."""
+    make = builtin_optimizer("sgd", lr=0.1, momentum=0.9)
+    written = ShardOptimizer(torch.zeros(40), make, lambda v: 1.0)
+    written.step([torch.ones(40)], [1.0], version=0, factor=1.0)
+    same = ShardOptimizer(torch.zeros(40), make, lambda v: 1.0)
+    same.load_state_dict(written.state_dict())
+    assert torch.equal(same.optimizer.state[same.chunks[0]]["momentum_buffer"], torch.ones(40))
+    other = ShardOptimizer(torch.zeros(45), make, lambda v: 1.0)
+    with pytest.raises(ValueError, match=r"'momentum_buffer' of chunk 0 has shape \(40,\), the chunk \(45,\)"):
+        other.load_state_dict(written.state_dict())

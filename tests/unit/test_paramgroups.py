@@ -3,10 +3,11 @@ torch optimizer with those groups on the whole model."""
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from hpcps.cluster.slices import Slices
 from hpcps.training.optim import ShardOptimizer, builtin_optimizer, describe_optimizer
-from hpcps.training.paramgroups import decay_groups, resolve_groups, shard_groups
+from hpcps.training.paramgroups import Group, decay_groups, group_breaks, resolve_groups, shard_groups
 
 
 def _model() -> torch.nn.Module:
@@ -102,3 +103,49 @@ def test_the_record_of_what_ran_names_the_class_its_options_and_the_groups():
     assert ran["defaults"]["weight_decay"] == 0.01  # AdamW's own default: what ran, not --weight-decay
     assert ran["param_groups"] == [{"weight_decay": 0.1, "values": 50, "tensors": 2},
                                    {"weight_decay": 0.0, "values": 13, "tensors": 3}]
+
+
+def _stepped(slices: Slices, groups, optimizer: str, grads, start: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The flat vector after the shards of ``slices`` stepped ``grads`` with the built-in ``optimizer``
+    (torch's fused kernel, as the shards run it) over ``groups``."""
+    make = builtin_optimizer(optimizer, lr=0.01, momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=0.1)
+    flat = start.clone()
+    shards = []
+    for s in range(slices.n_shards):
+        part = torch.from_numpy(slices.take(s, flat.numpy()))
+        shards.append((s, part, ShardOptimizer(part, make, lambda v: 1.0, chunk=chunk,
+                                               groups=shard_groups(groups, slices.pieces[s]))))
+    for g in grads:
+        for s, _, shard in shards:
+            shard.step([torch.from_numpy(slices.take(s, g.numpy()))], [1.0], version=0, factor=1.0)
+    for s, part, _ in shards:
+        slices.put(s, part, flat)
+    return flat
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 900), min_size=2, max_size=7), decay=st.booleans(),
+       optimizer=st.sampled_from(["sgd", "adamw", "adam"]), shards=st.integers(2, 5),
+       stripe=st.sampled_from([None, 37, 150, 1000]), chunk=st.sampled_from([64, 1 << 18]))
+def test_bsp_updates_are_the_same_to_the_last_bit_on_every_slicing_with_the_fused_kernels(sizes, decay, optimizer,
+                                                                                      shards, stripe, chunk):
+    """torch's fused CPU optimizers round a tensor's last values (short of a whole vector) otherwise than the
+    rest; with the cuts on the grid of hpcps.cluster.slices.ALIGN from each group's start, every slicing of
+    the shards steps each value on the same path as one shard holding it all."""
+    ranges, at = [], 0
+    for k, n in enumerate(sizes):  # parameters of odd sizes; with decay, every other one in the second group
+        ranges.append((f"p{k}", at, at + n))
+        at += n
+    n_params = at
+    groups = [Group({"weight_decay": 0.1}, tuple(r for k, r in enumerate(ranges) if k % 2 == 0)),
+              Group({"weight_decay": 0.0}, tuple(r for k, r in enumerate(ranges) if k % 2 == 1))] if decay else \
+        [Group({}, tuple(ranges))]
+    breaks = group_breaks(groups)
+    assert breaks == (tuple(lo for _, lo, _ in ranges[1:]) if decay else ())
+    gen = torch.Generator().manual_seed(n_params)
+    start = torch.randn(n_params, generator=gen)
+    grads = [torch.randn(n_params, generator=gen) for _ in range(4)]
+    whole = _stepped(Slices.plan(n_params, n_params, 1), groups, optimizer, grads, start, chunk)
+    sliced = _stepped(Slices.plan(n_params, n_params, shards, stripe, breaks=breaks), groups, optimizer, grads,
+                      start, chunk)
+    assert torch.equal(sliced, whole), int((sliced != whole).sum())

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from hpcps.cluster.layout import shard_bounds
-from hpcps.cluster.slices import MAX_CHUNKS, Slices, stripe_elements
+from hpcps.cluster.slices import ALIGN, MAX_CHUNKS, Slices, aligned, stripe_elements
 
 
 def test_without_a_stripe_the_slices_are_the_contiguous_blocks_and_one_shard_holds_its_pieces_in_order():
@@ -27,12 +28,15 @@ def test_striped_slices_deal_the_trainable_values_round_robin_in_chunks_of_at_mo
     assert every[0][0] == 0 and every[-1][1] == size
     assert all(a[1] == b[0] for a, b in zip(every, every[1:]))  # each value held once
     chunks = [r for r in every if r[1] <= n_params]
-    assert all(hi - lo <= stripe for lo, hi in chunks)
+    # cuts on the grid of ALIGN values where the chunks are long enough: each moved by less than ALIGN
+    on_grid = all(hi % ALIGN == 0 for _, hi in chunks[:-1])
+    slack = 2 * (ALIGN - 1) if on_grid else 0
+    assert all(hi - lo <= stripe + slack for lo, hi in chunks)
     owner = {r: s for s, p in enumerate(slices.pieces) for r in p}
     assert [owner[r] for r in chunks] == [k % shards for k in range(len(chunks))]  # dealt in turn
     assert len(chunks) % shards == 0  # as many chunks on every shard: near-equal slices
     sizes = [sum(hi - lo for lo, hi in p if hi <= n_params) for p in slices.pieces]
-    assert max(sizes) - min(sizes) <= len(chunks) // shards
+    assert max(sizes) - min(sizes) <= len(chunks) // shards * (1 + slack)
     for s in range(shards):  # trainable values first, then the shard's block of the buffers
         assert slices.trainable(s, n_params) == sizes[s]
         assert all(lo >= n_params for lo, _ in slices.pieces[s][len(chunks) // shards:])
@@ -81,3 +85,26 @@ def test_a_push_sends_a_shards_trainable_pieces_last_first_then_its_buffers():
 def test_a_tiny_stripe_on_a_large_vector_makes_at_most_max_chunks_per_shard():
     slices = Slices.plan(100_000, 99_000, 3, stripe=10)  # 3300 chunks per shard asked for
     assert all(len([r for r in p if r[1] <= 99_000]) == MAX_CHUNKS for p in slices.pieces)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_params=st.integers(40, 5000), extra=st.integers(0, 50), parts=st.integers(2, 9),
+       breaks=st.lists(st.integers(1, 4999), max_size=6))
+def test_cuts_fall_on_the_grid_from_the_start_of_their_group_run_and_move_by_less_than_it(n_params, extra, parts,
+                                                                                        breaks):
+    breaks = sorted({b for b in breaks if b < n_params})
+    before = shard_bounds(n_params + extra, parts)
+    after = aligned(before, n_params, breaks)
+    assert after[0][0] == 0 and after[-1][1] == n_params + extra
+    assert all(a[1] == b[0] for a, b in zip(after, after[1:]))  # consecutive: each value held once
+    if min(hi - lo for lo, hi in before) < 2 * ALIGN:
+        assert after == before  # too short to move: as they were
+        return
+    starts = [0, *breaks]
+    for (_, was), (_, cut) in zip(before[:-1], after[:-1]):
+        assert abs(cut - was) < ALIGN and all(hi > lo for lo, hi in after)
+        if cut < n_params:  # on the grid of its run of one group, or that run's end
+            start = max(s for s in starts if s <= cut)
+            assert (cut - start) % ALIGN == 0 or cut in breaks
+        else:
+            assert cut == was or cut == n_params  # in the buffers: where it fell

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 import hpcps
-from hpcps.cluster.slices import stripe_elements
+from hpcps.cluster.slices import ALIGN, stripe_elements
 from hpcps.errors import UserError
 
 FORMAT = 2
@@ -59,6 +59,8 @@ FORMAT = 2
 MUST_MATCH = ("paradigm", "model", "hidden", "dataset", "loss", "batch_size", "lr", "seed", "test_fraction",
               "optimizer", "momentum", "nesterov", "weight_decay", "betas", "eps", "lr_schedule",
               "warmup_steps", "lr_step_every", "lr_gamma", "clip_norm")
+#: the config key a checkpoint records its shards' grid of cuts under (:data:`hpcps.cluster.slices.ALIGN`)
+SLICE_ALIGN = "slice_align"
 #: torch.optim options that choose an implementation, not the update: a resume may change them
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 #: of those, the ones that describe the optimizer and schedule: a checkpoint that records what ran
@@ -82,6 +84,9 @@ class Checkpoint:
     written_clocks: np.ndarray | None = None
     #: and the stripe its shards' slices were dealt in (None: contiguous; see hpcps.cluster.slices)
     written_stripe: int | None = None
+    #: and the grid their cuts were aligned to (:data:`hpcps.cluster.slices.ALIGN`; 1: a checkpoint of
+    #: an hpcps that cut where the values fell)
+    written_align: int = ALIGN
     #: a checkpoint another paradigm wrote, which this run goes on from (:func:`for_paradigm`): that
     #: paradigm's name (None: this run's own)
     written_paradigm: str | None = None
@@ -106,6 +111,8 @@ class Checkpoint:
         changes = []
         if self.resharded and self.written_servers != self.n_servers:
             changes.append(f"{self.written_servers} shard(s) -> {self.n_servers}")
+        elif self.resharded and self.written_align != ALIGN:
+            changes.append("the shards' slices cut again (written by an hpcps that cut them elsewhere)")
         elif self.resharded:
             changes.append("the shards' slices dealt again (--partition-mb)")
         if self.redealt:
@@ -155,13 +162,16 @@ def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int, stripe: int | 
     the slowest written worker's clock, and the data of the interrupted epochs is dealt again
     (:func:`hpcps.data.sharding.redealt_batches`). A paradigm's own state (clocks per worker, per shard)
     starts afresh on either change. ``stripe``: the run's shard slices are striped so (``--partition-mb``,
-    :mod:`hpcps.cluster.slices`); slices cut otherwise than the checkpoint's count as another shard count.
+    :mod:`hpcps.cluster.slices`); slices cut otherwise than the checkpoint's (another stripe, or cuts not
+    on :data:`~hpcps.cluster.slices.ALIGN`'s grid) count as another shard count.
     """
     changes = {}
     written_stripe = stripe_elements(ckpt.config.get("partition_mb")) if ckpt.n_servers > 1 else None
-    if n_servers != ckpt.n_servers or written_stripe != (stripe if n_servers > 1 else None):
+    written_align = int(ckpt.config.get(SLICE_ALIGN, 1))  # checkpoints before the grid say nothing
+    if n_servers != ckpt.n_servers or written_stripe != (stripe if n_servers > 1 else None) or \
+            (n_servers > 1 and written_align != ALIGN):
         changes.update(written_servers=ckpt.n_servers, n_servers=n_servers, written_stripe=written_stripe,
-                       shard_versions=np.full(n_servers, ckpt.version, np.int64))
+                       written_align=written_align, shard_versions=np.full(n_servers, ckpt.version, np.int64))
     if n_workers != len(ckpt.worker_clocks):
         changes.update(written_clocks=ckpt.worker_clocks,
                        worker_clocks=np.full(n_workers, int(ckpt.worker_clocks.min()), np.int64))

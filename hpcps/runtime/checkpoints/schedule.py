@@ -28,7 +28,7 @@ from hpcps.runtime.checkpoints.files import (LoopState, checkpoint_path, newest_
 from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut, Snapshots
 from hpcps.training.optim import ShardOptimizer
 from hpcps.training.optstate import cut, from_shard, join, to_shard
-from hpcps.training.paramgroups import shard_groups
+from hpcps.training.paramgroups import group_breaks, shard_groups
 from hpcps.transport.poll import Backoff, polite_barrier
 from hpcps.transport.window import ParamWindow
 
@@ -185,7 +185,8 @@ def resliced_optimizer_state(plan: RunPlan, state: RunState, optimizer: ShardOpt
     count, or another stripe): each written shard's state laid over the flat vector, then cut at this
     shard's chunks (:mod:`hpcps.training.optstate`)."""
     cfg, ckpt, n_params, size = plan.cfg, plan.ckpt, plan.n_params, plan.size
-    written = Slices.plan(size, n_params, ckpt.written_servers, ckpt.written_stripe)
+    written = Slices.plan(size, n_params, ckpt.written_servers, ckpt.written_stripe,
+                          breaks=group_breaks(plan.groups), align=ckpt.written_align)
     parts = []
     for s in range(written.n_shards):
         n = written.trainable(s, n_params)

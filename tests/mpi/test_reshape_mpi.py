@@ -53,6 +53,21 @@ def _replay(path: str, n_workers: int) -> np.ndarray:
     return flat.params
 
 
+def _on_two_workers(world, tmp, path: str, name: str) -> dict:
+    """Resume ``path`` on 2 workers and its 2 shards (4 ranks): how far the result is from :func:`_replay`'s,
+    how far that moved from the checkpoint, and what the file says changed (every rank)."""
+    comm, facts = _sub(world, 4), None
+    if comm != MPI.COMM_NULL:
+        result, t = train(tmp / f"{name}.h5", comm=comm, servers=2, resume=path, **COMMON)
+        if comm.rank == 0:
+            reference = _replay(path, n_workers=2)
+            facts = {"diff": float(np.abs(result.params - reference).max()),
+                     "moved": float(np.abs(reference - read_checkpoint(path).params).max()),
+                     "shape": t["attrs"]["resumed_shape"], "pushed": int(t["summary"]["gradients_pushed"])}
+        comm.Free()
+    return share(world, facts)
+
+
 def _fresh_difference(world, tmp) -> float:
     """How far apart a fresh 1-shard and 2-shard run of the same 3 workers end (float rounding only)."""
     two, _ = train(tmp / "fresh-two.h5", servers=2, **COMMON)
@@ -92,17 +107,7 @@ def test_a_two_shard_checkpoint_resumes_on_one_shard_as_on_two(world, mpi_tmp_pa
 def test_a_three_worker_checkpoint_resumes_on_two_workers_as_that_shape_would_train(world, mpi_tmp_path):
     """2 workers (and the checkpoint's 2 shards, 4 ranks) from round 10: the parameters equal a one-process
     replay of 2 workers on the re-dealt data from the checkpoint's parameters and momentum."""
-    path = _checkpoint(world, mpi_tmp_path)
-    comm, facts = _sub(world, 4), None
-    if comm != MPI.COMM_NULL:
-        result, t = train(mpi_tmp_path / "fewer.h5", comm=comm, servers=2, resume=path, **COMMON)
-        if comm.rank == 0:
-            reference = _replay(path, n_workers=2)
-            facts = {"diff": float(np.abs(result.params - reference).max()),
-                     "moved": float(np.abs(reference - read_checkpoint(path).params).max()),
-                     "shape": t["attrs"]["resumed_shape"], "pushed": int(t["summary"]["gradients_pushed"])}
-        comm.Free()
-    facts = share(world, facts)
+    facts = _on_two_workers(world, mpi_tmp_path, _checkpoint(world, mpi_tmp_path), "fewer")
     assert facts["moved"] > 1e-3 and facts["diff"] < 1e-5
     assert facts["shape"] == "3 worker(s) at clocks [10, 10, 10] -> 2 at clock 10" and facts["pushed"] == 2 * 10
 
@@ -147,17 +152,8 @@ def test_a_checkpoint_whose_slices_were_cut_off_the_grid_resumes_as_that_shape_w
         m.setattr("hpcps.runtime.plan.ALIGN", 1)  # what it records: a checkpoint before the grid records none
         path = _checkpoint(world, mpi_tmp_path, "off-grid")
     sizes = [len(read_optimizer_state(path, s)["state"][0]["momentum_buffer"]) for s in range(2)]
-    assert sizes != [hi - lo for lo, hi in Slices.plan(sum(sizes), sum(sizes), 2).pieces[0][:1] +
-                     Slices.plan(sum(sizes), sum(sizes), 2).pieces[1][:1]]  # its cut is off today's
-    comm, facts = _sub(world, 4), None
-    if comm != MPI.COMM_NULL:
-        result, t = train(mpi_tmp_path / "off-grid-resumed.h5", comm=comm, servers=2, resume=path, **COMMON)
-        if comm.rank == 0:
-            reference = _replay(path, n_workers=2)
-            facts = {"diff": float(np.abs(result.params - reference).max()),
-                     "moved": float(np.abs(reference - read_checkpoint(path).params).max()),
-                     "shape": t["attrs"]["resumed_shape"]}
-        comm.Free()
-    facts = share(world, facts)
+    today = Slices.plan(sum(sizes), sum(sizes), 2)  # the MLP has no buffers: its values are all trainable
+    assert sizes != [today.length(0), today.length(1)]  # its cut is off today's
+    facts = _on_two_workers(world, mpi_tmp_path, path, "off-grid-resumed")
     assert facts["moved"] > 1e-3 and facts["diff"] < 1e-5, facts
     assert facts["shape"].startswith("the shards' slices cut again"), facts

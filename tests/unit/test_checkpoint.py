@@ -80,6 +80,17 @@ def test_a_checkpoint_whose_shards_were_cut_off_the_grid_is_cut_again_and_one_on
             assert same.describe_shape() == ("the shards' slices cut again (written by an hpcps that cut them "
                                              "elsewhere)")
     assert not reshaped(read_checkpoint(_write(tmp_path / "one")), n_servers=1, n_workers=4).resharded  # 1 shard
+    # an old checkpoint dealt in another stripe (--partition-mb) too: the line names both reasons
+    striped = make_config({"paradigm": "bsp", "servers": 2, "partition_mb": 0.25}).as_json_dict()
+    path = write_checkpoint(checkpoint_path(str(tmp_path / "striped"), 20), np.arange(6, dtype=np.float32),
+                            version=20, worker_clocks=[20] * 3, config=striped, n_servers=2)
+    both = reshaped(read_checkpoint(path), n_servers=2, n_workers=3)
+    assert both.describe_shape() == ("the shards' slices dealt again (--partition-mb) and cut again (written by an "
+                                     "hpcps that cut them elsewhere)")
+    on_grid = reshaped(read_checkpoint(write_checkpoint(
+        checkpoint_path(str(tmp_path / "striped-new"), 20), np.arange(6, dtype=np.float32), version=20,
+        worker_clocks=[20] * 3, config={**striped, SLICE_ALIGN: ALIGN}, n_servers=2)), n_servers=2, n_workers=3)
+    assert on_grid.describe_shape() == "the shards' slices dealt again (--partition-mb)"
 
 
 def test_missing_and_foreign_files(tmp_path):

@@ -87,6 +87,8 @@ class Checkpoint:
     #: and the grid their cuts were aligned to (:data:`hpcps.cluster.slices.ALIGN`; 1: a checkpoint of
     #: an hpcps that cut where the values fell)
     written_align: int = ALIGN
+    #: the stripe this run deals its slices in, where they are cut again (None: contiguous, or not resliced)
+    run_stripe: int | None = None
     #: a checkpoint another paradigm wrote, which this run goes on from (:func:`for_paradigm`): that
     #: paradigm's name (None: this run's own)
     written_paradigm: str | None = None
@@ -111,10 +113,11 @@ class Checkpoint:
         changes = []
         if self.resharded and self.written_servers != self.n_servers:
             changes.append(f"{self.written_servers} shard(s) -> {self.n_servers}")
-        elif self.resharded and self.written_align != ALIGN:
-            changes.append("the shards' slices cut again (written by an hpcps that cut them elsewhere)")
-        elif self.resharded:
-            changes.append("the shards' slices dealt again (--partition-mb)")
+        elif self.resharded:  # the same shards, their slices cut otherwise: say each reason there is
+            why = ["dealt again (--partition-mb)"] if self.written_stripe != self.run_stripe else []
+            if self.written_align != ALIGN:
+                why.append("cut again (written by an hpcps that cut them elsewhere)")
+            changes.append("the shards' slices " + " and ".join(why))
         if self.redealt:
             changes.append(f"{len(self.written_clocks)} worker(s) at clocks {self.written_clocks.tolist()} -> "
                            f"{len(self.worker_clocks)} at clock {int(self.worker_clocks[0])}")
@@ -171,7 +174,8 @@ def reshaped(ckpt: Checkpoint, *, n_servers: int, n_workers: int, stripe: int | 
     if n_servers != ckpt.n_servers or written_stripe != (stripe if n_servers > 1 else None) or \
             (n_servers > 1 and written_align != ALIGN):
         changes.update(written_servers=ckpt.n_servers, n_servers=n_servers, written_stripe=written_stripe,
-                       written_align=written_align, shard_versions=np.full(n_servers, ckpt.version, np.int64))
+                       written_align=written_align, shard_versions=np.full(n_servers, ckpt.version, np.int64),
+                       run_stripe=stripe if n_servers > 1 else None)
     if n_workers != len(ckpt.worker_clocks):
         changes.update(written_clocks=ckpt.worker_clocks,
                        worker_clocks=np.full(n_workers, int(ckpt.worker_clocks.min()), np.int64))

@@ -212,8 +212,13 @@ def test_a_trial_that_diverges_ends_with_a_warning_of_the_trial_not_a_runs_error
     to take (a smaller --lr, --divergence ignore). With every trial stopped, the job ends before the run."""
     cfg = make_config({"paradigm": "auto", "paradigms": ["bsp", "asp"], "trial_steps": 40, "steps": 400,
                        "lr": 50.0, "progress": False, "out": str(mpi_tmp_path / "auto.h5")})
-    with pytest.raises(UserError, match="every paradigm's trial stopped on its own"):
-        choose_paradigm(cfg, world, run_training)
+    try:
+        chosen = choose_paradigm(cfg, world, run_training)
+    except UserError as e:
+        assert "every paradigm's trial stopped on its own" in str(e), e
+    else:  # (failed once in CI's Open MPI stage, passing alone: say what the trials did)
+        pytest.fail(f"a trial at lr 50 did not stop; chosen: {chosen!r}; rank {world.rank}'s log:\n"
+                    + capsys.readouterr().err[-4000:])
     err = capsys.readouterr().err
     facts = share(world, {"trial": [x for x in err.splitlines() if "'s trial diverged: " in x],
                           "run": [x for x in err.splitlines() if "training diverged" in x or "stopped by" in x

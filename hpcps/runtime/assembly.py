@@ -131,7 +131,8 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
                               batches=state.source.test_batches(cfg.eval_batch_size)
                               if state.source and not plan.trial else None,
                               evaluate=plan.workload.evaluation(),
-                              pull=lambda out: window.pull(out, Backoff()), records=Records(recorder, state.clock),
+                              pull=lambda out: window.pull_one_version(out, Backoff()),
+                              records=Records(recorder, state.clock),
                               plan=EvalPlan(cfg.eval_interval, every=cfg.eval_every, target=cfg.stop_target,
                                             on_target=window.set_stop, log_every=cfg.log_every),
                               background=background, version=lambda: server.version)

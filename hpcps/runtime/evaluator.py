@@ -3,11 +3,14 @@
 Rank 0 evaluates; its server loop calls :meth:`Evaluator.tick`. Every
 ``interval`` seconds (or, with ``every``, once shard 0 has applied that
 many updates since the last evaluation) an evaluation pulls the published parameters and
-buffers of every shard (the same one-sided pull a worker uses), evaluates
+buffers of every shard (one-sided, as a worker pulls, but of one version of every shard where
+their slots allow it: :meth:`hpcps.transport.window.ParamWindow.pull_one_version`; a pull that read
+a shard a round ahead of another evaluated a model that never was), evaluates
 them with the workload's evaluation function in ``model.eval()`` under
 ``torch.no_grad()``, batch by batch, and records a ``/eval`` row (``loss``
 and ``accuracy``; NaN where the evaluation gives none, and any other named
-metric in ``/eval_metrics``). The first time the ``target``
+metric in ``/eval_metrics``) at the version read (the lowest, where the shards could not be read at
+one). The first time the ``target``
 (:class:`hpcps.options.targets.Target`: any metric the evaluation returns) is met it
 calls ``on_target`` (the run's stop), and no periodic evaluation follows:
 versions go on while the stop reaches the workers, and evaluating them would

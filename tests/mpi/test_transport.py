@@ -25,7 +25,8 @@ def test_pulls_never_return_a_torn_snapshot(world, protocol):
     """Shards 0 and 1 publish version v as a block of v's as fast as they can; 3 readers check every pull.
 
     Publishing this fast, readers often find the newest slot claimed for a newer publish between
-    their read of it and their pin, and start over (``retries``): that path runs too.
+    their read of it and their pin, and start over (``retries``): that path runs too, as does a pull
+    of one version's read of an older slot the shard may claim meanwhile.
     """
     n, shards, pulls = 1 << 18, [0, 1], 200
     bounds = shard_bounds(n, 2)
@@ -51,8 +52,8 @@ def test_pulls_never_return_a_torn_snapshot(world, protocol):
             assert list(window.header[wire.WIN_PINS:wire.WIN_PINS + window.n_slots]) == [0] * window.n_slots
     else:
         out = np.empty(n, np.float32)
-        for _ in range(pulls):
-            versions, _ = window.pull(out)
+        for k in range(pulls):  # (every other one a pull of one version: its reads out of older slots too)
+            versions, _ = (window.pull_one_version if k % 2 else window.pull)(out)
             for s, (a, b) in enumerate(bounds):
                 bad += int(not np.all(out[a:b] == versions[s]))
                 seen.add(int(versions[s]))
@@ -402,6 +403,58 @@ def test_a_payload_coming_in_is_named_so_and_not_owed(world):
     pair.Free()
     polite_barrier(world)
     assert facts["during"] == ([0], []) and facts["after"] == ([], [])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("protocol,codec", [("pinned", "none"), ("pinned", "bf16"), ("locked", "none")])
+def test_an_evaluations_pull_reads_every_shard_at_one_version_where_the_slots_still_hold_it(world, protocol, codec):
+    """Shard 1 a publish ahead of shard 0 (a bsp round's shards read while it closes): the pull of one
+    version reads shard 1 at shard 0's version out of the slot that still holds it. Three publishes ahead
+    (its three slots hold 2-4), and under the locked protocol's single copy, it cannot: it reads again,
+    and returns the versions as they are, each shard's values its own version's. No pin is left behind."""
+    from hpcps.transport.compress import make_codec
+
+    n, shards = 1000, [0, 1]
+    bounds = shard_bounds(n, 2)
+    lo, hi = bounds[world.rank] if world.rank in shards else (0, 0)
+    window = ParamWindow(world, shard_ranks=shards, bounds=bounds, local_len=hi - lo, protocol=protocol,
+                         codec=make_codec(codec))
+
+    def publish(shard: int, version: int) -> None:  # shard s's values at version v: 10 s + v (exact in bf16)
+        if world.rank == shard:
+            window.publish(np.full(hi - lo, 10 * shard + version, np.float32), version)
+
+    def read() -> tuple | None:
+        world.Barrier()
+        facts = None
+        if world.rank == 2:
+            out = np.full(n, -1, np.float32)
+            versions, _ = window.pull_one_version(out, Backoff())
+            facts = ([int(v) for v in versions],
+                     [sorted({float(x) for x in out[a:b]}) for a, b in bounds])
+        world.Barrier()
+        return facts
+
+    publish(0, 1)
+    publish(1, 1)
+    publish(1, 2)
+    one_ahead = read()
+    publish(1, 3)
+    publish(1, 4)
+    three_ahead = read()
+    pins = None
+    if world.rank in shards and protocol == "pinned":
+        pins = [int(c) for c in window.header[wire.WIN_PINS:wire.WIN_PINS + window.n_slots]]
+    pins = world.gather(pins, root=0)
+    facts = share(world, (world.bcast(one_ahead, root=2), world.bcast(three_ahead, root=2), pins))
+    window.free()
+    one_ahead, three_ahead, pins = facts
+    if protocol == "pinned":
+        assert one_ahead == ([1, 1], [[1.0], [11.0]])
+        assert pins[:2] == [[0, 0, 0]] * 2
+    else:
+        assert one_ahead == ([1, 2], [[1.0], [12.0]])
+    assert three_ahead == ([1, 4], [[1.0], [14.0]])
 
 
 def _bf16_window(world, n: int, protocol: str) -> ParamWindow:

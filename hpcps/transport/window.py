@@ -87,8 +87,6 @@ from hpcps.transport.poll import Backoff, wait_until
 
 PROTOCOLS = ("auto", "pinned", "locked")
 SLOTS = 3  # pinned: copies of the parameters a shard keeps (wire.WIN_MAX_SLOTS at most)
-#: the pulls :meth:`ParamWindow.pull_one_version` may read again where the shards' versions differ
-ONE_VERSION_TRIES = 3
 CLAIMED = -(1 << 40)  # pinned: a slot's reader count while the shard writes it
 _I64 = MPI.INT64_T
 _HEADER_WORDS = wire.WINDOW_HEADER_BYTES // 8
@@ -211,69 +209,59 @@ class _Reads:
         t = self.mpi_type
         return win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t))
 
-    def pull_one_version(self, out: np.ndarray, backoff: Backoff | None = None,
-                         tries: int = ONE_VERSION_TRIES) -> tuple[np.ndarray, bool]:
-        """A pull (:meth:`pull`) of one version of the model: every shard's slice as it was at the same
-        version where the shards' slots allow it, for a reader that must name the model it read (the
-        held-out evaluation). A pull reads the shards one after the other while they go on publishing,
-        and under bsp a shard read late may be a round ahead of one read early: a model that never was
-        (one trajectory's version 69 evaluated 0.956 in one run and 0.941 in another, docs/results.md).
+    def pull_one_version(self, out: np.ndarray, backoff: Backoff | None = None) -> tuple[np.ndarray, bool]:
+        """A pull (:meth:`pull`) of one version of the model where the shards' slots allow it, for a reader that
+        must name the model it read (the held-out evaluation). A pull reads the shards one after the other
+        while they go on publishing, and under bsp a shard read late may be a round ahead of one read early:
+        a model no step held (one trajectory's version 69 evaluated 0.956 in one run and 0.941 in another,
+        docs/results.md).
 
-        Where the versions read differ, the shards ahead are read again at the lowest one out of the slot
-        that still holds it (pinned, :meth:`_read_at`: a round ahead, the previous publish is there); a
-        shard whose slots have moved on (more than ``SLOTS - 1`` publishes ahead, as asp's shards may be),
-        or the locked protocol's single copy, makes it read everything again, at most ``tries`` times.
-        Returns the versions read (all one where it succeeded; else as the last pull left them) and
-        whether any stop flag was raised."""
+        Where the versions read differ, the shards ahead are read again at the lowest one, out of the slots
+        that still hold it (pinned, :meth:`_read_at`: a round ahead, the previous publish is there), all of
+        them or none. Where one has moved on (``SLOTS - 1`` publishes or more ahead, as asp's shards may be
+        over a slow link), and under the locked protocol's single copy, the pull stands as read: reading
+        everything again would cost the workers' links as much again, and the shards of an asynchronous
+        paradigm move on meanwhile. Returns the versions read (one, where it succeeded) and whether any
+        stop flag was raised."""
         versions, stop = self.pull(out, backoff)
-        for _ in range(tries):
-            if versions.min() == versions.max():
-                break
-            low = int(versions.min())
-            ahead = [s for s in range(len(versions)) if versions[s] != low]
-            if self.protocol == "pinned":
-                versions[self._read_at(out, low, ahead, backoff)] = low
-                if versions.min() == versions.max():
-                    break
-            versions, raised = self.pull(out, backoff)
-            stop = stop or raised
+        low = int(versions.min())
+        ahead = [s for s in range(len(versions)) if versions[s] != low]
+        if ahead and self.protocol == "pinned" and self._read_at(out, low, ahead, backoff):
+            versions[ahead] = low
         return versions, stop
 
-    def _read_at(self, out: np.ndarray, version: int, shards: Sequence[int], backoff: Backoff | None) -> list[int]:
+    def _read_at(self, out: np.ndarray, version: int, shards: Sequence[int], backoff: Backoff | None) -> bool:
         """Pinned: read each of ``shards``' slices into ``out`` as it was at ``version``, out of the slot that
         still holds it (a shard keeps its last :data:`SLOTS` publishes, and writes over the one it published
-        longest ago). Returns the shards read; one whose slots no longer hold ``version`` (it published
-        ``SLOTS - 1`` or more since), or whose slot was claimed before the pin took, is left as it was.
+        longest ago), if every one of them still holds it; else read nothing. Returns whether it read.
 
-        As a pull's pin: the slot's version is read again once the pin is in place, and a slot claimed or
+        As a pull's pin: the slots' versions are read again once the pins are in place, and a slot claimed or
         written anew between the two reads is not read."""
         win = self._live()
         words = np.zeros((len(self.shard_ranks), _HEADER_WORDS), np.int64)
         first, count = wire.WIN_SLOT_VERSION, self.n_slots
         self._get_words(words, shards, first, count, backoff)
         slots = np.zeros(len(self.shard_ranks), np.int64)
-        held = []
         for s in shards:
             match = np.flatnonzero(words[s, first:first + count] == version)
-            if len(match):
-                slots[s] = match[0]
-                held.append(s)
-        if not held:
-            return []
+            if not len(match):
+                return False
+            slots[s] = match[0]
         found = np.zeros(len(self.shard_ranks), np.int64)
-        self._pin(held, slots, found, +1, backoff)
-        self._get_words(words, held, first, count, backoff)  # (with the pins in place)
-        good = [s for s in held if found[s] >= 0 and words[s, first + int(slots[s])] == version]
+        self._pin(shards, slots, found, +1, backoff)
+        self._get_words(words, shards, first, count, backoff)  # (with the pins in place)
+        held = all(found[s] >= 0 and words[s, first + int(slots[s])] == version for s in shards)
         land = self._landing(out)
-        copies = [self._get_range(win, land, s, at, lo, hi, slots) for s in good
-                  for at, lo, hi in self.slices.local_ranges(s)]
-        wait_until(lambda: MPI.Request.Testall(copies), backoff)
-        self._pin(held, slots, np.zeros(len(self.shard_ranks), np.int64), -1, backoff)
-        if land is not out:  # a 16-bit window: widen what came
-            for s in good:
+        if held:
+            copies = [self._get_range(win, land, s, at, lo, hi, slots) for s in shards
+                      for at, lo, hi in self.slices.local_ranges(s)]
+            wait_until(lambda: MPI.Request.Testall(copies), backoff)
+        self._pin(shards, slots, np.zeros(len(self.shard_ranks), np.int64), -1, backoff)
+        if held and land is not out:  # a 16-bit window: widen what came
+            for s in shards:
                 for _, lo, hi in self.slices.local_ranges(s):
                     self.codec.decode_params(land[lo:hi], out[lo:hi])
-        return good
+        return held
 
     def _read_locked(self, out: np.ndarray | None, backoff: Backoff | None) -> tuple[np.ndarray, bool]:
         win = self._live()

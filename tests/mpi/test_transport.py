@@ -408,53 +408,50 @@ def test_a_payload_coming_in_is_named_so_and_not_owed(world):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("protocol,codec", [("pinned", "none"), ("pinned", "bf16"), ("locked", "none")])
 def test_an_evaluations_pull_reads_every_shard_at_one_version_where_the_slots_still_hold_it(world, protocol, codec):
-    """Shard 1 a publish ahead of shard 0 (a bsp round's shards read while it closes): the pull of one
-    version reads shard 1 at shard 0's version out of the slot that still holds it. Three publishes ahead
-    (its three slots hold 2-4), and under the locked protocol's single copy, it cannot: it reads again,
-    and returns the versions as they are, each shard's values its own version's. No pin is left behind."""
+    """Shards 1 and 2 a publish ahead of shard 0 (a bsp round's shards read while it closes): the pull of one
+    version reads them at shard 0's version out of the slots that still hold it. With shard 2 three
+    publishes ahead (its three slots hold 2-4), and under the locked protocol's single copy, it cannot, and
+    reads none again: the versions stand as read, each shard's values its own version's. No pin is left."""
     from hpcps.transport.compress import make_codec
 
-    n, shards = 1000, [0, 1]
-    bounds = shard_bounds(n, 2)
+    n, shards = 999, [0, 1, 2]
+    bounds = shard_bounds(n, 3)
     lo, hi = bounds[world.rank] if world.rank in shards else (0, 0)
     window = ParamWindow(world, shard_ranks=shards, bounds=bounds, local_len=hi - lo, protocol=protocol,
                          codec=make_codec(codec))
 
-    def publish(shard: int, version: int) -> None:  # shard s's values at version v: 10 s + v (exact in bf16)
-        if world.rank == shard:
-            window.publish(np.full(hi - lo, 10 * shard + version, np.float32), version)
+    def publish(shard: int, *versions: int) -> None:  # shard s's values at version v: 10 s + v (exact in bf16)
+        for version in versions:
+            if world.rank == shard:
+                window.publish(np.full(hi - lo, 10 * shard + version, np.float32), version)
 
     def read() -> tuple | None:
         world.Barrier()
         facts = None
-        if world.rank == 2:
+        if world.rank == 3:
             out = np.full(n, -1, np.float32)
             versions, _ = window.pull_one_version(out, Backoff())
-            facts = ([int(v) for v in versions],
-                     [sorted({float(x) for x in out[a:b]}) for a, b in bounds])
+            facts = ([int(v) for v in versions], [sorted({float(x) for x in out[a:b]}) for a, b in bounds])
         world.Barrier()
-        return facts
+        return world.bcast(facts, root=3)
 
     publish(0, 1)
-    publish(1, 1)
-    publish(1, 2)
+    publish(1, 1, 2)
+    publish(2, 1, 2)
     one_ahead = read()
-    publish(1, 3)
-    publish(1, 4)
-    three_ahead = read()
+    publish(2, 3, 4)
+    moved_on = read()
     pins = None
     if world.rank in shards and protocol == "pinned":
         pins = [int(c) for c in window.header[wire.WIN_PINS:wire.WIN_PINS + window.n_slots]]
-    pins = world.gather(pins, root=0)
-    facts = share(world, (world.bcast(one_ahead, root=2), world.bcast(three_ahead, root=2), pins))
+    pins = share(world, world.gather(pins, root=0))
     window.free()
-    one_ahead, three_ahead, pins = facts
     if protocol == "pinned":
-        assert one_ahead == ([1, 1], [[1.0], [11.0]])
-        assert pins[:2] == [[0, 0, 0]] * 2
+        assert one_ahead == ([1, 1, 1], [[1.0], [11.0], [21.0]])
+        assert pins[:3] == [[0, 0, 0]] * 3
     else:
-        assert one_ahead == ([1, 2], [[1.0], [12.0]])
-    assert three_ahead == ([1, 4], [[1.0], [14.0]])
+        assert one_ahead == ([1, 2, 2], [[1.0], [12.0], [22.0]])
+    assert moved_on == ([1, 2, 4], [[1.0], [12.0], [24.0]])  # (shard 1 could, shard 2 not: neither read again)
 
 
 def _bf16_window(world, n: int, protocol: str) -> ParamWindow:

@@ -131,11 +131,14 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
                               batches=state.source.test_batches(cfg.eval_batch_size)
                               if state.source and not plan.trial else None,
                               evaluate=plan.workload.evaluation(),
-                              pull=lambda out: window.pull_one_version(out, Backoff()),
+                              # (--eval-every's version itself, where the shards are past it: under rounds)
+                              pull=lambda out, at=None: window.pull_one_version(
+                                  out, Backoff(), at=at if policy.holds_rounds else None),
                               records=Records(recorder, state.clock),
                               plan=EvalPlan(cfg.eval_interval, every=cfg.eval_every, target=cfg.stop_target,
                                             on_target=window.set_stop, log_every=cfg.log_every),
-                              background=background, version=lambda: server.version)
+                              background=background, version=lambda: server.version,
+                              settled=lambda: int(window.peek(Backoff()).min()))
         bar = Progress(len(workers) * plan.rounds, cfg.paradigm, enabled=cfg.progress, every=cfg.progress_every,
                        accuracy=lambda: evaluator.accuracy)
         side_tasks += [("metrics", recorder.drain), ("evaluate", evaluator.tick)]

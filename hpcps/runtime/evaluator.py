@@ -1,8 +1,8 @@
 """Server-side evaluation of the global parameters on the held-out set.
 
 Rank 0 evaluates; its server loop calls :meth:`Evaluator.tick`. Every
-``interval`` seconds (or, with ``every``, once shard 0 has applied that
-many updates since the last evaluation) an evaluation pulls the published parameters and
+``interval`` seconds (or, with ``every``, at every multiple of it, once every shard has published
+that version) an evaluation pulls the published parameters and
 buffers of every shard (one-sided, as a worker pulls, but of one version of every shard where
 their slots allow it: :meth:`hpcps.transport.window.ParamWindow.pull_one_version`; a pull that read
 a shard a round ahead of another evaluated a model that never was), evaluates
@@ -47,6 +47,9 @@ from hpcps.options.targets import Target
 
 log = logging.getLogger("hpcps")
 
+#: how often (s) rank 0's loop asks every shard's newest version (a read of each one's header) while shard 0 has
+#: published the version ``--eval-every`` evaluates next and another shard may not have
+SETTLE_POLL_S = 0.005
 #: the helper thread's nice value: where cores are short, the server's thread runs first
 NICE = 19
 #: rank 0 says so (once) where the evaluations' pulls took more than this share of the run's time, after
@@ -62,8 +65,8 @@ PULL_SLOW_S = 0.1
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """When rank 0 evaluates, and what follows: every ``interval`` seconds, or (``every``) once shard 0 has
-    applied that many updates since the last; ``target``: the metric that stops the run when met, calling
+    """When rank 0 evaluates, and what follows: every ``interval`` seconds, or (``every``) at the versions
+    ``every``, 2 ``every``, ...; ``target``: the metric that stops the run when met, calling
     ``on_target``; console lines every ``log_every`` seconds."""
 
     interval: float
@@ -76,18 +79,23 @@ class EvalPlan:
 class Evaluator:
     def __init__(self, *, model: torch.nn.Module, flat: FlatParameters, batches: Iterable[Any] | None,
                  evaluate: Callable[[torch.nn.Module, Iterable[Any]], Mapping[str, float]],
-                 pull: Callable[[np.ndarray], tuple[np.ndarray, bool]], records: Records, plan: EvalPlan,
-                 background: bool = False, version: Callable[[], int] = lambda: 0) -> None:
+                 pull: Callable[..., tuple[np.ndarray, bool]], records: Records, plan: EvalPlan,
+                 background: bool = False, version: Callable[[], int] = lambda: 0,
+                 settled: Callable[[], int] | None = None) -> None:
         """Evaluate ``model`` (its flat vector ``flat``) on ``batches`` with ``evaluate``, the parameters
-        ``pull`` brings (shard 0's ``version()`` when it starts), as and when ``plan`` says; rows to
-        ``records``."""
+        ``pull(out)`` brings (``pull(out, at=V)`` for ``plan.every``'s version V), as and when ``plan`` says;
+        rows to ``records``. ``version()``: shard 0's own;
+        ``settled()``: the lowest version every shard has published, which ``plan.every`` waits for (None:
+        shard 0's stands for every shard's)."""
         self.model, self.flat, self.batches, self.evaluate_fn = model, flat, batches, evaluate
         self.pull, self.recorder, self.clock = pull, records.recorder, records.clock
         self.interval, self.target, self.on_target = plan.interval, plan.target, plan.on_target
         self.log_every, every = plan.log_every, plan.every
         self.last = self.last_log = 0.0
-        self.every, self.version = every, version
+        self.every, self.version, self.settled = every, version, settled
         self.last_version = 0  # the version of the last evaluation started, then the version it read
+        self._asked = -math.inf  # when settled() was last asked
+        self.at: int | None = None  # the version the evaluation under way is to read (every), None: any
         self.reached = False
         self.accuracy = float("nan")
         self.metrics: dict[str, float] = {}
@@ -104,7 +112,7 @@ class Evaluator:
         recorded = self._collect()
         if self._thread is not None or not self._due():
             return recorded
-        self.last_version = self.version()
+        self.last_version = self.at if self.at is not None else self.version()
         if not self.background:
             self.evaluate()
             return True
@@ -116,9 +124,28 @@ class Evaluator:
     def _due(self) -> bool:
         if self.reached:  # the run is stopping; the final evaluation (evaluate) is the one left to take
             return False
-        if self.every is not None:
-            return self.version() - self.last_version >= self.every
-        return self.clock() - self.last >= self.interval
+        if self.every is None:
+            return self.clock() - self.last >= self.interval
+        # every: at the versions every, 2 every, ... once every shard has published the next, and the read is
+        # of that version (``at``: under rounds, out of the slots of the shards gone past it), so that runs of
+        # one trajectory evaluate the same versions; the next at least every versions after the version read
+        # (a read that lagged the rounds does not start the next at once), on the grid whatever version a run
+        # starts at. (Started as shard 0 published it, an evaluation read that version or the one before,
+        # whichever the shards read first held: ResNet-18 at 100 Mbit/s, version 69 scored 0.956 and 70
+        # 0.941, and of three runs of one trajectory two met 95% at 69, one at 80.)
+        grid = -(-(self.last_version + self.every) // self.every) * self.every
+        if self.version() < grid:
+            return False
+        if self.settled is not None:
+            now = self.clock()
+            if now - self._asked < SETTLE_POLL_S:
+                return False
+            self._asked = now
+            if self.settled() < grid:
+                return False
+        # (a whole ``every`` past it, as at a resumed run's start: evaluate what is there)
+        self.at = grid if self.version() < grid + self.every else None
+        return True
 
     def evaluate(self) -> float:
         """Pull, evaluate and record now, in this thread (after any background evaluation has ended);
@@ -152,7 +179,8 @@ class Evaluator:
 
     def _measure(self) -> tuple[float, int, dict[str, float], float]:
         t = self.clock()
-        versions, _ = self.pull(self.flat.params)
+        at, self.at = self.at, None
+        versions, _ = self.pull(self.flat.params) if at is None else self.pull(self.flat.params, at=at)
         pulled = self.clock() - t
         self.flat.upload()
         if self.batches is None:

@@ -209,7 +209,8 @@ class _Reads:
         t = self.mpi_type
         return win.Rget([land[lo:hi], hi - lo, t], self.shard_ranks[s], (offset, hi - lo, t))
 
-    def pull_one_version(self, out: np.ndarray, backoff: Backoff | None = None) -> tuple[np.ndarray, bool]:
+    def pull_one_version(self, out: np.ndarray, backoff: Backoff | None = None,
+                         at: int | None = None) -> tuple[np.ndarray, bool]:
         """A pull (:meth:`pull`) of one version of the model where the shards' slots allow it, for a reader that
         must name the model it read (the held-out evaluation). A pull reads the shards one after the other
         while they go on publishing, and under bsp a shard read late may be a round ahead of one read early:
@@ -221,13 +222,22 @@ class _Reads:
         them or none. Where one has moved on (``SLOTS - 1`` publishes or more ahead, as asp's shards may be
         over a slow link), and under the locked protocol's single copy, the pull stands as read: reading
         everything again would cost the workers' links as much again, and the shards of an asynchronous
-        paradigm move on meanwhile. Returns the versions read (one, where it succeeded) and whether any
-        stop flag was raised."""
+        paradigm move on meanwhile.
+
+        ``at``: the version to read where every shard has moved past it by the time it is read, out of the
+        slots that still hold it (else the lowest, as above): ``--eval-every``'s version under a paradigm of
+        rounds, whose rounds may be quicker than an evaluation takes to start, and whose every shard's read
+        is then quick too. Returns the versions read (one, where it succeeded) and whether any stop flag was
+        raised."""
         versions, stop = self.pull(out, backoff)
         low = int(versions.min())
-        ahead = [s for s in range(len(versions)) if versions[s] != low]
-        if ahead and self.protocol == "pinned" and self._read_at(out, low, ahead, backoff):
-            versions[ahead] = low
+        for version in dict.fromkeys(v for v in (at, low) if v is not None and v <= low):
+            ahead = [s for s in range(len(versions)) if versions[s] != version]
+            if not ahead:
+                break
+            if self.protocol == "pinned" and self._read_at(out, version, ahead, backoff):
+                versions[ahead] = version
+                break
         return versions, stop
 
     def _read_at(self, out: np.ndarray, version: int, shards: Sequence[int], backoff: Backoff | None) -> bool:

@@ -210,6 +210,22 @@ def test_target_accuracy_stops_early_and_loses_nothing(world, mpi_tmp_path, monk
         assert facts["rounds_after_hit"] <= 2
 
 
+@pytest.mark.timeout(120)
+def test_evaluations_every_n_versions_read_the_multiples_of_n_on_every_shard(world, mpi_tmp_path, monkeypatch):
+    """bsp on two shards, --eval-every 3, evaluations in shard 0's loop: each periodic evaluation reads
+    version 3, 6, 9, ... on both shards. It starts once both have published it, and a shard that has gone
+    on since is read out of its slot (shard 0 publishes nothing while it evaluates, so shard 1 is at most a
+    round ahead). An evaluation that started as shard 0 published 3k read 3k - 1 wherever shard 1 had not
+    published yet: a version off the grid, run by run. (In a helper thread, the default, the read waits for
+    the thread's start, up to two rounds, 50 ms of compute each here.)"""
+    monkeypatch.setenv("HPCPS_EVAL_BACKGROUND", "0")
+    _, t = train(mpi_tmp_path / "every.h5", paradigm="bsp", servers=2, steps=30, eval_every=3, compute_time=0.05)
+    versions = share(world, t["eval"]["version"].tolist() if world.rank == 0 else None)
+    periodic, final = versions[:-1], versions[-1]
+    assert final == 30 and len(periodic) >= 9, versions
+    assert periodic == list(range(3, 3 * len(periodic) + 1, 3)), versions
+
+
 def test_compute_time_model_sets_each_workers_iteration_time(world, mpi_tmp_path):
     mean, steps = 0.004, 12
     _, t = train(mpi_tmp_path / "emu.h5", paradigm="asp", steps=steps, compute_time=mean, slowdown=["4=2.5"])

@@ -411,7 +411,9 @@ def test_an_evaluations_pull_reads_every_shard_at_one_version_where_the_slots_st
     """Shards 1 and 2 a publish ahead of shard 0 (a bsp round's shards read while it closes): the pull of one
     version reads them at shard 0's version out of the slots that still hold it. With shard 2 three
     publishes ahead (its three slots hold 2-4), and under the locked protocol's single copy, it cannot, and
-    reads none again: the versions stand as read, each shard's values its own version's. No pin is left."""
+    reads none again: the versions stand as read, each shard's values its own version's. Asked for a
+    version every shard has gone past (``at``, --eval-every's), it reads that one where every shard's slots
+    hold it, else the lowest. No pin is left."""
     from hpcps.transport.compress import make_codec
 
     n, shards = 999, [0, 1, 2]
@@ -425,12 +427,12 @@ def test_an_evaluations_pull_reads_every_shard_at_one_version_where_the_slots_st
             if world.rank == shard:
                 window.publish(np.full(hi - lo, 10 * shard + version, np.float32), version)
 
-    def read() -> tuple | None:
+    def read(at: int | None = None) -> tuple | None:
         world.Barrier()
         facts = None
         if world.rank == 3:
             out = np.full(n, -1, np.float32)
-            versions, _ = window.pull_one_version(out, Backoff())
+            versions, _ = window.pull_one_version(out, Backoff(), at=at)
             facts = ([int(v) for v in versions], [sorted({float(x) for x in out[a:b]}) for a, b in bounds])
         world.Barrier()
         return world.bcast(facts, root=3)
@@ -441,17 +443,26 @@ def test_an_evaluations_pull_reads_every_shard_at_one_version_where_the_slots_st
     one_ahead = read()
     publish(2, 3, 4)
     moved_on = read()
+    publish(0, 2, 3)  # 3, 2, 4: at 2 (the lowest), shards 0 and 2 out of their slots
+    at_lowest = read(at=2)
+    publish(1, 3, 4)  # 3, 4, 4: every shard past 2, and its slots all hold it
+    past_at = read(at=2), read(), read(at=1)  # (at 2; the lowest, 3; 1 gone from shard 1: the lowest)
     pins = None
     if world.rank in shards and protocol == "pinned":
         pins = [int(c) for c in window.header[wire.WIN_PINS:wire.WIN_PINS + window.n_slots]]
     pins = share(world, world.gather(pins, root=0))
     window.free()
+    assert moved_on == ([1, 2, 4], [[1.0], [12.0], [24.0]])  # (shard 1 could, shard 2 not: neither read again)
     if protocol == "pinned":
         assert one_ahead == ([1, 1, 1], [[1.0], [11.0], [21.0]])
+        assert at_lowest == ([2, 2, 2], [[2.0], [12.0], [22.0]])
+        assert past_at == (([2, 2, 2], [[2.0], [12.0], [22.0]]), ([3, 3, 3], [[3.0], [13.0], [23.0]]),
+                           ([3, 3, 3], [[3.0], [13.0], [23.0]]))
         assert pins[:3] == [[0, 0, 0]] * 3
-    else:
+    else:  # (one copy a shard: every pull stands as read)
         assert one_ahead == ([1, 2, 2], [[1.0], [12.0], [22.0]])
-    assert moved_on == ([1, 2, 4], [[1.0], [12.0], [24.0]])  # (shard 1 could, shard 2 not: neither read again)
+        assert at_lowest == ([3, 2, 4], [[3.0], [12.0], [24.0]])
+        assert past_at == (([3, 4, 4], [[3.0], [14.0], [24.0]]),) * 3
 
 
 def _bf16_window(world, n: int, protocol: str) -> ParamWindow:

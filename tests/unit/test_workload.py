@@ -287,8 +287,9 @@ def test_a_label_beyond_the_models_outputs_is_one_line_saying_so():
 
 
 def test_every_n_versions_counts_from_the_version_a_background_evaluation_read():
-    """The server is at version 10 when an evaluation starts and at 14 when its helper pulls: the next one
-    is due at 19, 5 after the version evaluated, not at 15 (which read 15, one version after 14)."""
+    """The server is at version 5 when an evaluation starts and at 14 when its helper pulls: the next one is
+    due at 20, the grid's first at least 5 after the version evaluated, not at 15 (which read 15, one version
+    after 14)."""
     model = nn.Sequential(nn.Linear(64, 10))
     flat = FlatParameters(model)
     data = load_dataset("digits")
@@ -296,7 +297,7 @@ def test_every_n_versions_counts_from_the_version_a_background_evaluation_read()
                       data.y_test, data.n_classes)
     server = [10]
 
-    def pull(out):
+    def pull(out, at=None):
         server[0] = 14  # the rounds went on between the start and the pull
         return np.array([server[0]]), False
 
@@ -307,7 +308,73 @@ def test_every_n_versions_counts_from_the_version_a_background_evaluation_read()
     assert ev.tick()  # due: 5 versions since 0
     ev._thread.join(10)
     assert ev.tick() and ev._thread is None  # recorded (it read 14), none started
-    for version, due in ((15, False), (18, False), (19, True)):
+    for version, due in ((15, False), (19, False), (20, True)):
         server[0] = version
         assert ev.tick() == due, version
     ev.close()
+
+
+def test_evaluations_every_n_versions_wait_for_every_shard_and_read_the_multiples_of_n():
+    """--eval-every 10: nothing is due while shard 0 is short of version 10, nor while another shard is (the
+    shards' lowest, asked at most every SETTLE_POLL_S); once every shard has published 10 the evaluation asks
+    its pull for version 10; the next at 20, 30, and after a read of 31 (past the grid) at 50 (at least 10
+    after the version read); a run that starts at version 57 evaluates what is there at once, then 70."""
+    from hpcps.runtime.evaluator import SETTLE_POLL_S
+
+    model = nn.Sequential(nn.Linear(64, 10))
+    flat = FlatParameters(model)
+    data = load_dataset("digits")
+    data = type(data)(data.name, data.x_train.reshape(-1, 64), data.y_train, data.x_test.reshape(-1, 64),
+                      data.y_test, data.n_classes)
+    shard0, lowest, now, asked, forced = [0], [0], [0.0], [], [None]
+
+    def pull(out, at=None):
+        asked.append(at)
+        read = forced[0] if forced[0] is not None else at if at is not None else lowest[0]
+        return np.array([read] * 2), False
+
+    def settled():
+        asked.append("settled")
+        return lowest[0]
+
+    def evaluator():
+        rows = _Rows()
+        return rows, Evaluator(model=model, flat=flat, batches=ArrayData(data).test_batches(500),
+                               evaluate=lambda m, b: {"accuracy": 0.5}, pull=pull, records=Records(rows, lambda: now[0]),
+                               plan=EvalPlan(0.1, every=10), version=lambda: shard0[0], settled=settled)
+
+    rows, ev = evaluator()
+    shard0[0], lowest[0] = 9, 9
+    assert not ev.tick() and asked == []  # shard 0 short of 10: the shards are not even asked
+    shard0[0] = 10
+    assert not ev.tick() and asked == ["settled"]  # shard 1 still at 9
+    assert not ev.tick() and asked == ["settled"]  # (not asked again within SETTLE_POLL_S)
+    now[0] += 2 * SETTLE_POLL_S
+    lowest[0] = 10
+    assert ev.tick() and asked == ["settled", "settled", 10] and rows.rows[-1][1][1] == 10
+    shard0[0], lowest[0] = 20, 20
+    now[0] += 2 * SETTLE_POLL_S
+    assert ev.tick() and asked[-1] == 20 and rows.rows[-1][1][1] == 20
+    forced[0] = 31  # a read that lagged: shard 0 at 30, the shards read at 31 (no slot held 30)
+    shard0[0], lowest[0] = 30, 30
+    now[0] += 2 * SETTLE_POLL_S
+    assert ev.tick() and asked[-1] == 30 and rows.rows[-1][1][1] == 31
+    forced[0] = None
+    for version, due in ((40, False), (49, False), (50, True)):  # (40 is less than 10 after 31)
+        shard0[0] = lowest[0] = version
+        now[0] += 2 * SETTLE_POLL_S
+        assert ev.tick() == due, version
+    assert asked[-1] == 50
+    ev.evaluate()  # the final evaluation reads whatever every shard holds
+    assert asked[-1] is None
+
+    rows, ev = evaluator()
+    asked.clear()
+    shard0[0], lowest[0] = 57, 57
+    now[0] += 2 * SETTLE_POLL_S
+    assert ev.tick() and asked == ["settled", None] and rows.rows[-1][1][1] == 57  # (what is there)
+    for version, due in ((60, False), (66, False), (70, True)):
+        shard0[0] = lowest[0] = version
+        now[0] += 2 * SETTLE_POLL_S
+        assert ev.tick() == due, version
+    assert asked[-1] == 70 and rows.rows[-1][1][1] == 70

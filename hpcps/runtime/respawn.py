@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from mpi4py import MPI
@@ -130,15 +131,16 @@ def respawning(train: Callable):
     """``train(cfg, comm)`` (a run; its result on rank 0), run again on a grown communicator each time a death
     stopped it under ``--respawn`` (see the module's docstring). Collective; the result of the last part.
     Each resumed part's run file says (attribute ``respawn``, JSON) which ranks were spawned and the wall
-    times of the spawn's call and of the grown job's forming, against the file's ``clock_start``."""
+    times of the spawn's call and of the grown job's forming, against the file's ``clock_start``; the last
+    part's result names the earlier parts' files (``earlier``)."""
 
     def run(cfg, comm: MPI.Comm, *, part: int = 0, first_out: str | None = None, leg=None):
         """``part``, ``first_out``: a newcomer's, which joins at that part of a run whose first part wrote
         ``first_out`` (each later part's file and checkpoints are named from it); ``leg``: the first part's
         (:class:`hpcps.runtime.plan.Leg`: ``--paradigm auto``'s run going on from its trials)."""
-        from hpcps.transport.failures import left_out, ulfm_enabled
+        from hpcps.transport.failures import left_out, part_ways, ulfm_enabled
 
-        result = train(cfg, comm, leg=leg)
+        result, earlier = train(cfg, comm, leg=leg), []
         while cfg.respawn and ulfm_enabled():
             shrunk = comm.Shrink()
             gone = sorted(left_out(comm, shrunk))
@@ -146,9 +148,13 @@ def respawning(train: Callable):
             stopped_by, checkpoint, path, n_servers = shrunk.bcast(said, root=0)
             first_out = first_out or path
             if stopped_by != STOPPED_BY or not gone:
+                # every rank ends after this without MPI_Finalize: not before every other has the broadcast (a
+                # root that sent and ended made a receive fail, MPI_ERR_PROC_FAILED: a spawned rank's in CI)
+                part_ways(shrunk, _watch(cfg, "the others to take the run's end", shrunk.rank))
                 shrunk.Free()
-                return result
+                return replace(result, earlier=tuple(earlier)) if result is not None and earlier else result
             part += 1
+            earlier.append(path)
             if shrunk.rank == 0:
                 log.warning("rank(s) %s died: spawning %d process(es) in their place; the run resumes from %s",
                             ", ".join(map(str, gone)), len(gone), checkpoint)
@@ -175,12 +181,19 @@ def meet(comm: MPI.Comm, cfg, what: str) -> None:
     newcomer starts Python and torch; the run's first collectives spin, and on a node the living share with
     it they would take its CPU (seen in the box: its start-up 3x as long). A newcomer that never comes ends
     the job after ``--stall-abort``, saying so."""
-    from hpcps.errors import RunAborted
-    from hpcps.transport.poll import Backoff, StallWatch, polite_barrier
+    from hpcps.transport.poll import Backoff, polite_barrier
 
-    polite_barrier(comm, Backoff(cap=0.01), StallWatch(
-        warn=cfg.stall_warn, abort=cfg.stall_limit, log=log, error=RunAborted,
-        describe=lambda: f"rank {comm.rank} waiting for {what}"))
+    polite_barrier(comm, Backoff(cap=0.01), _watch(cfg, what, comm.rank))
+
+
+def _watch(cfg, what: str, rank: int):
+    """The stall watch of a wait of this module's: warned of after ``--stall-warn``, ended after
+    ``--stall-abort``."""
+    from hpcps.errors import RunAborted
+    from hpcps.transport.poll import StallWatch
+
+    return StallWatch(warn=cfg.stall_warn, abort=cfg.stall_limit, log=log, error=RunAborted,
+                      describe=lambda: f"rank {rank} waiting for {what}")
 
 
 def _note(path: str, what: dict) -> None:

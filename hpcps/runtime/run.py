@@ -71,7 +71,7 @@ from hpcps.runtime import respawn
 from hpcps.runtime.spares import wait_for_place
 from hpcps.cluster.topology import Topology, node_local_index
 from hpcps.transport.compress import make_codec
-from hpcps.transport.failures import DeadRanks, left_out, ulfm_enabled
+from hpcps.transport.failures import DeadRanks, left_out, part_ways, ulfm_enabled
 from hpcps.transport.mpilib import query_cuda_support
 from hpcps.transport.clocksync import shares_clock_with_rank0, sync_clock
 from hpcps.transport.poll import Backoff, StallWatch, clear_signal, polite_barrier, watch_every_wait
@@ -91,7 +91,9 @@ class RunResult:
     worker; ``params``: the final flat vector (parameters, then float buffers);
     ``model``: the trained model (eval mode, on the CPU) and ``state_dict`` its state,
     a plain dict of tensors; ``metrics``: the final evaluation; ``saved``: where
-    ``--save`` wrote the state_dict (None when nothing was saved).
+    ``--save`` wrote the state_dict (None when nothing was saved); ``earlier``: the
+    run files of the parts before this one of a run a death stopped and a newcomer
+    resumed (``--respawn``), first first.
     """
 
     path: str
@@ -102,6 +104,7 @@ class RunResult:
     state_dict: dict[str, torch.Tensor]
     metrics: dict[str, float]
     saved: str | None
+    earlier: tuple[str, ...] = ()
 
 
 def _per_epoch(cfg: TrainConfig, n_train: int | None, layout: Layout) -> int | None:
@@ -659,6 +662,8 @@ class Run:
                 group_window.free()
         else:  # a window's free is a collective over every rank it was made on, the dead too: left to MPI
             state.window = state.group_window = None
+            # the living end without MPI_Finalize: not before rank 0 has every rank's rows of the gathers
+            part_ways(comm)
         if comm.rank != 0:
             return None
         result = self._finish(runfile, wall_s, state.path, ranks, stopped_by, saved_ckpt)

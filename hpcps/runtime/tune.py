@@ -193,15 +193,17 @@ def run_chosen(cfg: TrainConfig, comm: MPI.Comm, train, trial=None) -> tuple[Tra
     try:
         chosen, choice, start = choose_paradigm(cfg, comm, trial or train, folder, link_bps=link_bps)
         # from the trials' checkpoint, if they trained, read at the run's start: the folder goes once every
-        # rank has started
+        # rank has started, as it has once rank 0's run is over (its end waits for every rank's last rows). No
+        # barrier on comm here: under run-through it may hold a rank that died in the run (every living rank
+        # failed in it), and under --respawn the job went on without it, on a grown communicator
         run = chosen if start is None else chosen.model_copy(update={"resume": start})
         result = train(run, comm, leg=Leg(link_bps=link_bps))
-        comm.Barrier()
     finally:
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-    if result is not None:
-        keep_choice(result.path, choice, chosen, went_on=start is not None)
+    if result is not None:  # (in every part's file of a run a death stopped and a newcomer resumed: --respawn)
+        for k, path in enumerate((*result.earlier, result.path)):
+            keep_choice(path, choice, chosen, went_on=start is not None and k == 0)
     return chosen, result
 
 
@@ -353,7 +355,14 @@ def _trial_options(option: TrainConfig, folder: Path, **update: Any) -> TrainCon
 
 def _measure(result, option: TrainConfig, comm: MPI.Comm) -> ParadigmTrial:
     """Collective: a trial's measure from its run file (rank 0's ``result``), on every rank; a trial a
-    signal or the loop stopped ends the job."""
+    signal or the loop stopped ends the job, and so does one in which a rank died (run-through): the next
+    trial's start would need it."""
+    from hpcps.transport.failures import deaths_seen
+
+    if deaths_seen():  # (on every living rank: the trial's end shrank its communicator and found the dead)
+        raise UserError(f"--paradigm auto: a rank died in the trial of {option.paradigm}, and every trial runs "
+                        f"on every rank; nothing was kept. Launch again, or name a paradigm: its run goes on "
+                        f"without a dead worker where the paradigm allows")
     measure = paradigm_trial(result.path, option.paradigm, option.inner_steps or 1) if comm.rank == 0 else None
     measure = comm.bcast(measure, root=0)
     if measure.stopped_by not in ("", "diverged"):  # a signal, the loop: the job ends here

@@ -100,6 +100,24 @@ def end_without_the_dead(status: int) -> None:
         os._exit(status)
 
 
+def part_ways(comm: MPI.Comm, watchdog: Callable[[float], object] | None = None) -> None:
+    """Collective over the living, after the last collective whose result they need and before they end
+    without ``MPI_Finalize`` (:func:`end_without_the_dead`): return once every rank of ``comm`` has come here,
+    so has every rank's part of what came before. ULFM reports a process that ends without it as dead, and a
+    rank still inside the collective before fails with ``MPI_ERR_PROC_FAILED``: a broadcast's root that sent
+    and ended can take the message with it. Here a rank that leaves first costs the others nothing: a death
+    reported inside this barrier is let pass (a rank that got here and ended, or one that died after the
+    collective before, with nothing left to give). ``watchdog``: as for
+    :func:`~hpcps.transport.poll.wait_until` (a rank that never comes is a hang to end, not to wait out)."""
+    from hpcps.transport.poll import Backoff, polite_barrier
+
+    try:
+        polite_barrier(comm, Backoff(cap=0.01), watchdog)
+    except MPI.Exception as exc:
+        if not failed_on(exc, comm):
+            raise
+
+
 class DeadRanks:
     """The ranks of ``comms`` (duplicates of one communicator) known to have died; see the module docstring."""
 

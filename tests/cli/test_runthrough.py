@@ -462,3 +462,52 @@ def test_a_worker_killed_under_respawn_is_replaced_by_a_spawned_process_and_ever
     mine = it[it["rank"] == killed]
     assert int(mine["step"].min()) == len(applied_clocks(out)[killed])  # where the dead one's gradients stopped
     assert float(mine["t_start"].min()) >= 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("then", ["run-through", "respawn"])
+def test_a_worker_killed_in_the_run_paradigm_auto_chose_is_run_through_and_the_choice_is_kept(tmp_path, then):
+    """--paradigm auto choosing between asp and ssp (trials of 10 steps, the run going on from them), worker rank
+    KILLED SIGKILLs itself at step 40 of 60, in the run: the job ends by itself with exit status 0 and no rank
+    failed (the run's end once held a barrier over every rank, the dead one too, and every living rank failed
+    in it), the run file keeps the choice (under --respawn, both parts' files), and under --respawn the newcomer
+    trained the dead worker's remaining steps."""
+    out = tmp_path / "auto.h5"
+    respawn = ["--respawn"] if then == "respawn" else []
+    launch_args = ULFM_LAUNCH if respawn else ("--with-ft", "ulfm")
+    done = launch(5, *launch_args, sys.executable, "-m", "hpcps", "train", "--steps", str(STEPS), "--no-progress",
+                  "--out", str(out), "--paradigm", "auto", "--paradigms", "asp", "ssp", "--trial-steps", "10",
+                  "--staleness", "1", "--compute-time", "0.01", "--fault", f"kill@{KILLED}:40", *respawn,
+                  timeout=200)
+    ran_through(done)
+    assert f"worker rank {KILLED} died after its gradient" in done.stderr, failure(done.stderr)
+    last = tmp_path / "auto-respawn1.h5" if respawn else out
+    with h5py.File(last) as f:
+        choice = json.loads(f.attrs["paradigm_choice"])
+        it = f["workers/iterations"][()]
+    assert choice["chosen"] in ("asp", "ssp"), choice
+    if respawn:
+        assert tables(out)["summary"]["stopped_by"] == "respawn"
+        with h5py.File(out) as f:
+            assert json.loads(f.attrs["paradigm_choice"])["chosen"] == choice["chosen"]
+        assert int(it["step"][it["rank"] == KILLED].max()) == STEPS - 1  # the newcomer's last step
+    else:
+        assert tables(out)["summary"]["workers_lost"] == 1
+        for w in (1, 2, 4):  # every living worker stepped to the end
+            assert int(it["step"][it["rank"] == w].max()) == STEPS - 1
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_end_without_finalize_part_ways_first_and_every_rank_gets_the_last_broadcast():
+    """The end of a run that saw a death: rank 0 broadcasts, and every rank ends without MPI_Finalize, which
+    ULFM reports to the others as a death; rank r comes to the broadcast 0.05 r s late. With the ranks parting
+    ways between the two (hpcps.transport.failures.part_ways, as a run's end and --respawn's last part do),
+    every rank gets the broadcast and the job ends by itself with exit status 0, in each of three jobs. Without
+    it (the script's ``leave`` mode) a receive failed with MPI_ERR_PROC_FAILED, the root gone, in 9 of 16 jobs
+    (none of 16 with it)."""
+    script = os.path.join(os.path.dirname(__file__), "ulfm_parting.py")
+    for _ in range(3):
+        done = launch(5, *ULFM_LAUNCH, sys.executable, script, "0.2", "part", timeout=50)
+        assert done.returncode == 0, failure(done.stderr)
+        got = sorted(int(r) for r in re.findall(r"rank (\d+) got 'the word'", done.stdout))
+        assert got == list(range(5)), done.stdout + failure(done.stderr)

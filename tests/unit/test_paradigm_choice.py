@@ -312,3 +312,16 @@ def test_the_record_keeps_the_trials_the_prediction_and_the_runs_measure_and_rea
     table = pc.table(trials, chosen)
     assert table[2].startswith("| asp | 4 | 250.0 | 16.0 | 1.80 | chosen |") and table[3].startswith("| bsp |")
     assert np.isclose(chosen.mean_step_s, 0.016)
+
+
+def test_a_trial_in_which_a_rank_died_ends_the_job_on_every_living_rank_with_one_error(monkeypatch):
+    """Run-through: a trial's end shrinks its communicator past a dead rank on every living rank, and the next
+    trial would start on every rank: its measure, read before any collective, is an error naming the trial (every
+    living rank raises it alike; the job's end prints it once)."""
+    from hpcps.runtime import tune
+    from hpcps.transport import failures
+
+    monkeypatch.setattr(failures, "_seen", {3})
+    option = pc.as_chosen(make_config({"paradigm": "auto", "steps": 100}), "asp")
+    with pytest.raises(UserError, match="a rank died in the trial of asp.*name a paradigm"):
+        tune._measure(None, option, comm=None)

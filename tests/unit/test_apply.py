@@ -47,3 +47,30 @@ def test_the_finiteness_check_finds_every_nan_and_infinity_wherever_it_is():
             assert not all_finite(h)
             assert all_finite(h) == bool(torch.isfinite(h).all())
     assert all_finite(torch.full((7,), 3.4e38))  # the largest floats are finite
+
+
+def test_a_shard_waits_for_a_verdict_without_spinning_a_core():
+    """A shard's slice can come whole long before its worker's backward pass ends, and the verdict follows
+    that end. A blocking receive spun (MPICH) for all that wait, taking a core from the workers; the wait
+    polls and sleeps. The verdict is sent 0.4 s late, from another thread, on COMM_SELF."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcps.runtime.server import received_verdict
+    from hpcps.transport import wire
+
+    for sent, expected in ((1, True), (0, False)):
+        verdict = np.array([sent], np.int64)
+        late = threading.Timer(0.4, lambda: MPI.COMM_SELF.Send(verdict, dest=0, tag=wire.TAG_VERDICT))
+        wall, cpu = time.perf_counter(), time.process_time()
+        late.start()
+        got = received_verdict(SimpleNamespace(comm=MPI.COMM_SELF, worker_ranks=[0], dead=None),
+                               SimpleNamespace(worker=0, clock=3), shard=0)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        late.join()
+        assert got is expected
+        assert wall >= 0.39 and cpu < 0.5 * wall, (wall, cpu)

@@ -107,3 +107,35 @@ def test_a_live_run_file_reads_as_the_docs_open_it_while_its_run_writes(tmp_path
         assert live.returncode == 0 and live.stdout.strip() == "[0, 1, 2]", live.stderr
     finally:
         rf.close()
+
+
+def test_rank_0_holds_the_rows_that_come_and_writes_each_table_once_an_interval(tmp_path):
+    """Rank 0 is a shard: a write per batch as it came held its rounds up. Rows come (here from this rank
+    itself, over COMM_SELF, as another rank's batches come), their watchers see them at once, and they
+    reach the file in one append per table once ``interval`` has passed, or at close."""
+    from mpi4py import MPI
+
+    from hpcps.metrics.recorder import FileRecorder, ForwardingRecorder
+
+    rf = RunFile(tmp_path / "run.h5", {"paradigm": "bsp"})
+    writes = []
+    append = rf.append
+    rf.append = lambda table, rows: (writes.append((table, len(rows))), append(table, rows))
+    sender = ForwardingRecorder(MPI.COMM_SELF, batch_rows=1)  # a batch a row, to rank 0 (itself)
+    recorder = FileRecorder(MPI.COMM_SELF, rf, interval=3600.0)
+    seen = []
+    recorder.watchers["eval"] = [lambda rows: seen.append(rows["version"].tolist())]
+    for version in (1, 2, 3):
+        sender.add("eval", (0.1 * version, version, 1.0, 0.5))
+    assert recorder.drain(limit=None)
+    assert seen == [[1], [2], [3]] and writes == [] and len(rf.read("eval")) == 0  # seen, held
+    recorder.interval = 0.0  # the interval has passed: the next drain writes what it holds
+    sender.add("eval", (0.4, 4, 1.0, 0.5))
+    assert recorder.drain(limit=None)
+    assert writes == [("eval", 4)] and rf.read("eval")["version"].tolist() == [1, 2, 3, 4]
+    recorder.interval = 3600.0
+    sender.add("eval", (0.5, 5, 1.0, 0.5))  # (sent at once; no close marker: COMM_SELF has no other rank)
+    recorder.close()  # every row in the file after
+    assert writes == [("eval", 4), ("eval", 1)] and rf.read("eval")["version"].tolist() == [1, 2, 3, 4, 5]
+    sender.flush()  # (its sends, received now, complete and are freed)
+    rf.close()

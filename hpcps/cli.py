@@ -499,6 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MPI ranks on each node (default 1); ranks fill the nodes in order")
     e.add_argument("--ranks", action="append", default=[], metavar="NODE=COUNT",
                    help="ranks on some nodes, e.g. 0=2 or 1-4=1 (repeatable)")
+    e.add_argument("--congestion", default="cubic", metavar="ALGORITHM",
+                   help="the nodes' TCP congestion control (default cubic, Linux's own default, so that timings "
+                        "do not depend on the host's setting; reno, bbr, or host for the host's own: under bbr "
+                        "a parameter server's incasts kept the switch's ports overflowing, docs/box.md)")
     e.add_argument("--cleanup", action="store_true",
                    help="remove every box left behind by an hpcps emulate that is gone, and exit")
     e.add_argument("--chaos", action="append", default=[], metavar="KIND:NODE@SECONDS",
@@ -789,7 +793,7 @@ def _emulate(args: argparse.Namespace) -> int:
         raise UserError("hpcps emulate: give the job's command after --, e.g. -- hpcps train --paradigm asp")
     try:
         cluster = make_cluster(args.nodes, args.link, buffer=args.buffer, ranks_per_node=args.ranks_per_node,
-                               ranks=args.ranks, prefix=f"hpcps{os.getpid()}-")
+                               ranks=args.ranks, prefix=f"hpcps{os.getpid()}-", congestion=args.congestion)
     except ValueError as exc:
         raise UserError(f"hpcps emulate: {exc}") from None
     try:

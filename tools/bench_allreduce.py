@@ -165,7 +165,8 @@ def _box(nodes: int, a, ranks_per_node: int = 1) -> str | None:
     """``hpcps emulate`` options for ``nodes`` nodes at ``--link``, or None without ``--link``."""
     if a.link is None:
         return None
-    return f"--nodes {nodes} --ranks-per-node {ranks_per_node} --link {a.link} --buffer {a.buffer}"
+    return (f"--nodes {nodes} --ranks-per-node {ranks_per_node} --link {a.link} --buffer {a.buffer} "
+            f"--congestion {a.congestion}")
 
 
 #: the model's size in bytes, as the data-parallel runs report it (for the bound of a step)
@@ -228,6 +229,9 @@ def main() -> None:
     p.add_argument("--link", metavar="RATE", help="run everything in a cluster in a box with links of RATE "
                                                   "(e.g. 1gbit): colocated and dedicated server nodes")
     p.add_argument("--buffer", default="512kb", help="with --link: the switch's queue per port (default 512kb)")
+    p.add_argument("--congestion", default="cubic",
+                   help="with --link: the nodes' TCP congestion control (hpcps emulate --congestion; default cubic, "
+                        "host for the host's own)")
     p.add_argument("--placements", nargs="+", choices=["defaults", "former", "colocated", "spare", "dedicated"],
                    default=["colocated", "spare", "dedicated"],
                    help="with --link: which server placements to run (default colocated, spare, dedicated); "
@@ -294,7 +298,7 @@ def main() -> None:
         return float(np.mean([t[k] for t in rows[name][1]]))
 
     base = mean("allreduce (mpi4py)")
-    where = f", in a box with {a.link} links (switch buffer {a.buffer})" if a.link else ""
+    where = f", in a box with {a.link} links (switch buffer {a.buffer}, TCP {a.congestion})" if a.link else ""
     print(f"{n} workers, {a.steps} steps{where}, seeds {a.seeds}, options: {' '.join(a.options) or '(defaults)'}\n")
     print("| method | ranks | mean step ms | median step ms | vs allreduce (mean) | median compute / push / wait / pull ms |")
     print("|---|---|---|---|---|---|")

@@ -86,7 +86,23 @@ def _explain(argv: list[str], stderr: str) -> str:
         return f"this kernel has no tbf qdisc (module sch_tbf), which shapes the links; `{cmd}` said: {said}"
     if "veth" in argv and ("Unknown device type" in said or "not supported" in said.lower()):
         return f"this kernel has no veth links (module veth); `{cmd}` said: {said}"
+    if "congctl" in argv and "congestion algorithm" in said:
+        offered = _read(AVAILABLE_CONGESTION).strip() or "none it lists"
+        return (f"this kernel has no TCP congestion control named {argv[-1]} (it offers {offered}): give "
+                f"--congestion one of them, or --congestion host for the host's own; `{cmd}` said: {said}")
     return f"building the box failed: `{' '.join(argv)}` said: {said}"
+
+
+#: the kernel's TCP congestion controls, loaded or built in
+AVAILABLE_CONGESTION = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def build(cluster: Cluster) -> None:

@@ -19,6 +19,13 @@ egress (what it receives) inside the switch's. A switch port queues at most
 one at once (incast), the port drops packets and TCP backs off or times out.
 Nothing is created in the host's own namespace, so deleting the namespaces
 removes everything.
+
+TCP between the nodes runs the congestion control the cluster names (its
+route's ``congctl``): cubic, Linux's own default, unless told otherwise, so
+that the box's timings do not hang on the host's choice. Some hosts default
+to BBR, which does not back off on loss: in a parameter server's incasts it
+kept the switch's ports overflowing, and bsp's mean step in the box was
+8-11% longer than under cubic (docs/results.md).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ NODE_IFACE = "hpcps0"
 BRIDGE = "br0"
 SUBNET = "10.213.0"  # node k has SUBNET.(k+1)/24; the address exists only inside the box's namespaces
 PREFIX_RE = re.compile(r"^hpcps(\d+)-")
+#: the nodes' TCP congestion control unless told otherwise (Linux's default); HOST_CONGESTION keeps the host's
+CONGESTION = "cubic"
+HOST_CONGESTION = "host"
 MAX_NODES = 250
 
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -74,8 +84,9 @@ def describe_record(record: dict) -> str:
         groups.setdefault(rate, []).append(k)
     links = ", ".join(f"{_span(ks)} at {format_rate(rate)}" for rate, ks in groups.items())
     per_node = record["ranks_per_node"]
+    tcp = record.get("congestion")
     return (f"{record['nodes']} nodes ({links}), {sum(per_node)} ranks ({'/'.join(map(str, per_node))} per node), "
-            f"switch buffer {record['buffer_bytes']:,} bytes per port")
+            f"switch buffer {record['buffer_bytes']:,} bytes per port" + (f", TCP {tcp}" if tcp else ""))
 
 
 def _span(ks: list[int]) -> str:
@@ -96,17 +107,22 @@ class Node:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Nodes (in rank order: node 0's ranks come first), the switch's per-port buffer, the names' prefix."""
+    """Nodes (in rank order: node 0's ranks come first), the switch's per-port buffer, the names' prefix, the
+    nodes' TCP congestion control (a kernel's name for one, or :data:`HOST_CONGESTION`)."""
 
     nodes: tuple[Node, ...]
     buffer_bytes: int
     prefix: str = "hpcps0-"
+    congestion: str = CONGESTION
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.nodes) <= MAX_NODES:
             raise ValueError(f"--nodes must be 1 to {MAX_NODES}, not {len(self.nodes)}")
         if not PREFIX_RE.match(self.prefix):
             raise ValueError(f"prefix {self.prefix!r} must look like hpcps<digits>-")
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.congestion):
+            raise ValueError(f"--congestion {self.congestion!r}: expected an algorithm's name, such as cubic, "
+                             f"reno or bbr, or {HOST_CONGESTION}")
 
     @property
     def switch(self) -> str:
@@ -133,16 +149,17 @@ class Cluster:
                 "link_bps": [n.rate_bps for n in self.nodes],
                 "ranks_per_node": [n.ranks for n in self.nodes],
                 "node_of_rank": self.node_of_rank(),
-                "buffer_bytes": self.buffer_bytes}
+                "buffer_bytes": self.buffer_bytes, "congestion": self.congestion}
 
 
 def make_cluster(nodes: int, links: list[str], *, buffer: str, ranks_per_node: int = 1,
-                 ranks: list[str] | None = None, prefix: str = "hpcps0-") -> Cluster:
+                 ranks: list[str] | None = None, prefix: str = "hpcps0-", congestion: str = CONGESTION) -> Cluster:
     """A :class:`Cluster` from the command line's words.
 
     ``links``: ``RATE`` sets every node's link, ``NODE=RATE`` (or ``A-B=RATE``, a range) one node's;
     later words win. ``ranks``: ``NODE=COUNT`` overrides ``ranks_per_node`` for a node (0 is allowed:
-    a node that only routes nothing, e.g. an idle spare). Raises ValueError naming the option.
+    a node that only routes nothing, e.g. an idle spare). ``congestion``: the nodes' TCP congestion control
+    (:data:`HOST_CONGESTION`: the host's). Raises ValueError naming the option.
     """
     if not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"--nodes must be 1 to {MAX_NODES}, not {nodes}")
@@ -161,7 +178,7 @@ def make_cluster(nodes: int, links: list[str], *, buffer: str, ranks_per_node: i
     if sum(counts) < 1:
         raise ValueError("the cluster runs no rank: give --ranks-per-node or --ranks NODE=COUNT")
     buffer_bytes = _option(parse_size, buffer, "--buffer")
-    return Cluster(tuple(Node(r, c) for r, c in zip(rates, counts)), buffer_bytes, prefix)
+    return Cluster(tuple(Node(r, c) for r, c in zip(rates, counts)), buffer_bytes, prefix, congestion)
 
 
 def _count(text: str) -> int:
@@ -205,7 +222,9 @@ NODE_QUEUE_BYTES = 4 * 1024 * 1024
 
 
 def setup_commands(cluster: Cluster) -> list[list[str]]:
-    """The ``ip``/``tc`` commands that build the box, in order (each an argv)."""
+    """The ``ip``/``tc`` commands that build the box, in order (each an argv). The nodes' TCP takes the
+    cluster's congestion control from their subnet's route (``congctl``), which every connection between
+    two nodes follows; nothing of the host's is changed."""
     sw = cluster.switch
     cmds = [["ip", "netns", "add", sw],
             ["ip", "-n", sw, "link", "add", "name", BRIDGE, "type", "bridge"],
@@ -220,6 +239,9 @@ def setup_commands(cluster: Cluster) -> list[list[str]]:
                  ["ip", "-n", ns, "addr", "add", f"{cluster.address(k)}/24", "dev", NODE_IFACE],
                  ["ip", "-n", ns, "link", "set", "dev", NODE_IFACE, "up"],
                  ["ip", "-n", ns, "link", "set", "dev", "lo", "up"],
+                 *([] if cluster.congestion == HOST_CONGESTION else
+                   [["ip", "-n", ns, "route", "replace", f"{SUBNET}.0/24", "dev", NODE_IFACE, "proto", "kernel",
+                     "scope", "link", "src", cluster.address(k), "congctl", cluster.congestion]]),
                  ["tc", "-n", ns, "qdisc", "add", "dev", NODE_IFACE, "root", "tbf", "rate", rate,
                   "burst", burst, "limit", str(NODE_QUEUE_BYTES)],
                  ["tc", "-n", sw, "qdisc", "add", "dev", port, "root", "tbf", "rate", rate,

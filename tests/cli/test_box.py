@@ -132,6 +132,43 @@ def test_a_transfer_never_beats_its_links_rate(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("congestion", ["cubic", "reno"])
+def test_tcp_between_nodes_runs_the_congestion_control_the_box_names(tmp_path, congestion):
+    """A connection from node 1 to node 0, both ends, runs ``--congestion``'s algorithm (cubic by default),
+    whatever the host's own default is; a connection within a node is left to the host's."""
+    script = tmp_path / "congestion.py"
+    script.write_text(
+        "import socket\n"
+        "from mpi4py import MPI\n"
+        "c = MPI.COMM_WORLD\n"
+        "def cc(s): return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).strip(b'\\0').decode()\n"
+        "if c.rank == 0:\n"
+        "    s = socket.create_server(('10.213.0.1', 0)); c.send(s.getsockname()[1], 1)\n"
+        "    a, _ = s.accept(); a.recv(1)\n"
+        "    print('accepted', cc(a), 'connected', c.recv(source=1), flush=True)\n"
+        "else:\n"
+        "    t = socket.create_connection(('10.213.0.1', c.recv(source=0))); t.send(b'x')\n"
+        "    c.send(cc(t), 0)\n"
+        "c.Barrier()\n")
+    words = [] if congestion == "cubic" else ["--congestion", congestion]
+    proc = emulate("--nodes", "2", *words, "--", sys.executable, str(script), timeout=100)
+    assert proc.returncode == 0, failure(proc.stderr)
+    assert re.findall(r"^accepted (\w+) connected (\w+)$", proc.stdout, re.M) == [(congestion, congestion)], \
+        proc.stdout
+    assert f"TCP {congestion}" in proc.stderr, proc.stderr  # the box's first line names it
+
+
+@pytest.mark.timeout(60)
+def test_a_congestion_control_the_kernel_lacks_is_named_with_what_it_offers():
+    proc = emulate("--nodes", "2", "--congestion", "nosuchcc", "--", sys.executable, "-c", "pass", timeout=60)
+    assert proc.returncode != 0
+    with open(net.AVAILABLE_CONGESTION) as f:
+        offered = f.read().strip()
+    assert f"no TCP congestion control named nosuchcc (it offers {offered})" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") <= 2, proc.stderr
+
+
+@pytest.mark.timeout(120)
 def test_the_job_end_says_what_the_switch_dropped_under_incast(tmp_path):
     """Three nodes send 4 MiB each to node 0 at once through a switch port that queues 32 kB: the port
     towards node 0 drops packets, TCP sends them again, and the line at the job's end says so, naming that

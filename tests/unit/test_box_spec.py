@@ -5,8 +5,8 @@ import json
 import pytest
 
 from hpcps.box import cluster_record, node_label
-from hpcps.box.spec import (NODE_IFACE, Cluster, Node, box_pid, burst_bytes, make_cluster, mpi_environment,
-                            mpmd_argv, parse_rate, parse_size, setup_commands, ssh_agent_script)
+from hpcps.box.spec import (NODE_IFACE, Cluster, Node, box_pid, burst_bytes, describe_record, make_cluster,
+                            mpi_environment, mpmd_argv, parse_rate, parse_size, setup_commands, ssh_agent_script)
 
 
 @pytest.mark.parametrize("text,bps", [("1gbit", 10 ** 9), ("250mbit", 250 * 10 ** 6), ("100kbit", 10 ** 5),
@@ -73,6 +73,29 @@ def test_both_directions_of_each_link_are_shaped_and_the_switch_queue_is_the_buf
         assert argv[argv.index("rate") + 1] == "250000000bit"
         assert int(argv[argv.index("burst") + 1]) == burst_bytes(250 * 10 ** 6)
     assert int(node1_down[node1_down.index("limit") + 1]) == max(64000, burst_bytes(250 * 10 ** 6))
+
+
+def test_the_nodes_tcp_runs_the_named_congestion_control_on_their_subnets_route():
+    """Every connection between two nodes follows the subnet's route, so its ``congctl`` is what they run:
+    cubic unless told otherwise, whatever the host's default; ``host`` leaves the route as the kernel made
+    it. The record (the run file's ``cluster``) and the box's line name it."""
+    def routes(cluster):
+        return [argv for argv in setup_commands(cluster) if argv[3:5] == ["route", "replace"]]
+
+    c = make_cluster(2, [], buffer="64kb", prefix="hpcps7-")
+    assert c.congestion == "cubic"
+    assert routes(c) == [["ip", "-n", f"hpcps7-n{k}", "route", "replace", "10.213.0.0/24", "dev", NODE_IFACE,
+                          "proto", "kernel", "scope", "link", "src", f"10.213.0.{k + 1}", "congctl", "cubic"]
+                         for k in range(2)]
+    commands = setup_commands(c)  # after the address that made the kernel's route, before any rank starts
+    assert commands.index(routes(c)[0]) > commands.index(["ip", "-n", "hpcps7-n0", "addr", "add", "10.213.0.1/24",
+                                                          "dev", NODE_IFACE])
+    assert c.record()["congestion"] == "cubic" and describe_record(c.record()).endswith(", TCP cubic")
+    assert [argv[-1] for argv in routes(make_cluster(2, [], buffer="64kb", congestion="reno"))] == ["reno"] * 2
+    assert routes(make_cluster(2, [], buffer="64kb", congestion="host")) == []
+    with pytest.raises(ValueError, match="--congestion 'cubic; reboot'"):
+        make_cluster(2, [], buffer="64kb", congestion="cubic; reboot")
+    assert "TCP" not in describe_record({k: v for k, v in c.record().items() if k != "congestion"})  # older files
 
 
 def test_the_bucket_holds_a_gso_packet_and_a_millisecond():

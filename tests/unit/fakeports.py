@@ -1,8 +1,8 @@
 """Fake transports for the roles, without MPI: one shard and its workers joined in one process.
 
 A :class:`Fabric` stands in for MPI between one central shard and ``n`` workers: pushes go into the
-shard's inbox, notices into each worker's box, and the window is a copy of what the shard published,
-all under one lock, so a :class:`~hpcps.runtime.server.ShardServer` in one thread and
+shard's inbox, notices into each worker's box, the window is a copy of what the shard published (and a
+round the shard sends, ``--pull send``, a copy in each worker's queue), all under one lock, so a :class:`~hpcps.runtime.server.ShardServer` in one thread and
 :class:`~hpcps.runtime.worker.Worker`\\ s in others talk as over MPI. Each fake implements the port of
 :mod:`hpcps.runtime.parts` that it stands for, and no more: a role that calls something else fails loudly.
 """
@@ -36,6 +36,7 @@ class Fabric:
         self.pulls = [0] * n_workers  # pulls each worker made
         self.sent: list[tuple[int, int, int]] = []  # (worker, clock, version) of every push
         self.dead: set[int] = set()  # ranks that died: notices to them are lost, as MPI's would be
+        self.rounds = [deque() for _ in range(n_workers)]  # sent rounds (--pull send): (version, stop, values)
 
     def kill(self, worker: int) -> None:
         """Worker ``worker`` (rank ``worker + 1``) dies after what it has pushed: the shard finds it dead
@@ -47,8 +48,54 @@ class Fabric:
     def worker_ports(self, worker: int, buffer: np.ndarray) -> WorkerPorts:
         return WorkerPorts(FakeWindow(self, worker), FakePusher(self, worker, buffer), FakeNoticeBox(self, worker))
 
-    def server_ports(self, spares: "FakeSpares | None" = None) -> ServerPorts:
-        return ServerPorts(FakeInbox(self), FakeNotifier(self), FakeWindow(self, None), spares=spares)
+    def server_ports(self, spares: "FakeSpares | None" = None, sent: bool = False) -> ServerPorts:
+        """``sent``: the shard sends each round to its granted workers (``--pull send``, :class:`FakeSender`)."""
+        return ServerPorts(FakeInbox(self), FakeNotifier(self), FakeWindow(self, None), spares=spares,
+                           sender=FakeSender(self) if sent else None)
+
+    def sent_pull(self, worker: int):
+        """A worker's ``sent_pull`` (:attr:`~hpcps.runtime.parts.PullPlan.sent_pull`): its next sent round."""
+        return lambda out, parts, watch: FakeSentPull(self, worker, out)
+
+
+class FakeSender:
+    """The shard's side of ``--pull send`` (:class:`~hpcps.transport.sent.ParamSender`): a round is in each
+    granted worker's queue at once, copied."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+
+    def send(self, workers, params: np.ndarray, version: int, stop: bool, backoff=None) -> None:
+        with self.fabric.lock:
+            for w in workers:
+                self.fabric.rounds[w].append((version, stop, params.copy()))
+
+    def progress(self) -> None:
+        pass
+
+    def drain(self, backoff=None) -> None:
+        pass
+
+
+class FakeSentPull:
+    """A worker's side (:class:`~hpcps.transport.sent.SentPull`): the next round sent to it."""
+
+    def __init__(self, fabric: Fabric, worker: int, out: np.ndarray) -> None:
+        self.fabric, self.worker, self.out = fabric, worker, out
+
+    def test(self) -> bool:
+        return bool(self.fabric.rounds[self.worker])
+
+    def wait(self) -> tuple[np.ndarray, bool]:
+        deadline = time.monotonic() + 10
+        while not self.test():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.worker}: no sent round came in 10 s")
+            time.sleep(0.0005)
+        with self.fabric.lock:
+            version, stop, values = self.fabric.rounds[self.worker].popleft()
+        self.out[:] = values
+        return np.array([version], np.int64), stop
 
 
 class FakePull:

@@ -1,7 +1,8 @@
 """The roles without MPI: a real :class:`~hpcps.runtime.server.ShardServer` and real
 :class:`~hpcps.runtime.worker.Worker`\\ s, joined by the fake transports of :mod:`fakeports` in one process
 (the shard and each worker in a thread of its own), for the cases the MPI suite covers under ``mpiexec``:
-bsp's rounds (parameters against a torch.optim replay), ssp's bound, a non-finite gradient's verdict, a stop.
+bsp's rounds (parameters against a torch.optim replay, pulled or sent), ssp's bound, a non-finite gradient's
+verdict, a stop.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from fakeports import Fabric, FakeSpares, Rows
 from hpcps.metrics.schema import ITERATION, UPDATE
 from hpcps.policies import make_policy
-from hpcps.runtime.parts import ServerHooks, ShardUpdate, StepPlan, Watch
+from hpcps.runtime.parts import PullPlan, ServerHooks, ShardUpdate, StepPlan, Watch
 from hpcps.runtime.residence import DeviceSlice, HostSlice
 from hpcps.runtime.rounds import RoundSum
 from hpcps.runtime.server import ShardServer
@@ -47,9 +48,10 @@ class Job:
 
     def __init__(self, paradigm: str, n: int, steps: int, *, staleness: int = 0, rounds: bool = False,
                  hooks: ServerHooks = ServerHooks(), spare: bool = False, momentum: float = 0.0,
-                 on_device: bool = False) -> None:
+                 on_device: bool = False, sent: bool = False) -> None:
         """``on_device``: the shard steps its slice on a device (torch's CPU: a copy of its own,
-        :class:`~hpcps.runtime.residence.DeviceSlice`), not the master in place."""
+        :class:`~hpcps.runtime.residence.DeviceSlice`), not the master in place; ``sent``: it sends each
+        round to its workers (``--pull send``), which take it in the place of a window pull."""
         self.steps = steps
         self.flats = [FlatParameters(model()) for _ in range(n)]
         size = self.flats[0].size
@@ -62,14 +64,15 @@ class Job:
         self.pushed: dict[tuple[int, int], np.ndarray] = {}  # (worker, clock): the gradient it pushed
         self.server = ShardServer(
             shard=0, rank=0, policy=self.policy, worker_ranks=list(range(1, n + 1)),
-            ports=self.fabric.server_ports(FakeSpares(n + 1, self._place) if spare else None),
+            ports=self.fabric.server_ports(FakeSpares(n + 1, self._place) if spare else None, sent=sent),
             update=ShardUpdate(self.master, LR, optimizer=optimizer, n_params=size, round_sum=round_sum,
                                home=home),
             records=self.rows.records(), watch=WATCH, hooks=hooks)
         self.workers = [Worker(rank=w + 1, model=torch.nn.Linear(3, 2), flat=flat,
                                ports=self.fabric.worker_ports(w, flat.push_grads),
                                plan=StepPlan(steps=steps, lr=LR, blocks=self.policy.worker_blocks),
-                               records=self.rows.records(), watch=WATCH)
+                               records=self.rows.records(), watch=WATCH,
+                               pull=PullPlan(sent_pull=self.fabric.sent_pull(w) if sent else None))
                         for w, flat in enumerate(self.flats)]
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
@@ -144,10 +147,13 @@ def sgd_replay(start: np.ndarray, rounds: list[list[np.ndarray]]) -> np.ndarray:
     return p.detach().numpy()
 
 
+@pytest.mark.parametrize("sent", [False, True], ids=["pulled", "sent"])
 @pytest.mark.parametrize("summed", [True, False], ids=["round-sum", "held"])
-def test_bsp_rounds_train_as_sgd_on_the_mean_gradient(summed):
+def test_bsp_rounds_train_as_sgd_on_the_mean_gradient(summed, sent):
+    """Pulled from the window or sent by the shard (``--pull send``), each round's values are the version
+    the round closed at: every gradient is computed on them."""
     steps, n = 4, 3
-    job = Job("bsp", n, steps, rounds=summed)
+    job = Job("bsp", n, steps, rounds=summed, sent=sent)
     start = job.master.copy()
     job.run(compute=lambda w, k: 0.002 * ((w + k) % 3))  # arrivals in every order
     # the replay: every worker computes round k's gradient on the parameters after k rounds
@@ -203,13 +209,15 @@ def test_a_nonfinite_gradient_is_dropped_with_its_verdict_and_the_others_applied
     assert job.server.gradients_applied == n * steps - 1
 
 
-def test_a_stop_raised_at_a_publish_ends_every_worker_after_that_round_and_the_shard_with_them():
+@pytest.mark.parametrize("sent", [False, True], ids=["pulled", "sent"])
+def test_a_stop_raised_at_a_publish_ends_every_worker_after_that_round_and_the_shard_with_them(sent):
     """As the evaluator raises it on reaching --stop-target: the flag is up before the round's grants go, so
-    every worker's pull after its grant sees it, and no worker pushes again."""
+    every worker's pull after its grant sees it (in the window, or in the header of the round the shard
+    sends), and no worker pushes again."""
     steps, n, at = 50, 3, 3
     fabric = []
     hooks = ServerHooks(on_published=lambda version: fabric[0].__setattr__("stop", True) if version == at else None)
-    job = Job("bsp", n, steps, rounds=True, hooks=hooks)
+    job = Job("bsp", n, steps, rounds=True, hooks=hooks, sent=sent)
     fabric.append(job.fabric)
     job.run(compute=lambda w, k: 0.001 * w)
     assert job.server.version == at

@@ -25,7 +25,7 @@ route's ``congctl``): cubic, Linux's own default, unless told otherwise, so
 that the box's timings do not hang on the host's choice. Some hosts default
 to BBR, which does not back off on loss: in a parameter server's incasts it
 kept the switch's ports overflowing, and bsp's mean step in the box was
-8-11% longer than under cubic (docs/results.md).
+8-10% longer than under cubic (docs/results.md).
 """
 
 from __future__ import annotations

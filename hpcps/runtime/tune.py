@@ -33,6 +33,7 @@ from hpcps.options.config import TrainConfig
 from hpcps.options.paradigm_choice import ParadigmTrial
 from hpcps.options.tuning import TUNED, Trial, candidates, command, flags, ranked, table
 from hpcps.runtime.plan import Leg
+from hpcps.transport.failures import deaths_mark, deaths_since
 
 log = logging.getLogger("hpcps")
 
@@ -101,7 +102,9 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     base = cfg.model_copy(update={**TRIAL, "steps": steps})
     if comm.rank == 0:
         log.info("hpcps tune: trial 1: the options as given, %d steps", steps)
+    mark = deaths_mark()
     result = train(base.model_copy(update={"out": str(folder / "trial-0.h5")}), comm, leg=Leg(trial=True))
+    _no_death(mark, 1)
     first = None
     if comm.rank == 0:
         run = paradigm_trial(result.path, cfg.paradigm, 1)  # (a layout's trial: its rows' mean, one a row)
@@ -115,8 +118,10 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     for k, values in enumerate(todo, 1):
         if comm.rank == 0:
             log.info("hpcps tune: trial %d of %d: %s", k + 1, len(todo) + 1, " ".join(flags(values)))
+        mark = deaths_mark()
         result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm,
                        leg=Leg(trial=True))
+        _no_death(mark, k + 1)
         if comm.rank == 0:
             run = paradigm_trial(result.path, cfg.paradigm, 1)
             trials.append(Trial(values, run.workers, run.mean_step_s))
@@ -125,6 +130,14 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     again = trials.pop()
     return [Trial(trials[0].values, trials[0].workers, (trials[0].step_s + again.step_s) / 2, as_given=True,
                   repeats=(trials[0].step_s, again.step_s)), *trials[1:]]
+
+
+def _no_death(mark: int, k: int) -> None:
+    """After layout trial ``k``, on every living rank: a rank that died in it (run-through) ends ``hpcps
+    tune`` with one error, before the next trial would start on every rank, the dead one's included."""
+    if deaths_since(mark):
+        raise UserError(f"hpcps tune: a rank died in trial {k}, and every trial runs on every rank; nothing was "
+                        f"ranked. Launch again on the living nodes")
 
 
 def _tune_paradigms(cfg: TrainConfig, comm: MPI.Comm, top: int, train_words: Sequence[str], train) \
@@ -309,9 +322,10 @@ def _trials_that_train(cfg: TrainConfig, options: dict[str, TrainConfig], comm: 
                      option.paradigm, done + 1, done + cfg.trial_steps)
         trial = _trial_options(option, folder, steps=cfg.steps, resume=start,
                                checkpoint_dir=str(folder / option.paradigm))
+        mark = deaths_mark()
         result = train(trial, comm, leg=Leg(steps=done + cfg.trial_steps, keep_end=True,
                                                  link_bps=link_bps, trial=True))
-        measure = _measure(result, option, comm)
+        measure = _measure(result, option, comm, mark)
         if not measure.stopped_by:  # it ended at its steps, its checkpoint written
             start = comm.bcast(result.summary["checkpoint"] if comm.rank == 0 else None, root=0)
             done += cfg.trial_steps
@@ -335,7 +349,8 @@ def _paradigm_trials(cfg: TrainConfig, options: dict[str, TrainConfig], comm: MP
         if comm.rank == 0:
             log.info("--paradigm auto: trial %d of up to %d: %s, %d steps", k, n, option.paradigm, cfg.trial_steps)
         trial = _trial_options(option, folder, steps=cfg.trial_steps)
-        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps, trial=True)), option, comm)
+        mark = deaths_mark()
+        return _measure(train(trial, comm, leg=Leg(link_bps=link_bps, trial=True)), option, comm, mark)
 
     try:
         trials = _each_trial(options, comm, from_start)
@@ -353,13 +368,12 @@ def _trial_options(option: TrainConfig, folder: Path, **update: Any) -> TrainCon
                                       "out": str(folder / f"{option.paradigm}.h5"), **update})
 
 
-def _measure(result, option: TrainConfig, comm: MPI.Comm) -> ParadigmTrial:
+def _measure(result, option: TrainConfig, comm: MPI.Comm, mark: int = 0) -> ParadigmTrial:
     """Collective: a trial's measure from its run file (rank 0's ``result``), on every rank; a trial a
-    signal or the loop stopped ends the job, and so does one in which a rank died (run-through): the next
-    trial's start would need it."""
-    from hpcps.transport.failures import deaths_seen
-
-    if deaths_seen():  # (on every living rank: the trial's end shrank its communicator and found the dead)
+    signal or the loop stopped ends the job, and so does one in which a rank died (run-through; ``mark``:
+    :func:`~hpcps.transport.failures.deaths_mark` before it, so that an earlier run's dead in this process
+    do not count): the next trial's start would need it."""
+    if deaths_since(mark):  # (on every living rank: the trial's end shrank its communicator and found the dead)
         raise UserError(f"--paradigm auto: a rank died in the trial of {option.paradigm}, and every trial runs "
                         f"on every rank; nothing was kept. Launch again, or name a paradigm: its run goes on "
                         f"without a dead worker where the paradigm allows")

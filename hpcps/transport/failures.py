@@ -81,6 +81,7 @@ def failed_on(exc: BaseException, comm: MPI.Comm) -> bool:
 
 
 _seen: set[int] = set()  # every rank any DeadRanks of this process found dead
+_deaths = 0  # deaths found so far in this process, every run's (a rank number can come back in a later run)
 
 
 def deaths_seen() -> bool:
@@ -88,6 +89,17 @@ def deaths_seen() -> bool:
     the dead for good when the job spans several nodes (seen in the box): the caller should end the
     process without it (``os._exit``) once its work is written."""
     return bool(_seen)
+
+
+def deaths_mark() -> int:
+    """A mark of the deaths this process has seen so far, for :func:`deaths_since`."""
+    return _deaths
+
+
+def deaths_since(mark: int) -> bool:
+    """Whether this process saw a rank die after :func:`deaths_mark` gave ``mark``: a run's own deaths, not
+    those of an earlier run in the same process (which :func:`deaths_seen` keeps for good)."""
+    return _deaths > mark
 
 
 def end_without_the_dead(status: int) -> None:
@@ -149,6 +161,8 @@ class DeadRanks:
 
     def add(self, ranks: set[int]) -> None:
         """``ranks`` are dead (learned otherwise: a shrink)."""
+        global _deaths
+        _deaths += len(set(ranks) - self.dead)
         self.dead |= ranks
         _seen.update(ranks)
 

@@ -321,7 +321,38 @@ def test_a_trial_in_which_a_rank_died_ends_the_job_on_every_living_rank_with_one
     from hpcps.runtime import tune
     from hpcps.transport import failures
 
-    monkeypatch.setattr(failures, "_seen", {3})
+    monkeypatch.setattr(failures, "_seen", set())
+    monkeypatch.setattr(failures, "_deaths", 0)
+    mark = failures.deaths_mark()
+    failures.DeadRanks([]).add({3})  # as the trial's end found rank 3 dead
     option = pc.as_chosen(make_config({"paradigm": "auto", "steps": 100}), "asp")
     with pytest.raises(UserError, match="a rank died in the trial of asp.*name a paradigm"):
-        tune._measure(None, option, comm=None)
+        tune._measure(None, option, comm=None, mark=mark)
+    with pytest.raises(UserError, match="hpcps tune: a rank died in trial 2.*Launch again"):
+        tune._no_death(mark, 2)  # hpcps tune's layout trials alike
+
+
+def test_a_death_in_an_earlier_run_of_the_process_does_not_end_a_later_runs_trials(monkeypatch):
+    """``deaths_seen()`` stays true for good once a rank died in this process (its end must skip
+    MPI_Finalize); a later ``hpcps.train(paradigm="auto")`` in the same process, on a communicator of the
+    living, counts only the deaths of its own trials. A rank number found dead again in a later run (a new
+    communicator's) counts again."""
+    from types import SimpleNamespace
+
+    from hpcps.runtime import tune
+    from hpcps.transport import failures
+
+    monkeypatch.setattr(failures, "_seen", set())
+    monkeypatch.setattr(failures, "_deaths", 0)
+    failures.DeadRanks([]).add({3})  # the earlier run
+    assert failures.deaths_seen()
+    mark = failures.deaths_mark()
+    monkeypatch.setattr(tune, "paradigm_trial", lambda *a: SimpleNamespace(stopped_by=""))
+    comm = SimpleNamespace(rank=0, bcast=lambda value, root: value)
+    option = pc.as_chosen(make_config({"paradigm": "auto", "steps": 100}), "asp")
+    assert tune._measure(SimpleNamespace(path="trial.h5"), option, comm, mark).stopped_by == ""
+    tune._no_death(mark, 1)  # (no error)
+    failures.DeadRanks([]).add({3})  # this run's own rank 3
+    assert failures.deaths_since(mark)
+    with pytest.raises(UserError, match="a rank died in the trial of asp"):
+        tune._measure(SimpleNamespace(path="trial.h5"), option, comm, mark)

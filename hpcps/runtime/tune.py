@@ -100,11 +100,18 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
 
     nodes = node_ids(comm)
     base = cfg.model_copy(update={**TRIAL, "steps": steps})
+
+    def run_trial(k: int, values: dict):
+        """Trial ``k + 1``: the run of ``values`` over the options as given (rank 0's result), no rank dead."""
+        mark = deaths_mark()
+        result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm,
+                       leg=Leg(trial=True))
+        _no_death(mark, k + 1)
+        return result
+
     if comm.rank == 0:
         log.info("hpcps tune: trial 1: the options as given, %d steps", steps)
-    mark = deaths_mark()
-    result = train(base.model_copy(update={"out": str(folder / "trial-0.h5")}), comm, leg=Leg(trial=True))
-    _no_death(mark, 1)
+    result = run_trial(0, {})
     first = None
     if comm.rank == 0:
         run = paradigm_trial(result.path, cfg.paradigm, 1)  # (a layout's trial: its rows' mean, one a row)
@@ -118,10 +125,7 @@ def _trials(cfg: TrainConfig, given: Sequence[str], comm: MPI.Comm, steps: int, 
     for k, values in enumerate(todo, 1):
         if comm.rank == 0:
             log.info("hpcps tune: trial %d of %d: %s", k + 1, len(todo) + 1, " ".join(flags(values)))
-        mark = deaths_mark()
-        result = train(base.model_copy(update={**values, "out": str(folder / f"trial-{k}.h5")}), comm,
-                       leg=Leg(trial=True))
-        _no_death(mark, k + 1)
+        result = run_trial(k, values)
         if comm.rank == 0:
             run = paradigm_trial(result.path, cfg.paradigm, 1)
             trials.append(Trial(values, run.workers, run.mean_step_s))
@@ -368,7 +372,7 @@ def _trial_options(option: TrainConfig, folder: Path, **update: Any) -> TrainCon
                                       "out": str(folder / f"{option.paradigm}.h5"), **update})
 
 
-def _measure(result, option: TrainConfig, comm: MPI.Comm, mark: int = 0) -> ParadigmTrial:
+def _measure(result, option: TrainConfig, comm: MPI.Comm, mark: int) -> ParadigmTrial:
     """Collective: a trial's measure from its run file (rank 0's ``result``), on every rank; a trial a
     signal or the loop stopped ends the job, and so does one in which a rank died (run-through; ``mark``:
     :func:`~hpcps.transport.failures.deaths_mark` before it, so that an earlier run's dead in this process

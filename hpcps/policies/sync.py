@@ -35,6 +35,10 @@ class BSP(Policy):
     name = "bsp"
     summary = "bulk synchronous: average all N gradients of a round, release everyone"
     holds_rounds = True
+    #: under --pull send a shard may step and send a round a piece at a time from its last verdict on
+    #: (hpcps.runtime.release): every round applies every active worker's gradient at weight 1; a plug-in
+    #: built on bsp that decides otherwise sets it False
+    releases_pieces = True
 
     def __init__(self, n_workers: int, **options) -> None:
         super().__init__(n_workers)

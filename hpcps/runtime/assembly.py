@@ -26,7 +26,7 @@ from hpcps.policies import Policy, make_policy
 from hpcps.runtime import faults, residence, watchers
 from hpcps.runtime.checkpoints import schedule as checkpointing
 from hpcps.runtime.backward import BackwardPushes
-from hpcps.runtime.checkpoints.files import read_optimizer_state, read_policy_state
+from hpcps.runtime.checkpoints.files import SPANS_KEY, read_optimizer_state, read_policy_state
 from hpcps.runtime.evaluator import EvalPlan, Evaluator
 from hpcps.runtime.groupserver import CentralLink, GroupServer
 from hpcps.runtime.optstate import StateDesk
@@ -68,6 +68,20 @@ def sends_pulls(plan: RunPlan, state: RunState) -> bool:
     worker that died would fail the shard, so the workers read the window as by default (rank 0 says so
     at the start, :meth:`hpcps.runtime.run.Run.start`, and the run file's ``pull`` says what ran)."""
     return plan.cfg.pull == "send" and state.dead is None
+
+
+def piece_ranges(plan: RunPlan, state: RunState) -> list[tuple[int, int]] | None:
+    """The ranges of this shard's slice whose rounds it releases one at a time from the last verdict on
+    (:mod:`hpcps.runtime.release`; the optimizer's chunks are cut at them), or None: each round at once.
+    Where its rounds are sent (not under run-through), by a paradigm of bsp's rounds with no group servers,
+    the slice in host memory, pushes as they are, in pieces."""
+    cls, shard = plan.paradigm, state.topo.rank
+    ranges = [(at, at + hi - lo) for at, lo, hi in plan.slices.local_ranges(shard)]
+    if (getattr(cls, "releases_pieces", False) and sends_pulls(plan, state) and plan.layout.n_groups == 0
+            and not cls.serial_transfers and isinstance(state.home, residence.HostSlice)
+            and plan.codec.identity_push and len(ranges) > 1):
+        return ranges
+    return None
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,7 @@ def serve_shard(plan: RunPlan, state: RunState, window: ParamWindow, master, opt
                                           length=len(master)) if sends_pulls(plan, state) else None)
     update = ShardUpdate(master, cfg.lr, optimizer=optimizer, n_params=trainable, version=start_version,
                          round_sum=rounds, codec=plan.codec, abort_on_nonfinite=cfg.nonfinite == "abort",
-                         home=home)
+                         home=home, pieces=piece_ranges(plan, state) if rounds is not None and rounds.ordered else None)
     server = ShardServer(
         shard=topo.rank, rank=topo.rank, policy=policy, worker_ranks=workers, ports=ports, update=update,
         records=Records(recorder, state.clock, timeline(plan, state, recorder)),
@@ -223,8 +237,10 @@ def shard_optimizer(plan: RunPlan, state: RunState, params: torch.Tensor, shard:
     into the run's param groups, its schedule over the run's updates, resumed state."""
     cfg = plan.cfg
     groups = shard_groups(plan.groups, plan.slices.pieces[shard])
+    pieces = piece_ranges(plan, state)
     optimizer = ShardOptimizer(params, plan.workload.optimizer_factory(cfg), lambda v: 1.0,
-                               groups=groups, indices=shard_group_indices(plan.groups, plan.slices.pieces[shard]))
+                               groups=groups, indices=shard_group_indices(plan.groups, plan.slices.pieces[shard]),
+                               cuts=[lo for lo, _ in pieces] if pieces else ())
     # the schedule's floor (--min-lr) is a rate, over the one the optimizer was built with
     optimizer.schedule = schedule(plan, optimizer.default_lr or cfg.lr)
     restored = plan.ckpt is not None and not plan.ckpt.optimizer_afresh  # (another batch's statistics: afresh)
@@ -233,8 +249,9 @@ def shard_optimizer(plan: RunPlan, state: RunState, params: torch.Tensor, shard:
         optimizer.stale = StaleMomentum(updates=plan.shard_start(shard) if restored else 0)
     if restored and plan.ckpt.resharded:
         optimizer.load_state_dict(checkpointing.resliced_optimizer_state(plan, state, optimizer, shard))
-    elif restored:
-        optimizer.load_state_dict(read_optimizer_state(cfg.resume, state.topo.rank))
+    elif restored:  # cut where the writer cut it (a part that does not say: without pieces)
+        written = read_optimizer_state(cfg.resume, state.topo.rank)
+        optimizer.load_state_dict(written, spans=written.pop(SPANS_KEY, None) or optimizer.uncut_spans)
     return optimizer
 
 

@@ -104,6 +104,8 @@ class PublishTarget(Protocol):
 
     def stop_raised(self) -> bool: ...
 
+    def stop_once_published(self) -> bool: ...
+
 
 # -- the value objects ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -206,7 +208,8 @@ class ShardUpdate:
     instead of holding it; ``codec``: what a push's payload holds (:mod:`hpcps.transport.compress`; fp32 by
     default); ``abort_on_nonfinite``: a non-finite gradient ends the run (``--nonfinite abort``) instead of
     being dropped; ``home``: where the slice is stepped (:mod:`hpcps.runtime.residence`; default: ``master``
-    itself, in place)."""
+    itself, in place); ``pieces``: the slice's ranges, a round's released one at a time from the last
+    verdict on (:mod:`hpcps.runtime.release`; the optimizer's chunks cut at them), or None: each round at once."""
 
     master: np.ndarray
     unit_lr: float
@@ -217,6 +220,7 @@ class ShardUpdate:
     codec: Any = None
     abort_on_nonfinite: bool = False
     home: Any = None
+    pieces: Sequence[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)

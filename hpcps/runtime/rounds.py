@@ -23,7 +23,7 @@ full, and hsp runs are not bit-for-bit reproducible anyway (its extra gradients 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ class RoundSum:
         self.n_params, self.n_workers, self.active, self.ordered = n_params, n_workers, active, ordered
         self.arrived: dict[int, None] = {}  # the round's gradients in hand, in arrival order
         self.finite: dict[int, bool] = {}  # summed this round: whether the gradient was added
+        self.done: list[tuple[int, int]] = []  # ranges summed over the whole round already (complete())
         self._next = 0
         self.closed = 0  # rounds applied in this run
 
@@ -72,13 +73,40 @@ class RoundSum:
             self._add(w, take)
         return done
 
+    def complete(self, lo: int, hi: int, adds: Sequence[tuple[int, torch.Tensor, float]]) -> None:
+        """Sum ``[lo, hi)`` over the round's workers now (``adds``: each one's ``(worker, gradient, factor)``,
+        in worker order, every one finite), ahead of their whole gradients (:mod:`hpcps.runtime.release`):
+        those not added whole yet are added there in worker order, and their whole adds later leave it
+        alone, so each value's sum runs in worker order as the whole round's does."""
+        for w, grad, factor in adds:
+            if w not in self.finite:
+                self._add_range(grad, factor, lo, hi)
+        self.done.append((lo, hi))
+
     def _add(self, w: int, take: Callable[[int], tuple[torch.Tensor | None, float]]) -> None:
         grad, factor = take(w)
         if grad is not None:
-            p = self.n_params
-            self.acc[:p].add_(grad[:p], alpha=factor)
-            self.acc[p:].add_(grad[p:])
+            for lo, hi in self._open():
+                self._add_range(grad, factor, lo, hi)
         self.finite[w] = grad is not None
+
+    def _add_range(self, grad: torch.Tensor, factor: float, lo: int, hi: int) -> None:
+        """``acc[lo:hi] += grad[lo:hi]``, its trainable values times ``factor``."""
+        p = self.n_params
+        if lo < p:
+            self.acc[lo:min(hi, p)].add_(grad[lo:min(hi, p)], alpha=factor)
+        if hi > p:
+            self.acc[max(lo, p):hi].add_(grad[max(lo, p):hi])
+
+    def _open(self) -> list[tuple[int, int]]:
+        """The ranges of the sum no :meth:`complete` has closed this round."""
+        out, at = [], 0
+        for lo, hi in sorted(self.done):
+            if lo > at:
+                out.append((at, lo))
+            at = max(at, hi)
+        size = len(self.acc)
+        return out + [(at, size)] if at < size else out
 
     def close(self) -> None:
         """The round was applied: start the next from zero."""
@@ -86,4 +114,5 @@ class RoundSum:
         self.acc.zero_()
         self.arrived.clear()
         self.finite.clear()
+        self.done.clear()
         self._next = 0

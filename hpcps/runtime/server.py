@@ -56,6 +56,7 @@ from hpcps.transport.poll import Backoff, wait_until
 from hpcps.transport.compress import Codec, all_finite
 from hpcps.transport.failures import found_dead
 from hpcps.transport.push import LeaveEvent, LostEvent, PushEvent
+from hpcps.runtime.release import PieceRelease, _Release
 from hpcps.runtime.residence import HostSlice
 from hpcps.runtime.spares import JoinEvent
 from hpcps.runtime.stalls import ShardStalls
@@ -127,7 +128,41 @@ class _Membership:
         self._carry_out(self.policy.on_join(worker, now), notices)
 
 
-class ShardServer(_Membership):
+class _Gradients:
+    """What a held gradient is to a shard (a mixin of :class:`ShardServer`, whose attributes it reads): its
+    values where the slice is stepped, and whether it may be applied."""
+
+    def _gradient(self, worker: int) -> torch.Tensor:
+        """The held gradient of ``worker`` where the slice is stepped: a view of the inbox's buffer (fp32, or
+        16-bit under ``--compress bf16/fp16``), or a dense tensor made from a top-k payload; or its copy."""
+        return self.home.upload(self.codec.gradient(self.inbox.gradient(worker), len(self.master)))
+
+    def _finite(self, push: PushEvent) -> bool:
+        """Whether a gradient may be applied (called once per push); a skipped one (its worker said so) or a
+        non-finite one is dropped, or a non-finite one ends the run. Finite or not is the worker's verdict on
+        its whole gradient where it gave one (in the header, or after the payload of a push begun during
+        backward), so every shard decides alike; a push without one (a group server's) is scanned here."""
+        if push.skip:
+            return False
+        if push.flags & wire.VERDICT:
+            held = self.release.verdicts.take(push.worker) if self.release is not None else None
+            finite = received_verdict(self.inbox, push, self.shard, held)
+            if finite is None:
+                return False
+        elif push.flags & (wire.CHECKED | wire.NONFINITE):
+            finite = not push.flags & wire.NONFINITE
+        else:
+            self.tl.enter("scan")
+            finite = all_finite(self.codec.values(self.inbox.gradient(push.worker)))
+        if finite:
+            return True
+        if self.abort_on_nonfinite:
+            raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "
+                             f"(its gradient {push.clock}) and --nonfinite is abort")
+        return False
+
+
+class ShardServer(_Membership, _Gradients, _Release):
     """Serve shard ``shard`` (parameters ``master``) until every worker has left.
 
     ``master[:n_params]`` are trainable parameters, stepped by ``optimizer``;
@@ -154,6 +189,7 @@ class ShardServer(_Membership):
         self.recorder, self.clock, self.tl = records.recorder, records.clock, records.timeline or NullTimeline()
         self.side_tasks, self.on_applied, self.on_published = list(hooks.side_tasks), hooks.on_applied, \
             hooks.on_published
+        self.release = PieceRelease(self.inbox, update.pieces) if update.pieces else None
         self.backoff = watch.backoff or Backoff()
         self.worker_ranks = list(worker_ranks)
         #: each worker's optimizer hyperparameters as its loop last set them (hpcps.training.hyper), by index
@@ -185,6 +221,7 @@ class ShardServer(_Membership):
             if events:  # the poll that completed them: their last bytes' copy (an empty poll is waiting)
                 tl.enter("receive", t)
                 tl.enter("other")
+            self._release_pieces()
             self._log_transfers()
             for phase, task in self.side_tasks:
                 t = self.clock() if tl.enabled else 0.0
@@ -215,7 +252,8 @@ class ShardServer(_Membership):
             for worker, (flags, clock, version, staleness, lr) in notices.items():
                 self.notifier.send(worker, flags, clock, version, staleness, lr)  # never to the dead (run-through)
             granted = [w for w, (flags, *_) in notices.items() if flags & wire.GRANT] if self.sender is not None else []
-            if granted:  # after the grants, which must not queue behind the values on the wire
+            if granted and self.sender.announced != self.version:  # (a round released a piece at a time: sent)
+                # after the grants, which must not queue behind the values on the wire
                 self.sender.send(granted, self.master, self.version, self.window.stop_raised(), self.backoff)
             tl.enter("wait")
         if self.pending:
@@ -305,9 +343,12 @@ class ShardServer(_Membership):
             at, position = self.version, self.position()
             weight = decision.weights[k] if decision.weights else 1.0
             coeffs, factor = update_terms([p.lr / self.unit_lr for p in finite]) if finite else ([], 1.0)
-            if finite:
+            released = summed and self._released([p.worker for p in finite])
+            if finite and not released:
                 self._use_hypers(finite)
-            if finite and summed:
+            if released:  # stepped and sent a piece at a time (hpcps.runtime.release)
+                at = self._applied()
+            elif finite and summed:
                 n = len(finite)
                 at = self._update([self.round_sum.acc], [1.0 / (n * factor)], weight * factor, means=[1.0 / n])
             elif finite:
@@ -391,42 +432,18 @@ class ShardServer(_Membership):
                             progress=self.progress, staleness=staleness)
         if p < len(self.master):
             apply_update(self.master_t[p:], [g[p:] for g in grads], [-m for m in means], progress=self.progress)
-        self.version += 1
         self.tl.enter("other")
+        return self._applied()
+
+    def _applied(self) -> int:
+        """An update was applied: the version it was applied to (the version moves on)."""
+        self.version += 1
         return self.version - 1
 
     def _check_stall(self) -> None:
         """Name the workers that owe this shard a message and have been silent too long
         (:class:`~hpcps.runtime.stalls.ShardStalls`)."""
         self.stalls.check(self.clock(), self.gone | self.awaiting)
-
-    def _gradient(self, worker: int) -> torch.Tensor:
-        """The held gradient of ``worker`` where the slice is stepped: a view of the inbox's buffer (fp32, or
-        16-bit under ``--compress bf16/fp16``), or a dense tensor made from a top-k payload; or its copy."""
-        return self.home.upload(self.codec.gradient(self.inbox.gradient(worker), len(self.master)))
-
-    def _finite(self, push: PushEvent) -> bool:
-        """Whether a gradient may be applied (called once per push); a skipped one (its worker said so) or a
-        non-finite one is dropped, or a non-finite one ends the run. Finite or not is the worker's verdict on
-        its whole gradient where it gave one (in the header, or after the payload of a push begun during
-        backward), so every shard decides alike; a push without one (a group server's) is scanned here."""
-        if push.skip:
-            return False
-        if push.flags & wire.VERDICT:
-            finite = received_verdict(self.inbox, push, self.shard)
-            if finite is None:
-                return False
-        elif push.flags & (wire.CHECKED | wire.NONFINITE):
-            finite = not push.flags & wire.NONFINITE
-        else:
-            self.tl.enter("scan")
-            finite = all_finite(self.codec.values(self.inbox.gradient(push.worker)))
-        if finite:
-            return True
-        if self.abort_on_nonfinite:
-            raise RunAborted(f"worker rank {self.worker_ranks[push.worker]} pushed a non-finite gradient "
-                             f"(its gradient {push.clock}) and --nonfinite is abort")
-        return False
 
 
 def _note(notices: dict[int, list], worker: int, flag: int, *fields) -> None:
@@ -442,18 +459,20 @@ def _note(notices: dict[int, list], worker: int, flag: int, *fields) -> None:
 VERDICT_BACKOFF = (1e-5, 1e-4)
 
 
-def received_verdict(inbox, push: PushEvent, shard: int) -> bool | None:
+def received_verdict(inbox, push: PushEvent, shard: int, held=None) -> bool | None:
     """The verdict that follows the payload of a push begun during backward; None where its worker died
     before sending it (run-through: the gradient is dropped, and the inbox's next poll finds the death).
+    ``held``: its receive, posted already (:class:`hpcps.runtime.release.Verdicts`), and its buffer.
 
     A shard's slice can come whole long before its worker's backward pass ends (the last layers' gradients
     come first), and the verdict follows that end: the wait polls and sleeps. A blocking receive spins
     there, 1.5-2 ms a step on each shard of the box's 4-node ``deep_mlp``, taking a core from the
     workers whose backward pass it waits for."""
-    verdict = np.empty(1, np.int64)
+    request, verdict = held if held is not None else (None, np.empty(1, np.int64))
     rank = inbox.worker_ranks[push.worker]
     try:
-        request = inbox.comm.Irecv(verdict, source=rank, tag=wire.TAG_VERDICT)
+        if request is None:
+            request = inbox.comm.Irecv(verdict, source=rank, tag=wire.TAG_VERDICT)
         wait_until(request.Test, Backoff(*VERDICT_BACKOFF),
                    what=f"worker rank {rank}'s verdict on its gradient {push.clock}")
     except MPI.Exception as exc:

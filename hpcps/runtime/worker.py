@@ -338,7 +338,11 @@ class Worker(_Pulls, _Pushes):
                 early = self.sent_pull(self.flat.params, self.parts.plan.parts if self.parts is not None else None,
                                        lambda: self._stall_watch("its round's parameters from the shards (--pull send)"))
             tl.enter("grant")
-            row["wait_s"] = self._wait(self._granted, "its grant") if self.blocks else 0.0
+            # a sent round's header says its shard granted the push (a round released a piece at a time
+            # sends it first, and the grant queues behind the values: hpcps.runtime.release)
+            announced = getattr(early, "announced", None) if self.sent_pull is not None else None
+            row["wait_s"] = self._wait(lambda: self._granted() or (announced is not None and announced()),
+                                       "its grant") if self.blocks else 0.0
             tl.enter("pull")
             t = time.perf_counter()
             self.versions, self.stop = self._pull(early)

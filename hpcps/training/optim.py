@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hpcps.training.momentum import StaleMomentum
+from hpcps.training.optstate import from_shard, to_shard
 
 #: float32 values updated between two progress pokes (1 MiB: fits in L2)
 APPLY_CHUNK = 1 << 18
@@ -138,6 +139,15 @@ def builtin_optimizer(name: str, *, lr: float, momentum: float = 0.0, nesterov: 
     return make
 
 
+def _cut(spans: list[tuple[int, int]], cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """``spans`` cut again wherever one of ``cuts`` falls inside one."""
+    out = []
+    for lo, hi in spans:
+        edges = [lo, *sorted({c for c in cuts if lo < c < hi}), hi]
+        out += list(zip(edges[:-1], edges[1:]))
+    return out
+
+
 def update_terms(factors: Sequence[float]) -> tuple[list[float], float]:
     """Per-gradient coefficients of the combined gradient, and the factor ``F`` on the learning rate."""
     mean = sum(factors) / len(factors)
@@ -157,7 +167,10 @@ class ShardOptimizer:
     """
 
     def __init__(self, params: torch.Tensor, make: OptimizerFactory, schedule: Schedule, *,
-                 chunk: int = APPLY_CHUNK, groups: list | None = None, indices: Sequence[int] | None = None) -> None:
+                 chunk: int = APPLY_CHUNK, groups: list | None = None, indices: Sequence[int] | None = None,
+                 cuts: Sequence[int] = ()) -> None:
+        """``cuts``: places in the slice no chunk crosses besides the groups' ends (a shard that steps its
+        slice a piece at a time, :meth:`step_range`, cuts it at its pieces)."""
         n = params.numel()
         self.chunk = chunk
         if groups is None:
@@ -166,11 +179,15 @@ class ShardOptimizer:
         self.indices = list(indices) if indices is not None else list(range(len(groups)))
         param_groups = []
         self.spans: list[tuple[int, int]] = []  # each chunk's place in the slice, group by group
+        #: the chunks without ``cuts``: how a checkpoint that does not say how its state was cut has it
+        self.uncut_spans: list[tuple[int, int]] = []
         for options, segments, parts in groups:
-            spans = [(lo, min(lo + chunk, b)) for a, b in segments for lo in range(a, b, chunk)]
+            uncut = [(lo, min(lo + chunk, b)) for a, b in segments for lo in range(a, b, chunk)]
+            spans = _cut(uncut, cuts)
             param_groups.append({"params": [params[lo:hi] for lo, hi in spans],
                                  "names": [name for name, _, _ in parts], "ranges": list(parts), **options})
             self.spans += spans
+            self.uncut_spans += uncut
         self.chunks = [c for g in param_groups for c in g["params"]]
         self.schedule = schedule
         self.optimizer = make(param_groups) if self.chunks else None
@@ -186,6 +203,7 @@ class ShardOptimizer:
         self._built = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
                        if self.optimizer else [], list(self.base_lrs))  # for reset_hyper
         self._sum: torch.Tensor | None = None  # the combined gradient of multi-gradient updates
+        self._set_momenta: list[tuple[dict, float]] = []  # momenta an update's begin() lowered, to restore
         #: the rule that lowers momentum by what staleness adds (:mod:`hpcps.training.momentum`); None: off
         self.stale: StaleMomentum | None = None
         #: the first group's momentum at the last update, as applied (NaN: the optimizer has none), and the
@@ -227,45 +245,75 @@ class ShardOptimizer:
         """
         if self.optimizer is None:
             return 0
+        self.begin(version=version, factor=factor, staleness=staleness)
+        try:
+            return self._step(grads, coeffs, progress)
+        finally:
+            self.end()
+
+    def begin(self, *, version: int, factor: float, staleness: float = 0.0) -> None:
+        """Set the groups' rates (and momenta) for one update, which :meth:`step_range` then applies a piece
+        at a time, and :meth:`end` closes (:meth:`step` is the three at once)."""
         scale = self.schedule(version) * factor
         if self.stale is not None:
             self.stale.observe(staleness)
-        set_momenta = []
+        self._set_momenta = []
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * scale
             momentum = group.get("momentum")
             if self.stale is not None and momentum:
                 explicit, rate = self.stale.adjusted(momentum)
-                set_momenta.append((group, momentum))
+                self._set_momenta.append((group, momentum))
                 group["momentum"], group["lr"] = explicit, group["lr"] * rate
         first = self.optimizer.param_groups[0]
         self.momentum = float(first["momentum"]) if "momentum" in first else math.nan
         self.rate_factor = first["lr"] / (self.base_lrs[0] * scale) if self.base_lrs[0] * scale else 1.0
-        try:
-            return self._step(grads, coeffs, progress)
-        finally:
-            for group, momentum in set_momenta:
-                group["momentum"] = momentum
+
+    def step_range(self, grad: torch.Tensor, coeff: float, lo: int, hi: int,
+                   progress: Callable[[], object] = lambda: None) -> int:
+        """Between :meth:`begin` and :meth:`end`: step the chunks in ``[lo, hi)`` of the slice from
+        ``coeff * grad`` (``grad`` over the whole slice); ``lo`` and ``hi`` must be chunk edges (``cuts``).
+        Each chunk is stepped as :meth:`step` steps it, so an update taken a piece at a time is the
+        same to the last bit. Returns the chunks stepped."""
+        stepped = 0
+        for k, (a, b) in enumerate(self.spans if self.optimizer is not None else ()):
+            if a < hi and lo < b:
+                if a < lo or b > hi:
+                    raise ValueError(f"[{lo}, {hi}) cuts the optimizer's chunk [{a}, {b}): give it as a cut")
+                self._step_chunk(k, [grad], [coeff])
+                progress()
+                stepped += 1
+        return stepped
+
+    def end(self) -> None:
+        """The update is applied: the groups keep the momentum the user set."""
+        for group, momentum in self._set_momenta:
+            group["momentum"] = momentum
+        self._set_momenta = []
 
     def _step(self, grads: Sequence[torch.Tensor], coeffs: Sequence[float], progress: Callable[[], object]) -> int:
-        # step straight from the received gradient (an fp32 one: a 16-bit payload is widened into the sum)
-        single = len(grads) == 1 and coeffs[0] == 1.0 and grads[0].dtype == torch.float32
-        if not single and self._sum is None:
-            self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32,
-                                    device=self.chunks[0].device)
-        for chunk, (lo, hi) in zip(self.chunks, self.spans):
-            if single:
-                chunk.grad = grads[0][lo:hi]
-            else:
-                total = self._sum[lo:hi]
-                torch.mul(grads[0][lo:hi], coeffs[0], out=total)
-                for g, c in zip(grads[1:], coeffs[1:]):
-                    total.add_(g[lo:hi], alpha=c)
-                chunk.grad = total
-            self.optimizer.step()
-            chunk.grad = None
+        for k in range(len(self.chunks)):
+            self._step_chunk(k, grads, coeffs)
             progress()
         return len(self.chunks)
+
+    def _step_chunk(self, k: int, grads: Sequence[torch.Tensor], coeffs: Sequence[float]) -> None:
+        """Step chunk ``k`` alone (the others' ``.grad`` unset) from ``sum(c * g)`` over its span."""
+        chunk, (lo, hi) = self.chunks[k], self.spans[k]
+        # step straight from the received gradient (an fp32 one: a 16-bit payload is widened into the sum)
+        if len(grads) == 1 and coeffs[0] == 1.0 and grads[0].dtype == torch.float32:
+            chunk.grad = grads[0][lo:hi]
+        else:
+            if self._sum is None:
+                self._sum = torch.empty(sum(c.numel() for c in self.chunks), dtype=torch.float32,
+                                        device=self.chunks[0].device)
+            total = self._sum[lo:hi]
+            torch.mul(grads[0][lo:hi], coeffs[0], out=total)
+            for g, c in zip(grads[1:], coeffs[1:]):
+                total.add_(g[lo:hi], alpha=c)
+            chunk.grad = total
+        self.optimizer.step()
+        chunk.grad = None
 
     def state_dict(self) -> dict:
         """The optimizer's state dict, its tensors in host memory whatever device the slice is on (a
@@ -280,13 +328,17 @@ class ShardOptimizer:
                                          for k, entry in state["state"].items()}}
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, spans: Sequence[tuple[int, int]] | None = None) -> None:
         """torch.optim's ``load_state_dict``, after checking that every tensor of the state is the shape of
         the chunk it belongs to: torch loads a momentum of another length without a word, and the fused
         kernels then read past it (a checkpoint's state cut otherwise than these chunks ended in values
-        of 1e15)."""
+        of 1e15). ``spans``: the chunks the state was cut at, where not these (a checkpoint written by a
+        shard that cut its slice otherwise, :attr:`uncut_spans` or finer): it is cut again at these."""
         if self.optimizer is None or not state:
             return
+        if spans is not None and [tuple(s) for s in spans] != self.spans:
+            length = max(b for _, b in self.spans)
+            state = to_shard(from_shard(state, [tuple(s) for s in spans], length), self.spans, self.state_dict())
         for index, entry in state.get("state", {}).items():
             chunk = self.chunks[int(index)] if int(index) < len(self.chunks) else None
             for name, value in entry.items():

@@ -6,15 +6,18 @@ worker at once reads the same values. Read one-sidedly that costs a worker a rou
 slot's version and pin, then its copies), and over TCP a ``Get`` is served as a message exchange
 behind whatever else the shard's link carries. The shard knows when the values are ready and who wants
 them, so it can simply send them: a header (the version and the stop flag), then its slice's ranges in
-their local order (the flat order: a pass's first layers first), one message each, as a push's pieces
-go the other way. ``tools/bench_piecewise.py`` measured it before it was built, and
+their local order (the flat order: a pass's first layers first), one message each with a tag of its own
+(:data:`~hpcps.transport.wire.TAG_SENT` + k), as a push's pieces go the other way. A round released a
+piece at a time (:mod:`hpcps.runtime.release`) sends its header first (:meth:`ParamSender.announce`) and
+each range as it is stepped (:meth:`ParamSender.send_range`), in whatever order: the tags match them. ``tools/bench_piecewise.py`` measured it before it was built, and
 ``tools/bench_allreduce.py --pulls get send`` measures it against DDP (docs/results.md).
 
 :class:`ParamSender` is the shard's side; :class:`SentPull` the worker's: its receives are posted when
 the worker's push has begun, and it answers as a window pull does (:class:`~hpcps.transport.window.Pull`:
 versions, partitions in the pass's order, the whole), so partitioned pulls take either. A worker gets
 exactly one sent round per grant, and posts exactly one :class:`SentPull` per push that waits for one:
-the two sides' messages match in order (MPI keeps one sender's messages in the order they were sent).
+the two sides' messages match in order (MPI keeps one sender's messages of one tag in the order they were
+sent).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class ParamSender:
         self.copy = np.empty(length, np.float32)
         self.head = np.zeros(2, np.int64)
         self.pending: list[MPI.Request] = []
+        self.announced = -1  # the version of the round under way a piece at a time (announce())
+        self._dests: list[int] = []
 
     def send(self, workers: Sequence[int], params: np.ndarray, version: int, stop: bool,
              backoff: Backoff | None = None) -> None:
@@ -58,8 +63,24 @@ class ParamSender:
         self.pending = [self.comm.Isend(self.head, dest=d, tag=wire.TAG_SENT_HEAD) for d in dests]
         turn = version % len(dests)
         dests = dests[turn:] + dests[:turn]
-        for a, b in self.ranges:
-            self.pending += [self.comm.Isend(self.copy[a:b], dest=d, tag=wire.TAG_SENT) for d in dests]
+        for k, (a, b) in enumerate(self.ranges):
+            self.pending += [self.comm.Isend(self.copy[a:b], dest=d, tag=wire.TAG_SENT + k) for d in dests]
+
+    def announce(self, workers: Sequence[int], version: int, stop: bool, backoff: Backoff | None = None) -> None:
+        """Begin a round sent a piece at a time (:mod:`hpcps.runtime.release`): its header to ``workers``
+        now, its ranges with :meth:`send_range` as each is stepped (:meth:`send` then sends nothing more)."""
+        self.drain(backoff)
+        self.head[:] = (version, int(stop))
+        dests = [self.worker_ranks[w] for w in workers]
+        self.pending = [self.comm.Isend(self.head, dest=d, tag=wire.TAG_SENT_HEAD) for d in dests]
+        turn = version % len(dests)
+        self._dests, self.announced = dests[turn:] + dests[:turn], version
+
+    def send_range(self, lo: int, hi: int, params: np.ndarray) -> None:
+        """Send ``params[lo:hi]`` (one of the ranges, stepped) to the announced round's workers."""
+        k = self.ranges.index((lo, hi))  # (a range of the slice, whole: its receive takes it by its tag)
+        self.copy[lo:hi] = params[lo:hi]
+        self.pending += [self.comm.Isend(self.copy[lo:hi], dest=d, tag=wire.TAG_SENT + k) for d in self._dests]
 
     def progress(self) -> None:
         """Move the sends (over TCP a large message leaves only while its rank calls into MPI)."""
@@ -91,8 +112,8 @@ class SentPull:
         self.heard = [comm.Irecv(self.heads[s], source=r, tag=wire.TAG_SENT_HEAD) for s, r in enumerate(shard_ranks)]
         received: list[tuple[int, int, MPI.Request]] = []
         for s, rank in enumerate(shard_ranks):
-            for _at, lo, hi in slices.local_ranges(s):
-                received.append((lo, hi, comm.Irecv(out[lo:hi], source=rank, tag=wire.TAG_SENT)))
+            for k, (_at, lo, hi) in enumerate(slices.local_ranges(s)):
+                received.append((lo, hi, comm.Irecv(out[lo:hi], source=rank, tag=wire.TAG_SENT + k)))
         self.received = [r for *_, r in received]
         self.ranges = [list(p) for p in parts] if parts is not None else [list(p) for p in slices.pieces]
         # per partition, the messages that hold some of it
@@ -108,6 +129,11 @@ class SentPull:
         """Whether the header and every range have come (drives MPI's progress)."""
         return MPI.Request.Testall(self.heard) and all(self.done[k] or MPI.Request.Testall(self.copies[k])
                                                        for k in range(self.n_parts))
+
+    def announced(self) -> bool:
+        """Whether every shard's header has come: each shard granted the push this round answers (a round
+        released a piece at a time sends its header before its grant, which queues behind the values)."""
+        return MPI.Request.Testall(self.heard)
 
     def versions(self) -> tuple[np.ndarray, bool]:
         """Wait politely for the shards' headers; return their versions and whether any raised the stop flag."""

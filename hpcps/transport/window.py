@@ -488,6 +488,13 @@ class ParamWindow(_Reads):
         :meth:`request_stop`; a pending one, under :attr:`stop_at_publish`, once this shard has published)."""
         return self._stop_word() == wire.STOP_RAISED
 
+    def stop_once_published(self) -> bool:
+        """The stop flag as readers will see it after this shard's next publish (a round sent before its
+        publish says it in its header, :mod:`hpcps.runtime.release`); a stop asked for later goes out with
+        the round after."""
+        word = self._stop_word()
+        return word == wire.STOP_RAISED or (self.stop_at_publish and word == wire.STOP_PENDING)
+
     # -- reader side ----------------------------------------------------
 
     def request_stop(self) -> None:

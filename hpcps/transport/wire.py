@@ -79,7 +79,9 @@ TAG_VERDICT = 17  # int64[1]: 1 finite, 0 not, after a payload whose header said
 TAG_STATE = 15  # ps.optimizer's state requests, worker -> shard (hpcps.runtime.optstate)
 TAG_STATE_REPLY = 16  # their answers, shard -> worker
 TAG_SENT_HEAD = 19  # int64[2] (version, stop flag): a shard's sent round, shard -> worker (hpcps.transport.sent)
-TAG_SENT = 20  # its values, one message per range of the shard's slice, after the header
+#: its values, one message per range of the shard's slice, range k with tag TAG_SENT + k (a round released a
+#: piece at a time sends its ranges in the order they are stepped, hpcps.runtime.release); at most 1 + MAX_CHUNKS
+TAG_SENT = 1000
 TAG_SPARE = 18  # int64[3], spare workers' words: shard 0 -> a spare, shard 0 -> the shards (hpcps.runtime.spares)
 
 #: each tag's name, for reports (a stall's: what MPI holds unmatched from a silent worker)

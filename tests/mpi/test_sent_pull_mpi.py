@@ -136,3 +136,40 @@ def test_a_round_that_never_comes_is_reported_and_ends_the_wait(world):
         request.Wait()
     comm.Free()
     assert len(said) >= 2  # warned, then aborted
+
+
+@pytest.mark.timeout(60)
+def test_a_round_sent_a_piece_at_a_time_lands_whatever_the_order_its_pieces_are_sent_in(world):
+    """A round released a piece at a time (hpcps.runtime.release): rank 0 announces it (the header before
+    any values), then sends its slice's ranges in the order they are stepped, the last first; each worker
+    sees the header before the values, and every range lands in its place."""
+    from mpi4py import MPI
+
+    from hpcps.cluster.slices import Slices
+    from hpcps.transport.sent import ParamSender, SentPull
+
+    comm = world.Dup()
+    slices = Slices((((0, 16), (16, 48), (48, 64)),))  # one shard (rank 0), three ranges
+    workers = list(range(1, comm.size))
+    if comm.rank == 0:
+        params = np.arange(64, dtype=np.float32)
+        sender = ParamSender(comm, worker_ranks=workers, ranges=slices.local_ranges(0), length=64)
+        sender.announce(range(len(workers)), 7, False)
+        comm.Barrier()  # every worker saw the header, no values yet
+        for lo, hi in ((48, 64), (0, 16), (16, 48)):
+            sender.send_range(lo, hi, params)
+        sender.drain()
+        facts = None
+    else:
+        out = np.zeros(64, np.float32)
+        pull = SentPull(comm, [0], slices, out)
+        while not pull.announced():
+            MPI.Request.Testall(pull.heard)
+        early = [pull.test()]  # the header, and no value yet
+        comm.Barrier()
+        versions, stop = pull.wait()
+        facts = (early, int(versions[0]), stop, bool(np.array_equal(out, np.arange(64, dtype=np.float32))))
+    everyone = comm.gather(facts, root=0)
+    comm.Free()
+    if world.rank == 0:
+        assert everyone[1:] == [([False], 7, False, True)] * len(workers)

@@ -64,6 +64,7 @@ class FakeSender:
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
+        self.announced = -1  # (no round released a piece at a time: the fabric's rounds go whole)
 
     def send(self, workers, params: np.ndarray, version: int, stop: bool, backoff=None) -> None:
         with self.fabric.lock:
@@ -136,6 +137,8 @@ class FakeWindow:
 
     def stop_raised(self) -> bool:
         return self.fabric.stop
+
+    stop_once_published = stop_raised  # (a stop goes up at once here)
 
     def pull(self, out: np.ndarray, backoff=None, *, exact: bool = False) -> tuple[np.ndarray, bool]:
         with self.fabric.lock:

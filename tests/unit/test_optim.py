@@ -103,3 +103,51 @@ def test_optimizer_state_of_another_length_is_refused_not_loaded():
     other = ShardOptimizer(torch.zeros(45), make, lambda v: 1.0)
     with pytest.raises(ValueError, match=r"'momentum_buffer' of chunk 0 has shape \(40,\), the chunk \(45,\)"):
         other.load_state_dict(written.state_dict())
+
+
+@pytest.mark.parametrize("name,options", [("sgd", dict(momentum=0.9, weight_decay=5e-4)),
+                                          ("adam", dict(weight_decay=1e-3))])
+def test_an_update_stepped_a_piece_at_a_time_is_bit_for_bit_the_update_at_once(name, options):
+    """``begin``, ``step_range`` over the pieces in any order, ``end`` (a round released a piece at a time,
+    hpcps.runtime.release): the same parameters to the last bit as ``step`` on the whole slice, with the
+    chunks cut at the pieces (on the 16-value grid) or not; a range that cuts a chunk is refused."""
+    torch.manual_seed(1)
+    n, lr, cuts = 1000, 0.05, [96, 400, 752]
+    start, make = torch.randn(n), builtin_optimizer(name, lr=lr, fused=True, **options)
+    schedule = make_schedule("cosine", horizon=6, warmup=2)
+    whole, pieces = start.clone(), start.clone()
+    at_once = ShardOptimizer(whole, make, schedule, chunk=256)
+    piecewise = ShardOptimizer(pieces, make, schedule, chunk=256, cuts=cuts)
+    assert len(piecewise.spans) > len(at_once.spans) and at_once.uncut_spans == piecewise.uncut_spans
+    ranges = list(zip([0, *cuts], [*cuts, n]))
+    for v in range(5):
+        g = torch.randn(n)
+        at_once.step([g], [0.5], version=v, factor=1.5)
+        piecewise.begin(version=v, factor=1.5)
+        for lo, hi in ranges[::-1] if v % 2 else ranges:
+            piecewise.step_range(g, 0.5, lo, hi)
+        piecewise.end()
+    assert torch.equal(whole, pieces) and not torch.equal(whole, start)
+    with pytest.raises(ValueError, match="cuts the optimizer's chunk"):
+        piecewise.step_range(torch.zeros(n), 1.0, 0, 50)
+
+
+def test_a_state_cut_at_other_chunks_is_cut_again_where_it_was_written():
+    """A checkpoint's optimizer state written by a shard whose chunks were cut at its pieces loads into one
+    that does not cut them, and the other way (the spans it was written at given): the next steps agree
+    to the last bit with the writer's; given no spans, the shape check still refuses it."""
+    make, n = builtin_optimizer("sgd", lr=0.1, momentum=0.9, fused=True), 512
+    for writer_cuts, reader_cuts in (([128, 320], ()), ((), [128, 320])):
+        torch.manual_seed(2)
+        x = torch.randn(n)
+        writer = ShardOptimizer(x, make, lambda v: 1.0, chunk=256, cuts=writer_cuts)
+        writer.step([torch.randn(n)], [1.0], version=0, factor=1.0)
+        y = x.clone()
+        reader = ShardOptimizer(y, make, lambda v: 1.0, chunk=256, cuts=reader_cuts)
+        with pytest.raises(ValueError, match="the state was cut for other slices"):
+            reader.load_state_dict(copy.deepcopy(writer.state_dict()))
+        reader.load_state_dict(copy.deepcopy(writer.state_dict()), spans=writer.spans)
+        g = torch.randn(n)
+        for o in (writer, reader):
+            o.step([g], [1.0], version=1, factor=1.0)
+        assert torch.equal(x, y)

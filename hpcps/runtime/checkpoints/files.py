@@ -44,6 +44,7 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import h5py
 import numpy as np
@@ -215,13 +216,20 @@ def optimizer_state_path(path: str, shard: int) -> str:
 #: the key of a shard part that holds its paradigm's own state (hpcps.policies.base.Policy.state_dict)
 POLICY_KEY = "hpcps_policy"
 
+#: the key of a shard part that says at which chunks of the slice its optimizer state is cut
+#: (:attr:`hpcps.training.optim.ShardOptimizer.spans`); a part without it was cut without pieces (``uncut_spans``)
+SPANS_KEY = "hpcps_spans"
 
-def write_optimizer_state(path: str, shard: int, state: dict, policy: dict | None = None) -> str:
-    """Write shard ``shard``'s part of the checkpoint ``path`` atomically (its optimizer's state, and its
-    paradigm's under :data:`POLICY_KEY`); return its file."""
+
+def write_optimizer_state(path: str, shard: int, state: dict, policy: dict | None = None,
+                          spans: Sequence[tuple[int, int]] | None = None) -> str:
+    """Write shard ``shard``'s part of the checkpoint ``path`` atomically (its optimizer's state, its
+    paradigm's under :data:`POLICY_KEY`, and the chunks the state is cut at under :data:`SPANS_KEY`);
+    return its file."""
     part = optimizer_state_path(path, shard)
     os.makedirs(os.path.dirname(os.path.abspath(part)), exist_ok=True)
-    torch.save({**state, POLICY_KEY: policy} if policy else state, part + ".tmp")
+    extra = {**({POLICY_KEY: policy} if policy else {}), **({SPANS_KEY: [list(s) for s in spans]} if spans else {})}
+    torch.save({**state, **extra} if extra else state, part + ".tmp")
     os.replace(part + ".tmp", part)
     return part
 
@@ -293,7 +301,7 @@ def read_optimizer_state(path: str, shard: int) -> dict:
         return {}
     state = torch.load(part, weights_only=True)
     state.pop(POLICY_KEY, None)
-    return state
+    return state  # (SPANS_KEY, where written, stays: the reader cuts the state where it was cut)
 
 
 def read_policy_state(path: str, shard: int) -> dict:

@@ -22,9 +22,9 @@ from hpcps.options.config import TrainConfig
 from hpcps.policies import Policy
 from hpcps.errors import UserError
 from hpcps.runtime.faults import ATTEMPT_VAR
-from hpcps.runtime.checkpoints.files import (LoopState, checkpoint_path, newest_complete, optimizer_state_path,
-                                             read_optimizer_state, write_checkpoint, write_optimizer_state,
-                                             write_user_state)
+from hpcps.runtime.checkpoints.files import (SPANS_KEY, LoopState, checkpoint_path, newest_complete,
+                                             optimizer_state_path, read_optimizer_state, write_checkpoint,
+                                             write_optimizer_state, write_user_state)
 from hpcps.runtime.checkpoints.cut import ClockCut, RoundCut, Snapshots
 from hpcps.training.optim import ShardOptimizer
 from hpcps.training.optstate import cut, from_shard, join, to_shard
@@ -164,7 +164,8 @@ def checkpoint_at_stop(plan: RunPlan, state: RunState, comm: MPI.Comm, loop: Loo
     path = checkpoint_path(state.ckpt_dir, shard_versions[0])
     if state.optimizer is not None:
         write_optimizer_state(path, state.topo.rank, state.optimizer.state_dict(),
-                              state.policy.state_dict() if state.policy is not None else None)
+                              state.policy.state_dict() if state.policy is not None else None,
+                              spans=state.optimizer.spans)
     if loop:  # worker 0's loop: its fields, its optimizer's hyperparameters, its integer buffers
         write_user_state(path, loop)
     if comm.rank == 0:
@@ -191,8 +192,9 @@ def resliced_optimizer_state(plan: RunPlan, state: RunState, optimizer: ShardOpt
     for s in range(written.n_shards):
         n = written.trainable(s, n_params)
         state = read_optimizer_state(cfg.resume, s) if n else {}
-        spans = ShardOptimizer(torch.zeros(n), plan.workload.optimizer_factory(cfg), lambda v: 1.0,
-                               groups=shard_groups(plan.groups, written.pieces[s])).spans if state else []
+        spans = state.pop(SPANS_KEY, None) or (ShardOptimizer(
+            torch.zeros(n), plan.workload.optimizer_factory(cfg), lambda v: 1.0,
+            groups=shard_groups(plan.groups, written.pieces[s])).uncut_spans if state else [])
         parts.append(from_shard(state, spans, written.length(s)))
     flat = join(parts, written.put, size)
     if optimizer.optimizer is None or not flat:
@@ -208,7 +210,7 @@ def snapshots(plan: RunPlan, state: RunState, window: ParamWindow, optimizer: Sh
     cfg, rank = plan.cfg, state.topo.rank
 
     def write_part(path: str) -> None:
-        write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
+        write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict(), spans=optimizer.spans)
 
     def write_main(staging: str, cut_clocks: list[int], versions: list[int]) -> str:
         clocks = worker_clocks_at(plan, cut_clocks)
@@ -265,7 +267,7 @@ def checkpointer(plan: RunPlan, state: RunState, window: ParamWindow, optimizer:
         if version % cfg.checkpoint_every:
             return
         path = checkpoint_path(state.ckpt_dir, version)  # (a plug-in built on bsp may keep state of its own)
-        write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict())
+        write_optimizer_state(path, rank, optimizer.state_dict(), policy.state_dict(), spans=optimizer.spans)
         if rank != 0:
             return
         pull_at(window, buf, [version] * plan.layout.n_servers)

@@ -173,3 +173,25 @@ def test_a_round_sent_a_piece_at_a_time_lands_whatever_the_order_its_pieces_are_
     comm.Free()
     if world.rank == 0:
         assert everyone[1:] == [([False], 7, False, True)] * len(workers)
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_of_rounds_sent_in_pieces_resumes_bit_for_bit_with_reads_and_with_sends(world, mpi_tmp_path):
+    """2 shards, 3 workers, striped slices, SGD with momentum: a checkpoint written while the rounds go out a
+    piece at a time (the optimizer's chunks cut at the pieces, and its parts saying so) resumes, with the
+    workers reading the window (chunks not cut) and with the rounds sent again, to the parameters of the
+    run never stopped, to the last bit."""
+    common = {"paradigm": "bsp", "servers": 2, "seed": 5, "lr": 0.1, "momentum": 0.9, "partition_mb": 0.004}
+    ckpt = mpi_tmp_path / "ckpt"
+    train(mpi_tmp_path / "first.h5", pull="send", steps=4, checkpoint_every=2, checkpoint_dir=str(ckpt), **common)
+    straight, _ = train(mpi_tmp_path / "straight.h5", pull="get", steps=4, **common)
+    resumed = {pull: train(mpi_tmp_path / f"resumed-{pull}.h5", pull=pull, steps=4,
+                           resume=str(ckpt / "step-000002.h5"), **common)[0] for pull in ("get", "send")}
+    facts = None
+    if world.rank == 0:
+        part = torch.load(ckpt / "step-000002.optim-0.pt", weights_only=True)
+        facts = {"spans": len(part.get("hpcps_spans", [])),
+                 "same": {pull: bool(np.array_equal(r.params, straight.params)) for pull, r in resumed.items()}}
+    facts = share(world, facts)
+    assert facts["spans"] > 1  # the part says where its state is cut: at the pieces
+    assert facts["same"] == {"get": True, "send": True}

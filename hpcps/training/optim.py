@@ -254,6 +254,8 @@ class ShardOptimizer:
     def begin(self, *, version: int, factor: float, staleness: float = 0.0) -> None:
         """Set the groups' rates (and momenta) for one update, which :meth:`step_range` then applies a piece
         at a time, and :meth:`end` closes (:meth:`step` is the three at once)."""
+        if self.optimizer is None:
+            return
         scale = self.schedule(version) * factor
         if self.stale is not None:
             self.stale.observe(staleness)

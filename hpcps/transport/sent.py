@@ -7,10 +7,11 @@ slot's version and pin, then its copies), and over TCP a ``Get`` is served as a 
 behind whatever else the shard's link carries. The shard knows when the values are ready and who wants
 them, so it can simply send them: a header (the version and the stop flag), then its slice's ranges in
 their local order (the flat order: a pass's first layers first), one message each with a tag of its own
-(:data:`~hpcps.transport.wire.TAG_SENT` + k), as a push's pieces go the other way. A round released a
-piece at a time (:mod:`hpcps.runtime.release`) sends its header first (:meth:`ParamSender.announce`) and
-each range as it is stepped (:meth:`ParamSender.send_range`), in whatever order: the tags match them. ``tools/bench_piecewise.py`` measured it before it was built, and
-``tools/bench_allreduce.py --pulls get send`` measures it against DDP (docs/results.md).
+(:data:`~hpcps.transport.wire.TAG_SENT` + k), as a push's pieces go the other way.
+``tools/bench_piecewise.py`` measured it before it was built, and ``tools/bench_allreduce.py --pulls get
+send`` measures it against DDP (docs/results.md). A round released a piece at a time
+(:mod:`hpcps.runtime.release`) sends its header first (:meth:`ParamSender.announce`) and each range as it
+is stepped (:meth:`ParamSender.send_range`), in whatever order: the tags match them.
 
 :class:`ParamSender` is the shard's side; :class:`SentPull` the worker's: its receives are posted when
 the worker's push has begun, and it answers as a window pull does (:class:`~hpcps.transport.window.Pull`:

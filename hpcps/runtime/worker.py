@@ -517,8 +517,9 @@ class EagerWorker(_SlottedWorker):
         wait_until(self.puller.ready, self.backoff)
         self.versions, self.stop, _ = self._take()
         self.step = self.start_step
-        self.tl.enter("other")
         self.expected = 0.0  # running average of the compute time: when to start the pull
+        self.puller.request(self.expected)  # the take used up the request: the next, for the first step's end
+        self.tl.enter("other")
 
     def open_step(self) -> bool:
         if not self.running:

@@ -105,8 +105,11 @@ class EagerPuller:
                     self._meta[target] = (versions, stop, took)
                     self._ready = target
                     self.pulls += 1
-                if generation == self._generation:  # else it began before the request: pull again
-                    self._arrived.set()
+                    # else it began before the request: pull again. (Under the lock, as request() clears it:
+                    # checked outside, a request between the check and the set left it set for a pull begun
+                    # before that request.)
+                    if generation == self._generation:
+                        self._arrived.set()
         except BaseException as exc:  # surfaced to the caller by take()
             self._error = exc
             self._arrived.set()
@@ -122,11 +125,12 @@ class EagerPuller:
     def request(self, expected: float = 0.0) -> None:
         """Fetch the newest parameters for a take expected in ``expected`` seconds; keep them fresh until then."""
         now = time.perf_counter()
-        self._generation += 1
+        with self._lock:
+            self._generation += 1
+            self._arrived.clear()
         self._due = now + expected
         self._start_at = now + max(0.0, expected - 2.0 * self.pull_s - JIT_MARGIN)
         self._hurry.clear()
-        self._arrived.clear()
         self._begun.clear()
         self._wanted.set()
 
@@ -163,13 +167,18 @@ class EagerPuller:
              swap: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[np.ndarray, bool, float]:
         """Hand the freshest staged snapshot over: ``swap(snapshot)`` installs the array itself and returns
         the one it replaces, which becomes a staging buffer (no copy); or it is copied into ``out``.
-        Return (versions, stop flag, last pull's duration)."""
+        Return (versions, stop flag, last pull's duration).
+
+        A snapshot is taken once: :meth:`ready` is False after it until a pull for the next :meth:`request`
+        lands. (It stayed True: a second take without a request between handed back the array the worker
+        had swapped in, labelled with the versions of the snapshot that replaced it.)"""
         if self._error is not None:
             raise self._error
         if not self._arrived.is_set():
             raise RuntimeError("take() before a pull completed")
         with self._lock:
             self._wanted.clear()
+            self._arrived.clear()
             versions, stop, duration = self._meta[self._ready]
             if swap is not None:  # the helper writes only the other buffer: this one is the worker's now
                 self.staging[self._ready] = swap(self.staging[self._ready])

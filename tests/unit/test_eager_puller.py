@@ -1,6 +1,7 @@
 """The eager helper thread (no MPI: a fake window)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -134,3 +135,100 @@ def test_begun_says_the_pull_is_on_the_wire_before_it_completes():
         assert not puller.ready()
     finally:
         puller.close()
+
+
+def test_a_snapshot_is_taken_once():
+    """After a take, ready() waits for the next request's pull. Before, it stayed True: the eager worker's
+    first step took the snapshot of its start-up twice, and the second take swapped back in the array the
+    worker held before the first (its own initial parameters), labelled with the versions the start-up
+    pulled, which are not version 0 where other workers have pushed already."""
+    window = _Window()
+    params = [np.full(4, -1.0, np.float32)]
+
+    def swap(new):
+        old, params[0] = params[0], new
+        return old
+
+    puller = EagerPuller(window, 4)
+    try:
+        puller.request()
+        wait_until(puller.ready)
+        assert puller.take(swap=swap)[0].tolist() == [3] and params[0].tolist() == [3.0] * 4
+        assert not puller.ready()
+        with pytest.raises(RuntimeError, match="before a pull completed"):
+            puller.take(swap=swap)
+        window.version = 4
+        puller.request()
+        wait_until(puller.ready)
+        assert puller.take(swap=swap)[0].tolist() == [4] and params[0].tolist() == [4.0] * 4
+    finally:
+        puller.close()
+
+
+class _SlowWindow:
+    """Pulls that write the version they read a block at a time, pausing now and then, while a thread
+    publishes new versions: a take or a swap racing a pull shows as a torn or relabelled snapshot."""
+
+    shard_ranks = [0]
+
+    def __init__(self, rng):
+        self.version, self.rng = 0, rng
+
+    def begin_pull(self, out, backoff=None):
+        version, pauses = self.version, self.rng.random(len(out) // 64 + 1) < 0.05
+
+        def finish():
+            for k, lo in enumerate(range(0, len(out), 64)):
+                out[lo:lo + 64] = version
+                if pauses[k]:
+                    time.sleep(1e-4)
+            return np.array([version]), False
+
+        return _Done(None, finish)
+
+    def peek(self, backoff=None):
+        return np.array([self.version])
+
+
+def test_the_worker_s_parameters_hold_the_version_they_are_labelled_and_never_change_under_it():
+    """The eager worker's own calls (request, hurry, ready, take with a swap, request again), 300 steps
+    against pulls racing new versions: every snapshot taken holds exactly the version it comes with, and
+    the array the worker computes on is never written while it does."""
+    rng = np.random.default_rng(7)
+    window, stop = _SlowWindow(rng), threading.Event()
+
+    def publish():
+        while not stop.wait(1e-3 * rng.random()):
+            window.version += 1
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    params = [np.full(1024, -1.0, np.float32)]
+
+    def swap(new):
+        old, params[0] = params[0], new
+        return old
+
+    puller = EagerPuller(window, 1024)
+    wrong = []
+    try:
+        puller.request()
+        wait_until(puller.ready)
+        versions, _, _ = puller.take(swap=swap)
+        puller.request()  # as EagerWorker.begin: the next pull, for the first step's end
+        for step in range(300):
+            mine, held = params[0], params[0].copy()
+            if not (held == versions[0]).all():
+                wrong.append((step, "labelled", int(versions[0]), sorted(set(held.tolist()))[:3]))
+            time.sleep(1e-3 * rng.random())  # computing
+            if not np.array_equal(mine, held):
+                wrong.append((step, "written while computing"))
+            puller.hurry()
+            wait_until(puller.ready)
+            versions, _, _ = puller.take(swap=swap)
+            puller.request(1e-3 * rng.random())
+    finally:
+        stop.set()
+        publisher.join()
+        puller.close()
+    assert wrong == []

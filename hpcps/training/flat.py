@@ -205,7 +205,9 @@ class FlatParameters:
         old = self.params
         self.params = new
         if self.transfer == "shared":
-            self.params_t = t = torch.from_numpy(new)
+            # the model lives in params_t itself on the CPU (model_t is it): every view of it follows
+            self.params_t = self.model_t = t = torch.from_numpy(new)
+            self._model_views = [t[offset:offset + n] for *_, offset, n in self._spans]
             for p, module, name, offset, n in self._spans:
                 if p is not None:
                     p.data = t[offset:offset + n].view_as(p)

@@ -170,8 +170,8 @@ class EagerPuller:
         Return (versions, stop flag, last pull's duration).
 
         A snapshot is taken once: :meth:`ready` is False after it until a pull for the next :meth:`request`
-        lands. (It stayed True: a second take without a request between handed back the array the worker
-        had swapped in, labelled with the versions of the snapshot that replaced it.)"""
+        lands. (It stayed True: a second take without a request between swapped back in the array the worker
+        held before the first, labelled with the first's versions.)"""
         if self._error is not None:
             raise self._error
         if not self._arrived.is_set():

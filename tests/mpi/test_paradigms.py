@@ -105,7 +105,7 @@ def test_asp_fast_workers_never_wait_for_the_straggler(world, mpi_tmp_path):
                  device="cpu")
     facts = None
     if world.rank == 0:
-        it, up = t["workers/iterations"], t["servers/updates"]
+        up = t["servers/updates"]
         order = up[np.argsort(up["version"])]
         straggler_clock_when_fast_done = []
         for w in (1, 2, 3):

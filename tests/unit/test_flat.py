@@ -102,6 +102,9 @@ def test_swapping_the_parameter_array_repoints_every_parameter_and_buffer_withou
     new = np.arange(flat.size, dtype=np.float32)
     old = flat.swap_params(new)
     assert flat.params is new and torch.from_numpy(new).data_ptr() == flat.params_t.data_ptr()
+    # (model_t and its views too: left on the old array, they would read what the next pull writes there)
+    assert flat.model_t.data_ptr() == flat.params_t.data_ptr()
+    assert [v.data_ptr() for v in flat._model_views] == [flat.params_t[o:o + n].data_ptr() for *_, o, n in flat.spans]
     assert model[0].weight is weight and weight.data_ptr() == flat.params_t.data_ptr()
     assert np.array_equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
                           new[:flat.n_params])

@@ -208,11 +208,11 @@ class FlatParameters:
             # the model lives in params_t itself on the CPU (model_t is it): every view of it follows
             self.params_t = self.model_t = t = torch.from_numpy(new)
             self._model_views = [t[offset:offset + n] for *_, offset, n in self._spans]
-            for p, module, name, offset, n in self._spans:
+            for (p, module, name, _, _), view in zip(self._spans, self._model_views):
                 if p is not None:
-                    p.data = t[offset:offset + n].view_as(p)
+                    p.data = view.view_as(p)
                 else:
-                    module._buffers[name] = t[offset:offset + n].view_as(module._buffers[name])
+                    module._buffers[name] = view.view_as(module._buffers[name])
         return old
 
     def upload(self) -> None:

@@ -515,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ulfm", action="store_true",
                    help="Open MPI: launch with its fault tolerance (--with-ft ulfm), so that a worker's death, a "
                         "node's under --chaos kill, is run through (docs/running.md)")
+    e.add_argument("--link-trace", dest="link_trace", metavar="FILE",
+                   help="sample every node's bytes in and out each millisecond through the job, write them to "
+                        "FILE (.npz) and say how full and how often idle each link was (docs/box.md)")
     e.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="print the commands that would build the box and start the job, and exit")
     e.set_defaults(func=_emulate, command_args=[])  # the job's command after --: see main()
@@ -808,7 +811,7 @@ def _emulate(args: argparse.Namespace) -> int:
         for fault in faults:
             print(f"# chaos at {fault.at:g} s: {fault.describe()}")
         return launch.dry_run(cluster, args.command_args, ulfm=args.ulfm)
-    return launch.emulate(cluster, args.command_args, chaos=faults, ulfm=args.ulfm)
+    return launch.emulate(cluster, args.command_args, chaos=faults, ulfm=args.ulfm, link_trace=args.link_trace)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

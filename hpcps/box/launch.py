@@ -14,9 +14,12 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from hpcps.box import chaos as chaos_plan
 from hpcps.box import counters
 from hpcps.box import net
+from hpcps.box import trace as link_trace
 from hpcps.box.spec import (FAMILIES, NODE_IFACE, Cluster, describe_record, mpi_environment, mpmd_argv,
                             setup_commands, ssh_agent_script)
 from hpcps.errors import UserError
@@ -77,10 +80,11 @@ def in_user_namespace(argv: list[str]) -> int:
 
 
 def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_plan.Fault] = (),
-            ulfm: bool = False) -> int:
+            ulfm: bool = False, link_trace: str | None = None) -> int:
     """Build ``cluster``, run ``command`` on its ranks under mpiexec, remove the box; the job's exit status.
     ``chaos``: faults to inflict on the box while the job runs (:mod:`hpcps.box.chaos`); ``ulfm``: launch
-    with Open MPI's fault tolerance (``--with-ft ulfm``: run-through, docs/running.md)."""
+    with Open MPI's fault tolerance (``--with-ft ulfm``: run-through, docs/running.md); ``link_trace``: a
+    path for the links' trace through the job (:mod:`hpcps.box.trace`)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     net.check_host()
     mpiexec = find_mpiexec()
@@ -106,14 +110,47 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
             env = clean_environ(**mpi_environment(cluster, family, agent))
             options = list(ULFM_LAUNCH) if ulfm else []
             before = _counters(cluster)
-            status = _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
-                              lambda: _inflict(cluster, chaos, log) if chaos else None)
+            with _tracing(cluster, link_trace, log):
+                status = _run_job(mpmd_argv(cluster, mpiexec, command, family, options), env, reaper,
+                                  lambda: _inflict(cluster, chaos, log) if chaos else None)
             after = _counters(cluster)
             if before is not None and after is not None:
                 log(counters.describe(after - before, cluster.buffer_bytes))
             return status
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _tracing(cluster: Cluster, path: str | None, log):
+    """With ``path``: the links' trace (:mod:`hpcps.box.trace`) sampled in the switch's namespace while the
+    block runs, then written to ``path`` and summed up in a line per node."""
+    if path is None:
+        yield
+        return
+    path = path if path.endswith(".npz") else path + ".npz"  # (what numpy.savez writes)
+    rates = [str(node.rate_bps) for node in cluster.nodes]
+    sampler = subprocess.Popen(["ip", "netns", "exec", cluster.switch, sys.executable, "-m", "hpcps.box.trace",
+                                "sample", "--out", path, "--rates", *rates])
+    try:
+        yield
+    finally:
+        sampler.send_signal(signal.SIGTERM)
+        try:
+            sampler.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            sampler.kill()
+            sampler.wait()
+    try:
+        with np.load(path) as saved:
+            trace = dict(saved)
+    except OSError as exc:
+        log(f"hpcps emulate: no link trace written ({exc})")
+        return
+    for line in link_trace.describe(trace):
+        log(line)
+    log(f"hpcps emulate: the links' trace is in {path}; through a run's average step: python -m hpcps.box.trace "
+        f"profile {path} RUN.h5")
 
 
 def _counters(cluster: Cluster) -> counters.Counters | None:

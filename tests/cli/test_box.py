@@ -169,6 +169,40 @@ def test_a_congestion_control_the_kernel_lacks_is_named_with_what_it_offers():
 
 
 @pytest.mark.timeout(120)
+def test_the_link_trace_counts_what_crossed_each_link_and_never_above_its_rate(tmp_path):
+    """Node 1 sends 4 MiB to node 0 at 100 Mbit/s under ``--link-trace``: the trace has node 1 sending and
+    node 0 receiving the 4 MiB with TCP's and IP's headers (under 10% more), what goes the other way is
+    acknowledgements (under 10% of it), no 10 ms of it above the rate (the port's token bucket, one burst
+    at most, lets no more through), and the job's end sums it up per node and names the file."""
+    script = tmp_path / "send.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "c = MPI.COMM_WORLD; n = 4 << 20; b = np.ones(n, np.uint8)\n"
+        "c.Barrier()\n"
+        "c.Send(b, 0) if c.rank == 1 else c.Recv(b, 1)\n"
+        "c.Barrier()\n")
+    out = tmp_path / "links"
+    proc = emulate("--nodes", "2", "--link", "100mbit", "--link-trace", str(out), "--", sys.executable, str(script),
+                   timeout=100)
+    assert proc.returncode == 0, failure(proc.stderr)
+    with np.load(tmp_path / "links.npz") as saved:
+        t, received, sent, rates = saved["t"], saved["received"], saved["sent"], saved["rate_bps"]
+    assert list(rates) == [1e8, 1e8] and received.shape == sent.shape == (len(t), 2)
+    moved = 4 << 20
+    for crossed in (received[-1, 0] - received[0, 0], sent[-1, 1] - sent[0, 1]):
+        assert moved <= crossed <= 1.1 * moved, (crossed, moved)
+    for back in (sent[-1, 0] - sent[0, 0], received[-1, 1] - received[0, 1]):
+        assert back <= 0.1 * moved, back
+    from hpcps.box.spec import burst_bytes
+    edges = np.arange(t[0], t[-1], 0.01)
+    per_bin = np.diff(np.interp(edges, t, received[:, 0].astype(float)))
+    assert per_bin.max() <= 1e8 / 8 * 0.01 + burst_bytes(10 ** 8), per_bin.max()
+    assert re.search(r"node 0: \d+% of its rate in, \d+% out; idle", proc.stderr), proc.stderr
+    assert f"the links' trace is in {out}.npz" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
 def test_the_job_end_says_what_the_switch_dropped_under_incast(tmp_path):
     """Three nodes send 4 MiB each to node 0 at once through a switch port that queues 32 kB: the port
     towards node 0 drops packets, TCP sends them again, and the line at the job's end says so, naming that

@@ -16,6 +16,7 @@ from typing import Literal, get_args, get_origin
 from typing import Sequence
 
 import hpcps
+from hpcps.box.spec import CONGESTION
 from hpcps.cluster.launcher import RANK_VARS as _RANK_VARS, launcher_rank
 from hpcps.errors import DIVERGED_STATUS, UserError, print_error
 
@@ -499,9 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MPI ranks on each node (default 1); ranks fill the nodes in order")
     e.add_argument("--ranks", action="append", default=[], metavar="NODE=COUNT",
                    help="ranks on some nodes, e.g. 0=2 or 1-4=1 (repeatable)")
-    e.add_argument("--congestion", default="cubic", metavar="ALGORITHM",
-                   help="the nodes' TCP congestion control (default cubic, Linux's own default, so that timings "
-                        "do not depend on the host's setting; reno, bbr, or host for the host's own: under bbr "
+    e.add_argument("--congestion", default=CONGESTION, metavar="ALGORITHM",
+                   help=f"the nodes' TCP congestion control (default {CONGESTION}, Linux's own default, so that "
+                        "timings do not depend on the host's setting; reno, bbr, or host for the host's own: under bbr "
                         "a parameter server's incasts kept the switch's ports overflowing, docs/box.md)")
     e.add_argument("--cleanup", action="store_true",
                    help="remove every box left behind by an hpcps emulate that is gone, and exit")

@@ -63,6 +63,7 @@ import numpy as np
 
 from benchlib import config_of, data_parallel_replica, fmt, init_gloo, torchft_version, train
 from hpcps.analysis.report import mean_step
+from hpcps.box.spec import CONGESTION
 
 
 #: hpcps evaluates only at the start and the end, as the data-parallel runs do not evaluate at all: rank 0's
@@ -229,9 +230,9 @@ def main() -> None:
     p.add_argument("--link", metavar="RATE", help="run everything in a cluster in a box with links of RATE "
                                                   "(e.g. 1gbit): colocated and dedicated server nodes")
     p.add_argument("--buffer", default="512kb", help="with --link: the switch's queue per port (default 512kb)")
-    p.add_argument("--congestion", default="cubic",
-                   help="with --link: the nodes' TCP congestion control (hpcps emulate --congestion; default cubic, "
-                        "host for the host's own)")
+    p.add_argument("--congestion", default=CONGESTION,
+                   help=f"with --link: the nodes' TCP congestion control (hpcps emulate --congestion; default "
+                        f"{CONGESTION}, host for the host's own)")
     p.add_argument("--placements", nargs="+", choices=["defaults", "former", "colocated", "spare", "dedicated"],
                    default=["colocated", "spare", "dedicated"],
                    help="with --link: which server placements to run (default colocated, spare, dedicated); "

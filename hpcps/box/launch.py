@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -24,6 +25,9 @@ from hpcps.box.spec import (FAMILIES, NODE_IFACE, Cluster, describe_record, mpi_
                             setup_commands, ssh_agent_script)
 from hpcps.errors import UserError
 from hpcps.cluster.launcher import ULFM_LAUNCH, clean_environ, find_mpiexec, launcher_family
+
+#: seconds the links' sampler may take to start (Python's start-up in the switch's namespace)
+TRACE_START_S = 60.0
 
 #: signals passed on to the job (mpiexec hands them to every rank); hpcps train stops cleanly on each
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -131,7 +135,13 @@ def _tracing(cluster: Cluster, path: str | None, log):
     path = path if path.endswith(".npz") else path + ".npz"  # (what numpy.savez writes)
     rates = [str(node.rate_bps) for node in cluster.nodes]
     sampler = subprocess.Popen(["ip", "netns", "exec", cluster.switch, sys.executable, "-m", "hpcps.box.trace",
-                                "sample", "--out", path, "--rates", *rates])
+                                "sample", "--out", path, "--rates", *rates], stdout=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([sampler.stdout], [], [], TRACE_START_S)  # the job's first bytes are counted
+    if not ready or sampler.stdout.readline().strip() != link_trace.READY:
+        sampler.kill()
+        sampler.wait()
+        raise UserError(f"hpcps emulate --link-trace: the sampler did not start within {TRACE_START_S:g} s "
+                        f"(exit status {sampler.returncode})")
     try:
         yield
     finally:

@@ -132,19 +132,26 @@ def profile_lines(trace: dict, run_path: str, bin_s: float = 0.005) -> list[str]
     return lines
 
 
+#: what the sampler prints once it has read the counters a first time (the job may start then)
+READY = "sampling"
+
+
 def sample(ports: Sequence[str], period: float = PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Read the counters of ``ports`` every ``period`` seconds until SIGTERM or SIGINT; (t, received, sent)."""
+    """Read the counters of ``ports`` every ``period`` seconds until SIGTERM or SIGINT; (t, received, sent).
+    Prints :data:`READY` after the first read."""
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
     times, received, sent = [], [], []
     with open("/proc/net/dev") as dev:
-        while not stop:
+        while not stop or not times:
             dev.seek(0)
             counts = parse_dev(dev.read(), ports)
             times.append(time.time())
             received.append([tx for _, tx in counts])  # the port sends what its node receives
             sent.append([rx for rx, _ in counts])
+            if len(times) == 1:
+                print(READY, flush=True)
             time.sleep(period)
     return np.array(times), np.array(received, np.int64), np.array(sent, np.int64)
 

@@ -85,13 +85,14 @@ class PieceRelease:
         self.out = [False] * len(self.ranges)
         self.workers: list[int] = []  # the round's, in worker order, once begun
         self.factors: list[float] = []
+        self.mean = 1.0  # the factors' mean: the optimizer's step is scaled by it
         self.began = False
         self.whole = False  # this round goes whole (a flag, a non-finite verdict)
 
     def reset(self) -> None:
         """The round closed."""
         self.out = [False] * len(self.ranges)
-        self.workers, self.factors, self.began, self.whole = [], [], False, False
+        self.workers, self.factors, self.mean, self.began, self.whole = [], [], 1.0, False, False
 
 
 class _Release:
@@ -136,9 +137,10 @@ class _Release:
                 return False
         r.workers = workers
         r.factors = [wire.decode_lr(inbox.headers[w]) / self.unit_lr for w in workers]
+        r.mean = sum(r.factors) / len(r.factors)
         r.began = True
         self.hypers.use(workers, self.optimizer, self._hyper_rows)
-        self.optimizer.begin(version=self.position(), factor=sum(r.factors) / len(r.factors))
+        self.optimizer.begin(version=self.position(), factor=r.mean)
         self.sender.announce(workers, self.version + 1, self.window.stop_once_published(), self.backoff)
         return True
 
@@ -159,9 +161,9 @@ class _Release:
         rounds, p = self.round_sum, self.n_params
         rounds.complete(lo, hi, [(w, self._gradient(w), f)  # (the others: summed whole)
                                  for w, f in zip(r.workers, r.factors) if w not in rounds.finite])
-        n, mean = len(r.workers), sum(r.factors) / len(r.factors)
+        n = len(r.workers)
         if lo < p:
-            self.optimizer.step_range(rounds.acc, 1.0 / (n * mean), lo, min(hi, p), progress=self.progress)
+            self.optimizer.step_range(rounds.acc, 1.0 / (n * r.mean), lo, min(hi, p), progress=self.progress)
         if hi > p:  # buffers: their mean change
             a = max(lo, p)
             self.master_t[a:hi].add_(rounds.acc[a:hi], alpha=1.0 / n)

@@ -811,7 +811,7 @@ def _emulate(args: argparse.Namespace) -> int:
     if args.dry_run:
         for fault in faults:
             print(f"# chaos at {fault.at:g} s: {fault.describe()}")
-        return launch.dry_run(cluster, args.command_args, ulfm=args.ulfm)
+        return launch.dry_run(cluster, args.command_args, ulfm=args.ulfm, link_trace=args.link_trace)
     return launch.emulate(cluster, args.command_args, chaos=faults, ulfm=args.ulfm, link_trace=args.link_trace)
 
 

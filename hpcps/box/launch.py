@@ -50,8 +50,9 @@ def cleanup(log=print) -> int:
     return 0
 
 
-def dry_run(cluster: Cluster, command: list[str], log=print, ulfm: bool = False) -> int:
-    """Print what would be run, as shell lines one can paste; build nothing (``ulfm``: as :func:`emulate`)."""
+def dry_run(cluster: Cluster, command: list[str], log=print, ulfm: bool = False, link_trace: str | None = None) -> int:
+    """Print what would be run, as shell lines one can paste; build nothing (``ulfm``, ``link_trace``: as
+    :func:`emulate`)."""
     mpiexec = find_mpiexec() or "mpiexec"
     family = box_family(mpiexec)
     for argv in setup_commands(cluster):
@@ -63,6 +64,9 @@ def dry_run(cluster: Cluster, command: list[str], log=print, ulfm: bool = False)
         log(ssh_agent_script(cluster) + "EOF")
     for key, value in mpi_environment(cluster, family, agent).items():
         log(f"export {key}={shlex.quote(value)}")
+    if link_trace is not None:
+        log(shlex.join(_sampler_argv(cluster, _trace_path(link_trace))) + " &  # the links' trace, stopped by "
+            "SIGTERM after the job")
     log(shlex.join(mpmd_argv(cluster, mpiexec, command, family, list(ULFM_LAUNCH) if ulfm else [])))
     return 0
 
@@ -125,6 +129,16 @@ def emulate(cluster: Cluster, command: list[str], log=None, chaos: list[chaos_pl
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _trace_path(path: str) -> str:
+    return path if path.endswith(".npz") else path + ".npz"  # (what numpy.savez writes)
+
+
+def _sampler_argv(cluster: Cluster, path: str) -> list[str]:
+    """The links' sampler (:mod:`hpcps.box.trace`), in the switch's namespace, writing ``path``."""
+    return ["ip", "netns", "exec", cluster.switch, sys.executable, "-m", "hpcps.box.trace", "sample", "--out", path,
+            "--rates", *(str(node.rate_bps) for node in cluster.nodes)]
+
+
 @contextlib.contextmanager
 def _tracing(cluster: Cluster, path: str | None, log):
     """With ``path``: the links' trace (:mod:`hpcps.box.trace`) sampled in the switch's namespace while the
@@ -132,10 +146,8 @@ def _tracing(cluster: Cluster, path: str | None, log):
     if path is None:
         yield
         return
-    path = path if path.endswith(".npz") else path + ".npz"  # (what numpy.savez writes)
-    rates = [str(node.rate_bps) for node in cluster.nodes]
-    sampler = subprocess.Popen(["ip", "netns", "exec", cluster.switch, sys.executable, "-m", "hpcps.box.trace",
-                                "sample", "--out", path, "--rates", *rates], stdout=subprocess.PIPE, text=True)
+    path = _trace_path(path)
+    sampler = subprocess.Popen(_sampler_argv(cluster, path), stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([sampler.stdout], [], [], TRACE_START_S)  # the job's first bytes are counted
     if not ready or sampler.stdout.readline().strip() != link_trace.READY:
         sampler.kill()

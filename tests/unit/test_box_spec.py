@@ -197,3 +197,20 @@ def test_a_dry_runs_lines_paste_into_a_shell_as_the_commands_the_box_runs(monkey
     assert [shlex.split(line) for line in lines[:len(setup_commands(c))]] == setup_commands(c)
     exports = [shlex.split(line)[1] for line in lines if line.startswith("export ")]
     assert "HPCPS_CLUSTER=" + json.dumps(c.record(), separators=(",", ":")) in exports
+
+
+def test_a_dry_run_with_a_link_trace_prints_the_sampler_before_the_job(monkeypatch):
+    """``--link-trace`` is not dropped by ``--dry-run``: the sampler's line, in the switch's namespace, every
+    node's rate given, the file named as it will be written (``.npz``), comes before the job's."""
+    import shlex
+
+    from hpcps.box import launch
+
+    c = make_cluster(3, ["2=100mbit"], buffer="64kb", prefix="hpcps9-")
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "/opt/mpi/bin/mpiexec")
+    lines: list[str] = []
+    launch.dry_run(c, ["true"], log=lines.append, link_trace="/tmp/links")
+    sampler = shlex.split(lines[-2], comments=True)
+    assert sampler[:4] == ["ip", "netns", "exec", c.switch] and sampler[5:] == [
+        "-m", "hpcps.box.trace", "sample", "--out", "/tmp/links.npz", "--rates", "1000000000", "1000000000",
+        "100000000", "&"]

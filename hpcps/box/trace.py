@@ -9,7 +9,7 @@ while the last layers' forward and the first layers' backward compute, then full
 
 The switch's port ``p<k>`` sends what node ``k`` receives (through the tbf that shapes it) and receives
 what node ``k`` sends, so one process in the switch's namespace reads every node's both directions from its
-``/proc/net/dev``. That process (``python -m hpcps.box.trace``) samples until it is told to stop (SIGTERM
+counters (sysfs). That process (``python -m hpcps.box.trace``) samples until it is told to stop (SIGTERM
 or SIGINT) and then writes an ``.npz``: ``t`` (wall-clock seconds, ``time.time()``, the run file's
 ``clock_start`` is on the same clock), ``received`` and ``sent`` (bytes so far, one column per node, in
 node order) and ``rate_bps`` (each node's link). :func:`busy` is the pure summary :mod:`hpcps.box.launch`
@@ -19,6 +19,7 @@ prints at the job's end. The sampling costs a few percent of one core.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -32,18 +33,17 @@ PERIOD = 0.001
 IDLE_SHARE = 0.1
 
 
-def parse_dev(text: str, ports: Sequence[str]) -> list[tuple[int, int]]:
-    """``/proc/net/dev``'s received and transmitted bytes of each of ``ports``, in their order."""
-    found = {}
-    for line in text.splitlines()[2:]:
-        name, _, fields = line.partition(":")
-        values = fields.split()
-        if len(values) >= 9:
-            found[name.strip()] = (int(values[0]), int(values[8]))
-    missing = [p for p in ports if p not in found]
-    if missing:
-        raise KeyError(f"no interface {', '.join(missing)} in /proc/net/dev")
-    return [found[p] for p in ports]
+def port_files(ports: Sequence[str], root: str = "/sys/class/net") -> list[tuple]:
+    """Each port's received and transmitted byte counters (sysfs, in the namespace the process is in), opened
+    once: a sample is a ``pread`` of each. (``/proc/net/dev``, all ports in one read, now and then left one
+    port out while the job ran.)"""
+    return [tuple(open(f"{root}/{port}/statistics/{what}_bytes", "rb", buffering=0) for what in ("rx", "tx"))
+            for port in ports]
+
+
+def read_counts(files: Sequence[tuple]) -> list[tuple[int, int]]:
+    """The counters of :func:`port_files` now: ``(received, transmitted)`` per port, in their order."""
+    return [(int(os.pread(rx.fileno(), 32, 0)), int(os.pread(tx.fileno(), 32, 0))) for rx, tx in files]
 
 
 def busy(t: np.ndarray, count: np.ndarray, rate_bps: float, bin_s: float = 0.01) -> tuple[float, float]:
@@ -101,10 +101,42 @@ def step_profile(t: np.ndarray, count: np.ndarray, rate_bps: float, starts: np.n
     return np.mean(rows, axis=0) if rows else np.zeros(len(offsets) - 1)
 
 
+#: a worker's phases (:data:`hpcps.metrics.timeline.PHASES`) as the profile's phase row writes them
+PHASE_LETTERS = {"data": "d", "compute": "c", "emulated": "e", "push": "u", "grant": "g", "pull": "p",
+                 "scan": "s", "other": "o"}
+
+
+def phase_row(spans: np.ndarray, starts: np.ndarray, length: float, bin_s: float = 0.005,
+              resolution: float = 0.0005) -> list[str]:
+    """A worker's phase in each ``bin_s`` of its average step: the one it was in most often, over its steps
+    (``starts``, on the run's clock), at points ``resolution`` apart; ``spans``: its rows of ``/timeline``."""
+    from hpcps.metrics.timeline import PHASES
+
+    spans = np.sort(spans, order="t_begin")
+    n_bins = len(np.arange(0.0, length + bin_s / 2, bin_s)) - 1
+    points = np.arange(0.0, n_bins * bin_s, resolution)
+    times = (np.asarray(starts, float)[:, None] + points[None, :]).ravel()
+    at = np.searchsorted(spans["t_begin"], times, side="right") - 1
+    inside = (at >= 0) & (times < spans["t_end"][np.clip(at, 0, None)])
+    phases = np.where(inside, spans["phase"][np.clip(at, 0, None)], -1).reshape(len(starts), len(points))
+    which = np.minimum((points / bin_s).astype(int), n_bins - 1)
+    row = []
+    for k in range(n_bins):
+        seen = phases[:, which == k].ravel()
+        seen = seen[seen >= 0]
+        if not len(seen):
+            row.append("?")
+            continue
+        values, counts = np.unique(seen, return_counts=True)
+        row.append(PHASE_LETTERS.get(PHASES.get(int(values[np.argmax(counts)]), ""), "?"))
+    return row
+
+
 def profile_lines(trace: dict, run_path: str, bin_s: float = 0.005) -> list[str]:
     """For each emulated node with a worker of the run (its file at ``run_path``): its link's use each way
     through that worker's average step, a column per ``bin_s``, from the step's start (where the worker has
-    its grant and its pull begins) to its mean length."""
+    its grant and its pull begins) to its mean length; with ``--timeline``, the worker's phase in each column
+    above them."""
     import h5py
 
     from hpcps.analysis.report import mean_step
@@ -113,7 +145,11 @@ def profile_lines(trace: dict, run_path: str, bin_s: float = 0.005) -> list[str]
         clock_start = float(f.attrs["clock_start"])
         iterations = f["workers/iterations"][:]
         ranks = f["ranks"][:]
+        timeline = f["timeline"][:] if "timeline" in f else None
     lines = [f"link use through the average step, % of the line rate every {bin_s * 1e3:g} ms from its start"]
+    if timeline is not None:
+        lines.append("the worker's phase most of each column: " + ", ".join(
+            f"{letter} {name}" for name, letter in PHASE_LETTERS.items()))
     for row in ranks:
         host = row["host"].decode()
         node = host.rsplit("/n", 1)[-1]
@@ -126,9 +162,13 @@ def profile_lines(trace: dict, run_path: str, bin_s: float = 0.005) -> list[str]
         lines.append(f"node {k} (worker rank {row['rank']}, mean step {length * 1e3:.1f} ms, median grant wait "
                      f"{np.median(mine['wait_s']) * 1e3:.1f} ms at its end, pull waits "
                      f"{np.median(mine['pull_s']) * 1e3:.1f} ms in its forward pass):")
+        if timeline is not None:
+            spans = timeline[timeline["rank"] == row["rank"]]
+            lines.append("  phase " + " ".join(f"{c:>3}" for c in phase_row(spans, starts - clock_start, length,
+                                                                             bin_s)))
         for d in ("received", "sent"):
             shares = step_profile(trace["t"], trace[d][:, k], trace["rate_bps"][k], starts, length, bin_s)
-            lines.append(f"  {'in ' if d == 'received' else 'out'} " + " ".join(f"{v * 100:3.0f}" for v in shares))
+            lines.append(f"  {'in   ' if d == 'received' else 'out  '} " + " ".join(f"{v * 100:3.0f}" for v in shares))
     return lines
 
 
@@ -143,16 +183,20 @@ def sample(ports: Sequence[str], period: float = PERIOD) -> tuple[np.ndarray, np
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
     times, received, sent = [], [], []
-    with open("/proc/net/dev") as dev:
+    files = port_files(ports)
+    try:
         while not stop or not times:
-            dev.seek(0)
-            counts = parse_dev(dev.read(), ports)
+            counts = read_counts(files)
             times.append(time.time())
             received.append([tx for _, tx in counts])  # the port sends what its node receives
             sent.append([rx for rx, _ in counts])
             if len(times) == 1:
                 print(READY, flush=True)
             time.sleep(period)
+    finally:
+        for pair in files:
+            for f in pair:
+                f.close()
     return np.array(times), np.array(received, np.int64), np.array(sent, np.int64)
 
 

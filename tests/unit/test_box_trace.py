@@ -5,23 +5,24 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcps.box.trace import busy, describe, parse_dev, profile_lines, step_profile, traffic_span
-
-DEV = """Inter-|   Receive                                                |  Transmit
- face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier
-    lo: 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0
-    p0: 1234567 8901 0 0 0 0 0 0 7654321 5432 0 0 0 0 0 0
-    p1: 12 1 0 0 0 0 0 0 34 2 0 0 0 0 0 0
-   br0: 5 1 0 0 0 0 0 0 6 1 0 0 0 0 0 0
-"""
+from hpcps.box.trace import (busy, describe, phase_row, port_files, profile_lines, read_counts, step_profile,
+                             traffic_span)
 
 RATE = 1e9  # bit/s: 125 MB/s
 
 
-def test_the_ports_counters_are_read_in_the_order_asked():
-    assert parse_dev(DEV, ["p1", "p0"]) == [(12, 34), (1234567, 7654321)]
-    with pytest.raises(KeyError, match="p7"):
-        parse_dev(DEV, ["p0", "p7"])
+def test_the_ports_counters_are_read_in_the_order_asked_and_again_at_each_sample(tmp_path):
+    """sysfs's layout, ``PORT/statistics/{rx,tx}_bytes``: each read is the file as it is now, from its start."""
+    for port, rx, tx in (("p0", 1234567, 7654321), ("p1", 12, 34)):
+        (tmp_path / port / "statistics").mkdir(parents=True)
+        (tmp_path / port / "statistics" / "rx_bytes").write_text(f"{rx}\n")
+        (tmp_path / port / "statistics" / "tx_bytes").write_text(f"{tx}\n")
+    files = port_files(["p1", "p0"], root=str(tmp_path))
+    assert read_counts(files) == [(12, 34), (1234567, 7654321)]
+    (tmp_path / "p1" / "statistics" / "rx_bytes").write_text("99\n")
+    assert read_counts(files) == [(99, 34), (1234567, 7654321)]
+    with pytest.raises(FileNotFoundError):
+        port_files(["p7"], root=str(tmp_path))
 
 
 def _trace(t, received, sent, rate=RATE):
@@ -74,7 +75,8 @@ def test_a_step_profile_folds_the_link_onto_the_average_step():
 
 def test_the_profile_finds_each_node_s_worker_in_the_run_file(tmp_path):
     """A run file of one worker on node 1 (rank 1, host ``vm/n1``) and its shard on node 0: the profile has
-    node 1's lines alone, on the worker's steps, the run's clock moved to the trace's by ``clock_start``."""
+    node 1's lines alone, on the worker's steps, the run's clock moved to the trace's by ``clock_start``, its
+    phases (the run has a timeline) above its link's use."""
     clock_start = 1000.0
     run = tmp_path / "run.h5"
     iterations = np.zeros(10, dtype=[("rank", "i4"), ("step", "i4"), ("t_start", "f8"), ("t_end", "f8"),
@@ -84,16 +86,41 @@ def test_the_profile_finds_each_node_s_worker_in_the_run_file(tmp_path):
     iterations["t_end"] = iterations["t_start"] + 0.1
     ranks = np.array([(0, b"server", b"vm/n0"), (1, b"worker", b"vm/n1")],
                      dtype=[("rank", "i4"), ("role", "S8"), ("host", "S16")])
+    from hpcps.metrics.timeline import CODES
+
+    timeline = np.array([(1, CODES["pull"], k, 0.1 * k, 0.1 * k + 0.04) for k in range(10)]
+                        + [(1, CODES["grant"], k, 0.1 * k + 0.04, 0.1 * k + 0.1) for k in range(10)],
+                        dtype=[("rank", "i4"), ("phase", "i4"), ("step", "i4"), ("t_begin", "f8"), ("t_end", "f8")])
     with h5py.File(run, "w") as f:
         f.attrs["clock_start"] = clock_start
         f.create_dataset("workers/iterations", data=iterations)
         f.create_dataset("ranks", data=ranks)
+        f.create_dataset("timeline", data=timeline)
     t, into = _steps_full_for(0.04)  # full 40 ms a step
     t = t + clock_start
     quiet = np.zeros_like(into)
     trace = {"t": t, "received": np.stack([quiet, into], 1), "sent": np.stack([quiet, quiet], 1),
              "rate_bps": np.array([RATE, RATE])}
     lines = profile_lines(trace, str(run), 0.02)
-    assert len(lines) == 4 and lines[1].startswith("node 1 (worker rank 1, mean step 100.0 ms"), lines
-    assert lines[2].split()[1:] == ["100", "100", "0", "0", "0"], lines
-    assert lines[3].split()[1:] == ["0"] * 5, lines
+    assert len(lines) == 6 and lines[2].startswith("node 1 (worker rank 1, mean step 100.0 ms"), lines
+    assert lines[3].split() == ["phase", "p", "p", "g", "g", "g"], lines  # its pull is the link's 40 ms
+    assert lines[4].split() == ["in", "100", "100", "0", "0", "0"], lines
+    assert lines[5].split() == ["out"] + ["0"] * 5, lines
+
+
+def test_the_phase_row_names_the_phase_a_worker_spends_each_column_in_most():
+    """Steps of 100 ms: pulling for 25 ms, then 40 ms of emulated compute, then 35 ms waiting for the grant:
+    in 20 ms columns, pull, emulated (15 of its 20 ms), emulated, grant (15 of 20), grant, whatever the
+    steps' number; where no span is, "?"."""
+    from hpcps.metrics.timeline import CODES
+
+    rows = []
+    for k in range(5):
+        t0 = 0.1 * k
+        rows += [(1, CODES["pull"], k, t0, t0 + 0.025), (1, CODES["emulated"], k, t0 + 0.025, t0 + 0.065),
+                 (1, CODES["grant"], k, t0 + 0.065, t0 + 0.1)]
+    spans = np.array(rows, dtype=[("rank", "i4"), ("phase", "i4"), ("step", "i4"), ("t_begin", "f8"),
+                                  ("t_end", "f8")])
+    assert phase_row(spans, 0.1 * np.arange(5), 0.1, 0.02) == ["p", "e", "e", "g", "g"]
+    assert phase_row(spans, 0.1 * np.arange(2), 0.1, 0.02) == ["p", "e", "e", "g", "g"]
+    assert phase_row(spans, np.array([5.0]), 0.1, 0.02) == ["?"] * 5

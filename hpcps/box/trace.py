@@ -112,8 +112,10 @@ def phase_row(spans: np.ndarray, starts: np.ndarray, length: float, bin_s: float
     (``starts``, on the run's clock), at points ``resolution`` apart; ``spans``: its rows of ``/timeline``."""
     from hpcps.metrics.timeline import PHASES
 
-    spans = np.sort(spans, order="t_begin")
     n_bins = len(np.arange(0.0, length + bin_s / 2, bin_s)) - 1
+    if not len(spans) or not len(starts):
+        return ["?"] * n_bins
+    spans = np.sort(spans, order="t_begin")
     points = np.arange(0.0, n_bins * bin_s, resolution)
     times = (np.asarray(starts, float)[:, None] + points[None, :]).ravel()
     at = np.searchsorted(spans["t_begin"], times, side="right") - 1

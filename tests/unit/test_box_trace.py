@@ -124,3 +124,4 @@ def test_the_phase_row_names_the_phase_a_worker_spends_each_column_in_most():
     assert phase_row(spans, 0.1 * np.arange(5), 0.1, 0.02) == ["p", "e", "e", "g", "g"]
     assert phase_row(spans, 0.1 * np.arange(2), 0.1, 0.02) == ["p", "e", "e", "g", "g"]
     assert phase_row(spans, np.array([5.0]), 0.1, 0.02) == ["?"] * 5
+    assert phase_row(spans[:0], 0.1 * np.arange(5), 0.1, 0.02) == ["?"] * 5  # a worker with no span at all

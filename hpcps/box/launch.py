@@ -15,8 +15,6 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
-
 from hpcps.box import chaos as chaos_plan
 from hpcps.box import counters
 from hpcps.box import net
@@ -164,8 +162,7 @@ def _tracing(cluster: Cluster, path: str | None, log):
             sampler.kill()
             sampler.wait()
     try:
-        with np.load(path) as saved:
-            trace = dict(saved)
+        trace = link_trace.load(path)
     except OSError as exc:
         log(f"hpcps emulate: no link trace written ({exc})")
         return

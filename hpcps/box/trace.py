@@ -12,7 +12,7 @@ what node ``k`` sends, so one process in the switch's namespace reads every node
 counters (sysfs). That process (``python -m hpcps.box.trace``) samples until it is told to stop (SIGTERM
 or SIGINT) and then writes an ``.npz``: ``t`` (wall-clock seconds, ``time.time()``, the run file's
 ``clock_start`` is on the same clock), ``received`` and ``sent`` (bytes so far, one column per node, in
-node order) and ``rate_bps`` (each node's link). :func:`busy` is the pure summary :mod:`hpcps.box.launch`
+node order) and ``rate_bps`` (each node's link). :func:`describe` is the summary :mod:`hpcps.box.launch`
 prints at the job's end. The sampling costs a few percent of one core.
 """
 
@@ -46,6 +46,12 @@ def read_counts(files: Sequence[tuple]) -> list[tuple[int, int]]:
     return [(int(os.pread(rx.fileno(), 32, 0)), int(os.pread(tx.fileno(), 32, 0))) for rx, tx in files]
 
 
+def shares(t: np.ndarray, count: np.ndarray, at: np.ndarray, rate_bps: float) -> np.ndarray:
+    """A link's rate between consecutive times ``at``, as a share of its line rate, from its byte count at the
+    sampled times ``t`` (interpolated between samples)."""
+    return np.diff(np.interp(at, t, count)) * 8 / np.diff(at) / rate_bps
+
+
 def busy(t: np.ndarray, count: np.ndarray, rate_bps: float, bin_s: float = 0.01) -> tuple[float, float]:
     """For one direction of one link, from its byte count at times ``t``: the mean rate as a share of the
     line rate, and the share of ``bin_s`` bins in which it carried under :data:`IDLE_SHARE` of it."""
@@ -53,8 +59,7 @@ def busy(t: np.ndarray, count: np.ndarray, rate_bps: float, bin_s: float = 0.01)
     if len(t) < 2 or t[-1] - t[0] < bin_s:
         return 0.0, 0.0
     mean = (count[-1] - count[0]) * 8 / (t[-1] - t[0]) / rate_bps
-    edges = np.arange(t[0], t[-1], bin_s)
-    per_bin = np.diff(np.interp(edges, t, count)) * 8 / bin_s / rate_bps
+    per_bin = shares(t, count, np.arange(t[0], t[-1], bin_s), rate_bps)
     return float(mean), float(np.mean(per_bin < IDLE_SHARE)) if len(per_bin) else 0.0
 
 
@@ -67,19 +72,16 @@ def traffic_span(trace: dict, bin_s: float = 0.01) -> tuple[float, float]:
     active = np.zeros(max(len(edges) - 1, 0), bool)
     for d in ("received", "sent"):
         for k, rate in enumerate(trace["rate_bps"]):
-            per_bin = np.diff(np.interp(edges, t, np.asarray(trace[d][:, k], float))) * 8 / bin_s / rate
-            active |= per_bin >= IDLE_SHARE
+            active |= shares(t, np.asarray(trace[d][:, k], float), edges, rate) >= IDLE_SHARE
     hit = np.flatnonzero(active)
     return (float(edges[hit[0]]), float(edges[hit[-1] + 1])) if len(hit) else (float(t[0]), float(t[-1]))
 
 
-def describe(trace: dict, begin: float | None = None, end: float | None = None) -> list[str]:
-    """A line per node for the job's end: how full its link was each way, and how often idle, between the
-    wall-clock times ``begin`` and ``end`` (default: :func:`traffic_span`)."""
+def describe(trace: dict) -> list[str]:
+    """A line per node for the job's end: how full its link was each way, and how often idle, over the job's
+    traffic (:func:`traffic_span`)."""
     t = trace["t"]
-    if begin is None or end is None:
-        first, last = traffic_span(trace)
-        begin, end = first if begin is None else begin, last if end is None else end
+    begin, end = traffic_span(trace)
     keep = (t >= begin) & (t <= end)
     lines = [f"hpcps emulate: the links from their first traffic to their last ({end - begin:.1f} s):"]
     for k, rate in enumerate(trace["rate_bps"]):
@@ -96,7 +98,7 @@ def step_profile(t: np.ndarray, count: np.ndarray, rate_bps: float, starts: np.n
     the trace covers whole."""
     t, count = np.asarray(t, float), np.asarray(count, float)
     offsets = np.arange(0.0, length + bin_s / 2, bin_s)
-    rows = [np.diff(np.interp(start + offsets, t, count)) * 8 / bin_s / rate_bps
+    rows = [shares(t, count, start + offsets, rate_bps)
             for start in starts if start >= t[0] and start + length <= t[-1]]
     return np.mean(rows, axis=0) if rows else np.zeros(len(offsets) - 1)
 
@@ -160,18 +162,23 @@ def profile_lines(trace: dict, run_path: str, bin_s: float = 0.005) -> list[str]
         k, mine = int(node), iterations[iterations["rank"] == row["rank"]]
         if not len(mine):
             continue
-        length, starts = mean_step(mine), np.sort(mine["t_start"]) + clock_start
+        length, starts = mean_step(mine), np.sort(mine["t_start"])  # on the run's clock
         lines.append(f"node {k} (worker rank {row['rank']}, mean step {length * 1e3:.1f} ms, median grant wait "
                      f"{np.median(mine['wait_s']) * 1e3:.1f} ms at its end, pull waits "
                      f"{np.median(mine['pull_s']) * 1e3:.1f} ms in its forward pass):")
         if timeline is not None:
             spans = timeline[timeline["rank"] == row["rank"]]
-            lines.append("  phase " + " ".join(f"{c:>3}" for c in phase_row(spans, starts - clock_start, length,
-                                                                             bin_s)))
+            lines.append("  phase " + " ".join(f"{c:>3}" for c in phase_row(spans, starts, length, bin_s)))
         for d in ("received", "sent"):
-            shares = step_profile(trace["t"], trace[d][:, k], trace["rate_bps"][k], starts, length, bin_s)
-            lines.append(f"  {'in   ' if d == 'received' else 'out  '} " + " ".join(f"{v * 100:3.0f}" for v in shares))
+            use = step_profile(trace["t"], trace[d][:, k], trace["rate_bps"][k], starts + clock_start, length, bin_s)
+            lines.append(f"  {'in   ' if d == 'received' else 'out  '} " + " ".join(f"{v * 100:3.0f}" for v in use))
     return lines
+
+
+def load(path: str) -> dict:
+    """A trace as :func:`main`'s ``sample`` wrote it: ``t``, ``received``, ``sent``, ``rate_bps``."""
+    with np.load(path) as saved:
+        return dict(saved)
 
 
 #: what the sampler prints once it has read the counters a first time (the job may start then)
@@ -219,9 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t, received, sent = sample([f"p{k}" for k in range(len(a.rates))], a.period)
         np.savez(a.out, t=t, received=received, sent=sent, rate_bps=np.array(a.rates))
         return 0
-    with np.load(a.trace) as saved:
-        trace = dict(saved)
-    print("\n".join(profile_lines(trace, a.run, a.bin_ms / 1e3)))
+    print("\n".join(profile_lines(load(a.trace), a.run, a.bin_ms / 1e3)))
     return 0
 
 

@@ -94,23 +94,27 @@ def shard_groups(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> 
         tuple[dict[str, Any], list[tuple[int, int]], list[tuple[str, int, int]]]]:
     """The groups' pieces in a shard's slice, which holds the flat vector's ranges ``pieces`` one after
     the other (one range ``[(lo, hi)]``, or a striped shard's several: :mod:`hpcps.cluster.slices`): per
-    group with any, its options, its segments in slice coordinates (``0`` is the first piece's start),
-    and the ``(name, lo, hi)`` parts of its parameters the shard holds (in the parameter's own
+    group with any, its options, its segments in slice coordinates (``0`` is the first piece's start;
+    a segment's values are adjacent in the flat vector as well as in the slice), and the ``(name, lo, hi)`` parts of its parameters the shard holds (in the parameter's own
     flattened coordinates)."""
     out = []
     for group in groups:
         segments, parts = [], []
-        at = 0
+        at, flat_end = 0, None  # flat_end: where the last segment ends in the flat vector
         for lo, hi in pieces:
             for name, a, b in group.ranges:
                 s, e = max(a, lo), min(b, hi)
                 if s >= e:
                     continue
                 x, y = at + s - lo, at + e - lo
-                if segments and segments[-1][1] == x:  # adjacent parameters: one segment
+                # values adjacent in the flat vector too: one segment. Two ranges that only meet in the slice
+                # (a striped shard's pieces) stay two: their chunks start where one shard holding it all
+                # starts them, on the grid of hpcps.cluster.slices.ALIGN, and so round alike.
+                if segments and segments[-1][1] == x and flat_end == s:
                     segments[-1] = (segments[-1][0], y)
                 else:
                     segments.append((x, y))
+                flat_end = e
                 if parts and parts[-1][0] == name and parts[-1][2] == s - a:  # a parameter on adjacent pieces
                     parts[-1] = (name, parts[-1][1], e - a)
                 else:

@@ -145,6 +145,21 @@ def test_bsp_updates_are_the_same_to_the_last_bit_on_every_slicing_with_the_fuse
     assert torch.equal(sliced, whole), int((sliced != whole).sum())
 
 
+def test_a_group_s_parameters_that_meet_only_in_a_striped_shard_s_slice_are_stepped_apart():
+    """Found by the test above: p1 and p3 (900 and 897 values, the group without decay) meet in shard 1's
+    slice (p1's end on its first piece, p3's part on its second); stepped as one segment, p3's chunks started
+    4 values off the grid of ALIGN from its start, and the fused kernel's vector tail moved: one value ended
+    an ulp from one shard's. A segment is values adjacent in the flat vector too."""
+    groups = [Group({"weight_decay": 0.1}, (("p0", 0, 726), ("p2", 1626, 2371))),
+              Group({"weight_decay": 0.0}, (("p1", 726, 1626), ("p3", 2371, 3268)))]
+    pieces = Slices.plan(3268, 3268, 2, 1000, breaks=group_breaks(groups)).pieces[1]
+    assert pieces == ((822, 1626), (2451, 3268))
+    [(options, segments, parts)] = shard_groups(groups, pieces)  # shard 1 holds the second group's values only
+    assert options == {"weight_decay": 0.0} and segments == [(0, 804), (804, 1621)] and parts == [("p1", 96, 900), ("p3", 80, 897)]
+    sliced, whole = _stepped_pair([726, 900, 745, 897], True, "sgd", 2, 1000, 64)
+    assert torch.equal(sliced, whole), int((sliced != whole).sum())
+
+
 def test_a_model_too_small_for_the_grid_is_cut_where_its_values_fall():
     """Found by the test above when it drew models of a few values: 8 values on 2 shards are 4 a shard, too
     few for the grid (a cut moved to a multiple of 16 would empty a shard), and are cut where they fall;

@@ -75,13 +75,19 @@ def piece_ranges(plan: RunPlan, state: RunState) -> list[tuple[int, int]] | None
     (:mod:`hpcps.runtime.release`; the optimizer's chunks are cut at them), or None: each round at once.
     Where its rounds are sent (not under run-through), by a paradigm of bsp's rounds with no group servers,
     the slice in host memory, pushes as they are, in pieces."""
-    cls, shard = plan.paradigm, state.topo.rank
-    ranges = [(at, at + hi - lo) for at, lo, hi in plan.slices.local_ranges(shard)]
-    if (getattr(cls, "releases_pieces", False) and sends_pulls(plan, state) and plan.layout.n_groups == 0
-            and not cls.serial_transfers and isinstance(state.home, residence.HostSlice)
-            and plan.codec.identity_push and len(ranges) > 1):
+    ranges = [(at, at + hi - lo) for at, lo, hi in plan.slices.local_ranges(state.topo.rank)]
+    if releases_pieces(plan, state) and isinstance(state.home, residence.HostSlice) and len(ranges) > 1:
         return ranges
     return None
+
+
+def releases_pieces(plan: RunPlan, state: RunState) -> bool:
+    """Whether the run's shards release their rounds a piece at a time (:func:`piece_ranges`: each shard
+    whose slice is in pieces, as a striped one's are): what the run file's ``release`` says."""
+    cls = plan.paradigm
+    return bool(getattr(cls, "releases_pieces", False) and sends_pulls(plan, state) and plan.layout.n_groups == 0
+                and not cls.serial_transfers and plan.cfg.server_device == "host" and plan.codec.identity_push
+                and plan.slices.striped)
 
 
 @dataclass(frozen=True)

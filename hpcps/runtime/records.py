@@ -109,6 +109,7 @@ def open_runfile(plan: RunPlan, state: RunState, path: str) -> RunFile:
             "dataset_kind": plan.facts["kind"],
             "compress": json.dumps(assembly.wire_record(plan)),
             "pull": "send" if assembly.sends_pulls(plan, state) else "get",
+            "release": "pieces" if assembly.releases_pieces(plan, state) else "whole",
             "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         })
     except OSError as exc:

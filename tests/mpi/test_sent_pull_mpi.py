@@ -44,7 +44,8 @@ def test_a_round_the_shards_send_ends_bit_for_bit_as_one_the_workers_read(world,
     workers read the window (whole pulls; striped partitions pushed during backward and pulled in the pass's
     order; diloco's outer rounds of 3 local steps; a GPU worker's path, the values landing in a staging
     buffer and going up partition by partition, on the CPU), every gradient applied, and each worker took
-    one sent round per push; each run file records which way its rounds came."""
+    one sent round per push; each run file records which way its rounds came, and whether they left the
+    shards a piece at a time."""
     extra = dict(extra)
     if "transfer" in extra:
         force_transfer(monkeypatch, extra.pop("transfer"))
@@ -62,13 +63,16 @@ def test_a_round_the_shards_send_ends_bit_for_bit_as_one_the_workers_read(world,
                  "moved": float(np.abs(read.params - sent.params).max()),
                  "counts": counts, "pushed": int(s["gradients_pushed"]), "applied": int(s["gradients_applied"]),
                  "versions": sorted(set(up["version"][up["shard"] == 0].tolist())),
-                 "recorded": (str(r["attrs"]["pull"]), str(t["attrs"]["pull"]))}
+                 "recorded": (str(r["attrs"]["pull"]), str(t["attrs"]["pull"])),
+                 "release": (str(r["attrs"]["release"]), str(t["attrs"]["release"]))}
     facts = share(world, facts)
     assert facts["same"], facts["moved"]
     assert facts["counts"] == [0, 0, rounds, rounds, rounds]  # ranks 0-1 the shards, 2-4 the workers
     assert facts["pushed"] == facts["applied"] == 3 * rounds
     assert facts["versions"] == list(range(rounds))  # one update per round
     assert facts["recorded"] == ("get", "send")  # the run file says how the rounds came
+    # and how they left the shards: a piece at a time where bsp's shards send striped slices, else whole
+    assert facts["release"] == ("whole", "pieces" if "partition_mb" in extra else "whole")
 
 
 @pytest.mark.timeout(120)

@@ -253,7 +253,8 @@ def _add_train_options(t: argparse.ArgumentParser) -> None:
                    help="pull in partitions of MB megabytes, in the order the forward pass uses the layers, and "
                         "start each layer as soon as its own have arrived, and push each as backward produces it "
                         "(CPU workers; not eager, which pulls behind its computation); 0: whole transfers; auto "
-                        "(default {default}): a sixteenth of the model, within 0.25-4 MB, where the job spans "
+                        "(default {default}): a fortieth of the model, within 0.1-4 MB, where the shards send the "
+                        "rounds (a sixteenth, within 0.25-4 MB, where the workers read them), where the job spans "
                         "nodes, the workers use the CPU and the model is 4 MB or more, else whole transfers")
     g.add_argument("--shards-at-once", type=int, dest="shards_at_once", metavar="K",
                    help="a worker's (and a group server's) push goes to, and its pull reads from, at most K "

@@ -99,13 +99,12 @@ class FlatParameters:
             view = self.model_t[start:start + n]
             view.copy_(t.reshape(-1))
             self._model_views.append(view)
+            offset += n
+        self._point_model()  # before the gradients: a parameter's gradient must be on its device
+        for p, _, _, offset, n in self._spans:
             if p is not None:
-                p.data = view.view_as(p)
                 p.grad = self.grads_t[offset:offset + n].view_as(p)
                 self._grad_views.append((p, p.grad))
-            else:
-                module._buffers[name] = view.view_as(t)
-            offset += n
         self._packed_views = [self.params_t[o:o + n] for *_, o, n in self._spans] if padded else None
         self._offsets = [o for *_, o, _ in self._spans]  # each tensor's place in params_t
         self._starts = starts  # and in model_t
@@ -208,12 +207,17 @@ class FlatParameters:
             # the model lives in params_t itself on the CPU (model_t is it): every view of it follows
             self.params_t = self.model_t = t = torch.from_numpy(new)
             self._model_views = [t[offset:offset + n] for *_, offset, n in self._spans]
-            for (p, module, name, _, _), view in zip(self._spans, self._model_views):
-                if p is not None:
-                    p.data = view.view_as(p)
-                else:
-                    module._buffers[name] = view.view_as(module._buffers[name])
+            self._point_model()
         return old
+
+    def _point_model(self) -> None:
+        """Every parameter's data and every buffer of the model onto its view in :attr:`model_t` (the same
+        tensor objects: an optimizer's or a hook's references stay good)."""
+        for (p, module, name, _, _), view in zip(self._spans, self._model_views):
+            if p is not None:
+                p.data = view.view_as(p)
+            else:
+                module._buffers[name] = view.view_as(module._buffers[name])
 
     def upload(self) -> None:
         """The host :attr:`params` changed (a pull): bring the model's parameters up to date."""

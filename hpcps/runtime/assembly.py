@@ -76,14 +76,15 @@ def piece_ranges(plan: RunPlan, state: RunState) -> list[tuple[int, int]] | None
     Where its rounds are sent (not under run-through), by a paradigm of bsp's rounds with no group servers,
     the slice in host memory, pushes as they are, in pieces."""
     ranges = [(at, at + hi - lo) for at, lo, hi in plan.slices.local_ranges(state.topo.rank)]
-    if releases_pieces(plan, state) and isinstance(state.home, residence.HostSlice) and len(ranges) > 1:
+    if releases_pieces(plan, state) and len(ranges) > 1:
         return ranges
     return None
 
 
 def releases_pieces(plan: RunPlan, state: RunState) -> bool:
     """Whether the run's shards release their rounds a piece at a time (:func:`piece_ranges`: each shard
-    whose slice is in pieces, as a striped one's are): what the run file's ``release`` says."""
+    whose slice is in pieces, as a striped one's are; the slices in host memory, ``--server-device host``,
+    where :mod:`hpcps.runtime.residence` steps them in place): what the run file's ``release`` says."""
     cls = plan.paradigm
     return bool(getattr(cls, "releases_pieces", False) and sends_pulls(plan, state) and plan.layout.n_groups == 0
                 and not cls.serial_transfers and plan.cfg.server_device == "host" and plan.codec.identity_push

@@ -95,8 +95,8 @@ def shard_groups(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> 
     """The groups' pieces in a shard's slice, which holds the flat vector's ranges ``pieces`` one after
     the other (one range ``[(lo, hi)]``, or a striped shard's several: :mod:`hpcps.cluster.slices`): per
     group with any, its options, its segments in slice coordinates (``0`` is the first piece's start;
-    a segment's values are adjacent in the flat vector as well as in the slice), and the ``(name, lo, hi)`` parts of its parameters the shard holds (in the parameter's own
-    flattened coordinates)."""
+    a segment's values are adjacent in the flat vector as well as in the slice), and the ``(name, lo, hi)``
+    parts of its parameters the shard holds (in the parameter's own flattened coordinates)."""
     out = []
     for group in groups:
         segments, parts = [], []
@@ -107,10 +107,11 @@ def shard_groups(groups: Sequence[Group], pieces: Sequence[tuple[int, int]]) -> 
                 if s >= e:
                     continue
                 x, y = at + s - lo, at + e - lo
-                # values adjacent in the flat vector too: one segment. Two ranges that only meet in the slice
-                # (a striped shard's pieces) stay two: their chunks start where one shard holding it all
-                # starts them, on the grid of hpcps.cluster.slices.ALIGN, and so round alike.
-                if segments and segments[-1][1] == x and flat_end == s:
+                # values adjacent in the flat vector (so in the slice too, whose pieces are in flat order): one
+                # segment. Two ranges that only meet in the slice (a striped shard's pieces) stay two: their
+                # chunks start where one shard holding it all starts them, on the grid of
+                # hpcps.cluster.slices.ALIGN, and so round alike.
+                if segments and flat_end == s:
                     segments[-1] = (segments[-1][0], y)
                 else:
                     segments.append((x, y))

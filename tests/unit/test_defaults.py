@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpcps.cluster.placement import placement_order
 from hpcps.options.config import make_config
-from hpcps.options.defaults import (describe, partition_mb_for, pull_for, servers_for, settle_layout,
+from hpcps.options.defaults import (SEND_MAX_S, describe, partition_mb_for, pull_for, servers_for, settle_layout,
                                     settle_transfers)
 from hpcps.options.planning import plan
 from hpcps.policies import policy_class
@@ -95,11 +95,11 @@ def test_where_the_shards_send_the_rounds_the_partition_is_a_fortieth_of_the_mod
     measured fastest on the 4.8 MB deep_mlp, against 0.286 MB); reads keep a sixteenth (above)."""
     cfg = make_config({"paradigm": "bsp"})
     assert partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), True, True, pull="send") == expected
+    # settled at 1 Gbit/s: the pull first (send below SEND_MAX_S), then the partitions for that pull
     settled = settle_transfers(cfg, policy_class("bsp"), int(mb * MB), True, True, link_bps=1e9)
-    assert (settled.pull, settled.partition_mb) == ("send" if mb < 12.5 else "get",
-                                                    expected if mb < 12.5 else
-                                                    partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), True,
-                                                                     True))
+    assert settled.pull == ("send" if mb * MB * 8 / 1e9 < SEND_MAX_S else "get")
+    assert settled.partition_mb == partition_mb_for(cfg, policy_class("bsp"), int(mb * MB), True, True,
+                                                    link_bps=1e9, pull=settled.pull)
 
 
 @pytest.mark.parametrize("paradigm,flags,spans,cpu", [

@@ -155,7 +155,8 @@ def test_a_group_s_parameters_that_meet_only_in_a_striped_shard_s_slice_are_step
     pieces = Slices.plan(3268, 3268, 2, 1000, breaks=group_breaks(groups)).pieces[1]
     assert pieces == ((822, 1626), (2451, 3268))
     [(options, segments, parts)] = shard_groups(groups, pieces)  # shard 1 holds the second group's values only
-    assert options == {"weight_decay": 0.0} and segments == [(0, 804), (804, 1621)] and parts == [("p1", 96, 900), ("p3", 80, 897)]
+    assert options == {"weight_decay": 0.0} and segments == [(0, 804), (804, 1621)]
+    assert parts == [("p1", 96, 900), ("p3", 80, 897)]
     sliced, whole = _stepped_pair([726, 900, 745, 897], True, "sgd", 2, 1000, 64)
     assert torch.equal(sliced, whole), int((sliced != whole).sum())
 
